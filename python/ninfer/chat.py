@@ -1,0 +1,133 @@
+"""Chat templates: the model's Jinja template (GGUF "tokenizer.chat_template") rendered the way HF transformers does.
+
+The template comes from a downloaded file, so it is untrusted code: it runs in jinja2's ImmutableSandboxedEnvironment
+and any attempt to reach Python internals (``''.__class__`` and friends) fails with ChatTemplateError instead of
+rendering as an empty string, which is what the stock sandbox does until the value is used further.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from ninfer.errors import ChatTemplateError
+
+__all__ = ["ChatTemplate", "ChatTemplateError"]
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call raise_exception('Conversation roles must alternate ...') to reject a conversation.
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # HF replaces Jinja's tojson, which HTML-escapes '<', '>', '&' and "'" -- wrong inside a prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker): renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """The stock sandbox returns an Undefined for an unsafe attribute, which prints as ''. Fail right away."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _environment() -> jinja2.Environment:
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise ChatTemplateError(f"messages must be a list of dicts, not {type(messages).__name__}")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', not {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"message {i}: 'role' must be a non-empty string, got {role!r}")
+        content = msg.get("content")
+        if isinstance(content, str):
+            continue
+        # Multimodal content is a list of parts ({"type": "text", "text": ...}); an assistant message that only
+        # calls tools may have no content.
+        if isinstance(content, list) and all(isinstance(p, Mapping) for p in content):
+            continue
+        if content is None and msg.get("tool_calls"):
+            continue
+        raise ChatTemplateError(f"message {i} ({role}): 'content' must be a string, got {type(content).__name__}")
+
+
+class ChatTemplate:
+    """A compiled chat template. ``render(messages)`` gives the prompt text (special tokens as text)."""
+
+    def __init__(self, template: str, bos_token: str = "", eos_token: str = "") -> None:
+        if not isinstance(template, str) or not template.strip():
+            raise ChatTemplateError("the chat template is empty")
+        self.source = template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._template = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], name: str | None = None) -> ChatTemplate:
+        """The template of a GGUF model: "tokenizer.chat_template" (or "tokenizer.chat_template.<name>"), with the
+        BOS/EOS token texts taken from the vocab."""
+        key = "tokenizer.chat_template" + (f".{name}" if name else "")
+        template = metadata.get(key)
+        if not isinstance(template, str) or not template.strip():
+            raise ChatTemplateError(f"the model has no chat template ({key} is missing from its metadata)")
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+
+        def text(key: str) -> str:
+            tid = metadata.get(f"tokenizer.ggml.{key}")
+            return tokens[tid] if isinstance(tid, int) and 0 <= tid < len(tokens) else ""
+
+        return cls(template, bos_token=text("bos_token_id"), eos_token=text("eos_token_id"))
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render the conversation. Extra keyword arguments (tools=..., documents=..., enable_thinking=...) are
+        passed to the template as variables, as HF's apply_chat_template does."""
+        _check_messages(messages)
+        context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs,
+                                   "messages": messages, "add_generation_prompt": add_generation_prompt}
+        try:
+            return self._template.render(**context)
+        except SecurityError as e:
+            raise ChatTemplateError(f"chat template blocked by the sandbox: {e}") from e
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, RecursionError) as e:
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e

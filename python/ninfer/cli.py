@@ -1,0 +1,182 @@
+"""The `ninfer` command line: run, inspect, perplexity.
+
+stdout carries only what was asked for (the generated text, the inspect table, the perplexity); banners, logs and
+timings go to stderr. A bad model file, flag or argument ends with one line naming it and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+from ninfer.config import CACHE_TYPES
+from ninfer.errors import NinferError
+
+EXIT_USAGE = 2
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _add_engine_args(p: argparse.ArgumentParser, ctx_default: int) -> None:
+    p.add_argument("-t", "--threads", type=int, default=0, help="worker threads (default: all cores)")
+    p.add_argument("-c", "--ctx-size", type=int, default=ctx_default, help=f"context size (default {ctx_default})")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
+    p.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type (default f16)")
+    p.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type (default f16)")
+
+
+def _load(args: argparse.Namespace):
+    from ninfer.llm import LLM
+
+    return LLM(
+        args.model,
+        n_ctx=args.ctx_size,
+        threads=args.threads,
+        n_batch=args.batch_size,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise NinferError("no prompt: pass -p PROMPT or pipe text on stdin")
+        prompt = sys.stdin.read()
+    llm = _load(args)
+    _log(f"ninfer: {llm.model_file.path.name} ({llm.architecture}), n_ctx={llm.n_ctx}, "
+         f"threads={llm.config.resolved_threads}")
+    messages = [{"role": "user", "content": prompt}] if args.chat else None
+    kwargs = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                  min_p=args.min_p, seed=args.seed)
+    stream = llm.chat_stream(messages, **kwargs) if messages else llm.stream(prompt, **kwargs)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = stream.result
+    if r is not None:
+        t = r.timings
+        _log(f"\nprompt eval: {t.prompt_n} tokens in {t.prompt_ms:.1f} ms ({t.prompt_per_second:.1f} tokens/s)")
+        _log(f"generation:  {t.predicted_n} tokens in {t.predicted_ms:.1f} ms ({t.predicted_per_second:.1f} tokens/s), "
+             f"finish: {r.finish_reason}")
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ninfer.model_file import ModelFile
+
+    mf = ModelFile(args.model)
+    md = mf.metadata
+    n_params = sum(t.n_elements for t in mf.tensors)
+    out = [f"file          {mf.path} ({_gib(mf.gguf.file_size)}, GGUF v{mf.gguf.version})",
+           f"name          {md.get('general.name', '?')}",
+           f"architecture  {mf.architecture}",
+           f"parameters    {n_params / 1e6:.1f} M",
+           f"tensors       {len(mf.tensors)}"]
+    by_type: Counter[str] = Counter()
+    bytes_by_type: Counter[str] = Counter()
+    for t in mf.tensors:
+        by_type[t.type_name] += 1
+        bytes_by_type[t.type_name] += t.n_bytes
+    for name, n in by_type.most_common():
+        out.append(f"  {name:<10} {n:>5} tensors  {_gib(bytes_by_type[name]):>10}")
+    weights = mf.weight_bytes()
+    out.append(f"bits/weight   {8 * weights / max(n_params, 1):.2f}")
+    try:
+        s = mf.spec
+    except NinferError as e:
+        out.append(f"runnable      no: {e}")
+    else:
+        ctx = args.ctx_size or min(s["n_ctx_train"], 4096)
+        kv = mf.kv_bytes_per_token() * ctx
+        # Work buffers: activations of one n_batch prompt batch plus the logits of one row, in f32.
+        n_ff = next((t.dims[1] for t in mf.tensors if t.name == s["layers"][0]["w_gate"]), s["n_embd"])
+        buffers = 4 * 512 * (4 * s["n_embd"] + 2 * n_ff + s["n_head"] * s["head_dim"] * 2) + 4 * s["n_vocab"]
+        out += [
+            f"layers        {len(s['layers'])}, n_embd {s['n_embd']}, heads {s['n_head']} (kv {s['n_head_kv']}), "
+            f"head dim {s['head_dim']}",
+            f"vocabulary    {s['n_vocab']}, trained context {s['n_ctx_train']}",
+            f"memory        weights {_gib(weights)} (memory-mapped) + KV cache {_gib(kv)} at n_ctx={ctx} (f16) "
+            f"+ buffers {_gib(buffers)} = {_gib(weights + kv + buffers)}",
+        ]
+    print("\n".join(out))
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from ninfer.perplexity import perplexity
+
+    path = Path(args.file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise NinferError(f"{path}: cannot read the text file: {e.strerror}") from None
+    # llama.cpp drops one trailing newline of a prompt file.
+    text = text[:-1] if text.endswith("\n") else text
+    args.ctx_size = args.ctx_size or 512
+    llm = _load(args)
+
+    def progress(i: int, n: int, ppl: float) -> None:
+        _log(f"[{i}/{n}] {ppl:.4f}")
+
+    r = perplexity(llm, text, n_ctx=args.ctx_size, n_chunks=args.chunks, progress=progress)
+    print(f"Final estimate: PPL = {r.ppl:.4f} +/- {r.uncertainty:.5f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ninfer", description="Run GGUF language models on the CPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text (stdout: the generated text only)")
+    run.add_argument("-m", "--model", help="GGUF file (default: the embedded Gemma-3-270M, `ninfer[demo]`)")
+    run.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
+    run.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    run.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
+    run.add_argument("--top-k", type=int, default=40)
+    run.add_argument("--top-p", type=float, default=0.95)
+    run.add_argument("--min-p", type=float, default=0.05)
+    run.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    _add_engine_args(run, 4096)
+    run.set_defaults(func=cmd_run)
+
+    insp = sub.add_parser("inspect", help="architecture, tensor types, sizes and a memory estimate")
+    insp.add_argument("model", help="GGUF file")
+    insp.add_argument("-c", "--ctx-size", type=int, default=0, help="context for the KV estimate")
+    insp.set_defaults(func=cmd_inspect)
+
+    ppl = sub.add_parser("perplexity", help="perplexity of a text file, computed as llama-perplexity does")
+    ppl.add_argument("-m", "--model", required=True, help="GGUF file")
+    ppl.add_argument("-f", "--file", required=True, help="text file")
+    ppl.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
+    _add_engine_args(ppl, 512)
+    ppl.set_defaults(func=cmd_perplexity)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except NinferError as e:
+        print(f"ninfer: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Validated settings objects: built once, checked when built (ValueError subclasses, never assert)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ninfer.errors import InvalidArgumentError
+
+# Cache storage types by their llama.cpp spelling, with GGML type ids and bytes per element.
+CACHE_TYPES: dict[str, tuple[int, float]] = {
+    "f32": (0, 4.0),
+    "f16": (1, 2.0),
+    "q8_0": (8, 34 / 32),
+    "q4_0": (2, 18 / 32),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05. temperature 0 is greedy."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and self.temperature != float("inf")):
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidArgumentError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_ctx: int = 4096
+    threads: int = 0  # 0: every core the process may use
+    n_batch: int = 512
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    kv_block_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_batch", "kv_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise InvalidArgumentError(f"threads must be a non-negative integer, got {self.threads!r}")
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in CACHE_TYPES:
+                raise InvalidArgumentError(
+                    f"{name} '{getattr(self, name)}' is not supported (one of {', '.join(CACHE_TYPES)})"
+                )
+
+    @property
+    def resolved_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)

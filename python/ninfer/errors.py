@@ -1,0 +1,36 @@
+"""ninfer's exception classes.
+
+The Rust core has one error enum; the binding maps each variant to one class here (rust/py/src/errors.rs), so a
+caller can tell a broken file from an unsupported tensor type from a context overflow. Every class is also a
+ValueError (or OSError) where that is what the mistake is, so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class NinferError(Exception):
+    """Base class of every error ninfer raises on purpose."""
+
+
+class ModelFileError(NinferError, ValueError):
+    """The model file is missing, truncated or malformed (bad magic, offsets past the end, absurd counts)."""
+
+
+class UnsupportedModelError(NinferError, ValueError):
+    """A well-formed file that this engine cannot run: unknown architecture or tensor type."""
+
+
+class ContextOverflowError(NinferError, ValueError):
+    """A prompt or a generation that does not fit the context (n_ctx) or the KV cache."""
+
+
+class InvalidArgumentError(NinferError, ValueError):
+    """An argument outside its valid range (max_tokens <= 0, unknown sequence, bad sampling parameter)."""
+
+
+class TokenizerError(NinferError, ValueError):
+    """The tokenizer cannot be built from the model's metadata, or a token id is out of range."""
+
+
+class ChatTemplateError(NinferError, ValueError):
+    """The model has no chat template, a message is malformed, or the template failed in the sandbox."""

@@ -1,0 +1,307 @@
+"""The public Python API: `LLM` loads a GGUF model and generates text.
+
+    llm = ninfer.LLM("model.gguf", n_ctx=4096, threads=4)
+    out = llm.generate("The capital of France is", max_tokens=32, temperature=0)
+    for piece in llm.stream("Once upon a time", max_tokens=64): print(piece, end="")
+    llm.chat([{"role": "user", "content": "Hi"}])
+
+Per generated token Python makes one call into Rust (`Engine.step`: the layer loop, then sampling); prompts are
+evaluated in batches of `n_batch` tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer import _core
+from ninfer.chat import ChatTemplate
+from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams
+from ninfer.errors import ContextOverflowError, InvalidArgumentError
+from ninfer.model_file import ModelFile
+from ninfer.tokenizer import IncrementalDecoder, Tokenizer
+
+# The LLM object serves one sequence; several sequences at once are the server's scheduler's business.
+_SEQ = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    @property
+    def prompt_per_second(self) -> float:
+        return 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" (end-of-generation token or stop string) or "length"
+    timings: Timings
+    stopping_word: str = ""
+
+
+@dataclass
+class Stream:
+    """Iterate for text pieces as they are generated; `result` holds the Completion once iteration ends."""
+
+    _pieces: Iterator[str]
+    result: Completion | None = field(default=None, init=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+
+def _stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that could still grow into a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        n_ctx: int = 4096,
+        threads: int = 0,
+        n_batch: int = 512,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+    ):
+        if model is None:
+            from ninfer.default_model import default_model_path
+
+            model = default_model_path()
+        self.config = EngineConfig(
+            n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k, cache_type_v=cache_type_v
+        )
+        self.model_file = ModelFile(model)
+        spec = self.model_file.spec
+        self.tokenizer = Tokenizer.from_metadata(self.model_file.metadata)
+        self._engine = _core.Engine(
+            self.model_file.gguf,
+            spec,
+            threads=self.config.resolved_threads,
+            n_ctx=self.config.n_ctx,
+            block_size=self.config.kv_block_size,
+            k_type=CACHE_TYPES[self.config.cache_type_k][0],
+            v_type=CACHE_TYPES[self.config.cache_type_v][0],
+        )
+        self._seq_tokens: list[int] = []  # what the KV cache holds for _SEQ, for prompt-prefix reuse
+        self._chat_template: ChatTemplate | None = None
+
+    # ---- introspection -------------------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.config.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._engine.n_vocab)
+
+    @property
+    def architecture(self) -> str:
+        return self.model_file.architecture
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    def eval_logits(self, tokens: Sequence[int], rows: Sequence[int]) -> Any:
+        """Run `tokens` from an empty context; float32 logits [len(rows), n_vocab] for the given positions.
+        Used by perplexity; the sequence is cleared afterwards."""
+        self._reset()
+        try:
+            out = []
+            step = self.config.n_batch
+            for start in range(0, len(tokens), step):
+                chunk = list(tokens[start : start + step])
+                want = [r - start for r in rows if start <= r < start + len(chunk)]
+                out.append(self._engine.forward([(_SEQ, chunk)], want))
+            import numpy as np
+
+            return np.concatenate(out, axis=0)
+        finally:
+            self._reset()
+
+    def _reset(self) -> None:
+        self._engine.remove(_SEQ)
+        self._seq_tokens = []
+
+    def _prefill(self, prompt: list[int]) -> Any:
+        """Logits after the prompt, reusing the longest prefix the KV cache already holds."""
+        keep = 0
+        for a, b in zip(self._seq_tokens, prompt[:-1]):
+            if a != b:
+                break
+            keep += 1
+        self._engine.truncate(_SEQ, keep)
+        self._seq_tokens = self._seq_tokens[:keep]
+        logits = self._engine.prefill(_SEQ, prompt[keep:], self.config.n_batch)
+        self._seq_tokens = list(prompt)
+        return logits
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int], add_special: bool) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_special=add_special)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.n_vocab]
+            if bad:
+                raise InvalidArgumentError(f"token id {bad[0]} is out of range for a vocabulary of {self.n_vocab}")
+        if not ids:
+            raise InvalidArgumentError("the prompt is empty (no tokens to evaluate)")
+        if len(ids) >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens, but the context holds {self.n_ctx} (n_ctx) including at "
+                "least one generated token"
+            )
+        return ids
+
+    def _run(
+        self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: Sequence[str],
+        add_special: bool, stream: Stream | None,
+    ) -> Iterator[str]:
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        stops = [s for s in stop if s]
+        ids = self._prompt_ids(prompt, add_special)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        sampler = _core.Sampler(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed
+        )
+        t0 = time.perf_counter()
+        logits = self._prefill(ids)
+        token = sampler.sample(logits)
+        t1 = time.perf_counter()
+
+        decoder = IncrementalDecoder(self.tokenizer)
+        out_tokens: list[int] = []
+        text, emitted, finish, stop_word = "", 0, "length", ""
+        budget = min(max_tokens, self.n_ctx - len(ids))
+        while True:
+            if self.tokenizer.is_eog(token):
+                finish = "stop"
+                break
+            out_tokens.append(token)
+            text += decoder.push(token)
+            hit = min(((text.find(s, max(0, emitted - len(s) + 1)), s) for s in stops if s in text), default=None)
+            if hit is not None:
+                text, finish, stop_word = text[: hit[0]], "stop", hit[1]
+                break
+            safe = len(text) - _stop_holdback(text, stops)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if len(out_tokens) >= budget:
+                break
+            token = self._engine.step(_SEQ, token, sampler)
+            self._seq_tokens.append(out_tokens[-1])
+        if finish == "length" and not stop_word:
+            text += decoder.flush()
+        if len(text) > emitted:
+            yield text[emitted:]
+        t2 = time.perf_counter()
+        result = Completion(
+            text=text,
+            tokens=out_tokens,
+            prompt_tokens=len(ids),
+            completion_tokens=len(out_tokens),
+            finish_reason=finish,
+            timings=Timings(len(ids), (t1 - t0) * 1e3, len(out_tokens), (t2 - t1) * 1e3),
+            stopping_word=stop_word,
+        )
+        if stream is not None:
+            stream.result = result
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        add_special: bool = True,
+    ) -> Stream:
+        """Generate, yielding text pieces as they complete (never a broken UTF-8 character)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        s = Stream(iter(()))
+        gen = self._run(prompt, max_tokens, params, stop, add_special, s)
+        # Validate arguments and evaluate the prompt now, so errors surface at the call, not at the first next().
+        first = next(gen, None)
+        s._pieces = _chain_first(first, gen)
+        return s
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        add_special: bool = True,
+    ) -> Completion:
+        s = self.stream(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            seed=seed, stop=stop, add_special=add_special,
+        )
+        for _ in s:
+            pass
+        assert s.result is not None  # set by _run when the iteration ends
+        return s.result
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_metadata(self.model_file.metadata)
+        return self._chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Completion:
+        """Render `messages` with the model's chat template and generate the assistant's reply."""
+        prompt = self.apply_chat_template(messages)
+        # The template already wrote BOS where the model wants one; special-token texts in it are parsed.
+        return self.generate(prompt, add_special=False, **kwargs)
+
+    def chat_stream(self, messages: list[dict[str, Any]], **kwargs: Any) -> Stream:
+        return self.stream(self.apply_chat_template(messages), add_special=False, **kwargs)
+
+
+def _chain_first(first: str | None, rest: Iterator[str]) -> Iterator[str]:
+    if first is not None:
+        yield first
+    yield from rest

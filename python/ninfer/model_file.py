@@ -1,0 +1,75 @@
+"""A GGUF model file: the Rust parser's header (metadata, tensor index) plus what Python derives from it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from gguf import GGMLQuantizationType
+
+from ninfer import _core
+from ninfer.errors import ModelFileError
+from ninfer.models import build_spec
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    type_id: int
+    type_name: str
+    dims: tuple[int, ...]  # GGML order: row length first
+    offset: int
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
+
+
+class ModelFile:
+    """Opens and validates a GGUF file. Weights stay memory-mapped; nothing is copied here."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise ModelFileError(f"{self.path}: no such model file")
+        if not self.path.is_file():
+            raise ModelFileError(f"{self.path}: not a regular file")
+        self.gguf = _core.GgufFile(str(self.path))
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        return self.gguf.metadata()
+
+    @cached_property
+    def tensors(self) -> list[TensorEntry]:
+        return [TensorEntry(n, t, tn, tuple(d), o, b) for n, t, tn, d, o, b in self.gguf.tensors()]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "unknown"))
+
+    @cached_property
+    def spec(self) -> dict[str, Any]:
+        """The executor spec (raises UnsupportedModelError for architectures ninfer cannot run)."""
+        return build_spec(self.metadata, {t.name: t.dims for t in self.tensors}, str(self.path))
+
+    def type_name(self, type_id: int) -> str:
+        try:
+            return GGMLQuantizationType(type_id).name
+        except ValueError:
+            return f"type{type_id}"
+
+    def weight_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+    def kv_bytes_per_token(self, k_type_bytes: float = 2.0, v_type_bytes: float = 2.0) -> float:
+        s = self.spec
+        n_layer = len(s["layers"])
+        return n_layer * s["n_head_kv"] * (s["head_dim"] * k_type_bytes + s["head_dim_v"] * v_type_bytes)

@@ -1,0 +1,164 @@
+//! The layer loop on the CPU: one call runs a whole batch of tokens (one or several sequences) through every layer,
+//! so Python makes one call per step, not one per layer (ARCHITECTURE.md, decision 1).
+
+use crate::cpu::attention::{attention, AttnShape};
+use crate::cpu::matmul::{matmul, matmul_quantized, quantize_acts};
+use crate::cpu::ops;
+use crate::error::{Error, Result};
+use crate::kv::{KvCache, SeqId};
+use crate::model::{Activation, Model};
+
+/// Tokens to append to one sequence.
+pub struct SeqTokens<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+}
+
+impl Model {
+    /// Append each sequence's tokens to the KV cache and run them through the model.
+    /// Returns logits [logit_rows.len(), n_vocab] for the requested rows of the flattened batch (row i is the
+    /// i-th token in the order given). On error nothing is appended.
+    pub fn forward(&self, kv: &mut KvCache, batch: &[SeqTokens], logit_rows: &[usize]) -> Result<Vec<f32>> {
+        let spec = &self.spec;
+        let n: usize = batch.iter().map(|b| b.tokens.len()).sum();
+        if n == 0 {
+            return Err(Error::InvalidArgument("forward called with no tokens".into()));
+        }
+        if let Some(&r) = logit_rows.iter().find(|&&r| r >= n) {
+            return Err(Error::InvalidArgument(format!("logits requested for row {r} of a {n}-token batch")));
+        }
+        for b in batch {
+            if let Some(&t) = b.tokens.iter().find(|&&t| t as usize >= spec.n_vocab) {
+                return Err(Error::InvalidArgument(format!(
+                    "token id {t} is out of range for a vocabulary of {}",
+                    spec.n_vocab
+                )));
+            }
+        }
+        // Reserve positions; undo the earlier sequences' growth if a later one does not fit.
+        let mut rows: Vec<(SeqId, usize)> = Vec::with_capacity(n);
+        let mut grown: Vec<(SeqId, usize)> = Vec::new();
+        for b in batch {
+            match kv.extend(b.seq, b.tokens.len()) {
+                Ok(start) => {
+                    grown.push((b.seq, start));
+                    rows.extend((start..start + b.tokens.len()).map(|p| (b.seq, p)));
+                }
+                Err(e) => {
+                    for &(seq, start) in grown.iter().rev() {
+                        kv.truncate(seq, start);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let tokens: Vec<u32> = batch.iter().flat_map(|b| b.tokens.iter().copied()).collect();
+        self.pool.install(|| self.run_layers(kv, &tokens, &rows, logit_rows))
+    }
+
+    fn run_layers(&self, kv: &mut KvCache, tokens: &[u32], rows: &[(SeqId, usize)], logit_rows: &[usize]) -> Result<Vec<f32>> {
+        let spec = &self.spec;
+        let w = &self.weights;
+        let n = tokens.len();
+        let e = spec.n_embd;
+        let (hd, hdv) = (spec.head_dim, spec.head_dim_v);
+        let (q_dim, k_dim, v_dim) = (spec.n_head * hd, spec.n_head_kv * hd, spec.n_head_kv * hdv);
+        let att_dim = spec.n_head * hdv;
+        let n_ff = w.n_ff;
+
+        // x: [n, n_embd], the residual stream.
+        let mut x = vec![0.0f32; n * e];
+        for (t, row) in x.chunks_exact_mut(e).enumerate() {
+            w.token_embd.dequantize_row(tokens[t] as usize, row)?;
+            if spec.embd_scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= spec.embd_scale);
+            }
+        }
+        let mut h = vec![0.0f32; n * e];
+        let mut q = vec![0.0f32; n * q_dim];
+        let mut k = vec![0.0f32; n * k_dim];
+        let mut v = vec![0.0f32; n * v_dim];
+        let mut att = vec![0.0f32; n * att_dim];
+        let mut o = vec![0.0f32; n * e];
+        let mut gate = vec![0.0f32; n * n_ff];
+        let mut up = vec![0.0f32; n * n_ff];
+        let mut angles = Vec::new();
+
+        for (il, (lw, ls)) in w.layers.iter().zip(&spec.layers).enumerate() {
+            // Attention block.
+            ops::rms_norm(&x, &lw.attn_norm, spec.rms_eps, &mut h);
+            let acts = quantize_acts(&lw.wq, &h, n);
+            matmul_quantized(&lw.wq, &acts, &mut q);
+            let same_fmt = |m: &crate::model::weights::Matrix| m.ty.act_type() == lw.wq.ty.act_type();
+            if same_fmt(&lw.wk) { matmul_quantized(&lw.wk, &acts, &mut k) } else { matmul(&lw.wk, &h, n, &mut k) }
+            if same_fmt(&lw.wv) { matmul_quantized(&lw.wv, &acts, &mut v) } else { matmul(&lw.wv, &h, n, &mut v) }
+            for (buf, bias) in [(&mut q, &lw.bq), (&mut k, &lw.bk), (&mut v, &lw.bv)] {
+                if let Some(b) = bias {
+                    ops::add_bias(buf, b);
+                }
+            }
+            if let Some(qn) = &lw.q_norm {
+                ops::rms_norm_in_place(&mut q, qn, spec.rms_eps);
+            }
+            if let Some(kn) = &lw.k_norm {
+                ops::rms_norm_in_place(&mut k, kn, spec.rms_eps);
+            }
+            for (t, &(_, pos)) in rows.iter().enumerate() {
+                ops::rope_angles(pos, ls.rope_base, ls.rope_freq_scale, spec.rope_dims, &mut angles);
+                ops::rope_row(&mut q[t * q_dim..(t + 1) * q_dim], hd, &angles, spec.rope_neox);
+                ops::rope_row(&mut k[t * k_dim..(t + 1) * k_dim], hd, &angles, spec.rope_neox);
+            }
+            if spec.q_scale != 1.0 {
+                q.iter_mut().for_each(|v| *v *= spec.q_scale);
+            }
+            for (t, &(seq, pos)) in rows.iter().enumerate() {
+                kv.write(il, seq, pos, &k[t * k_dim..(t + 1) * k_dim], &v[t * v_dim..(t + 1) * v_dim])?;
+            }
+            let shape = AttnShape {
+                n_head: spec.n_head,
+                n_head_kv: spec.n_head_kv,
+                head_dim: hd,
+                head_dim_v: hdv,
+                scale: spec.attn_scale,
+                window: ls.sliding_window,
+            };
+            attention(kv, il, rows, &q, shape, &mut att);
+            matmul(&lw.wo, &att, n, &mut o);
+            if let Some(pn) = &lw.post_attn_norm {
+                ops::rms_norm_in_place(&mut o, pn, spec.rms_eps);
+            }
+            ops::add_in_place(&mut x, &o);
+
+            // Feed-forward block.
+            ops::rms_norm(&x, &lw.ffn_norm, spec.rms_eps, &mut h);
+            let acts = quantize_acts(&lw.w_gate, &h, n);
+            matmul_quantized(&lw.w_gate, &acts, &mut gate);
+            if lw.w_up.ty.act_type() == lw.w_gate.ty.act_type() {
+                matmul_quantized(&lw.w_up, &acts, &mut up);
+            } else {
+                matmul(&lw.w_up, &h, n, &mut up);
+            }
+            match spec.activation {
+                Activation::Silu => ops::swiglu(&mut gate, &up),
+                Activation::GeluTanh => ops::geglu(&mut gate, &up),
+            }
+            matmul(&lw.w_down, &gate, n, &mut o);
+            if let Some(pn) = &lw.post_ffn_norm {
+                ops::rms_norm_in_place(&mut o, pn, spec.rms_eps);
+            }
+            ops::add_in_place(&mut x, &o);
+        }
+
+        // Output head, only for the rows whose logits were asked for.
+        let m = logit_rows.len();
+        let mut sel = vec![0.0f32; m * e];
+        for (i, &r) in logit_rows.iter().enumerate() {
+            ops::rms_norm(&x[r * e..(r + 1) * e], &w.output_norm, spec.rms_eps, &mut sel[i * e..(i + 1) * e]);
+        }
+        let mut logits = vec![0.0f32; m * spec.n_vocab];
+        if m > 0 {
+            matmul(&w.output, &sel, m, &mut logits);
+        }
+        Ok(logits)
+    }
+}

@@ -1,0 +1,6 @@
+//! The CPU backend: kernels and the layer loop.
+
+pub mod attention;
+pub mod forward;
+pub mod matmul;
+pub mod ops;

@@ -1,0 +1,11 @@
+//! ninfer-core: the pure Rust part of ninfer (no Python here; `cargo test` runs it alone).
+
+pub mod cpu;
+pub mod error;
+pub mod gguf;
+pub mod kv;
+pub mod model;
+pub mod quant;
+pub mod sampler;
+
+pub use error::{Error, Result};

@@ -1,0 +1,183 @@
+//! Weights resolved from a GGUF file against a ModelSpec: big matrices stay in the memory map (zero-copy), small
+//! vectors (norms, biases) are dequantized to f32 once at load.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use super::spec::ModelSpec;
+use crate::error::{Error, Result};
+use crate::gguf::{ggml_type_layout, GgufFile};
+use crate::quant::{dequantize_row, GgmlType};
+
+/// A 2-D weight matrix in its GGML block format. Row r (n_cols elements) holds output feature r.
+pub struct Matrix {
+    pub name: String,
+    pub ty: GgmlType,
+    pub n_cols: usize,
+    pub n_rows: usize,
+    row_bytes: usize,
+    range: Range<usize>,
+    map: Arc<Mmap>,
+}
+
+impl Matrix {
+    #[inline]
+    pub fn data(&self) -> &[u8] {
+        &self.map[self.range.clone()]
+    }
+
+    #[inline]
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// Row r dequantized to f32 (embedding lookups).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<()> {
+        let start = r * self.row_bytes;
+        dequantize_row(self.ty, &self.data()[start..start + self.row_bytes], out)
+    }
+}
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
+    pub wo: Matrix,
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: Matrix,
+    pub w_up: Matrix,
+    pub w_down: Matrix,
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+pub struct Weights {
+    pub token_embd: Matrix,
+    pub output_norm: Vec<f32>,
+    pub output: Matrix,
+    pub layers: Vec<LayerWeights>,
+    pub n_ff: usize,
+}
+
+struct Loader<'a> {
+    file: &'a GgufFile,
+}
+
+impl Loader<'_> {
+    fn missing(&self, name: &str) -> Error {
+        Error::BadModel(format!("{}: tensor {name} is missing", self.file.path.display()))
+    }
+
+    fn compute_type(&self, name: &str, type_id: u32) -> Result<GgmlType> {
+        let ty = GgmlType::from_id(type_id).filter(|t| !matches!(t, GgmlType::Q8_1 | GgmlType::Q8_K));
+        ty.ok_or_else(|| {
+            let type_name = ggml_type_layout(type_id).map_or("unknown", |l| l.0);
+            Error::UnsupportedType(format!(
+                "{}: tensor {name} has type {type_name} (id {type_id}), which ninfer cannot compute with yet",
+                self.file.path.display()
+            ))
+        })
+    }
+
+    /// A [n_rows, n_cols] matrix with the expected shape.
+    fn matrix(&self, name: &str, n_cols: usize, n_rows: Option<usize>) -> Result<Matrix> {
+        let info = self.file.tensor(name).ok_or_else(|| self.missing(name))?;
+        let ty = self.compute_type(name, info.type_id)?;
+        let cols = info.dims[0] as usize;
+        let rows = info.dims[1..].iter().product::<u64>() as usize;
+        if cols != n_cols || n_rows.is_some_and(|r| r != rows) {
+            return Err(Error::BadModel(format!(
+                "{}: tensor {name} has shape {:?}, expected [{n_cols}, {}]",
+                self.file.path.display(),
+                info.dims,
+                n_rows.map_or("?".to_string(), |r| r.to_string())
+            )));
+        }
+        let row_bytes = ty.row_bytes(cols)?;
+        let start = info.offset as usize;
+        Ok(Matrix {
+            name: name.to_string(),
+            ty,
+            n_cols: cols,
+            n_rows: rows,
+            row_bytes,
+            range: start..start + info.n_bytes as usize,
+            map: self.file.map(),
+        })
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let info = self.file.tensor(name).ok_or_else(|| self.missing(name))?;
+        let ty = self.compute_type(name, info.type_id)?;
+        if info.n_elements() != len as u64 {
+            return Err(Error::BadModel(format!(
+                "{}: tensor {name} has {} elements, expected {len}",
+                self.file.path.display(),
+                info.n_elements()
+            )));
+        }
+        let mut out = vec![0.0f32; len];
+        dequantize_row(ty, self.file.tensor_data(info), &mut out)?;
+        Ok(out)
+    }
+
+    fn opt_vector(&self, name: &Option<String>, len: usize) -> Result<Option<Vec<f32>>> {
+        name.as_ref().map(|n| self.vector(n, len)).transpose()
+    }
+}
+
+impl Weights {
+    pub fn load(file: &GgufFile, spec: &ModelSpec) -> Result<Weights> {
+        let ld = Loader { file };
+        let e = spec.n_embd;
+        let q_dim = spec.n_head * spec.head_dim;
+        let k_dim = spec.n_head_kv * spec.head_dim;
+        let v_dim = spec.n_head_kv * spec.head_dim_v;
+        let token_embd = ld.matrix(&spec.token_embd, e, Some(spec.n_vocab))?;
+        let output = ld.matrix(&spec.output, e, Some(spec.n_vocab))?;
+        let first_gate = spec.layers.first().ok_or_else(|| Error::BadModel("model has no layers".into()))?;
+        let n_ff = ld.matrix(&first_gate.w_gate, e, None)?.n_rows;
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for l in &spec.layers {
+            layers.push(LayerWeights {
+                attn_norm: ld.vector(&l.attn_norm, e)?,
+                wq: ld.matrix(&l.wq, e, Some(q_dim))?,
+                wk: ld.matrix(&l.wk, e, Some(k_dim))?,
+                wv: ld.matrix(&l.wv, e, Some(v_dim))?,
+                wo: ld.matrix(&l.wo, spec.n_head * spec.head_dim_v, Some(e))?,
+                bq: ld.opt_vector(&l.bq, q_dim)?,
+                bk: ld.opt_vector(&l.bk, k_dim)?,
+                bv: ld.opt_vector(&l.bv, v_dim)?,
+                q_norm: ld.opt_vector(&l.q_norm, spec.head_dim)?,
+                k_norm: ld.opt_vector(&l.k_norm, spec.head_dim)?,
+                post_attn_norm: ld.opt_vector(&l.post_attn_norm, e)?,
+                ffn_norm: ld.vector(&l.ffn_norm, e)?,
+                w_gate: ld.matrix(&l.w_gate, e, Some(n_ff))?,
+                w_up: ld.matrix(&l.w_up, e, Some(n_ff))?,
+                w_down: ld.matrix(&l.w_down, n_ff, Some(e))?,
+                post_ffn_norm: ld.opt_vector(&l.post_ffn_norm, e)?,
+            });
+        }
+        if spec.rope_dims > spec.head_dim || spec.rope_dims % 2 != 0 {
+            return Err(Error::BadModel(format!(
+                "rope dimension {} must be even and at most the head size {}",
+                spec.rope_dims, spec.head_dim
+            )));
+        }
+        if spec.n_head_kv == 0 || spec.n_head % spec.n_head_kv != 0 {
+            return Err(Error::BadModel(format!(
+                "{} attention heads cannot be shared by {} KV heads",
+                spec.n_head, spec.n_head_kv
+            )));
+        }
+        Ok(Weights { token_embd, output_norm: ld.vector(&spec.output_norm, e)?, output, layers, n_ff })
+    }
+}

@@ -1,0 +1,233 @@
+//! `Engine`: a model plus its paged KV cache. One `forward` call runs a whole batch through every layer in Rust;
+//! `step` does forward + sampling for one token of one sequence, so decode costs one Python call per token.
+
+use ninfer_core::cpu::forward::SeqTokens;
+use ninfer_core::kv::{KvCache, KvConfig};
+use ninfer_core::model::{Activation, LayerSpec, Model, ModelSpec};
+use ninfer_core::quant::GgmlType;
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::conversion::FromPyObjectOwned;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::errors::to_py;
+use crate::gguf::PyGgufFile;
+use crate::sampler::PySampler;
+
+fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+    d.get_item(key)?.ok_or_else(|| PyValueError::new_err(format!("model spec lacks '{key}'")))
+}
+
+fn convert<'py, T: FromPyObjectOwned<'py>>(v: Bound<'py, PyAny>, key: &str) -> PyResult<T> {
+    v.extract::<T>().map_err(|e| {
+        let e: PyErr = e.into();
+        PyValueError::new_err(format!("model spec '{key}': {e}"))
+    })
+}
+
+fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
+    convert(item(d, key)?, key)
+}
+
+fn opt<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<T>> {
+    match d.get_item(key)? {
+        Some(v) if !v.is_none() => convert(v, key).map(Some),
+        _ => Ok(None),
+    }
+}
+
+fn parse_spec(d: &Bound<'_, PyDict>) -> PyResult<ModelSpec> {
+    let activation = match get::<String>(d, "activation")?.as_str() {
+        "silu" => Activation::Silu,
+        "gelu_tanh" => Activation::GeluTanh,
+        other => return Err(PyValueError::new_err(format!("unknown activation '{other}'"))),
+    };
+    let mut layers = Vec::new();
+    for l in item(d, "layers")?.cast::<PyList>()?.iter() {
+        let l = l.cast::<PyDict>()?;
+        layers.push(LayerSpec {
+            attn_norm: get(l, "attn_norm")?,
+            wq: get(l, "wq")?,
+            wk: get(l, "wk")?,
+            wv: get(l, "wv")?,
+            wo: get(l, "wo")?,
+            bq: opt(l, "bq")?,
+            bk: opt(l, "bk")?,
+            bv: opt(l, "bv")?,
+            q_norm: opt(l, "q_norm")?,
+            k_norm: opt(l, "k_norm")?,
+            post_attn_norm: opt(l, "post_attn_norm")?,
+            ffn_norm: get(l, "ffn_norm")?,
+            w_gate: get(l, "w_gate")?,
+            w_up: get(l, "w_up")?,
+            w_down: get(l, "w_down")?,
+            post_ffn_norm: opt(l, "post_ffn_norm")?,
+            sliding_window: opt(l, "sliding_window")?,
+            rope_base: get(l, "rope_base")?,
+            rope_freq_scale: get(l, "rope_freq_scale")?,
+        });
+    }
+    Ok(ModelSpec {
+        arch: get(d, "arch")?,
+        n_embd: get(d, "n_embd")?,
+        n_head: get(d, "n_head")?,
+        n_head_kv: get(d, "n_head_kv")?,
+        head_dim: get(d, "head_dim")?,
+        head_dim_v: get(d, "head_dim_v")?,
+        n_vocab: get(d, "n_vocab")?,
+        rms_eps: get(d, "rms_eps")?,
+        rope_dims: get(d, "rope_dims")?,
+        rope_neox: get(d, "rope_neox")?,
+        activation,
+        embd_scale: get(d, "embd_scale")?,
+        q_scale: get(d, "q_scale")?,
+        attn_scale: get(d, "attn_scale")?,
+        token_embd: get(d, "token_embd")?,
+        output_norm: get(d, "output_norm")?,
+        output: get(d, "output")?,
+        layers,
+    })
+}
+
+fn cache_type(id: u32) -> PyResult<GgmlType> {
+    GgmlType::from_id(id).ok_or_else(|| PyValueError::new_err(format!("unknown cache type id {id}")))
+}
+
+#[pyclass(name = "Engine", module = "ninfer._core")]
+pub struct PyEngine {
+    model: Model,
+    kv: KvCache,
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (file, spec, *, threads, n_ctx, n_seq_max=1, block_size=256, k_type=1, v_type=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        file: &PyGgufFile,
+        spec: &Bound<'_, PyDict>,
+        threads: usize,
+        n_ctx: usize,
+        n_seq_max: usize,
+        block_size: usize,
+        k_type: u32,
+        v_type: u32,
+    ) -> PyResult<Self> {
+        let spec = parse_spec(spec)?;
+        let (k_type, v_type) = (cache_type(k_type)?, cache_type(v_type)?);
+        let file = file.inner.clone();
+        py.detach(move || {
+            let cfg = KvConfig {
+                n_layer: spec.layers.len(),
+                n_head_kv: spec.n_head_kv,
+                head_dim_k: spec.head_dim,
+                head_dim_v: spec.head_dim_v,
+                k_type,
+                v_type,
+                block_size,
+                n_ctx,
+                max_blocks: n_ctx.div_ceil(block_size.max(1)) * n_seq_max,
+            };
+            let kv = KvCache::new(cfg)?;
+            let model = Model::load(&file, spec, threads)?;
+            Ok(PyEngine { model, kv })
+        })
+        .map_err(to_py)
+    }
+
+    #[getter]
+    fn n_vocab(&self) -> usize {
+        self.model.spec.n_vocab
+    }
+
+    #[getter]
+    fn threads(&self) -> usize {
+        self.model.threads()
+    }
+
+    /// Append tokens to sequences and run them. batch: [(seq_id, [token, ...]), ...]; logit_rows index the
+    /// flattened batch. Returns float32 logits [len(logit_rows), n_vocab].
+    fn forward<'py>(
+        &mut self,
+        py: Python<'py>,
+        batch: Vec<(u32, Vec<u32>)>,
+        logit_rows: Vec<usize>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let n_vocab = self.model.spec.n_vocab;
+        let (model, kv) = (&self.model, &mut self.kv);
+        let logits = py
+            .detach(|| {
+                let seqs: Vec<SeqTokens> = batch.iter().map(|(s, t)| SeqTokens { seq: *s, tokens: t }).collect();
+                model.forward(kv, &seqs, &logit_rows)
+            })
+            .map_err(to_py)?;
+        let rows = logit_rows.len();
+        logits.into_pyarray(py).reshape([rows, n_vocab])
+    }
+
+    /// One decode step: append `token` to `seq`, run the model, sample the next token with `sampler`.
+    fn step(&mut self, py: Python<'_>, seq: u32, token: u32, sampler: &mut PySampler) -> PyResult<u32> {
+        let (model, kv, sampler) = (&self.model, &mut self.kv, &mut sampler.inner);
+        py.detach(|| {
+            let logits = model.forward(kv, &[SeqTokens { seq, tokens: &[token] }], &[0])?;
+            sampler.sample(&logits)
+        })
+        .map_err(to_py)
+    }
+
+    /// Logits of the last token of a prompt appended to `seq`, computed in batches of `n_batch` tokens.
+    fn prefill<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq: u32,
+        tokens: Vec<u32>,
+        n_batch: usize,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        if tokens.is_empty() || n_batch == 0 {
+            return Err(PyValueError::new_err("prefill needs at least one token and n_batch >= 1"));
+        }
+        let start = self.kv.seq_len(seq);
+        let (model, kv) = (&self.model, &mut self.kv);
+        let logits = py
+            .detach(|| {
+                // Check the whole prompt fits before computing anything.
+                kv.extend(seq, tokens.len())?;
+                kv.truncate(seq, start);
+                let mut last = Vec::new();
+                for chunk in tokens.chunks(n_batch) {
+                    last = model.forward(kv, &[SeqTokens { seq, tokens: chunk }], &[chunk.len() - 1])?;
+                }
+                Ok(last)
+            })
+            .map_err(|e| {
+                self.kv.truncate(seq, start);
+                to_py(e)
+            })?;
+        Ok(logits.into_pyarray(py))
+    }
+
+    fn seq_len(&self, seq: u32) -> usize {
+        self.kv.seq_len(seq)
+    }
+
+    /// Keep the first n positions of a sequence (prompt reuse, speculative rollback).
+    fn truncate(&mut self, seq: u32, n: usize) {
+        self.kv.truncate(seq, n)
+    }
+
+    fn remove(&mut self, seq: u32) {
+        self.kv.remove(seq)
+    }
+
+    /// (blocks in use, bytes allocated) of the KV cache.
+    fn kv_usage(&self) -> (usize, usize) {
+        (self.kv.blocks_in_use(), self.kv.allocated_bytes())
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()
+}

@@ -1,0 +1,20 @@
+//! The `ninfer._core` extension: a thin layer over ninfer-core. Each file converts arguments, releases the GIL
+//! around the work, and maps errors through errors.rs; no logic of its own.
+
+mod engine;
+mod errors;
+mod gguf;
+mod quant;
+mod sampler;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    gguf::register(m)?;
+    engine::register(m)?;
+    sampler::register(m)?;
+    quant::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Record llama.cpp's outputs as test fixtures: greedy continuations (llama-completion) and perplexities
+(llama-perplexity), for every model of ../shared/scripts/fetch-models that is present.
+
+    python3 scripts/make_reference.py [--peer ~/.cache/ninfer-peer/bin] [--models ~/.cache/ninfer-models]
+
+Writes tests/data/reference_greedy.json and tests/data/reference_perplexity.json. The tools come from
+../shared/scripts/build-llama-cpp (llama.cpp as vendored by llama-cpp-python 0.3.36, CPU build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen05": "qwen2.5-coder-0.5b.gguf",
+    "qwen15": "qwen2.5-coder-1.5b.gguf",
+    "gemma3": "gemma-3-270m-q4_k_m.gguf",
+}
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
+    "The three laws of thermodynamics are",
+    "import numpy as np\nx = np.",
+]
+N_PREDICT = 64
+
+
+def run(tool: Path, args: list[str]) -> tuple[str, str]:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tool.parent))
+    out = subprocess.run([str(tool), *args], env=env, capture_output=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{tool.name} failed: {out.stderr.decode(errors='replace')[-2000:]}")
+    return out.stdout.decode("utf-8", errors="surrogateescape"), out.stderr.decode(errors="replace")
+
+
+def greedy(peer: Path, model: Path) -> list[dict]:
+    cases = []
+    for prompt in PROMPTS:
+        text, _ = run(peer / "llama-completion", [
+            "-m", str(model), "-p", prompt, "-n", str(N_PREDICT), "--temp", "0", "-no-cnv", "-t", "2",
+            "--no-display-prompt", "-c", "2048", "--seed", "1", "--no-warmup",
+        ])
+        # llama-completion ends its output with " [end of text]" when it stops on an end-of-generation token.
+        eog = text.endswith(" [end of text]\n") or text.endswith("[end of text]\n")
+        text = re.sub(r" ?\[end of text\]\n$", "", text)
+        cases.append({"prompt": prompt, "n_predict": N_PREDICT, "text": text, "stopped_on_eog": eog})
+    return cases
+
+
+def perplexities(peer: Path, model: Path) -> dict:
+    result = {}
+    for name in ("code", "prose"):
+        _, err = run(peer / "llama-perplexity", [
+            "-m", str(model), "-f", str(ROOT.parent / "shared" / "eval" / f"{name}.txt"), "-c", "512", "-t", "2",
+        ])
+        m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", err)
+        result[name] = float(m.group(1)) if m else None
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", type=Path, default=Path.home() / ".cache" / "ninfer-peer" / "bin")
+    ap.add_argument("--models", type=Path, default=Path.home() / ".cache" / "ninfer-models")
+    ap.add_argument("--perplexity", action="store_true", help="also run llama-perplexity (slow on 2 cores)")
+    args = ap.parse_args()
+    greedy_out, ppl_out = {}, {}
+    for key, fname in MODELS.items():
+        path = args.models / fname
+        if not path.is_file():
+            print(f"skip {fname}: not present")
+            continue
+        print(f"greedy {fname}", flush=True)
+        greedy_out[fname] = greedy(args.peer, path)
+        if args.perplexity:
+            print(f"perplexity {fname}", flush=True)
+            ppl_out[fname] = perplexities(args.peer, path)
+    (DATA / "reference_greedy.json").write_text(json.dumps(greedy_out, indent=1, ensure_ascii=False) + "\n")
+    if ppl_out:
+        (DATA / "reference_perplexity.json").write_text(json.dumps(ppl_out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Shared fixtures: real GGUF models from the local cache.
+
+Models live in $NINFER_MODELS (default ~/.cache/ninfer-models), where ../shared/scripts/fetch-models puts them.
+SmolLM2-135M is always available: if it is missing, it is fetched once (ninfer.testing.fetch_smollm2). The larger
+models are optional: tests that need them are marked `large` and skipped when the file is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+MODELS_DIR = Path(os.environ.get("NINFER_MODELS", Path.home() / ".cache" / "ninfer-models"))
+
+MODEL_FILES = {
+    "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "qwen05": "qwen2.5-coder-0.5b.gguf",
+    "qwen15": "qwen2.5-coder-1.5b.gguf",
+    "gemma3": "gemma-3-270m-q4_k_m.gguf",
+}
+
+
+def model_path(key: str) -> Path | None:
+    path = MODELS_DIR / MODEL_FILES[key]
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = model_path("smollm2")
+    if path is None:
+        from ninfer.testing import fetch_smollm2
+
+        path = fetch_smollm2(MODELS_DIR)
+    return path
+
+
+def _optional(key: str) -> Path:
+    path = model_path(key)
+    if path is None:
+        pytest.skip(f"{MODEL_FILES[key]} not in {MODELS_DIR} (run ../shared/scripts/fetch-models)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    return _optional("qwen05")
+
+
+@pytest.fixture(scope="session")
+def qwen15_path() -> Path:
+    return _optional("qwen15")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return _optional("gemma3")
