@@ -50,11 +50,6 @@ fn f16_le(b: [u8; 2]) -> f32 {
     f16_to_f32(u16::from_le_bytes(b))
 }
 
-#[inline(always)]
-fn lanes_of<const B: usize>(b: &[[u8; B]; LANES], decode: impl Fn([u8; B]) -> f32) -> [f32; LANES] {
-    std::array::from_fn(|i| decode(b[i]))
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Dequantization (bytes -> f32)
 // ---------------------------------------------------------------------------------------------------------------
@@ -116,45 +111,54 @@ pub(super) fn quantize_bf16(x: &[f32], dst: &mut [u8]) {
 // Dot products
 // ---------------------------------------------------------------------------------------------------------------
 
-/// Dot product of the first `n` elements of two rows of `B`-byte floats: groups of eight decoded by `decode8`
-/// go to eight lane accumulators, the tail (n % 8 elements) is decoded one at a time by `decode1`.
+/// Elements decoded at a time by the float dot products: a whole group is widened to f32 into a stack buffer
+/// first (a simple loop the compiler vectorizes), then multiplied into the lane accumulators.
+const GROUP: usize = 64;
+
+/// Dot product of the first `n` elements of two rows of `B`-byte floats decoded by `decode`: groups of
+/// [`GROUP`] go through stack buffers into eight lane accumulators, the tail is done one element at a time.
 #[inline(always)]
-fn dot_rows<const B: usize>(
-    n: usize,
-    w: &[u8],
-    a: &[u8],
-    decode8: impl Fn(&[[u8; B]; LANES]) -> [f32; LANES],
-    decode1: impl Fn([u8; B]) -> f32,
-) -> f32 {
+fn dot_rows<const B: usize>(n: usize, w: &[u8], a: &[u8], decode: impl Fn([u8; B]) -> f32 + Copy) -> f32 {
+    #[inline(always)]
+    fn widen<const B: usize>(src: &[[u8; B]; GROUP], decode: impl Fn([u8; B]) -> f32) -> [f32; GROUP] {
+        let mut out = [0.0f32; GROUP];
+        for (o, &b) in out.iter_mut().zip(src) {
+            *o = decode(b);
+        }
+        out
+    }
+
     let (w, _) = w.as_chunks::<B>();
     let (a, _) = a.as_chunks::<B>();
     let n = n.min(w.len()).min(a.len());
-    let (wg, wt) = w[..n].as_chunks::<LANES>();
-    let (ag, at) = a[..n].as_chunks::<LANES>();
+    let (wg, wt) = w[..n].as_chunks::<GROUP>();
+    let (ag, at) = a[..n].as_chunks::<GROUP>();
 
     let mut acc = [0.0f32; LANES];
     for (wb, ab) in wg.iter().zip(ag) {
-        let (x, y) = (decode8(wb), decode8(ab));
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+        let (x, y) = (widen(wb, decode), widen(ab, decode));
+        for (xs, ys) in x.as_chunks::<LANES>().0.iter().zip(y.as_chunks::<LANES>().0) {
+            for l in 0..LANES {
+                acc[l] += xs[l] * ys[l];
+            }
         }
     }
     // Pairwise reduction of the lanes, then the tail.
     let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (&x, &y) in wt.iter().zip(at) {
-        sum += decode1(x) * decode1(y);
+        sum += decode(x) * decode(y);
     }
     sum
 }
 
 pub(super) fn vec_dot_f32(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_rows::<4>(n, w, a, |b| lanes_of(b, f32_le), f32_le)
+    dot_rows::<4>(n, w, a, f32_le)
 }
 
 pub(super) fn vec_dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_rows::<2>(n, w, a, |b| lanes_of(b, f16_le), f16_le)
+    dot_rows::<2>(n, w, a, f16_le)
 }
 
 pub(super) fn vec_dot_bf16(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_rows::<2>(n, w, a, |b| lanes_of(b, bf16_le), bf16_le)
+    dot_rows::<2>(n, w, a, bf16_le)
 }

@@ -18,7 +18,7 @@
 //! - the dot product sums `scale * sum(q * q8)` exactly in i32 over the sub-blocks and scales once per
 //!   super-block in f32, like `ggml_vec_dot_*_q8_K_generic`; the mins of Q2_K/Q4_K/Q5_K use Q8_K's `bsums`.
 
-use super::{dot_i8, f16_at, nearest_int, K_SCALE_SIZE, QK_K};
+use super::{dot_i8, f16_at, nearest_int, signed_abs_max, K_SCALE_SIZE, QK_K};
 
 pub(super) const Q2_K_BYTES: usize = QK_K / 16 + QK_K / 4 + 2 + 2;
 pub(super) const Q3_K_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;
@@ -95,7 +95,11 @@ fn unpack_q5_k(qh: &[u8], qs: &[u8], out: &mut Codes) {
 /// ql[l] high and bits 4-5, l + 96 ql[l + 32] high and bits 6-7.
 #[inline(always)]
 fn unpack_q6_k(ql: &[u8], qh: &[u8], out: &mut Codes) {
-    for ((ql, qh), out) in ql.chunks_exact(64).zip(qh.chunks_exact(32)).zip(out.chunks_exact_mut(128)) {
+    for ((ql, qh), out) in ql
+        .chunks_exact(64)
+        .zip(qh.chunks_exact(32))
+        .zip(out.chunks_exact_mut(128))
+    {
         let (ql0, ql1) = ql.split_at(32);
         let (o01, o23) = out.split_at_mut(64);
         let (o0, o1) = o01.split_at_mut(32);
@@ -261,17 +265,10 @@ pub(super) fn quantize_q8_k(x: &[f32], dst: &mut [u8]) {
     let (blocks, _) = dst.as_chunks_mut::<Q8_K_BYTES>();
     let (xs, _) = x.as_chunks::<QK_K>();
     for (b, x) in blocks.iter_mut().zip(xs) {
-        // The signed value of largest magnitude (the first one on ties).
-        let (mut amax, mut max) = (0.0f32, 0.0f32);
-        for &v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
         let (d_bytes, rest) = b.split_at_mut(4);
         let (qs, bsums) = rest.split_at_mut(QK_K);
-        if amax == 0.0 {
+        let max = signed_abs_max(x);
+        if max == 0.0 {
             d_bytes.fill(0);
             qs.fill(0);
             bsums.fill(0);
@@ -307,7 +304,11 @@ fn block_pairs<'a, const WB: usize>(
 /// Sum over sub-blocks of `GROUP` elements of `scale[g] * dot(q[g], q8[g])`, exact in i32.
 #[inline(always)]
 fn scaled_dot<const GROUP: usize>(q: &Codes, q8: &[u8], scales: impl IntoIterator<Item = i32>) -> i32 {
-    q.chunks_exact(GROUP).zip(q8.chunks_exact(GROUP)).zip(scales).map(|((q, y), s)| s * dot_i8(q, y)).sum()
+    q.chunks_exact(GROUP)
+        .zip(q8.chunks_exact(GROUP))
+        .zip(scales)
+        .map(|((q, y), s)| s * dot_i8(q, y))
+        .sum()
 }
 
 pub(super) fn vec_dot_q2_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
@@ -388,10 +389,20 @@ pub(super) fn vec_dot_q6_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
 
 pub(super) fn vec_dot_q8_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut sumf = 0.0f32;
-    for (x, y) in w.as_chunks::<Q8_K_BYTES>().0.iter().zip(a.as_chunks::<Q8_K_BYTES>().0).take(nb) {
+    for (x, y) in w
+        .as_chunks::<Q8_K_BYTES>()
+        .0
+        .iter()
+        .zip(a.as_chunks::<Q8_K_BYTES>().0)
+        .take(nb)
+    {
         let (xd, xq, _) = q8_k_parts(x);
         let (yd, yq, _) = q8_k_parts(y);
-        let sumi: i32 = xq.iter().zip(yq).map(|(&p, &q)| (p as i8) as i32 * (q as i8) as i32).sum();
+        let sumi: i32 = xq
+            .iter()
+            .zip(yq)
+            .map(|(&p, &q)| (p as i8) as i32 * (q as i8) as i32)
+            .sum();
         sumf += (xd * yd) * sumi as f32;
     }
     sumf

@@ -17,7 +17,7 @@
 //! `(int8_t)` casts, `roundf` for Q8), the dot products its `ggml_vec_dot_*_generic`: an exact i32 sum per
 //! block, scaled by the two block scales in f32.
 
-use super::{dot_i8, f16_at, put_f16, round_away, QK_LEGACY as QK};
+use super::{abs_max, dot_i8, f16_at, nearest_int, put_f16, signed_abs_max, QK_LEGACY as QK};
 
 pub(super) const Q4_0_BYTES: usize = 2 + QK / 2;
 pub(super) const Q4_1_BYTES: usize = 4 + QK / 2;
@@ -74,20 +74,6 @@ fn unpack_q5(qh: &[u8], qs: &[u8], offset: i8) -> [i8; QK] {
         *h = ((b >> 4) | bit_h) as i8 - offset;
     }
     q
-}
-
-/// Absolute maximum of `x` and the signed value it came from (the first one on ties), as the Q4_0/Q5_0
-/// references pick it.
-#[inline(always)]
-fn signed_absmax(x: &[f32]) -> f32 {
-    let (mut amax, mut max) = (0.0f32, 0.0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    max
 }
 
 /// Minimum and maximum of `x` as the Q4_1/Q5_1 references compute them.
@@ -195,7 +181,7 @@ pub(super) fn quantize_q4_0(x: &[f32], dst: &mut [u8]) {
     let (blocks, _) = dst.as_chunks_mut::<Q4_0_BYTES>();
     let (xs, _) = x.as_chunks::<QK>();
     for (b, x) in blocks.iter_mut().zip(xs) {
-        let d = signed_absmax(x) / -8.0;
+        let d = signed_abs_max(x) / -8.0;
         let id = inverse_or_zero(d);
         put_f16(&mut b[0..2], d);
         let (lo, hi) = x.split_at(HALF);
@@ -244,7 +230,7 @@ pub(super) fn quantize_q5_0(x: &[f32], dst: &mut [u8]) {
     let (blocks, _) = dst.as_chunks_mut::<Q5_0_BYTES>();
     let (xs, _) = x.as_chunks::<QK>();
     for (b, x) in blocks.iter_mut().zip(xs) {
-        let d = signed_absmax(x) / -16.0;
+        let d = signed_abs_max(x) / -16.0;
         let id = inverse_or_zero(d);
         put_f16(&mut b[0..2], d);
         let q: [u8; QK] = std::array::from_fn(|j| ((x[j] * id + 16.5) as i8).min(31) as u8);
@@ -269,16 +255,19 @@ pub(super) fn quantize_q5_1(x: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// Q8_0/Q8_1 quants of one block: `d = amax / 127`, `q = roundf(x / d)` (ties away from zero).
+/// Q8_0/Q8_1 quants of one block as llama.cpp's x86 SIMD path computes them (the path every AVX2 machine runs,
+/// for activations and for a q8_0 KV cache alike): `d = amax / 127`, `q = round_half_even(x * (127 / amax))`.
+/// Its scalar reference differs (`x * (1 / d)`, ties away from zero) and flips a quant by one now and then,
+/// which is enough to change a greedy token, so parity follows the code that actually runs.
 /// Returns `d` (in f32, before rounding to f16) and the sum of the quants.
 #[inline(always)]
 fn quantize_block_q8(x: &[f32; QK], qs: &mut [u8]) -> (f32, i32) {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let amax = abs_max(x);
     let d = amax / 127.0;
-    let id = inverse_or_zero(d);
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (q, &v) in qs.iter_mut().zip(x) {
-        let r = round_away(v * id) as i8;
+        let r = nearest_int(v * id) as i8;
         sum += r as i32;
         *q = r as u8;
     }
@@ -361,7 +350,11 @@ fn vec_dot_q8<const BYTES: usize, const OFF: usize>(nb: usize, w: &[u8], a: &[u8
     let mut sumf = 0.0f32;
     for (x, y) in block_pairs::<BYTES, BYTES>(nb, w, a) {
         let xq: &[u8] = &x[OFF..];
-        let sumi: i32 = xq.iter().zip(&y[OFF..]).map(|(&p, &q)| (p as i8) as i32 * (q as i8) as i32).sum();
+        let sumi: i32 = xq
+            .iter()
+            .zip(&y[OFF..])
+            .map(|(&p, &q)| (p as i8) as i32 * (q as i8) as i32)
+            .sum();
         sumf += sumi as f32 * (f16_at(&x[0..2]) * f16_at(&y[0..2]));
     }
     sumf

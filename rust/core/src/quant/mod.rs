@@ -149,9 +149,9 @@ impl GgmlType {
                 self.name()
             )));
         }
-        (n / bs).checked_mul(self.type_size()).ok_or_else(|| {
-            Error::BadModel(format!("a {} row of {n} elements is too large to address", self.name()))
-        })
+        (n / bs)
+            .checked_mul(self.type_size())
+            .ok_or_else(|| Error::BadModel(format!("a {} row of {n} elements is too large to address", self.name())))
     }
 
     /// The type activations are quantized to before a dot product with weights of this type: llama.cpp CPU
@@ -230,7 +230,11 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
 /// If `act_ty` is not an activation type (`!act_ty.is_act_type()`): that is a bug in the caller.
 pub fn quantize_act(act_ty: GgmlType, x: &[f32], dst: &mut [u8]) {
     assert!(act_ty.is_act_type(), "{act_ty} is not an activation type");
-    debug_assert_eq!(act_ty.row_bytes(x.len()).ok(), Some(dst.len()), "quantize_act: {act_ty} row size mismatch");
+    debug_assert_eq!(
+        act_ty.row_bytes(x.len()).ok(),
+        Some(dst.len()),
+        "quantize_act: {act_ty} row size mismatch"
+    );
     quantize_into(act_ty, x, dst);
 }
 
@@ -239,8 +243,13 @@ pub fn quantize_act(act_ty: GgmlType, x: &[f32], dst: &mut [u8]) {
 /// (`Error::UnsupportedType` for the other K-quants, whose quantizers search for scales and are not needed
 /// at run time). `Error::InvalidArgument` if `x` is not a whole number of blocks or `dst` is not the row's size.
 pub fn quantize_row(ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<()> {
-    if matches!(ty, GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) {
-        return Err(Error::UnsupportedType(format!("quantizing rows to {ty} is not supported")));
+    if matches!(
+        ty,
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
+    ) {
+        return Err(Error::UnsupportedType(format!(
+            "quantizing rows to {ty} is not supported"
+        )));
     }
     let expected = ty
         .row_bytes(x.len())
@@ -286,8 +295,14 @@ fn quantize_into(ty: GgmlType, x: &[f32], dst: &mut [u8]) {
 /// The caller guarantees `n` is a whole number of blocks and both rows hold at least `n` elements (checked in
 /// debug builds; in release a short row is treated as ending early, never read past).
 pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
-    debug_assert!(n.is_multiple_of(ty.block_size()), "vec_dot: {n} is not a whole number of {ty} blocks");
-    debug_assert!(w.len() >= n / ty.block_size() * ty.type_size(), "vec_dot: {ty} weight row too short");
+    debug_assert!(
+        n.is_multiple_of(ty.block_size()),
+        "vec_dot: {n} is not a whole number of {ty} blocks"
+    );
+    debug_assert!(
+        w.len() >= n / ty.block_size() * ty.type_size(),
+        "vec_dot: {ty} weight row too short"
+    );
     debug_assert!(
         act.len() >= n / ty.block_size() * ty.act_type().type_size(),
         "vec_dot: {} activation row too short",
@@ -328,18 +343,40 @@ fn put_f16(b: &mut [u8], v: f32) {
 /// llama.cpp's `nearest_int`: round to nearest, ties to even, by adding 1.5 * 2^23 and reading the mantissa.
 /// Valid for |v| <= 2^22 (the quantizers only use it on values within +-128); no libm call.
 #[inline(always)]
-fn nearest_int(v: f32) -> i32 {
+pub(super) fn nearest_int(v: f32) -> i32 {
     let biased = v + 12_582_912.0;
     (biased.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
-/// C's `roundf` (ties away from zero) for |v| < 2^31, without a libm call (baseline x86-64 has no rounding
-/// instruction). `v - trunc(v)` is exact, so the comparison with 0.5 decides exactly.
+/// Largest |v| of `x` (0 for an empty slice; NaNs are skipped), in eight independent lanes so the compiler
+/// vectorizes it. Max is exact, so the grouping does not change the result.
 #[inline(always)]
-fn round_away(v: f32) -> i32 {
-    let t = v as i32;
-    let frac = v - t as f32;
-    t + (frac >= 0.5) as i32 - (frac <= -0.5) as i32
+fn abs_max(x: &[f32]) -> f32 {
+    #[inline(always)]
+    fn max(m: f32, v: f32) -> f32 {
+        if v > m {
+            v
+        } else {
+            m
+        }
+    }
+    let (groups, tail) = x.as_chunks::<8>();
+    let mut lanes = [0.0f32; 8];
+    for g in groups {
+        for (m, v) in lanes.iter_mut().zip(g) {
+            *m = max(*m, v.abs());
+        }
+    }
+    let m = lanes.into_iter().fold(0.0, max);
+    tail.iter().fold(m, |m, v| max(m, v.abs()))
+}
+
+/// The value of `x` with the largest |v|, sign included (0 if all are zero): the first such value, as the
+/// strict `>` scans of llama.cpp's Q4_0/Q5_0/Q8_K quantizers pick it (the sign of the scale depends on it).
+#[inline(always)]
+fn signed_abs_max(x: &[f32]) -> f32 {
+    let amax = abs_max(x);
+    x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0)
 }
 
 /// Signed dot product of int8 values (`a`) with int8 values stored as bytes (`b`), over the shorter of the two.
