@@ -156,6 +156,34 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[s
     return list(map(pairs.__getitem__, order))
 
 
+_Tree = dict[str, dict[str, dict[str, list[str]]]]
+
+
+def _prefix_tree(texts: Iterable[str]) -> _Tree:
+    """Special token texts grouped by their first 4, 8 and 12 characters, for :func:`_present`."""
+    tree: _Tree = {}
+    for t in texts:
+        tree.setdefault(t[:4], {}).setdefault(t[:8], {}).setdefault(t[:12], []).append(t)
+    return tree
+
+
+def _present(tree: _Tree, text: str) -> set[str]:
+    """The special token texts that occur in `text`.
+
+    gemma3 has 6.4K special tokens (mostly <unusedN>): testing each one against a long prompt takes about a second,
+    while testing shared prefixes first and descending only into groups whose prefix occurs costs almost nothing.
+    """
+    found: set[str] = set()
+    for k4, sub4 in tree.items():
+        if k4 in text:
+            for k8, sub8 in sub4.items():
+                if k8 in text:
+                    for k12, leaves in sub8.items():
+                        if k12 in text:
+                            found.update(t for t in leaves if t in text)
+    return found
+
+
 class Tokenizer:
     """llama.cpp-compatible tokenizer. Build it with :meth:`from_metadata`."""
 
@@ -184,7 +212,7 @@ class Tokenizer:
         if self._spm:
             self._regexes: tuple[str, ...] = ()
             ignore_merges, add_bos, add_space_prefix = False, True, True
-            bos, eos, unk = 1, 2, 0
+            bos, eos = 1, 2  # llama.cpp's SPM defaults
             merges = None
         else:
             pre = metadata.get("tokenizer.ggml.pre") or "default"
@@ -194,7 +222,6 @@ class Tokenizer:
             self._regexes = _REGEXES[key]
             add_space_prefix = False
             bos = eos = None if pre.startswith(("chatglm", "glm")) else 11  # llama.cpp's gpt2 defaults
-            unk = None
             merges = metadata.get("tokenizer.ggml.merges")
             if merges is None:
                 raise TokenizerError("GGUF metadata has no tokenizer.ggml.merges for a BPE vocab")
@@ -204,12 +231,13 @@ class Tokenizer:
         def special(key: str, default: int | None) -> int | None:
             # llama.cpp ignores (with a warning) ids outside the vocab, keeping its default.
             value = metadata.get(f"tokenizer.ggml.{key}")
-            if isinstance(value, int) and 0 <= value < n:
-                return value
+            if value is not None and not isinstance(value, bool) and hasattr(value, "__index__"):
+                value = value.__index__()  # also accepts numpy integers
+                if 0 <= value < n:
+                    return value
             return default if default is not None and 0 <= default < n else None
 
-        self._bos, self._eos, self._unk = special("bos_token_id", bos), special("eos_token_id", eos), None
-        self._unk = special("unknown_token_id", unk)
+        self._bos, self._eos = special("bos_token_id", bos), special("eos_token_id", eos)
         self._eot, self._eom = special("eot_token_id", None), special("eom_token_id", None)
         fim = {k: special(f"{k}_token_id", None) for k in _FIM_TEXTS}
         self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
@@ -255,7 +283,11 @@ class Tokenizer:
         self._specials_all: list[tuple[int, str]] = [(i, self._tokens[i]) for i in special_ids]
         # With parse_special=False only USER_DEFINED tokens are still split out (llama.cpp / HF behaviour).
         self._specials_user: list[tuple[int, str]] = [
-            (i, t) for i, t in self._specials_all if not self._attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)]
+            s for s in self._specials_all if not self._attrs[s[0]] & (ATTR_CONTROL | ATTR_UNKNOWN)]
+        self._special_tree = _prefix_tree(t for _, t in self._specials_all)
+        used = set("".join(t for _, t in self._specials_all))
+        self._mask_char = next(c for c in ("\x00", "\uffff", "\U0010ffff", *map(chr, range(0xE000, 0xF900)))
+                               if c not in used)
 
         self._pieces: list[bytes | None] = [None] * n
         self._hf: _HFTokenizer | None = None
@@ -300,13 +332,11 @@ class Tokenizer:
         return token_id in self._eog
 
     def is_control(self, token_id: int) -> bool:
-        self._check_id(token_id)
-        return bool(self._attrs[token_id] & ATTR_CONTROL)
+        return bool(self._attrs[self._check_id(token_id)] & ATTR_CONTROL)
 
     def token_text(self, token_id: int) -> str:
         """The raw vocab entry (e.g. 'Ġhello' or '▁hello'), not the decoded text."""
-        self._check_id(token_id)
-        return self._tokens[token_id]
+        return self._tokens[self._check_id(token_id)]
 
     def token_id(self, text: str) -> int | None:
         """Id of the vocab entry whose raw text is `text`, if any."""
@@ -346,22 +376,38 @@ class Tokenizer:
         return out
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """Split `text` into raw fragments and special token ids (llama_vocab::impl::tokenizer_st_partition)."""
-        frags: list[str | int] = [text] if text else []
+        """Split `text` into raw fragments and special token ids, as llama.cpp's tokenizer_st_partition does.
+
+        llama.cpp takes the special tokens longest first and cuts every leftmost non-overlapping occurrence out of
+        each remaining text fragment. Same result here without a Python loop over fragments: occurrences already
+        cut are overwritten in `masked` with a character that no special token contains, so later (shorter)
+        tokens can neither match inside nor across them, and str.find/replace do the scanning.
+        """
+        if not text:
+            return []
+        present = _present(self._special_tree, text)
+        masked = text
+        cuts: list[tuple[int, int, int]] = []  # (start, end, token id)
         for tid, tok in self._specials_all if parse_special else self._specials_user:
-            if tok not in text:  # cheap reject: most special tokens never occur
+            if tok not in present or tok not in masked:
                 continue
-            out: list[str | int] = []
-            for frag in frags:
-                if isinstance(frag, int) or tok not in frag:
-                    out.append(frag)
-                    continue
-                for j, part in enumerate(frag.split(tok)):
-                    if j:
-                        out.append(tid)
-                    if part:
-                        out.append(part)
-            frags = out
+            n, pos = len(tok), masked.find(tok)
+            while pos >= 0:
+                cuts.append((pos, pos + n, tid))
+                pos = masked.find(tok, pos + n)
+            masked = masked.replace(tok, self._mask_char * n)
+        if not cuts:
+            return [text]
+        cuts.sort()
+        frags: list[str | int] = []
+        prev = 0
+        for start, end, tid in cuts:
+            if start > prev:
+                frags.append(text[prev:start])
+            frags.append(tid)
+            prev = end
+        if prev < len(text):
+            frags.append(text[prev:])
         return frags
 
     def prepare(self) -> Tokenizer:
@@ -399,14 +445,20 @@ class Tokenizer:
         return hf
 
     # --- decoding ------------------------------------------------------------------------------------------
-    def _check_id(self, token_id: int) -> None:
-        if not isinstance(token_id, int) or not 0 <= token_id < len(self._tokens):
-            raise TokenizerError(f"token id {token_id!r} out of range for vocab size {len(self._tokens)}")
+    def _check_id(self, token_id: int) -> int:
+        """`token_id` as a plain int (numpy integers welcome); TokenizerError if it is not a valid id."""
+        try:
+            tid = token_id.__index__()
+        except (AttributeError, TypeError):
+            raise TokenizerError(f"token id must be an integer, not {type(token_id).__name__}") from None
+        if not 0 <= tid < len(self._tokens):
+            raise TokenizerError(f"token id {tid} out of range for vocab size {len(self._tokens)}")
+        return tid
 
     def token_to_piece(self, token_id: int, special: bool = True) -> bytes:
         """The bytes token `token_id` stands for (llama_token_to_piece). With special=False, CONTROL and UNKNOWN
         tokens render as nothing. A piece may be part of a UTF-8 sequence."""
-        self._check_id(token_id)
+        token_id = self._check_id(token_id)
         attr = self._attrs[token_id]
         if not special and attr & (ATTR_CONTROL | ATTR_UNKNOWN):
             return b""
@@ -431,7 +483,10 @@ class Tokenizer:
                     out.append(b)
             return bytes(out)
         if attr & ATTR_BYTE:
-            return bytes([int(text[3:5], 16)])  # "<0xXX>"
+            try:
+                return bytes([int(text[3:5], 16)])  # "<0xXX>"
+            except ValueError:
+                return b""
         return b""  # UNUSED / UNDEFINED tokens render as nothing
 
     def _strip_first(self, ids: Sequence[int]) -> bool:
