@@ -47,22 +47,28 @@ def run(tool: Path, args: list[str]) -> tuple[str, str]:
 def greedy(peer: Path, model: Path) -> list[dict]:
     cases = []
     for prompt in PROMPTS:
-        text, _ = run(peer / "llama-completion", [
+        text, err = run(peer / "llama-completion", [
             "-m", str(model), "-p", prompt, "-n", str(N_PREDICT), "--temp", "0", "-no-cnv", "-t", "2",
             "--no-display-prompt", "-c", "2048", "--seed", "1", "--no-warmup",
         ])
-        # llama-completion ends its output with " [end of text]" when it stops on an end-of-generation token.
-        eog = text.endswith(" [end of text]\n") or text.endswith("[end of text]\n")
-        text = re.sub(r" ?\[end of text\]\n$", "", text)
+        # llama-completion logs " [end of text]" (stderr) when it stops on an end-of-generation token, and ends
+        # stdout with two newlines of its own after the generated text.
+        eog = "[end of text]" in err
+        if not text.endswith("\n\n"):
+            raise RuntimeError(f"unexpected llama-completion output ending: {text[-20:]!r}")
+        text = text[:-2]
         cases.append({"prompt": prompt, "n_predict": N_PREDICT, "text": text, "stopped_on_eog": eog})
     return cases
 
 
-def perplexities(peer: Path, model: Path) -> dict:
+def perplexities(peer: Path, model: Path, chunks: int | None) -> dict:
+    """llama-perplexity at c=512 on the shared eval texts: all chunks, or only the first `chunks`."""
     result = {}
     for name in ("code", "prose"):
+        extra = ["--chunks", str(chunks)] if chunks else []
         _, err = run(peer / "llama-perplexity", [
             "-m", str(model), "-f", str(ROOT.parent / "shared" / "eval" / f"{name}.txt"), "-c", "512", "-t", "2",
+            *extra,
         ])
         m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", err)
         result[name] = float(m.group(1)) if m else None
@@ -73,22 +79,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", type=Path, default=Path.home() / ".cache" / "ninfer-peer" / "bin")
     ap.add_argument("--models", type=Path, default=Path.home() / ".cache" / "ninfer-models")
-    ap.add_argument("--perplexity", action="store_true", help="also run llama-perplexity (slow on 2 cores)")
+    ap.add_argument("--greedy-only", action="store_true", help="keep the recorded perplexities")
+    ap.add_argument("--full-perplexity", action="store_true", help="also score whole files (slow on 2 cores)")
     args = ap.parse_args()
-    greedy_out, ppl_out = {}, {}
-    for key, fname in MODELS.items():
+    ppl_file = DATA / "reference_perplexity.json"
+    greedy_out = {}
+    ppl_out = json.loads(ppl_file.read_text()) if ppl_file.exists() else {}
+    for fname in MODELS.values():
         path = args.models / fname
         if not path.is_file():
             print(f"skip {fname}: not present")
             continue
         print(f"greedy {fname}", flush=True)
         greedy_out[fname] = greedy(args.peer, path)
-        if args.perplexity:
+        if not args.greedy_only:
             print(f"perplexity {fname}", flush=True)
-            ppl_out[fname] = perplexities(args.peer, path)
+            ppl_out.setdefault(fname, {})["chunks4"] = perplexities(args.peer, path, 4)
+        if args.full_perplexity:
+            ppl_out.setdefault(fname, {})["all"] = perplexities(args.peer, path, None)
     (DATA / "reference_greedy.json").write_text(json.dumps(greedy_out, indent=1, ensure_ascii=False) + "\n")
-    if ppl_out:
-        (DATA / "reference_perplexity.json").write_text(json.dumps(ppl_out, indent=1) + "\n")
+    ppl_file.write_text(json.dumps(ppl_out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

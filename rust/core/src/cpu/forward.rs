@@ -8,6 +8,20 @@ use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqId};
 use crate::model::{Activation, Model};
 
+/// `NINFER_TRACE=1` prints the sum of every intermediate tensor to stderr, named as llama.cpp's
+/// llama-eval-callback names them, to find where a numeric difference from llama.cpp starts.
+fn trace_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("NINFER_TRACE").is_some_and(|v| v != "0"))
+}
+
+fn trace(name: &str, layer: usize, x: &[f32]) {
+    if trace_enabled() {
+        let sum: f64 = x.iter().map(|&v| v as f64).sum();
+        eprintln!("trace {name}-{layer} sum = {sum:.6}");
+    }
+}
+
 /// Tokens to append to one sequence.
 pub struct SeqTokens<'a> {
     pub seq: SeqId,
@@ -87,6 +101,7 @@ impl Model {
         for (il, (lw, ls)) in w.layers.iter().zip(&spec.layers).enumerate() {
             // Attention block.
             ops::rms_norm(&x, &lw.attn_norm, spec.rms_eps, &mut h);
+            trace("attn_norm", il, &h);
             let acts = quantize_acts(&lw.wq, &h, n);
             matmul_quantized(&lw.wq, &acts, &mut q);
             let same_fmt = |m: &crate::model::weights::Matrix| m.ty.act_type() == lw.wq.ty.act_type();
@@ -97,6 +112,9 @@ impl Model {
                     ops::add_bias(buf, b);
                 }
             }
+            trace("Qcur", il, &q);
+            trace("Kcur", il, &k);
+            trace("Vcur", il, &v);
             if let Some(qn) = &lw.q_norm {
                 ops::rms_norm_in_place(&mut q, qn, spec.rms_eps);
             }
@@ -108,6 +126,8 @@ impl Model {
                 ops::rope_row(&mut q[t * q_dim..(t + 1) * q_dim], hd, &angles, spec.rope_neox);
                 ops::rope_row(&mut k[t * k_dim..(t + 1) * k_dim], hd, &angles, spec.rope_neox);
             }
+            trace("Qcur_rope", il, &q);
+            trace("Kcur_rope", il, &k);
             if spec.q_scale != 1.0 {
                 q.iter_mut().for_each(|v| *v *= spec.q_scale);
             }
@@ -123,14 +143,18 @@ impl Model {
                 window: ls.sliding_window,
             };
             attention(kv, il, rows, &q, shape, &mut att);
+            trace("kqv_out", il, &att);
             matmul(&lw.wo, &att, n, &mut o);
+            trace("attn_out", il, &o);
             if let Some(pn) = &lw.post_attn_norm {
                 ops::rms_norm_in_place(&mut o, pn, spec.rms_eps);
             }
             ops::add_in_place(&mut x, &o);
+            trace("ffn_inp", il, &x);
 
             // Feed-forward block.
             ops::rms_norm(&x, &lw.ffn_norm, spec.rms_eps, &mut h);
+            trace("ffn_norm", il, &h);
             let acts = quantize_acts(&lw.w_gate, &h, n);
             matmul_quantized(&lw.w_gate, &acts, &mut gate);
             if lw.w_up.ty.act_type() == lw.w_gate.ty.act_type() {
@@ -138,15 +162,20 @@ impl Model {
             } else {
                 matmul(&lw.w_up, &h, n, &mut up);
             }
+            trace("ffn_gate", il, &gate);
+            trace("ffn_up", il, &up);
             match spec.activation {
                 Activation::Silu => ops::swiglu(&mut gate, &up),
                 Activation::GeluTanh => ops::geglu(&mut gate, &up),
             }
+            trace("ffn_act", il, &gate);
             matmul(&lw.w_down, &gate, n, &mut o);
+            trace("ffn_out", il, &o);
             if let Some(pn) = &lw.post_ffn_norm {
                 ops::rms_norm_in_place(&mut o, pn, spec.rms_eps);
             }
             ops::add_in_place(&mut x, &o);
+            trace("l_out", il, &x);
         }
 
         // Output head, only for the rows whose logits were asked for.

@@ -9,7 +9,8 @@
 use rayon::prelude::*;
 
 use crate::model::weights::Matrix;
-use crate::quant::{quantize_act, vec_dot};
+use crate::quant::quantize_act;
+use crate::quant::simd::{vec_dot_matmul, MatmulPos};
 
 /// Rows per task: large enough to amortise scheduling, small enough to balance 2..64 threads.
 const ROWS_PER_TASK: usize = 16;
@@ -46,8 +47,12 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     debug_assert_eq!(out.len(), m * n);
     let data = w.data();
     let rb = w.row_bytes();
+    // Each dot product is summed the way llama.cpp's CPU backend sums the one at the same place of the same
+    // matmul (its kernel choice depends on the matrix and batch shape), which greedy parity relies on.
     let dot = |r: usize, t: usize| {
-        vec_dot(w.ty, k, &data[r * rb..(r + 1) * rb], &acts.bytes[t * acts.row_bytes..(t + 1) * acts.row_bytes])
+        let pos = MatmulPos { w_rows: m, act_rows: n, act_row: t };
+        let a = &acts.bytes[t * acts.row_bytes..(t + 1) * acts.row_bytes];
+        vec_dot_matmul(w.ty, k, &data[r * rb..(r + 1) * rb], a, pos)
     };
     if n == 1 {
         out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {

@@ -14,7 +14,9 @@
 //! - this file: the type table and the public entry points, which dispatch once on the type;
 //! - [`float`]: F32, F16 and BF16 rows;
 //! - [`legacy`]: the 32-element block formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q8_1;
-//! - [`kquants`]: the 256-element super-block formats Q2_K .. Q6_K and the activation format Q8_K.
+//! - [`kquants`]: the 256-element super-block formats Q2_K .. Q6_K and the activation format Q8_K;
+//! - [`simd`]: run-time selected SIMD kernels (AVX2 today); `vec_dot`, `quantize_act`/`quantize_row` and
+//!   `dequantize_row` route to them when the CPU has them, the scalar code being the fallback and oracle.
 //!
 //! All block layouts are GGML's (`ggml-common.h`), read straight from little-endian bytes; the math follows
 //! llama.cpp's scalar references (`ggml-quants.c`, `ggml-cpu/quants.c`): integer sums inside a block, then one
@@ -23,6 +25,7 @@
 mod float;
 mod kquants;
 mod legacy;
+pub mod simd;
 
 #[cfg(test)]
 mod tests;
@@ -199,6 +202,15 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
             src.len()
         )));
     }
+    match simd::kernels().dequantize(ty) {
+        Some(f) => f(src, dst),
+        None => dequantize_scalar(ty, src, dst),
+    }
+    Ok(())
+}
+
+/// The scalar dequantizers (sizes already checked).
+fn dequantize_scalar(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     match ty {
         GgmlType::F32 => float::dequantize_f32(src, dst),
         GgmlType::F16 => float::dequantize_f16(src, dst),
@@ -216,7 +228,6 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         GgmlType::Q6_K => kquants::dequantize_q6_k(src, dst),
         GgmlType::Q8_K => kquants::dequantize_q8_k(src, dst),
     }
-    Ok(())
 }
 
 /// Quantize an f32 activation row `x` to `act_ty` into `dst`, bit-exact with llama.cpp's reference
@@ -268,6 +279,14 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<()> {
 /// Shared dispatch of `quantize_act` and `quantize_row`; the K-quant weight formats are filtered out by both
 /// callers.
 fn quantize_into(ty: GgmlType, x: &[f32], dst: &mut [u8]) {
+    match simd::kernels().quantize(ty) {
+        Some(f) => f(x, dst),
+        None => quantize_scalar(ty, x, dst),
+    }
+}
+
+/// The scalar quantizers (the K-quant weight formats are filtered out by the callers).
+fn quantize_scalar(ty: GgmlType, x: &[f32], dst: &mut [u8]) {
     match ty {
         GgmlType::F32 => float::quantize_f32(x, dst),
         GgmlType::F16 => float::quantize_f16(x, dst),
@@ -288,9 +307,12 @@ fn quantize_into(ty: GgmlType, x: &[f32], dst: &mut [u8]) {
 /// Dot product of the first `n` elements of weight row `w` (type `ty`) with activation row `act`, quantized to
 /// `ty.act_type()` by [`quantize_act`].
 ///
-/// Follows llama.cpp's `ggml_vec_dot_<type>_<acttype>` reference math: exact integer sums inside each block,
-/// scaled once per block in f32. Float rows (F32/F16/BF16) are summed in eight f32 lanes, like llama.cpp's SIMD
-/// paths. Every type of the table is supported (Q8_1 and Q8_K pair with themselves).
+/// Follows llama.cpp's `ggml_vec_dot_<type>_<acttype>` math: exact integer sums inside each block, scaled once
+/// per block in f32. Float rows (F32/F16/BF16) are summed in eight f32 lanes, like llama.cpp's SIMD paths.
+/// Every type of the table is supported (Q8_1 and Q8_K pair with themselves). Where the CPU has them, SIMD
+/// kernels ([`simd`]) run instead, with the float summation order of llama.cpp's own SIMD kernels (the last
+/// bits may differ from the scalar code): for one activation row, as in decoding. For a matmul over several
+/// activation rows, [`simd::vec_dot_matmul`] gives the order llama.cpp uses at each position.
 ///
 /// The caller guarantees `n` is a whole number of blocks and both rows hold at least `n` elements (checked in
 /// debug builds; in release a short row is treated as ending early, never read past).
@@ -309,6 +331,14 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
         ty.act_type()
     );
     let nb = n / ty.block_size();
+    match simd::kernels().vec_dot(ty) {
+        Some(f) => f(nb, w, act),
+        None => vec_dot_scalar(ty, nb, w, act),
+    }
+}
+
+/// The scalar dot products over `nb` blocks (elements for the float types).
+fn vec_dot_scalar(ty: GgmlType, nb: usize, w: &[u8], act: &[u8]) -> f32 {
     match ty {
         GgmlType::F32 => float::vec_dot_f32(nb, w, act),
         GgmlType::F16 => float::vec_dot_f16(nb, w, act),

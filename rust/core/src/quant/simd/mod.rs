@@ -1,0 +1,264 @@
+//! Run-time selected SIMD kernels behind the public entry points of [`crate::quant`].
+//!
+//! The scalar code of `float.rs`, `legacy.rs` and `kquants.rs` stays the reference and the fallback. At the
+//! first call, [`kernels`] inspects the CPU once (`is_x86_feature_detected!`) and builds a [`Kernels`] table:
+//! optional function pointers per GGML type for the dot products, activation quantization and
+//! `dequantize_row`. A missing entry means "use the scalar code". The entry points in `quant/mod.rs` look the
+//! table up (one atomic load once initialised) and fall back to the scalar match.
+//!
+//! Kernel sets, best first (only the first one exists today):
+//! - `avx2`: x86-64 AVX2 + FMA + F16C (`x86_avx2`), with the integer layout and float summation order of
+//!   llama.cpp's own AVX2 kernels, so results are bit-identical to llama.cpp running on the same machine
+//!   (checked against its `libggml-cpu.so`); activation quantization is byte-exact with the scalar code.
+//! - later: AVX-512 / AVX-VNNI (x86-64), NEON (aarch64): add a module and a branch in [`detect`]; a set may
+//!   start from a lesser set's table and override entries.
+//!
+//! llama.cpp does not sum every dot product of a matmul the same way: on AVX2 it repacks Q4_0 / Q4_K matrices
+//! and runs GEMV/GEMM kernels on them, and runs a "tiled" kernel for K-quant matmuls with 8 or more activation
+//! rows. [`vec_dot_matmul`] picks the matching kernel from the position of the dot product in its matmul;
+//! [`crate::quant::vec_dot`] is the single-activation-row (decode) case.
+//!
+//! Environment (read once, at the first quant call):
+//! - `NINFER_SIMD=scalar` (or `off`, `0`, `none`) forces the scalar code, for debugging numeric differences;
+//! - `NINFER_Q4_ORDER=vec_dot` sums Q4_0 / Q4_K like llama.cpp run with `--no-repack`;
+//! - `GGML_CPU_TILED_MM=0`, the variable llama.cpp itself reads, turns the tiled order off (like llama.cpp).
+
+use std::sync::OnceLock;
+
+use super::{Error, GgmlType, Result};
+
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2;
+
+#[cfg(test)]
+mod tests;
+
+/// Dot-product kernel: `(nb, w, act)` with `nb` the number of blocks (elements for the float types). Kernels
+/// clamp `nb` to the whole blocks both slices hold, so a short row never reads out of bounds.
+pub(super) type VecDotFn = fn(usize, &[u8], &[u8]) -> f32;
+/// Quantization kernel: writes the whole blocks that fit both `x` and `dst`.
+pub(super) type QuantizeFn = fn(&[f32], &mut [u8]);
+/// Dequantization kernel: writes the whole blocks that fit both `src` and `dst`.
+pub(super) type DequantizeFn = fn(&[u8], &mut [f32]);
+
+/// Table slots: GGML type ids run up to 30 (BF16).
+const SLOTS: usize = 31;
+
+type Slots<F> = [Option<F>; SLOTS];
+
+/// One kernel set: per-type function pointers, `None` where the scalar code (or, for the variant slots, the
+/// `vec_dot` slot) runs.
+pub(super) struct Kernels {
+    name: &'static str,
+    /// Whether Q4_0 / Q4_K matrices count as repacked (llama.cpp's default on AVX2 CPUs).
+    repacked_q4: bool,
+    /// One activation row (decode), matrices with a row count divisible by 8.
+    vec_dot: Slots<VecDotFn>,
+    /// Where it differs from `vec_dot`: matrices llama.cpp does not repack (row count not divisible by 8).
+    vec_dot_unpacked: Slots<VecDotFn>,
+    /// Repacked matrices, activation rows processed four at a time (GEMM).
+    vec_dot_gemm4: Slots<VecDotFn>,
+    /// Non-repacked K-quant matrices in matmuls with 8 or more activation rows.
+    vec_dot_tiled: Slots<VecDotFn>,
+    quantize: Slots<QuantizeFn>,
+    dequantize: Slots<DequantizeFn>,
+}
+
+impl Kernels {
+    /// The empty table: everything scalar.
+    const SCALAR: Kernels = Kernels {
+        name: "scalar",
+        repacked_q4: false,
+        vec_dot: [None; SLOTS],
+        vec_dot_unpacked: [None; SLOTS],
+        vec_dot_gemm4: [None; SLOTS],
+        vec_dot_tiled: [None; SLOTS],
+        quantize: [None; SLOTS],
+        dequantize: [None; SLOTS],
+    };
+
+    #[inline]
+    pub(super) fn vec_dot(&self, ty: GgmlType) -> Option<VecDotFn> {
+        self.vec_dot[ty as usize]
+    }
+
+    /// The kernel llama.cpp's CPU backend would sum this dot product with (see [`vec_dot_matmul`]).
+    #[inline]
+    pub(super) fn vec_dot_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<VecDotFn> {
+        let t = ty as usize;
+        let repacked = self.repacked_q4 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_K) && pos.w_rows.is_multiple_of(8);
+        if repacked {
+            let in_group_of_4 = pos.act_rows >= 4 && pos.act_row < pos.act_rows - pos.act_rows % 4;
+            if in_group_of_4 {
+                if let Some(f) = self.vec_dot_gemm4[t] {
+                    return Some(f);
+                }
+            }
+            return self.vec_dot[t];
+        }
+        if pos.act_rows >= 8 {
+            if let Some(f) = self.vec_dot_tiled[t] {
+                return Some(f);
+            }
+        }
+        self.vec_dot_unpacked[t].or(self.vec_dot[t])
+    }
+
+    #[inline]
+    pub(super) fn quantize(&self, ty: GgmlType) -> Option<QuantizeFn> {
+        self.quantize[ty as usize]
+    }
+
+    #[inline]
+    pub(super) fn dequantize(&self, ty: GgmlType) -> Option<DequantizeFn> {
+        self.dequantize[ty as usize]
+    }
+}
+
+static KERNELS: OnceLock<Kernels> = OnceLock::new();
+
+/// The kernel set of this CPU, detected on the first call.
+#[inline]
+pub(super) fn kernels() -> &'static Kernels {
+    KERNELS.get_or_init(detect)
+}
+
+/// The lower-cased value of environment variable `name`, if set.
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().map(|v| v.trim().to_ascii_lowercase())
+}
+
+/// C's `atoi`, as llama.cpp reads its switches: optional sign and leading digits, 0 when there are none.
+fn atoi(s: &str) -> i64 {
+    let s = s.trim_start();
+    let (neg, digits) = match s.as_bytes().first() {
+        Some(b'-') => (true, &s[1..]),
+        Some(b'+') => (false, &s[1..]),
+        _ => (false, s),
+    };
+    let v = digits
+        .bytes()
+        .take_while(u8::is_ascii_digit)
+        .fold(0i64, |v, d| v.saturating_mul(10).saturating_add((d - b'0') as i64));
+    if neg {
+        -v
+    } else {
+        v
+    }
+}
+
+/// Which of llama.cpp's matmul paths the kernel table mirrors.
+#[derive(Clone, Copy, Debug)]
+struct Orders {
+    /// Q4_0 / Q4_K matrices are repacked (llama.cpp without `--no-repack`).
+    repacked_q4: bool,
+    /// K-quant matmuls with >= 8 activation rows use the tiled kernel (llama.cpp without `GGML_CPU_TILED_MM=0`).
+    tiled: bool,
+}
+
+impl Orders {
+    #[cfg(test)]
+    const LLAMA_CPP_DEFAULT: Orders = Orders { repacked_q4: true, tiled: true };
+    #[cfg(test)]
+    const PLAIN: Orders = Orders { repacked_q4: false, tiled: false };
+
+    fn from_env() -> Orders {
+        Orders {
+            repacked_q4: !matches!(env("NINFER_Q4_ORDER").as_deref(), Some("vec_dot" | "vecdot" | "no-repack")),
+            tiled: env("GGML_CPU_TILED_MM").is_none_or(|v| atoi(&v) != 0),
+        }
+    }
+}
+
+fn detect() -> Kernels {
+    if matches!(env("NINFER_SIMD").as_deref(), Some("scalar" | "off" | "0" | "none")) {
+        return Kernels::SCALAR;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if let Some(k) = x86_avx2::detect(Orders::from_env()) {
+            return k;
+        }
+    }
+    Kernels::SCALAR
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Public helpers
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Where a dot product sits in a matmul `out[act_row][r] = dot(w[r], act[act_row])`: that decides which of
+/// llama.cpp's kernels (and float summation orders) its CPU backend would use for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulPos {
+    /// Rows of the weight matrix (output features).
+    pub w_rows: usize,
+    /// Activation rows (tokens) of the matmul.
+    pub act_rows: usize,
+    /// The activation row of this dot product, `0..act_rows`.
+    pub act_row: usize,
+}
+
+/// [`crate::quant::vec_dot`] for the dot product at `pos` of a matmul, summed the way llama.cpp's CPU backend
+/// sums that one, so a whole matmul (prefill included) matches llama.cpp bit for bit. On the AVX2 kernel set
+/// (llama.cpp defaults, see the module docs for the switches):
+/// - Q4_0 / Q4_K matrices with `w_rows % 8 == 0` are repacked by llama.cpp: single rows go through its GEMV,
+///   and activation rows `0 .. act_rows - act_rows % 4` (when `act_rows >= 4`) through its GEMM, which for
+///   Q4_K sums in a different order;
+/// - other K-quant matrices (and Q4_K ones llama.cpp does not repack) in matmuls with `act_rows >= 8` go
+///   through its tiled kernel, which sums in its own order;
+/// - everything else is `vec_dot` (llama.cpp's llamafile GEMM sums Q8_0/Q4_0/Q5_0 exactly like its dot
+///   kernels). Not mirrored: F16/F32/BF16 matrices with `act_rows >= 2`, which llama.cpp runs through
+///   llamafile's float GEMM; those get `vec_dot`.
+///
+/// Without a SIMD kernel set this is `vec_dot` (the scalar code). Same contract as `vec_dot`.
+pub fn vec_dot_matmul(ty: GgmlType, n: usize, w: &[u8], act: &[u8], pos: MatmulPos) -> f32 {
+    match kernels().vec_dot_at(ty, pos) {
+        Some(f) => f(n / ty.block_size(), w, act),
+        None => crate::quant::vec_dot(ty, n, w, act),
+    }
+}
+
+/// Name of the kernel set the quant entry points use on this machine: `"avx2"` or `"scalar"`.
+pub fn isa() -> &'static str {
+    kernels().name
+}
+
+/// Whether [`crate::quant::vec_dot`] for weights of type `ty` runs a SIMD kernel on this machine.
+pub fn has_simd_vec_dot(ty: GgmlType) -> bool {
+    kernels().vec_dot(ty).is_some()
+}
+
+/// Whether [`crate::quant::quantize_act`] to `act_ty` runs a SIMD kernel on this machine.
+pub fn has_simd_quantize(act_ty: GgmlType) -> bool {
+    kernels().quantize(act_ty).is_some()
+}
+
+/// [`crate::quant::vec_dot`] with the scalar reference code, whatever the CPU: the oracle the SIMD kernels
+/// are tested against. Same contract as `vec_dot`.
+pub fn vec_dot_scalar(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
+    super::vec_dot_scalar(ty, n / ty.block_size(), w, act)
+}
+
+/// [`crate::quant::quantize_act`] with the scalar reference code (the SIMD kernels are byte-exact with it).
+///
+/// # Panics
+/// If `act_ty` is not an activation type.
+pub fn quantize_act_scalar(act_ty: GgmlType, x: &[f32], dst: &mut [u8]) {
+    assert!(act_ty.is_act_type(), "{act_ty} is not an activation type");
+    super::quantize_scalar(act_ty, x, dst);
+}
+
+/// [`crate::quant::dequantize_row`] with the scalar reference code.
+pub fn dequantize_row_scalar(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    let expected = ty.row_bytes(dst.len())?;
+    if src.len() != expected {
+        return Err(Error::BadModel(format!(
+            "a {ty} row of {} elements takes {expected} bytes, got {}",
+            dst.len(),
+            src.len()
+        )));
+    }
+    super::dequantize_scalar(ty, src, dst);
+    Ok(())
+}

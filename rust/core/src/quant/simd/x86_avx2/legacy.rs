@@ -1,0 +1,208 @@
+//! AVX2 kernels of the 32-element block formats: dot products with Q8_0 / Q8_1 activations, after llama.cpp's
+//! `ggml_vec_dot_q{4_0,4_1,5_0,5_1,8_0}_q8_*` (arch/x86/quants.c), and the Q8_0 / Q8_1 activation quantizers
+//! (byte-exact with the scalar `legacy::quantize_q8_*`, which follow llama.cpp's AVX2 `quantize_row_q8_*`).
+//!
+//! Per block, the 32 integer products are summed four at a time into eight i32 lanes, converted to f32 and
+//! accumulated with one `fmadd` by the block's combined scale; a final `hsum_float_8`. For the formats with a
+//! min (Q4_1, Q5_1), `m * s` is accumulated in a scalar FMA chain and added at the end.
+
+use std::arch::x86_64::*;
+
+use super::{
+    abs_max_lanes, bytes_from_bits_32, bytes_from_nibbles_32, f16_at, hmax_ps, hsum_float_8, hsum_i32_8, load256,
+    mul_sum_i8_pairs_float, mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, put_f16, sum_i8_groups8,
+};
+use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use crate::quant::QK_LEGACY as QK;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dot products; `nb` blocks, `x` the weight row, `y` the activation row (both in bounds for `nb` blocks)
+// ---------------------------------------------------------------------------------------------------------------
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_q4_0_q8_0(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let off = _mm256_set1_epi8(8);
+    let mut acc = _mm256_setzero_ps();
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * Q4_0_BYTES), y.add(i * Q8_0_BYTES));
+        let d = _mm256_set1_ps(f16_at(xb) * f16_at(yb));
+        // Nibbles 0..=15, offset to -8..=7.
+        let qx = _mm256_sub_epi8(bytes_from_nibbles_32(xb.add(2)), off);
+        let qy = load256(yb.add(2));
+        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
+    }
+    hsum_float_8(acc)
+}
+
+/// Q4_0 in the float order of llama.cpp's repacked kernels (`ggml_gemv_q4_0_8x8_q8_0` /
+/// `ggml_gemm_q4_0_8x8_q8_0`, arch/x86/repack.cpp), which llama.cpp runs on AVX2 CPUs for Q4_0 weights with a
+/// row count divisible by 8 (`CPU_REPACK` buffers, on by default): each output is one lane, and each block's
+/// exact integer dot is accumulated in a sequential FMA chain, `acc += isum * (d_x * d_y)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_q4_0_q8_0_repacked(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    // The integer dots of four blocks are reduced together (exact, any grouping), then fed to the sequential
+    // FMA chain one block at a time.
+    let mut acc = 0.0f32;
+    let mut i = 0;
+    while i + 4 <= nb {
+        let p = [
+            q4_0_block_lanes(x.add(i * Q4_0_BYTES), y.add(i * Q8_0_BYTES)),
+            q4_0_block_lanes(x.add((i + 1) * Q4_0_BYTES), y.add((i + 1) * Q8_0_BYTES)),
+            q4_0_block_lanes(x.add((i + 2) * Q4_0_BYTES), y.add((i + 2) * Q8_0_BYTES)),
+            q4_0_block_lanes(x.add((i + 3) * Q4_0_BYTES), y.add((i + 3) * Q8_0_BYTES)),
+        ];
+        let h = p.map(|v| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v)));
+        let isums = _mm_hadd_epi32(_mm_hadd_epi32(h[0], h[1]), _mm_hadd_epi32(h[2], h[3]));
+        let mut isums_f = [0.0f32; 4];
+        _mm_storeu_ps(isums_f.as_mut_ptr(), _mm_cvtepi32_ps(isums));
+        for (j, &s) in isums_f.iter().enumerate() {
+            let (xb, yb) = (x.add((i + j) * Q4_0_BYTES), y.add((i + j) * Q8_0_BYTES));
+            acc = s.mul_add(f16_at(xb) * f16_at(yb), acc);
+        }
+        i += 4;
+    }
+    for i in i..nb {
+        let (xb, yb) = (x.add(i * Q4_0_BYTES), y.add(i * Q8_0_BYTES));
+        let isum = hsum_i32_8(q4_0_block_lanes(xb, yb));
+        acc = (isum as f32).mul_add(f16_at(xb) * f16_at(yb), acc);
+    }
+    acc
+}
+
+/// Q4_0 x Q8_0, one block: the 32 products summed four at a time into eight i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_block_lanes(xb: *const u8, yb: *const u8) -> __m256i {
+    let qx = _mm256_sub_epi8(bytes_from_nibbles_32(xb.add(2)), _mm256_set1_epi8(8));
+    let qy = load256(yb.add(2));
+    let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
+    _mm256_madd_epi16(_mm256_set1_epi16(1), p16)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_q4_1_q8_1(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0.0f32;
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * Q4_1_BYTES), y.add(i * Q8_1_BYTES));
+        let (d0, d1) = (f16_at(xb), f16_at(yb));
+        // GCC contracts llama.cpp's `summs += m * s` into an FMA.
+        summs = f16_at(xb.add(2)).mul_add(f16_at(yb.add(2)), summs);
+        let d0d1 = _mm256_mul_ps(_mm256_set1_ps(d0), _mm256_set1_ps(d1));
+        let qx = bytes_from_nibbles_32(xb.add(4));
+        let qy = load256(yb.add(4));
+        acc = _mm256_fmadd_ps(d0d1, mul_sum_us8_pairs_float(qx, qy), acc);
+    }
+    hsum_float_8(acc) + summs
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_q5_0_q8_0(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let high = _mm256_set1_epi8(0xF0u8 as i8);
+    let mut acc = _mm256_setzero_ps();
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * Q5_0_BYTES), y.add(i * Q8_0_BYTES));
+        let d = _mm256_set1_ps(f16_at(xb) * f16_at(yb));
+        // nibble | (fifth bit clear ? 0xF0 : 0): the code minus 16 as a signed byte.
+        let qx = bytes_from_nibbles_32(xb.add(6));
+        let bxhi = _mm256_andnot_si256(bytes_from_bits_32(xb.add(2)), high);
+        let qx = _mm256_or_si256(qx, bxhi);
+        let qy = load256(yb.add(2));
+        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
+    }
+    hsum_float_8(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_q5_1_q8_1(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let bit5 = _mm256_set1_epi8(0x10);
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0.0f32;
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * Q5_1_BYTES), y.add(i * Q8_1_BYTES));
+        let dx = _mm256_set1_ps(f16_at(xb));
+        summs = f16_at(xb.add(2)).mul_add(f16_at(yb.add(2)), summs);
+        let qx = bytes_from_nibbles_32(xb.add(8));
+        let bxhi = _mm256_and_si256(bytes_from_bits_32(xb.add(4)), bit5);
+        let qx = _mm256_or_si256(qx, bxhi);
+        let dy = _mm256_set1_ps(f16_at(yb));
+        let qy = load256(yb.add(4));
+        let q = mul_sum_us8_pairs_float(qx, qy);
+        acc = _mm256_fmadd_ps(q, _mm256_mul_ps(dx, dy), acc);
+    }
+    hsum_float_8(acc) + summs
+}
+
+/// Int8 x int8 blocks of `BYTES` bytes whose quants start at `OFF` (Q8_0: llama.cpp's
+/// `ggml_vec_dot_q8_0_q8_0`; Q8_1 x Q8_1 has no llama.cpp kernel and reuses it).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn vec_dot_q8<const BYTES: usize, const OFF: usize>(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * BYTES), y.add(i * BYTES));
+        let d = _mm256_set1_ps(f16_at(xb) * f16_at(yb));
+        let q = mul_sum_i8_pairs_float(load256(xb.add(OFF)), load256(yb.add(OFF)));
+        acc = _mm256_fmadd_ps(d, q, acc);
+    }
+    hsum_float_8(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_q8_0_q8_0(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    vec_dot_q8::<Q8_0_BYTES, 2>(nb, x, y)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_q8_1_q8_1(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    vec_dot_q8::<Q8_1_BYTES, 4>(nb, x, y)
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Activation quantization (byte-exact with the scalar `quantize_block_q8`)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// One block: `d = amax / 127`, `q = nearest_int(x * (127 / amax)) as i8` stored at `qs`. Returns `d` (f32)
+/// and the quants as a vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_block_q8(x: *const f32, qs: *mut u8) -> (f32, __m256i) {
+    let v = [
+        _mm256_loadu_ps(x),
+        _mm256_loadu_ps(x.add(8)),
+        _mm256_loadu_ps(x.add(16)),
+        _mm256_loadu_ps(x.add(24)),
+    ];
+    let amax = hmax_ps(abs_max_lanes(&v, _mm256_setzero_ps()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mul = _mm256_set1_ps(id);
+    let q = pack_low_bytes([
+        nearest_int(_mm256_mul_ps(v[0], mul)),
+        nearest_int(_mm256_mul_ps(v[1], mul)),
+        nearest_int(_mm256_mul_ps(v[2], mul)),
+        nearest_int(_mm256_mul_ps(v[3], mul)),
+    ]);
+    _mm256_storeu_si256(qs as *mut __m256i, q);
+    (d, q)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn quantize_q8_0(nb: usize, x: *const f32, dst: *mut u8) {
+    for i in 0..nb {
+        let b = dst.add(i * Q8_0_BYTES);
+        let (d, _) = quantize_block_q8(x.add(i * QK), b.add(2));
+        put_f16(b, d);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn quantize_q8_1(nb: usize, x: *const f32, dst: *mut u8) {
+    for i in 0..nb {
+        let b = dst.add(i * Q8_1_BYTES);
+        let (d, q) = quantize_block_q8(x.add(i * QK), b.add(4));
+        let sum: i32 = sum_i8_groups8(q).iter().sum();
+        put_f16(b, d);
+        put_f16(b.add(2), sum as f32 * d);
+    }
+}
