@@ -51,12 +51,14 @@ def greedy(peer: Path, model: Path) -> list[dict]:
             "-m", str(model), "-p", prompt, "-n", str(N_PREDICT), "--temp", "0", "-no-cnv", "-t", "2",
             "--no-display-prompt", "-c", "2048", "--seed", "1", "--no-warmup",
         ])
-        # llama-completion logs " [end of text]" (stderr) when it stops on an end-of-generation token, and ends
-        # stdout with two newlines of its own after the generated text.
-        eog = "[end of text]" in err
+        # llama-completion ends stdout with two newlines of its own; when it stops on an end-of-generation token
+        # it writes " [end of text]\n" before them.
         if not text.endswith("\n\n"):
             raise RuntimeError(f"unexpected llama-completion output ending: {text[-20:]!r}")
         text = text[:-2]
+        eog = text.endswith(" [end of text]\n")
+        if eog:
+            text = text[: -len(" [end of text]\n")]
         cases.append({"prompt": prompt, "n_predict": N_PREDICT, "text": text, "stopped_on_eog": eog})
     return cases
 
