@@ -66,7 +66,8 @@ def test_prompt_prefix_reuse_gives_the_same_logits(llm: ninfer.LLM) -> None:
     long = "The capital of France is Paris. The capital of Italy is"
     fresh = ninfer.LLM(llm.model_file.path, n_ctx=512, threads=2).generate(long, max_tokens=8, temperature=0)
     llm.generate("The capital of France is Paris. The capital of Spain is", max_tokens=4, temperature=0)
-    reused = llm.generate(long, max_tokens=8, temperature=0)  # shares a prefix with the previous prompt
+    # Shares a prefix with the previous prompt: only the new tail is evaluated, at the right positions.
+    reused = llm.generate(long, max_tokens=8, temperature=0, cache_prompt=True)
     assert reused.tokens == fresh.tokens
 
 

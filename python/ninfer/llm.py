@@ -151,10 +151,14 @@ class LLM:
         self._engine.remove(_SEQ)
         self._seq_tokens = []
 
-    def _prefill(self, prompt: list[int]) -> Any:
-        """Logits after the prompt, reusing the longest prefix the KV cache already holds."""
+    def _prefill(self, prompt: list[int], cache_prompt: bool) -> Any:
+        """Logits after the prompt; with cache_prompt, reusing the longest prefix the KV cache already holds.
+
+        Reuse is off by default: llama.cpp's kernels (and ours, which follow them bit for bit) sum differently for
+        different batch sizes, so evaluating only the new part of a prompt can change the last bits of the logits
+        and, now and then, a greedy token. Off, the same prompt always gives the same output."""
         keep = 0
-        for a, b in zip(self._seq_tokens, prompt[:-1]):
+        for a, b in zip(self._seq_tokens if cache_prompt else [], prompt[:-1]):
             if a != b:
                 break
             keep += 1
@@ -184,7 +188,7 @@ class LLM:
 
     def _run(
         self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: Sequence[str],
-        add_special: bool, stream: Stream | None,
+        add_special: bool, cache_prompt: bool, stream: Stream | None,
     ) -> Iterator[str]:
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -195,7 +199,7 @@ class LLM:
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed
         )
         t0 = time.perf_counter()
-        logits = self._prefill(ids)
+        logits = self._prefill(ids, cache_prompt)
         token = sampler.sample(logits)
         t1 = time.perf_counter()
 
@@ -250,11 +254,12 @@ class LLM:
         seed: int | None = None,
         stop: Sequence[str] = (),
         add_special: bool = True,
+        cache_prompt: bool = False,
     ) -> Stream:
         """Generate, yielding text pieces as they complete (never a broken UTF-8 character)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         s = Stream(iter(()))
-        gen = self._run(prompt, max_tokens, params, stop, add_special, s)
+        gen = self._run(prompt, max_tokens, params, stop, add_special, cache_prompt, s)
         # Validate arguments and evaluate the prompt now, so errors surface at the call, not at the first next().
         first = next(gen, None)
         s._pieces = _chain_first(first, gen)
@@ -272,10 +277,11 @@ class LLM:
         seed: int | None = None,
         stop: Sequence[str] = (),
         add_special: bool = True,
+        cache_prompt: bool = False,
     ) -> Completion:
         s = self.stream(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            seed=seed, stop=stop, add_special=add_special,
+            seed=seed, stop=stop, add_special=add_special, cache_prompt=cache_prompt,
         )
         for _ in s:
             pass

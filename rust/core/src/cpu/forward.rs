@@ -10,15 +10,35 @@ use crate::model::{Activation, Model};
 
 /// `NINFER_TRACE=1` prints the sum of every intermediate tensor to stderr, named as llama.cpp's
 /// llama-eval-callback names them, to find where a numeric difference from llama.cpp starts.
+/// `NINFER_TRACE_DIR=/path` also writes each traced tensor as raw little-endian f32 to
+/// `/path/<forward call index>/<name>-<layer>.bin`, for element-wise comparison with llama.cpp's tensors.
 fn trace_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("NINFER_TRACE").is_some_and(|v| v != "0"))
+    *ON.get_or_init(|| {
+        std::env::var_os("NINFER_TRACE").is_some_and(|v| v != "0") || std::env::var_os("NINFER_TRACE_DIR").is_some()
+    })
 }
 
+static TRACE_CALL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn trace(name: &str, layer: usize, x: &[f32]) {
+    if !trace_enabled() {
+        return;
+    }
+    let sum: f64 = x.iter().map(|&v| v as f64).sum();
+    eprintln!("trace {name}-{layer} sum = {sum:.6}");
+    if let Some(dir) = std::env::var_os("NINFER_TRACE_DIR") {
+        let call = TRACE_CALL.load(std::sync::atomic::Ordering::Relaxed);
+        let dir = std::path::Path::new(&dir).join(call.to_string());
+        let _ = std::fs::create_dir_all(&dir);
+        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let _ = std::fs::write(dir.join(format!("{name}-{layer}.bin")), bytes);
+    }
+}
+
+fn trace_next_call() {
     if trace_enabled() {
-        let sum: f64 = x.iter().map(|&v| v as f64).sum();
-        eprintln!("trace {name}-{layer} sum = {sum:.6}");
+        TRACE_CALL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -88,6 +108,7 @@ impl Model {
                 row.iter_mut().for_each(|v| *v *= spec.embd_scale);
             }
         }
+        trace("embd", 0, &x);
         let mut h = vec![0.0f32; n * e];
         let mut q = vec![0.0f32; n * q_dim];
         let mut k = vec![0.0f32; n * k_dim];
@@ -97,6 +118,11 @@ impl Model {
         let mut gate = vec![0.0f32; n * n_ff];
         let mut up = vec![0.0f32; n * n_ff];
         let mut angles = Vec::new();
+        let n_layer = w.layers.len();
+        let m = logit_rows.len();
+        // Rows still in flight: all n until the last layer's attention, then only the logit rows (as llama.cpp,
+        // whose matmul kernels, and so whose sums, depend on the batch's row count).
+        let mut nr = n;
 
         for (il, (lw, ls)) in w.layers.iter().zip(&spec.layers).enumerate() {
             // Attention block.
@@ -117,9 +143,11 @@ impl Model {
             trace("Vcur", il, &v);
             if let Some(qn) = &lw.q_norm {
                 ops::rms_norm_in_place(&mut q, qn, spec.rms_eps);
+                trace("Qcur_normed", il, &q);
             }
             if let Some(kn) = &lw.k_norm {
                 ops::rms_norm_in_place(&mut k, kn, spec.rms_eps);
+                trace("Kcur_normed", il, &k);
             }
             for (t, &(_, pos)) in rows.iter().enumerate() {
                 ops::rope_angles(pos, ls.rope_base, ls.rope_freq_scale, spec.rope_dims, &mut angles);
@@ -146,8 +174,23 @@ impl Model {
             trace("kqv_out", il, &att);
             matmul(&lw.wo, &att, n, &mut o);
             trace("attn_out", il, &o);
+            if il + 1 == n_layer && m < n {
+                let gather = |src: &[f32]| -> Vec<f32> {
+                    logit_rows.iter().flat_map(|&r| src[r * e..(r + 1) * e].iter().copied()).collect()
+                };
+                x = gather(&x);
+                o = gather(&o);
+                nr = m;
+                h.truncate(nr * e);
+                gate.truncate(nr * n_ff);
+                up.truncate(nr * n_ff);
+                if nr == 0 {
+                    break;
+                }
+            }
             if let Some(pn) = &lw.post_attn_norm {
                 ops::rms_norm_in_place(&mut o, pn, spec.rms_eps);
+                trace("attn_post_norm", il, &o);
             }
             ops::add_in_place(&mut x, &o);
             trace("ffn_inp", il, &x);
@@ -155,12 +198,12 @@ impl Model {
             // Feed-forward block.
             ops::rms_norm(&x, &lw.ffn_norm, spec.rms_eps, &mut h);
             trace("ffn_norm", il, &h);
-            let acts = quantize_acts(&lw.w_gate, &h, n);
+            let acts = quantize_acts(&lw.w_gate, &h, nr);
             matmul_quantized(&lw.w_gate, &acts, &mut gate);
             if lw.w_up.ty.act_type() == lw.w_gate.ty.act_type() {
                 matmul_quantized(&lw.w_up, &acts, &mut up);
             } else {
-                matmul(&lw.w_up, &h, n, &mut up);
+                matmul(&lw.w_up, &h, nr, &mut up);
             }
             trace("ffn_gate", il, &gate);
             trace("ffn_up", il, &up);
@@ -169,25 +212,29 @@ impl Model {
                 Activation::GeluTanh => ops::geglu(&mut gate, &up),
             }
             trace("ffn_act", il, &gate);
-            matmul(&lw.w_down, &gate, n, &mut o);
+            matmul(&lw.w_down, &gate, nr, &mut o);
             trace("ffn_out", il, &o);
             if let Some(pn) = &lw.post_ffn_norm {
                 ops::rms_norm_in_place(&mut o, pn, spec.rms_eps);
+                trace("ffn_post_norm", il, &o);
             }
             ops::add_in_place(&mut x, &o);
             trace("l_out", il, &x);
         }
 
         // Output head, only for the rows whose logits were asked for.
-        let m = logit_rows.len();
         let mut sel = vec![0.0f32; m * e];
         for (i, &r) in logit_rows.iter().enumerate() {
+            let r = if nr < n { i } else { r };
             ops::rms_norm(&x[r * e..(r + 1) * e], &w.output_norm, spec.rms_eps, &mut sel[i * e..(i + 1) * e]);
         }
         let mut logits = vec![0.0f32; m * spec.n_vocab];
         if m > 0 {
             matmul(&w.output, &sel, m, &mut logits);
         }
+        trace("result_norm", 0, &sel);
+        trace("result_output", 0, &logits);
+        trace_next_call();
         Ok(logits)
     }
 }

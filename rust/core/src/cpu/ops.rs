@@ -49,8 +49,10 @@ pub fn rope_row(row: &mut [f32], head_dim: usize, angles: &[(f32, f32)], neox: b
         for (i, &(c, s)) in angles.iter().enumerate() {
             let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
             let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * c - x1 * s;
-            head[b] = x0 * s + x1 * c;
+            // gcc contracts ggml's `x0*cos - x1*sin` / `x0*sin + x1*cos` into these FMAs (checked bit for bit
+            // against llama.cpp's ROPE output).
+            head[a] = x0.mul_add(c, -(x1 * s));
+            head[b] = x0.mul_add(s, x1 * c);
         }
     }
 }
@@ -59,7 +61,7 @@ pub fn rope_row(row: &mut [f32], head_dim: usize, angles: &[(f32, f32)], neox: b
 /// one element at a time with the same fused multiply-adds. llama.cpp evaluates SiLU through it on every x86
 /// machine with AVX2, and the SmolLM2/Qwen models amplify a last-bit difference here into a different token.
 #[inline]
-fn ggml_expf(x: f32) -> f32 {
+pub(crate) fn ggml_expf(x: f32) -> f32 {
     let c = f32::from_bits;
     let r = c(0x4b40_0000); // 0x1.8p23
     let z = x.mul_add(c(0x3fb8_aa3b), r); // x * log2(e) + r: n rounded into the low mantissa bits
@@ -94,7 +96,8 @@ fn silu(x: f32) -> f32 {
 #[inline]
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+    // gcc contracts ggml's `1.0f + GELU_COEF_A*x*x` into fma(GELU_COEF_A*x, x, 1) when it builds the table.
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (0.044715 * x).mul_add(x, 1.0)).tanh())
 }
 
 /// GELU evaluated on every f16 value, as ggml's table: the input is rounded to f16 and so is the result.
