@@ -169,8 +169,8 @@ impl KvCache {
         Ok(())
     }
 
-    /// The K and V bytes of `layer` for the block holding `pos` of `seq`, with the number of valid slots in it.
-    /// Rows are `k_row_bytes()` / `v_row_bytes()` long; slot i holds position `block_start + i`.
+    /// The K and V bytes of `layer` in the `block_index`-th block of `seq`'s table. Rows are `k_row_bytes()` /
+    /// `v_row_bytes()` long; slot i holds position `block_index * block_size + i` (valid below `seq_len`).
     pub fn block_view(&self, layer: usize, seq: SeqId, block_index: usize) -> (&[u8], &[u8]) {
         let s = &self.seqs[&seq];
         let b = &self.blocks[s.blocks[block_index] as usize];

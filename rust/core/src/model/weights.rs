@@ -166,13 +166,13 @@ impl Weights {
                 post_ffn_norm: ld.opt_vector(&l.post_ffn_norm, e)?,
             });
         }
-        if spec.rope_dims > spec.head_dim || spec.rope_dims % 2 != 0 {
+        if spec.rope_dims > spec.head_dim || !spec.rope_dims.is_multiple_of(2) {
             return Err(Error::BadModel(format!(
                 "rope dimension {} must be even and at most the head size {}",
                 spec.rope_dims, spec.head_dim
             )));
         }
-        if spec.n_head_kv == 0 || spec.n_head % spec.n_head_kv != 0 {
+        if spec.n_head_kv == 0 || !spec.n_head.is_multiple_of(spec.n_head_kv) {
             return Err(Error::BadModel(format!(
                 "{} attention heads cannot be shared by {} KV heads",
                 spec.n_head, spec.n_head_kv
