@@ -187,6 +187,15 @@ impl std::fmt::Display for GgmlType {
     }
 }
 
+/// `Error::BadModel` unless `src_len` bytes are exactly one row of `n` elements of type `ty`.
+pub(crate) fn check_row_size(ty: GgmlType, src_len: usize, n: usize) -> Result<()> {
+    let expected = ty.row_bytes(n)?;
+    if src_len != expected {
+        return Err(Error::BadModel(format!("a {ty} row of {n} elements takes {expected} bytes, got {src_len}")));
+    }
+    Ok(())
+}
+
 /// Dequantize one row: `src` holds `dst.len()` elements of type `ty` in GGML block layout.
 ///
 /// This is the scalar reference every faster path is checked against; each element is computed with the same
@@ -194,14 +203,7 @@ impl std::fmt::Display for GgmlType {
 /// Every type of the table is supported. `Error::BadModel` if `dst.len()` is not a whole number of blocks or
 /// `src` is not exactly the row's size.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
-    let expected = ty.row_bytes(dst.len())?;
-    if src.len() != expected {
-        return Err(Error::BadModel(format!(
-            "a {ty} row of {} elements takes {expected} bytes, got {}",
-            dst.len(),
-            src.len()
-        )));
-    }
+    check_row_size(ty, src.len(), dst.len())?;
     match simd::kernels().dequantize(ty) {
         Some(f) => f(src, dst),
         None => dequantize_scalar(ty, src, dst),

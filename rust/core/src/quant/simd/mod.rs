@@ -25,7 +25,7 @@
 
 use std::sync::OnceLock;
 
-use super::{Error, GgmlType, Result};
+use super::{GgmlType, Result};
 
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
@@ -251,14 +251,7 @@ pub fn quantize_act_scalar(act_ty: GgmlType, x: &[f32], dst: &mut [u8]) {
 
 /// [`crate::quant::dequantize_row`] with the scalar reference code.
 pub fn dequantize_row_scalar(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
-    let expected = ty.row_bytes(dst.len())?;
-    if src.len() != expected {
-        return Err(Error::BadModel(format!(
-            "a {ty} row of {} elements takes {expected} bytes, got {}",
-            dst.len(),
-            src.len()
-        )));
-    }
+    super::check_row_size(ty, src.len(), dst.len())?;
     super::dequantize_scalar(ty, src, dst);
     Ok(())
 }
