@@ -89,11 +89,6 @@ pub(crate) fn ggml_expf(x: f32) -> f32 {
 }
 
 #[inline]
-fn silu(x: f32) -> f32 {
-    x / (1.0 + ggml_expf(-x))
-}
-
-#[inline]
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     // gcc contracts ggml's `1.0f + GELU_COEF_A*x*x` into fma(GELU_COEF_A*x, x, 1) when it builds the table.
@@ -108,9 +103,7 @@ fn gelu_table() -> &'static [f16] {
 
 /// gate <- silu(gate) * up.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = silu(*g) * u;
-    }
+    (crate::quant::simd::vec_ops().swiglu)(gate, up);
 }
 
 /// gate <- gelu(gate) * up, with ggml's f16 GELU table and its clamps at +-10.

@@ -32,6 +32,11 @@ mod x86_avx2;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod vecops_tests;
+pub mod vecops;
+
+pub use vecops::VecOps;
 
 /// Dot-product kernel: `(nb, w, act)` with `nb` the number of blocks (elements for the float types). Kernels
 /// clamp `nb` to the whole blocks both slices hold, so a short row never reads out of bounds.
@@ -217,6 +222,23 @@ pub fn vec_dot_matmul(ty: GgmlType, n: usize, w: &[u8], act: &[u8], pos: MatmulP
         Some(f) => f(n / ty.block_size(), w, act),
         None => crate::quant::vec_dot(ty, n, w, act),
     }
+}
+
+/// The element-wise primitives of this CPU (scalar under `NINFER_SIMD=scalar`), detected on the first call.
+pub fn vec_ops() -> &'static VecOps {
+    static OPS: OnceLock<&'static VecOps> = OnceLock::new();
+    OPS.get_or_init(|| {
+        if matches!(env("NINFER_SIMD").as_deref(), Some("scalar" | "off" | "0" | "none")) {
+            return &VecOps::SCALAR;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(ops) = x86_avx2::detect_vec_ops() {
+                return ops;
+            }
+        }
+        &VecOps::SCALAR
+    })
 }
 
 /// Name of the kernel set the quant entry points use on this machine: `"avx2"` or `"scalar"`.

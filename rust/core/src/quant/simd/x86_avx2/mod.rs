@@ -23,6 +23,14 @@ mod float;
 mod kquants;
 mod legacy;
 mod orders;
+mod vecops;
+
+/// The AVX2 element-wise primitives, or `None` if this CPU lacks AVX2, FMA or F16C.
+pub(super) fn detect_vec_ops() -> Option<&'static super::vecops::VecOps> {
+    static OPS: super::vecops::VecOps = vecops::AVX2;
+    (is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"))
+        .then_some(&OPS)
+}
 
 /// The AVX2 kernel table mirroring llama.cpp's matmul paths selected by `orders`, or `None` if this CPU lacks
 /// AVX2, FMA or F16C.

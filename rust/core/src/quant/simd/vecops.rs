@@ -1,0 +1,98 @@
+//! Element-wise vector primitives of the layer loop (attention's weighted sums and softmax, SiLU), as a table
+//! picked once per CPU like the dot-product kernels: the scalar functions here are the reference and the
+//! fallback; `x86_avx2::vecops` has the same operations eight lanes at a time.
+//!
+//! Every primitive rounds exactly like its scalar definition (one FMA or one multiply per element, f16 rounding
+//! where stated), so the SIMD versions give the same bits; that keeps attention bit-identical to llama.cpp's.
+
+use crate::cpu::ops::ggml_expf;
+
+/// `y[i] = fma(x[i], a, y[i])` (ggml_vec_mad_f32).
+pub type AxpyFn = fn(&mut [f32], &[f32], f32);
+/// `y[i] = f16(fma(f16 x[i], a, y[i]))`: `x` little-endian halves, `y` holds f16 values (ggml_vec_mad_f16).
+pub type AxpyF16Fn = fn(&mut [f32], &[u8], f32);
+/// `y[i] *= a`, rounded to f16 when the name says so.
+pub type ScaleFn = fn(&mut [f32], f32);
+/// `out[j] = fma(q[dk-1], kt[(dk-1)*w + j], ... fma(q[0], kt[j], 0))` with `w = out.len()`, `dk = q.len()`:
+/// each output a sequential FMA chain over the head dimension of a transposed key tile.
+pub type DotColsFn = fn(&[f32], &[f32], &mut [f32]);
+/// `x[i] = if x[i] == -inf { 0 } else { ggml_expf(x[i] - m) }`.
+pub type ExpShiftedFn = fn(&mut [f32], f32);
+/// `gate[i] = silu(gate[i]) * up[i]` with ggml's vectorised SiLU.
+pub type SwigluFn = fn(&mut [f32], &[f32]);
+
+pub struct VecOps {
+    pub name: &'static str,
+    pub axpy: AxpyFn,
+    pub axpy_f16: AxpyF16Fn,
+    pub scale: ScaleFn,
+    pub scale_f16: ScaleFn,
+    pub dot_cols: DotColsFn,
+    pub exp_shifted: ExpShiftedFn,
+    pub swiglu: SwigluFn,
+}
+
+impl VecOps {
+    pub const SCALAR: VecOps = VecOps {
+        name: "scalar",
+        axpy,
+        axpy_f16,
+        scale,
+        scale_f16,
+        dot_cols,
+        exp_shifted,
+        swiglu,
+    };
+}
+
+#[inline(always)]
+fn f16_round(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
+fn axpy(y: &mut [f32], x: &[f32], a: f32) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = x.mul_add(a, *y);
+    }
+}
+
+fn axpy_f16(y: &mut [f32], x: &[u8], a: f32) {
+    for (y, h) in y.iter_mut().zip(x.chunks_exact(2)) {
+        let x = half::f16::from_le_bytes([h[0], h[1]]).to_f32();
+        *y = f16_round(x.mul_add(a, *y));
+    }
+}
+
+fn scale(y: &mut [f32], a: f32) {
+    y.iter_mut().for_each(|v| *v *= a);
+}
+
+fn scale_f16(y: &mut [f32], a: f32) {
+    y.iter_mut().for_each(|v| *v = f16_round(*v * a));
+}
+
+fn dot_cols(q: &[f32], kt: &[f32], out: &mut [f32]) {
+    let w = out.len();
+    out.fill(0.0);
+    for (d, &qd) in q.iter().enumerate() {
+        for (o, &k) in out.iter_mut().zip(&kt[d * w..(d + 1) * w]) {
+            *o = qd.mul_add(k, *o);
+        }
+    }
+}
+
+fn exp_shifted(x: &mut [f32], m: f32) {
+    for v in x {
+        *v = if *v == f32::NEG_INFINITY { 0.0 } else { ggml_expf(*v - m) };
+    }
+}
+
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + ggml_expf(-x))
+}
+
+fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = silu(*g) * u;
+    }
+}
