@@ -2,6 +2,7 @@
 //! `step` does forward + sampling for one token of one sequence, so decode costs one Python call per token.
 
 use ninfer_core::cpu::forward::SeqTokens;
+use ninfer_core::cpu::profile::Work;
 use ninfer_core::kv::{KvCache, KvConfig};
 use ninfer_core::model::{Activation, LayerSpec, Model, ModelSpec};
 use ninfer_core::quant::GgmlType;
@@ -173,9 +174,33 @@ impl PyEngine {
         let (model, kv, sampler) = (&self.model, &mut self.kv, &mut sampler.inner);
         py.detach(|| {
             let logits = model.forward(kv, &[SeqTokens { seq, tokens: &[token] }], &[0])?;
-            sampler.sample(&logits)
+            let mut laps = model.profile.laps();
+            let next = sampler.sample(&logits);
+            laps.lap(Work::Sampling);
+            next
         })
         .map_err(to_py)
+    }
+
+    /// Turn the per-kind timing of forward passes and sampling on or off (`ninfer bench --profile`).
+    fn set_profiling(&self, on: bool) {
+        self.model.profile.set_enabled(on);
+    }
+
+    /// Seconds spent per kind of work ('matmul', 'attention', 'other', 'sampling') and 'forward_calls' since
+    /// the last reset, while profiling was on.
+    fn profile<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let (totals, calls) = self.model.profile.totals();
+        for (work, secs) in totals {
+            d.set_item(work.name(), secs)?;
+        }
+        d.set_item("forward_calls", calls)?;
+        Ok(d)
+    }
+
+    fn reset_profile(&self) {
+        self.model.profile.reset();
     }
 
     /// Logits of the last token of a prompt appended to `seq`, computed in batches of `n_batch` tokens.

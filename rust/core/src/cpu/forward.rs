@@ -4,6 +4,7 @@
 use crate::cpu::attention::{attention, AttnShape};
 use crate::cpu::matmul::{matmul, matmul_quantized, quantize_acts};
 use crate::cpu::ops;
+use crate::cpu::profile::Work;
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqId};
 use crate::model::{Activation, Model};
@@ -87,6 +88,7 @@ impl Model {
             }
         }
         let tokens: Vec<u32> = batch.iter().flat_map(|b| b.tokens.iter().copied()).collect();
+        self.profile.count_forward();
         self.pool.install(|| self.run_layers(kv, &tokens, &rows, logit_rows))
     }
 
@@ -100,6 +102,7 @@ impl Model {
         let att_dim = spec.n_head * hdv;
         let n_ff = w.n_ff;
 
+        let mut laps = self.profile.laps();
         // x: [n, n_embd], the residual stream.
         let mut x = vec![0.0f32; n * e];
         for (t, row) in x.chunks_exact_mut(e).enumerate() {
@@ -128,11 +131,13 @@ impl Model {
             // Attention block.
             ops::rms_norm(&x, &lw.attn_norm, spec.rms_eps, &mut h);
             trace("attn_norm", il, &h);
+            laps.lap(Work::Other);
             let acts = quantize_acts(&lw.wq, &h, n);
             matmul_quantized(&lw.wq, &acts, &mut q);
             let same_fmt = |m: &crate::model::weights::Matrix| m.ty.act_type() == lw.wq.ty.act_type();
             if same_fmt(&lw.wk) { matmul_quantized(&lw.wk, &acts, &mut k) } else { matmul(&lw.wk, &h, n, &mut k) }
             if same_fmt(&lw.wv) { matmul_quantized(&lw.wv, &acts, &mut v) } else { matmul(&lw.wv, &h, n, &mut v) }
+            laps.lap(Work::Matmul);
             for (buf, bias) in [(&mut q, &lw.bq), (&mut k, &lw.bk), (&mut v, &lw.bv)] {
                 if let Some(b) = bias {
                     ops::add_bias(buf, b);
@@ -159,6 +164,7 @@ impl Model {
             if spec.q_scale != 1.0 {
                 q.iter_mut().for_each(|v| *v *= spec.q_scale);
             }
+            laps.lap(Work::Other);
             for (t, &(seq, pos)) in rows.iter().enumerate() {
                 kv.write(il, seq, pos, &k[t * k_dim..(t + 1) * k_dim], &v[t * v_dim..(t + 1) * v_dim])?;
             }
@@ -172,8 +178,10 @@ impl Model {
             };
             attention(kv, il, rows, &q, shape, &mut att);
             trace("kqv_out", il, &att);
+            laps.lap(Work::Attention);
             matmul(&lw.wo, &att, n, &mut o);
             trace("attn_out", il, &o);
+            laps.lap(Work::Matmul);
             if il + 1 == n_layer && m < n {
                 let gather = |src: &[f32]| -> Vec<f32> {
                     logit_rows.iter().flat_map(|&r| src[r * e..(r + 1) * e].iter().copied()).collect()
@@ -198,6 +206,7 @@ impl Model {
             // Feed-forward block.
             ops::rms_norm(&x, &lw.ffn_norm, spec.rms_eps, &mut h);
             trace("ffn_norm", il, &h);
+            laps.lap(Work::Other);
             let acts = quantize_acts(&lw.w_gate, &h, nr);
             matmul_quantized(&lw.w_gate, &acts, &mut gate);
             if lw.w_up.ty.act_type() == lw.w_gate.ty.act_type() {
@@ -205,6 +214,7 @@ impl Model {
             } else {
                 matmul(&lw.w_up, &h, nr, &mut up);
             }
+            laps.lap(Work::Matmul);
             trace("ffn_gate", il, &gate);
             trace("ffn_up", il, &up);
             match spec.activation {
@@ -212,8 +222,10 @@ impl Model {
                 Activation::GeluTanh => ops::geglu(&mut gate, &up),
             }
             trace("ffn_act", il, &gate);
+            laps.lap(Work::Other);
             matmul(&lw.w_down, &gate, nr, &mut o);
             trace("ffn_out", il, &o);
+            laps.lap(Work::Matmul);
             if let Some(pn) = &lw.post_ffn_norm {
                 ops::rms_norm_in_place(&mut o, pn, spec.rms_eps);
                 trace("ffn_post_norm", il, &o);
@@ -228,10 +240,12 @@ impl Model {
             let r = if nr < n { i } else { r };
             ops::rms_norm(&x[r * e..(r + 1) * e], &w.output_norm, spec.rms_eps, &mut sel[i * e..(i + 1) * e]);
         }
+        laps.lap(Work::Other);
         let mut logits = vec![0.0f32; m * spec.n_vocab];
         if m > 0 {
             matmul(&w.output, &sel, m, &mut logits);
         }
+        laps.lap(Work::Matmul);
         trace("result_norm", 0, &sel);
         trace("result_output", 0, &logits);
         trace_next_call();

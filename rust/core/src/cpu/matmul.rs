@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::model::weights::Matrix;
 use crate::quant::quantize_act;
-use crate::quant::simd::{vec_dot_matmul, MatmulPos};
+use crate::quant::simd::{vec_dot_matmul, vec_dot_tile, MatmulPos};
 
 /// Rows per task: large enough to amortise scheduling, small enough to balance 2..64 threads.
 const ROWS_PER_TASK: usize = 16;
@@ -41,35 +41,57 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
     matmul_quantized(w, &acts, out);
 }
 
+/// Weight rows per tile in decode (one activation row): the rows' FMA chains overlap and share its loads.
+const DECODE_ROW_TILE: usize = 4;
+/// Activation rows per tile in prefill: each weight block is unpacked once for all of them.
+const PREFILL_COL_TILE: usize = 4;
+
 /// As `matmul`, reusing activations already quantized for `w`'s format (q, k and v share theirs).
 pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
     debug_assert_eq!(out.len(), m * n);
     let data = w.data();
     let rb = w.row_bytes();
+    let arb = acts.row_bytes;
     // Each dot product is summed the way llama.cpp's CPU backend sums the one at the same place of the same
-    // matmul (its kernel choice depends on the matrix and batch shape), which greedy parity relies on.
+    // matmul (its kernel choice depends on the matrix and batch shape), which greedy parity relies on. Tiles
+    // give the same bits as single products; where a type has no tile kernel, products go one at a time.
     let dot = |r: usize, t: usize| {
         let pos = MatmulPos { w_rows: m, act_rows: n, act_row: t };
-        let a = &acts.bytes[t * acts.row_bytes..(t + 1) * acts.row_bytes];
-        vec_dot_matmul(w.ty, k, &data[r * rb..(r + 1) * rb], a, pos)
+        vec_dot_matmul(w.ty, k, &data[r * rb..(r + 1) * rb], &acts.bytes[t * arb..(t + 1) * arb], pos)
+    };
+    // Products of weight rows r0.. (nr of them) with activation rows t0.. (nc of them) into dst[i * nc + j].
+    let ty = w.ty;
+    let tile = |r0: usize, nr: usize, t0: usize, nc: usize, dst: &mut [f32]| {
+        let pos = MatmulPos { w_rows: m, act_rows: n, act_row: t0 };
+        let (w, a) = (&data[r0 * rb..(r0 + nr) * rb], &acts.bytes[t0 * arb..(t0 + nc) * arb]);
+        if !vec_dot_tile(ty, k, w, rb, nr, a, arb, nc, pos, dst) {
+            for i in 0..nr {
+                for j in 0..nc {
+                    dst[i * nc + j] = dot(r0 + i, t0 + j);
+                }
+            }
+        }
     };
     if n == 1 {
         out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                *o = dot(c * ROWS_PER_TASK + i, 0);
+            let r0 = c * ROWS_PER_TASK;
+            for (i, dst) in chunk.chunks_mut(DECODE_ROW_TILE).enumerate() {
+                tile(r0 + i * DECODE_ROW_TILE, dst.len(), 0, 1, dst);
             }
         });
         return;
     }
     // Tiles of rows, each against every token: [m, n] row-major, transposed into out afterwards.
     let mut tmp = vec![0.0f32; m * n];
-    tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, tile)| {
+    tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, rows)| {
         let r0 = c * ROWS_PER_TASK;
-        let rows = tile.len() / n;
-        for t in 0..n {
-            for i in 0..rows {
-                tile[i * n + t] = dot(r0 + i, t);
+        let mut buf = [0.0f32; PREFILL_COL_TILE];
+        for t0 in (0..n).step_by(PREFILL_COL_TILE) {
+            let nc = (n - t0).min(PREFILL_COL_TILE);
+            for (i, row) in rows.chunks_exact_mut(n).enumerate() {
+                tile(r0 + i, 1, t0, nc, &mut buf[..nc]);
+                row[t0..t0 + nc].copy_from_slice(&buf[..nc]);
             }
         }
     });

@@ -4,3 +4,4 @@ pub mod attention;
 pub mod forward;
 pub mod matmul;
 pub mod ops;
+pub mod profile;

@@ -5,6 +5,7 @@ pub mod weights;
 
 use std::path::Path;
 
+use crate::cpu::profile::Profile;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 pub use spec::{Activation, LayerSpec, ModelSpec};
@@ -14,6 +15,8 @@ pub struct Model {
     pub spec: ModelSpec,
     pub weights: Weights,
     pub pool: rayon::ThreadPool,
+    /// Time per kind of work, while profiling is on.
+    pub profile: Profile,
 }
 
 impl Model {
@@ -27,7 +30,7 @@ impl Model {
             .thread_name(|i| format!("ninfer-cpu-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} worker threads: {e}")))?;
-        Ok(Model { spec, weights, pool })
+        Ok(Model { spec, weights, pool, profile: Profile::default() })
     }
 
     pub fn open(path: &Path, spec: ModelSpec, threads: usize) -> Result<Model> {

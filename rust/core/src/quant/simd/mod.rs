@@ -41,6 +41,10 @@ pub use vecops::VecOps;
 /// Dot-product kernel: `(nb, w, act)` with `nb` the number of blocks (elements for the float types). Kernels
 /// clamp `nb` to the whole blocks both slices hold, so a short row never reads out of bounds.
 pub(super) type VecDotFn = fn(usize, &[u8], &[u8]) -> f32;
+/// Tile kernel: `(nb, w, w_stride, nr, act, act_stride, nc, out)` computes the `nr x nc` dot products of `nr`
+/// weight rows (`w_stride` bytes apart) with `nc` activation rows into `out[r * nc + c]`, each summed exactly as
+/// the `vec_dot` kernel of its type sums it. A tile that does not fit its slices yields NaNs.
+pub(super) type TileFn = fn(usize, &[u8], usize, usize, &[u8], usize, usize, &mut [f32]);
 /// Quantization kernel: writes the whole blocks that fit both `x` and `dst`.
 pub(super) type QuantizeFn = fn(&[f32], &mut [u8]);
 /// Dequantization kernel: writes the whole blocks that fit both `src` and `dst`.
@@ -61,6 +65,8 @@ pub(super) struct Kernels {
     vec_dot: Slots<VecDotFn>,
     /// Where it differs from `vec_dot`: matrices llama.cpp does not repack (row count not divisible by 8).
     vec_dot_unpacked: Slots<VecDotFn>,
+    /// Tiles of plain `vec_dot` products (several weight rows and/or activation rows per call).
+    vec_dot_tile: Slots<TileFn>,
     /// Repacked matrices, activation rows processed four at a time (GEMM).
     vec_dot_gemm4: Slots<VecDotFn>,
     /// Non-repacked K-quant matrices in matmuls with 8 or more activation rows.
@@ -76,6 +82,7 @@ impl Kernels {
         repacked_q4: false,
         vec_dot: [None; SLOTS],
         vec_dot_unpacked: [None; SLOTS],
+        vec_dot_tile: [None; SLOTS],
         vec_dot_gemm4: [None; SLOTS],
         vec_dot_tiled: [None; SLOTS],
         quantize: [None; SLOTS],
@@ -91,8 +98,7 @@ impl Kernels {
     #[inline]
     pub(super) fn vec_dot_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<VecDotFn> {
         let t = ty as usize;
-        let repacked = self.repacked_q4 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_K) && pos.w_rows.is_multiple_of(8);
-        if repacked {
+        if self.is_repacked(ty, pos) {
             let in_group_of_4 = pos.act_rows >= 4 && pos.act_row < pos.act_rows - pos.act_rows % 4;
             if in_group_of_4 {
                 if let Some(f) = self.vec_dot_gemm4[t] {
@@ -101,12 +107,30 @@ impl Kernels {
             }
             return self.vec_dot[t];
         }
-        if pos.act_rows >= 8 {
-            if let Some(f) = self.vec_dot_tiled[t] {
-                return Some(f);
-            }
+        if self.is_tiled(ty, pos) {
+            return self.vec_dot_tiled[t];
         }
         self.vec_dot_unpacked[t].or(self.vec_dot[t])
+    }
+
+    /// llama.cpp repacks this matrix (Q4_0 / Q4_K with a row count divisible by 8).
+    #[inline]
+    fn is_repacked(&self, ty: GgmlType, pos: MatmulPos) -> bool {
+        self.repacked_q4 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_K) && pos.w_rows.is_multiple_of(8)
+    }
+
+    /// llama.cpp runs its tiled K-quant kernel on this (unrepacked) matmul.
+    #[inline]
+    fn is_tiled(&self, ty: GgmlType, pos: MatmulPos) -> bool {
+        pos.act_rows >= 8 && self.vec_dot_tiled[ty as usize].is_some()
+    }
+
+    /// The tile kernel for dot products at `pos`, if the kernel llama.cpp would use there is the plain
+    /// `vec_dot` one and a tile version of it exists.
+    #[inline]
+    pub(super) fn vec_dot_tile_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<TileFn> {
+        let tile = self.vec_dot_tile[ty as usize]?;
+        (!self.is_repacked(ty, pos) && !self.is_tiled(ty, pos)).then_some(tile)
     }
 
     #[inline]
@@ -239,6 +263,34 @@ pub fn vec_ops() -> &'static VecOps {
         }
         &VecOps::SCALAR
     })
+}
+
+/// A block of dot products of one matmul: `nr` weight rows starting at `w` (`w_stride` bytes apart) times `nc`
+/// activation rows starting at `act` (`act_stride` apart), into `out[r * nc + c]`; `pos` is the position of the
+/// tile's first product (all of a tile's products must share the kernel choice: same matmul, and activation
+/// rows on the same side of llama.cpp's GEMM/GEMV split). Each product equals [`vec_dot_matmul`] at its
+/// position, bit for bit. Returns false, writing nothing, when this kernel set has no tile kernel for them
+/// (the caller then runs [`vec_dot_matmul`] per product).
+#[allow(clippy::too_many_arguments)]
+pub fn vec_dot_tile(
+    ty: GgmlType,
+    n: usize,
+    w: &[u8],
+    w_stride: usize,
+    nr: usize,
+    act: &[u8],
+    act_stride: usize,
+    nc: usize,
+    pos: MatmulPos,
+    out: &mut [f32],
+) -> bool {
+    match kernels().vec_dot_tile_at(ty, pos) {
+        Some(f) => {
+            f(n / ty.block_size(), w, w_stride, nr, act, act_stride, nc, out);
+            true
+        }
+        None => false,
+    }
 }
 
 /// Name of the kernel set the quant entry points use on this machine: `"avx2"` or `"scalar"`.

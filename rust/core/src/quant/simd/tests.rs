@@ -445,3 +445,38 @@ fn atoi_reads_switches_like_c() {
     assert_eq!(atoi("off"), 0);
     assert_eq!(atoi(""), 0);
 }
+
+/// Every tile shape 1..=4 x 1..=4 (the instanced ones and the one-at-a-time fallback) gives, bit for bit, the
+/// products of the type's single `vec_dot` kernel, on rows of 1, 7 and 11 blocks; a tile that does not fit its
+/// slices gives NaNs instead of reading out of bounds.
+#[test]
+fn dot_tiles_equal_single_products_bit_for_bit() {
+    let Some(k) = simd_kernels() else { return };
+    let mut rng = Rng::new(11);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q8_1] {
+        let tile = k.vec_dot_tile[ty as usize].unwrap_or_else(|| panic!("{ty} has a tile kernel"));
+        let single = k.vec_dot_unpacked[ty as usize].or(k.vec_dot[ty as usize]).unwrap();
+        let act_ty = ty.act_type();
+        for nb in [1usize, 7, 11] {
+            let n = nb * ty.block_size();
+            let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
+            let w: Vec<u8> = (0..4).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
+            let a: Vec<u8> = (0..4).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
+            for nr in 1..=4 {
+                for nc in 1..=4 {
+                    let mut out = vec![0.0f32; nr * nc];
+                    tile(nb, &w, rb, nr, &a, ab, nc, &mut out);
+                    for r in 0..nr {
+                        for c in 0..nc {
+                            let want = single(nb, &w[r * rb..(r + 1) * rb], &a[c * ab..(c + 1) * ab]);
+                            assert_eq!(out[r * nc + c].to_bits(), want.to_bits(), "{ty} nb {nb} tile {nr}x{nc} ({r},{c})");
+                        }
+                    }
+                }
+            }
+            let mut out = vec![0.0f32; 4];
+            tile(nb, &w[..3 * rb], rb, 4, &a, ab, 1, &mut out);
+            assert!(out.iter().all(|v| v.is_nan()), "{ty}: a tile past the weights' end is refused");
+        }
+    }
+}

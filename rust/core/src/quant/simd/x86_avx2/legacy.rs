@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 
 use super::{
     abs_max_lanes, bytes_from_bits_32, bytes_from_nibbles_32, f16_at, hmax_ps, hsum_float_8, hsum_i32_8, load256,
-    mul_sum_i8_pairs_float, mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, put_f16, sum_i8_groups8,
+    mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, put_f16, sum_i8_groups8,
 };
 use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::quant::QK_LEGACY as QK;
@@ -19,19 +19,165 @@ use crate::quant::QK_LEGACY as QK;
 // Dot products; `nb` blocks, `x` the weight row, `y` the activation row (both in bounds for `nb` blocks)
 // ---------------------------------------------------------------------------------------------------------------
 
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot_q4_0_q8_0(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    let off = _mm256_set1_epi8(8);
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..nb {
-        let (xb, yb) = (x.add(i * Q4_0_BYTES), y.add(i * Q8_0_BYTES));
-        let d = _mm256_set1_ps(f16_at(xb) * f16_at(yb));
+/// A 32-element weight format paired with its activation format (Q8_0 or Q8_1).
+pub(super) trait Block32 {
+    /// Bytes of a weight block.
+    const WB: usize;
+    /// Bytes of an activation block.
+    const AB: usize;
+    /// Offset of the 32 int8 quants in an activation block.
+    const A_QS: usize;
+    /// Weight codes are signed (products via llama.cpp's sign trick) rather than 0..=31.
+    const SIGNED: bool;
+    /// The weight block has a min `m` (f16 at byte 2) and the activation block its sum `s` (f16 at byte 2).
+    const MIN: bool;
+    /// The block's 32 codes as bytes, in the element order of the activation quants.
+    unsafe fn codes(xb: *const u8) -> __m256i;
+}
+
+pub(super) struct Q4_0;
+pub(super) struct Q4_1;
+pub(super) struct Q5_0;
+pub(super) struct Q5_1;
+pub(super) struct Q8_0;
+pub(super) struct Q8_1;
+
+impl Block32 for Q4_0 {
+    const WB: usize = Q4_0_BYTES;
+    const AB: usize = Q8_0_BYTES;
+    const A_QS: usize = 2;
+    const SIGNED: bool = true;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn codes(xb: *const u8) -> __m256i {
         // Nibbles 0..=15, offset to -8..=7.
-        let qx = _mm256_sub_epi8(bytes_from_nibbles_32(xb.add(2)), off);
-        let qy = load256(yb.add(2));
-        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
+        _mm256_sub_epi8(bytes_from_nibbles_32(xb.add(2)), _mm256_set1_epi8(8))
     }
-    hsum_float_8(acc)
+}
+
+impl Block32 for Q4_1 {
+    const WB: usize = Q4_1_BYTES;
+    const AB: usize = Q8_1_BYTES;
+    const A_QS: usize = 4;
+    const SIGNED: bool = false;
+    const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn codes(xb: *const u8) -> __m256i {
+        bytes_from_nibbles_32(xb.add(4))
+    }
+}
+
+impl Block32 for Q5_0 {
+    const WB: usize = Q5_0_BYTES;
+    const AB: usize = Q8_0_BYTES;
+    const A_QS: usize = 2;
+    const SIGNED: bool = true;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn codes(xb: *const u8) -> __m256i {
+        // nibble | (fifth bit clear ? 0xF0 : 0): the code minus 16 as a signed byte.
+        let bxhi = _mm256_andnot_si256(bytes_from_bits_32(xb.add(2)), _mm256_set1_epi8(0xF0u8 as i8));
+        _mm256_or_si256(bytes_from_nibbles_32(xb.add(6)), bxhi)
+    }
+}
+
+impl Block32 for Q5_1 {
+    const WB: usize = Q5_1_BYTES;
+    const AB: usize = Q8_1_BYTES;
+    const A_QS: usize = 4;
+    const SIGNED: bool = false;
+    const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn codes(xb: *const u8) -> __m256i {
+        let bxhi = _mm256_and_si256(bytes_from_bits_32(xb.add(4)), _mm256_set1_epi8(0x10));
+        _mm256_or_si256(bytes_from_nibbles_32(xb.add(8)), bxhi)
+    }
+}
+
+/// Int8 x int8 blocks (llama.cpp's `ggml_vec_dot_q8_0_q8_0`; Q8_1 x Q8_1 has no llama.cpp kernel and sums the
+/// same way).
+impl Block32 for Q8_0 {
+    const WB: usize = Q8_0_BYTES;
+    const AB: usize = Q8_0_BYTES;
+    const A_QS: usize = 2;
+    const SIGNED: bool = true;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn codes(xb: *const u8) -> __m256i {
+        load256(xb.add(2))
+    }
+}
+
+impl Block32 for Q8_1 {
+    const WB: usize = Q8_1_BYTES;
+    const AB: usize = Q8_1_BYTES;
+    const A_QS: usize = 4;
+    const SIGNED: bool = true;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn codes(xb: *const u8) -> __m256i {
+        load256(xb.add(4))
+    }
+}
+
+/// `R` weight rows (`x`, `xs` bytes apart) times `C` activation rows (`y`, `ys` bytes apart) over `nb` blocks:
+/// `out[r][c]`. Every one of the R x C dot products is summed exactly like llama.cpp's single dot kernel
+/// `ggml_vec_dot_*_q8_*` (per block: `fmadd(d_x * d_y, int8 products summed four per lane, acc)`, the min
+/// term `m * s` in a scalar FMA chain, `hsum_float_8` at the end), so a tile gives the same bits as R x C
+/// separate calls; it only shares the loads and unpacking of each block and overlaps the FMA chains.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_tile<F: Block32, const R: usize, const C: usize>(
+    nb: usize,
+    x: *const u8,
+    xs: usize,
+    y: *const u8,
+    ys: usize,
+) -> [[f32; C]; R] {
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let mut summ = [[0.0f32; C]; R];
+    for i in 0..nb {
+        let mut dy = [0.0f32; C];
+        let mut sy = [0.0f32; C];
+        let mut qy = [_mm256_setzero_si256(); C];
+        for c in 0..C {
+            let yb = y.add(c * ys + i * F::AB);
+            dy[c] = f16_at(yb);
+            if F::MIN {
+                sy[c] = f16_at(yb.add(2));
+            }
+            qy[c] = load256(yb.add(F::A_QS));
+        }
+        for r in 0..R {
+            let xb = x.add(r * xs + i * F::WB);
+            let dx = f16_at(xb);
+            let qx = F::codes(xb);
+            let ax = if F::SIGNED { _mm256_sign_epi8(qx, qx) } else { qx };
+            let mx = if F::MIN { f16_at(xb.add(2)) } else { 0.0 };
+            for c in 0..C {
+                if F::MIN {
+                    // GCC contracts llama.cpp's `summs += m * s` into an FMA.
+                    summ[r][c] = mx.mul_add(sy[c], summ[r][c]);
+                }
+                let sy8 = if F::SIGNED { _mm256_sign_epi8(qy[c], qx) } else { qy[c] };
+                let p = mul_sum_us8_pairs_float(ax, sy8);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[c]), p, acc[r][c]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            out[r][c] = if F::MIN { hsum_float_8(acc[r][c]) + summ[r][c] } else { hsum_float_8(acc[r][c]) };
+        }
+    }
+    out
+}
+
+/// One dot product of `nb` blocks: `dot_tile` with a 1 x 1 tile.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot<F: Block32>(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    dot_tile::<F, 1, 1>(nb, x, 0, y, 0)[0][0]
 }
 
 /// Q4_0 in the float order of llama.cpp's repacked kernels (`ggml_gemv_q4_0_8x8_q8_0` /
@@ -77,85 +223,6 @@ unsafe fn q4_0_block_lanes(xb: *const u8, yb: *const u8) -> __m256i {
     let qy = load256(yb.add(2));
     let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qy, qx));
     _mm256_madd_epi16(_mm256_set1_epi16(1), p16)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot_q4_1_q8_1(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0.0f32;
-    for i in 0..nb {
-        let (xb, yb) = (x.add(i * Q4_1_BYTES), y.add(i * Q8_1_BYTES));
-        let (d0, d1) = (f16_at(xb), f16_at(yb));
-        // GCC contracts llama.cpp's `summs += m * s` into an FMA.
-        summs = f16_at(xb.add(2)).mul_add(f16_at(yb.add(2)), summs);
-        let d0d1 = _mm256_mul_ps(_mm256_set1_ps(d0), _mm256_set1_ps(d1));
-        let qx = bytes_from_nibbles_32(xb.add(4));
-        let qy = load256(yb.add(4));
-        acc = _mm256_fmadd_ps(d0d1, mul_sum_us8_pairs_float(qx, qy), acc);
-    }
-    hsum_float_8(acc) + summs
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot_q5_0_q8_0(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    let high = _mm256_set1_epi8(0xF0u8 as i8);
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..nb {
-        let (xb, yb) = (x.add(i * Q5_0_BYTES), y.add(i * Q8_0_BYTES));
-        let d = _mm256_set1_ps(f16_at(xb) * f16_at(yb));
-        // nibble | (fifth bit clear ? 0xF0 : 0): the code minus 16 as a signed byte.
-        let qx = bytes_from_nibbles_32(xb.add(6));
-        let bxhi = _mm256_andnot_si256(bytes_from_bits_32(xb.add(2)), high);
-        let qx = _mm256_or_si256(qx, bxhi);
-        let qy = load256(yb.add(2));
-        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
-    }
-    hsum_float_8(acc)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot_q5_1_q8_1(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    let bit5 = _mm256_set1_epi8(0x10);
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0.0f32;
-    for i in 0..nb {
-        let (xb, yb) = (x.add(i * Q5_1_BYTES), y.add(i * Q8_1_BYTES));
-        let dx = _mm256_set1_ps(f16_at(xb));
-        summs = f16_at(xb.add(2)).mul_add(f16_at(yb.add(2)), summs);
-        let qx = bytes_from_nibbles_32(xb.add(8));
-        let bxhi = _mm256_and_si256(bytes_from_bits_32(xb.add(4)), bit5);
-        let qx = _mm256_or_si256(qx, bxhi);
-        let dy = _mm256_set1_ps(f16_at(yb));
-        let qy = load256(yb.add(4));
-        let q = mul_sum_us8_pairs_float(qx, qy);
-        acc = _mm256_fmadd_ps(q, _mm256_mul_ps(dx, dy), acc);
-    }
-    hsum_float_8(acc) + summs
-}
-
-/// Int8 x int8 blocks of `BYTES` bytes whose quants start at `OFF` (Q8_0: llama.cpp's
-/// `ggml_vec_dot_q8_0_q8_0`; Q8_1 x Q8_1 has no llama.cpp kernel and reuses it).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn vec_dot_q8<const BYTES: usize, const OFF: usize>(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..nb {
-        let (xb, yb) = (x.add(i * BYTES), y.add(i * BYTES));
-        let d = _mm256_set1_ps(f16_at(xb) * f16_at(yb));
-        let q = mul_sum_i8_pairs_float(load256(xb.add(OFF)), load256(yb.add(OFF)));
-        acc = _mm256_fmadd_ps(d, q, acc);
-    }
-    hsum_float_8(acc)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot_q8_0_q8_0(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    vec_dot_q8::<Q8_0_BYTES, 2>(nb, x, y)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot_q8_1_q8_1(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    vec_dot_q8::<Q8_1_BYTES, 4>(nb, x, y)
 }
 
 // ---------------------------------------------------------------------------------------------------------------

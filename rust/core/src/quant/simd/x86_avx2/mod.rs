@@ -14,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Kernels, Orders, VecDotFn};
+use super::{Kernels, Orders, TileFn, VecDotFn};
 use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::quant::{GgmlType, QK_K, QK_LEGACY};
@@ -85,6 +85,17 @@ pub(super) fn detect(orders: Orders) -> Option<Kernels> {
             k.vec_dot_tiled[ty as usize] = Some(f);
         }
     }
+    let tiles: [(GgmlType, TileFn); 6] = [
+        (GgmlType::Q4_0, legacy_tile::<legacy::Q4_0>),
+        (GgmlType::Q4_1, legacy_tile::<legacy::Q4_1>),
+        (GgmlType::Q5_0, legacy_tile::<legacy::Q5_0>),
+        (GgmlType::Q5_1, legacy_tile::<legacy::Q5_1>),
+        (GgmlType::Q8_0, legacy_tile::<legacy::Q8_0>),
+        (GgmlType::Q8_1, legacy_tile::<legacy::Q8_1>),
+    ];
+    for (ty, f) in tiles {
+        k.vec_dot_tile[ty as usize] = Some(f);
+    }
     k.quantize[GgmlType::Q8_0 as usize] = Some(quantize_q8_0);
     k.quantize[GgmlType::Q8_1 as usize] = Some(quantize_q8_1);
     k.quantize[GgmlType::Q8_K as usize] = Some(quantize_q8_k);
@@ -112,13 +123,13 @@ macro_rules! dot_wrapper {
 dot_wrapper!(vec_dot_f32, float::vec_dot_f32, 4, 4);
 dot_wrapper!(vec_dot_f16, float::vec_dot_f16, 2, 2);
 dot_wrapper!(vec_dot_bf16, float::vec_dot_bf16, 2, 2);
-dot_wrapper!(vec_dot_q4_0, legacy::vec_dot_q4_0_q8_0, Q4_0_BYTES, Q8_0_BYTES);
+dot_wrapper!(vec_dot_q4_0, legacy::vec_dot::<legacy::Q4_0>, Q4_0_BYTES, Q8_0_BYTES);
 dot_wrapper!(vec_dot_q4_0_repacked, legacy::vec_dot_q4_0_q8_0_repacked, Q4_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q4_1, legacy::vec_dot_q4_1_q8_1, Q4_1_BYTES, Q8_1_BYTES);
-dot_wrapper!(vec_dot_q5_0, legacy::vec_dot_q5_0_q8_0, Q5_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q5_1, legacy::vec_dot_q5_1_q8_1, Q5_1_BYTES, Q8_1_BYTES);
-dot_wrapper!(vec_dot_q8_0, legacy::vec_dot_q8_0_q8_0, Q8_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q8_1, legacy::vec_dot_q8_1_q8_1, Q8_1_BYTES, Q8_1_BYTES);
+dot_wrapper!(vec_dot_q4_1, legacy::vec_dot::<legacy::Q4_1>, Q4_1_BYTES, Q8_1_BYTES);
+dot_wrapper!(vec_dot_q5_0, legacy::vec_dot::<legacy::Q5_0>, Q5_0_BYTES, Q8_0_BYTES);
+dot_wrapper!(vec_dot_q5_1, legacy::vec_dot::<legacy::Q5_1>, Q5_1_BYTES, Q8_1_BYTES);
+dot_wrapper!(vec_dot_q8_0, legacy::vec_dot::<legacy::Q8_0>, Q8_0_BYTES, Q8_0_BYTES);
+dot_wrapper!(vec_dot_q8_1, legacy::vec_dot::<legacy::Q8_1>, Q8_1_BYTES, Q8_1_BYTES);
 dot_wrapper!(vec_dot_q2_k, kquants::vec_dot_q2_k_q8_k, Q2_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q3_k, kquants::vec_dot_q3_k_q8_k, Q3_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q4_k, kquants::vec_dot_q4_k_q8_k, Q4_K_BYTES, Q8_K_BYTES);
@@ -132,6 +143,43 @@ dot_wrapper!(vec_dot_q3_k_tiled, orders::vec_dot_q3_k_q8_k_tiled, Q3_K_BYTES, Q8
 dot_wrapper!(vec_dot_q4_k_tiled, orders::vec_dot_q4_k_q8_k_tiled, Q4_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q5_k_tiled, orders::vec_dot_q5_k_q8_k_tiled, Q5_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES);
+
+/// A `TileFn` for a legacy format: checks the tile's shape and extent, then runs the matching `dot_tile`
+/// instance (row tiles for decode, column tiles for prefill; other shapes one dot at a time).
+fn legacy_tile<F: legacy::Block32>(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
+    let fits = |len: usize, stride: usize, rows: usize, bb: usize| {
+        rows >= 1 && stride >= nb * bb && len >= (rows - 1) * stride + nb * bb
+    };
+    if !(fits(w.len(), ws, nr, F::WB) && fits(a.len(), as_, nc, F::AB) && out.len() >= nr * nc) {
+        out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
+        return;
+    }
+    let (x, y) = (w.as_ptr(), a.as_ptr());
+    // SAFETY: reachable only through the checked table; every row of both tiles holds `nb` whole blocks.
+    unsafe {
+        macro_rules! run {
+            ($r:literal, $c:literal) => {{
+                let t = legacy::dot_tile::<F, $r, $c>(nb, x, ws, y, as_);
+                for r in 0..$r {
+                    out[r * $c..(r + 1) * $c].copy_from_slice(&t[r]);
+                }
+            }};
+        }
+        match (nr, nc) {
+            (4, 1) => run!(4, 1),
+            (2, 1) => run!(2, 1),
+            (1, 4) => run!(1, 4),
+            (1, 2) => run!(1, 2),
+            _ => {
+                for r in 0..nr {
+                    for c in 0..nc {
+                        out[r * nc + c] = legacy::vec_dot::<F>(nb, x.add(r * ws), y.add(c * as_));
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// A `QuantizeFn` writing whole blocks of `$qk` elements / `$bytes` bytes with `$kernel`.
 macro_rules! quantize_wrapper {
@@ -241,16 +289,6 @@ unsafe fn sum_i16_pairs_float(x: __m256i) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn mul_sum_us8_pairs_float(ax: __m256i, sy: __m256i) -> __m256 {
     sum_i16_pairs_float(_mm256_maddubs_epi16(ax, sy))
-}
-
-/// `mul_sum_i8_pairs_float`: signed bytes times signed bytes (via |x| and sign(y, x)), four adjacent products
-/// per i32 lane, as f32. Exact unless `y` holds -128 (activations never do).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn mul_sum_i8_pairs_float(x: __m256i, y: __m256i) -> __m256 {
-    let ax = _mm256_sign_epi8(x, x);
-    let sy = _mm256_sign_epi8(y, x);
-    mul_sum_us8_pairs_float(ax, sy)
 }
 
 /// `bytes_from_nibbles_32`: the 16 bytes at `p` as 32 nibbles: low nibbles in bytes 0..16, high in 16..32.
