@@ -1,4 +1,4 @@
-"""The `ninfer` command line: run, inspect, perplexity.
+"""The `ninfer` command line: run, inspect, perplexity, bench.
 
 stdout carries only what was asked for (the generated text, the inspect table, the perplexity); banners, logs and
 timings go to stderr. A bad model file, flag or argument ends with one line naming it and exit code 2.
@@ -7,6 +7,7 @@ timings go to stderr. A bad model file, flag or argument ends with one line nami
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -15,6 +16,10 @@ from ninfer.config import CACHE_TYPES
 from ninfer.errors import NinferError
 
 EXIT_USAGE = 2
+
+# ninfer computes on its own worker threads; numpy's BLAS pool (started when numpy is imported, never used here)
+# would only compete with them for cores.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def _log(msg: str) -> None:
@@ -134,6 +139,35 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from ninfer import bench
+
+    info = bench.model_info(args.model)
+    results = bench.run_bench(
+        args.model,
+        prompts=bench.parse_ints(args.n_prompt or ["512"], "-p"),
+        gens=bench.parse_ints(args.n_gen or ["128"], "-n"),
+        depths=bench.parse_ints(args.n_depth or ["0"], "-d"),
+        threads=bench.parse_ints(args.threads or [str(len(os.sched_getaffinity(0)))], "-t"),
+        reps=args.repetitions,
+        n_batch=args.batch_size,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
+        vs_llama_cpp=args.vs_llama_cpp,
+        profile=args.profile,
+        log=None if args.json else _log,
+    )
+    if args.json:
+        print(json.dumps(bench.to_json(results, info), indent=2))
+    else:
+        print(bench.format_table(results, info))
+        if args.profile:
+            print(bench.format_profile(results))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ninfer", description="Run GGUF language models on the CPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
     _add_engine_args(ppl, 512)
     ppl.set_defaults(func=cmd_perplexity)
+
+    b = sub.add_parser("bench", help="prompt and generation speed, llama-bench style (optionally vs llama.cpp)",
+                       description="Values of -p, -n, -d, -t may be comma lists or repeated (as llama-bench).")
+    b.add_argument("-m", "--model", required=True, help="GGUF file")
+    b.add_argument("-p", "--n-prompt", action="append", help="prompt sizes (default 512; 0 skips)")
+    b.add_argument("-n", "--n-gen", action="append", help="generation lengths (default 128; 0 skips)")
+    b.add_argument("-d", "--n-depth", action="append", help="context depths to test at (default 0)")
+    b.add_argument("-t", "--threads", action="append", help="thread counts (default: all cores)")
+    b.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per test (default 5)")
+    b.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
+    b.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16")
+    b.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16")
+    b.add_argument("--json", action="store_true", help="print the results as JSON (llama-bench's -o json fields)")
+    b.add_argument("--vs-llama-cpp", action="store_true",
+                   help="also run llama.cpp (llama-cpp-python, `ninfer[bench]`) interleaved, and print ratios")
+    b.add_argument("--profile", action="store_true",
+                   help="time per generated token by kind of work: matmul, attention, other, sampling, Python")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

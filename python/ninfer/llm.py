@@ -188,7 +188,7 @@ class LLM:
 
     def _run(
         self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: Sequence[str],
-        add_special: bool, cache_prompt: bool, stream: Stream | None,
+        add_special: bool, cache_prompt: bool, ignore_eos: bool, stream: Stream | None,
     ) -> Iterator[str]:
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -208,7 +208,7 @@ class LLM:
         text, emitted, finish, stop_word = "", 0, "length", ""
         budget = min(max_tokens, self.n_ctx - len(ids))
         while True:
-            if self.tokenizer.is_eog(token):
+            if self.tokenizer.is_eog(token) and not ignore_eos:
                 finish = "stop"
                 break
             out_tokens.append(token)
@@ -255,11 +255,13 @@ class LLM:
         stop: Sequence[str] = (),
         add_special: bool = True,
         cache_prompt: bool = False,
+        ignore_eos: bool = False,
     ) -> Stream:
-        """Generate, yielding text pieces as they complete (never a broken UTF-8 character)."""
+        """Generate, yielding text pieces as they complete (never a broken UTF-8 character).
+        ignore_eos: keep generating past end-of-generation tokens (benchmarks), as llama.cpp's ignore_eos."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         s = Stream(iter(()))
-        gen = self._run(prompt, max_tokens, params, stop, add_special, cache_prompt, s)
+        gen = self._run(prompt, max_tokens, params, stop, add_special, cache_prompt, ignore_eos, s)
         # Validate arguments and evaluate the prompt now, so errors surface at the call, not at the first next().
         first = next(gen, None)
         s._pieces = _chain_first(first, gen)
@@ -278,10 +280,11 @@ class LLM:
         stop: Sequence[str] = (),
         add_special: bool = True,
         cache_prompt: bool = False,
+        ignore_eos: bool = False,
     ) -> Completion:
         s = self.stream(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            seed=seed, stop=stop, add_special=add_special, cache_prompt=cache_prompt,
+            seed=seed, stop=stop, add_special=add_special, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
         )
         for _ in s:
             pass

@@ -56,6 +56,12 @@ fn to_vec(x: &PyReadonlyArray1<'_, f32>) -> Vec<f32> {
 }
 
 /// dequantize(type_id, data, n) -> numpy.ndarray[float32]: the `n` elements of a row of GGML type `type_id`.
+/// The CPU kernel set chosen for this machine: "avx2" or "scalar".
+#[pyfunction]
+fn simd_isa() -> &'static str {
+    ninfer_core::quant::simd::isa()
+}
+
 #[pyfunction]
 fn dequantize<'py>(py: Python<'py>, type_id: i64, data: &[u8], n: i64) -> PyResult<Bound<'py, PyArray1<f32>>> {
     let ty = ggml_type(type_id)?;
@@ -125,6 +131,7 @@ fn type_info(type_id: i64) -> PyResult<(&'static str, usize, usize)> {
 
 /// Add the quant functions to the `_core` module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(simd_isa, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quantize_act, m)?)?;
     m.add_function(wrap_pyfunction!(vec_dot, m)?)?;

@@ -42,7 +42,7 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
 }
 
 /// Weight rows per tile in decode (one activation row): the rows' FMA chains overlap and share its loads.
-const DECODE_ROW_TILE: usize = 4;
+const DECODE_ROW_TILE: usize = 2;
 /// Activation rows per tile in prefill: each weight block is unpacked once for all of them.
 const PREFILL_COL_TILE: usize = 4;
 

@@ -150,6 +150,10 @@ pub(super) unsafe fn dot_tile<F: Block32, const R: usize, const C: usize>(
         }
         for r in 0..R {
             let xb = x.add(r * xs + i * F::WB);
+            if R > 1 {
+                // A hint: prefetching past the end of the row (or the mapping) never faults.
+                _mm_prefetch::<_MM_HINT_T1>(xb.wrapping_add(PREFETCH_AHEAD) as *const i8);
+            }
             let dx = f16_at(xb);
             let qx = F::codes(xb);
             let ax = if F::SIGNED { _mm256_sign_epi8(qx, qx) } else { qx };
@@ -173,6 +177,12 @@ pub(super) unsafe fn dot_tile<F: Block32, const R: usize, const C: usize>(
     }
     out
 }
+
+/// Bytes ahead of the current block that a multi-row tile prefetches (into L2) for each of its rows. Measured on
+/// decode-sized matrices streaming from DRAM (2-core dev VM): without it, tiles of several rows read memory
+/// slower than one row at a time (the hardware prefetcher follows one sequential stream better than several
+/// interleaved ones); with it, 2-row tiles beat single rows by 10-40%.
+const PREFETCH_AHEAD: usize = 256;
 
 /// One dot product of `nb` blocks: `dot_tile` with a 1 x 1 tile.
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -1,0 +1,281 @@
+"""`ninfer bench`: prompt-processing and generation speed, llama-bench style, optionally against llama.cpp.
+
+Tests, as llama-bench defines them (random token ids, BOS first where the model adds one):
+- ppN @ dD: N prompt tokens evaluated as one batch after D context tokens (the D are not timed);
+- tgN @ dD: N tokens generated one at a time after D context tokens.
+ninfer's tg runs through `LLM.generate` (greedy, end-of-generation ignored): the path a user's script takes,
+Python included. llama.cpp (the `llama-cpp-python` package, `pip install 'ninfer[bench]'`) runs the same GGUF with
+the same threads through its C API (`llama_decode` per token, no sampling), as llama-bench does. With
+`--vs-llama-cpp` every repetition runs ninfer then llama.cpp, interleaved, so both see the same machine load.
+
+`--profile` reports where a generated token's time goes: matmul, attention, other layer ops, sampling (timed in
+Rust) and Python plus glue (the rest of the wall time).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer.errors import InvalidArgumentError, NinferError
+from ninfer.llm import LLM
+
+# Seconds to let the other engine's worker threads go idle before timing (OpenMP workers spin after a job).
+_SETTLE_S = 0.05
+
+
+@dataclass(frozen=True)
+class Test:
+    kind: str  # "pp" or "tg"
+    n: int
+    depth: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.n}" + (f" @ d{self.depth}" if self.depth else "")
+
+
+@dataclass
+class Result:
+    engine: str
+    test: Test
+    threads: int
+    samples_ts: list[float] = field(default_factory=list)
+    profile: dict[str, float] | None = None  # seconds per generated token, by kind of work
+
+    @property
+    def avg_ts(self) -> float:
+        return statistics.fmean(self.samples_ts) if self.samples_ts else 0.0
+
+    @property
+    def stddev_ts(self) -> float:
+        return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
+
+
+class NinferRunner:
+    name = "ninfer"
+
+    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, cache_type_k: str, cache_type_v: str):
+        self.llm = LLM(model, n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k,
+                       cache_type_v=cache_type_v)
+        self.n_vocab = self.llm.n_vocab
+        self.bos = self.llm.tokenizer.bos_id if self.llm.tokenizer.add_bos else None
+
+    def pp(self, context: list[int], prompt: list[int]) -> float:
+        llm = self.llm
+        llm._reset()
+        if context:
+            llm._prefill(context, cache_prompt=False)
+        t = time.perf_counter()
+        llm._engine.prefill(0, prompt, llm.config.n_batch)
+        dt = time.perf_counter() - t
+        llm._reset()
+        return dt
+
+    def tg(self, context: list[int], n: int, profile: bool) -> tuple[float, dict[str, float] | None]:
+        llm, eng = self.llm, self.llm._engine
+        llm._reset()
+        llm._prefill(context, cache_prompt=False)
+        eng.set_profiling(profile)
+        eng.reset_profile()
+        # The prompt is already in the cache: generate evaluates only its last token again, then n steps.
+        out = llm.generate(context, max_tokens=n + 1, temperature=0.0, ignore_eos=True, cache_prompt=True)
+        eng.set_profiling(False)
+        llm._reset()
+        wall = out.timings.predicted_ms / 1e3
+        if not profile:
+            return wall, None
+        p = dict(eng.profile())
+        calls = max(1, int(p.pop("forward_calls")))
+        per_tok = {k: v / calls for k, v in p.items()}
+        per_tok["python+glue"] = max(0.0, wall / n - sum(per_tok.values()))
+        return wall, per_tok
+
+
+class LlamaCppRunner:
+    name = "llama.cpp"
+
+    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise NinferError(
+                "--vs-llama-cpp needs the llama-cpp-python package: pip install 'ninfer[bench]'"
+            ) from None
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_batch=max(n_batch, 2048), n_ubatch=n_batch,
+                                   n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
+        self.ctx = self.llm._ctx.ctx
+        vocab = llama_cpp.llama_model_get_vocab(self.llm._model.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.bos = llama_cpp.llama_vocab_bos(vocab) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
+        self.n_ubatch = n_batch
+
+    def _clear(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
+    def _decode(self, tokens: list[int]) -> None:
+        arr = (self.lib.llama_token * len(tokens))(*tokens)
+        rc = self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(arr, len(tokens)))
+        if rc != 0:
+            raise NinferError(f"llama.cpp: llama_decode failed ({rc})")
+        self.lib.llama_synchronize(self.ctx)
+
+    def _prefill(self, tokens: list[int]) -> None:
+        for i in range(0, len(tokens), self.n_ubatch):
+            self._decode(tokens[i : i + self.n_ubatch])
+
+    def pp(self, context: list[int], prompt: list[int]) -> float:
+        self._clear()
+        self._prefill(context)
+        t = time.perf_counter()
+        self._prefill(prompt)
+        dt = time.perf_counter() - t
+        self._clear()
+        return dt
+
+    def tg(self, context: list[int], n: int, profile: bool) -> tuple[float, dict[str, float] | None]:
+        self._clear()
+        self._prefill(context)
+        rng = random.Random(len(context))
+        t = time.perf_counter()
+        for _ in range(n):
+            self._decode([rng.randrange(self.n_vocab)])
+        dt = time.perf_counter() - t
+        self._clear()
+        return dt, None
+
+
+def parse_ints(values: list[str], flag: str) -> list[int]:
+    """`-p 128,512 -p 1024` -> [128, 512, 1024], each >= 0."""
+    out: list[int] = []
+    for v in values:
+        for part in v.split(","):
+            try:
+                x = int(part)
+            except ValueError:
+                raise InvalidArgumentError(f"{flag}: '{part}' is not an integer") from None
+            if x < 0:
+                raise InvalidArgumentError(f"{flag}: {x} is negative")
+            out.append(x)
+    return out
+
+
+def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[int], threads: list[int],
+              reps: int, n_batch: int, cache_type_k: str, cache_type_v: str, vs_llama_cpp: bool, profile: bool,
+              seed: int = 1, log=None) -> list[Result]:
+    if reps < 1:
+        raise InvalidArgumentError(f"-r/--repetitions must be >= 1, got {reps}")
+    tests = [Test("pp", n, d) for d in depths for n in prompts if n > 0]
+    tests += [Test("tg", n, d) for d in depths for n in gens if n > 0]
+    if not tests:
+        raise InvalidArgumentError("nothing to measure: every -p and -n value is 0")
+    n_ctx = max(t.depth + t.n + 2 for t in tests)
+    n_ctx = -(-n_ctx // 256) * 256
+    results: list[Result] = []
+    for th in threads:
+        if th < 1:
+            raise InvalidArgumentError(f"-t/--threads must be >= 1, got {th}")
+        runners: list[Any] = [NinferRunner(model, th, n_ctx, n_batch, cache_type_k, cache_type_v)]
+        if vs_llama_cpp:
+            runners.append(LlamaCppRunner(model, th, n_ctx, n_batch))
+        rng = random.Random(seed)
+        n_vocab = runners[0].n_vocab
+
+        def tokens(n: int, first: bool) -> list[int]:
+            ids = [rng.randrange(n_vocab) for _ in range(n)]
+            if first and ids and runners[0].bos is not None:
+                ids[0] = runners[0].bos
+            return ids
+
+        for r in runners:  # warm-up: page the weights in, start the threads
+            r.pp([], tokens(min(32, max(prompts + [1])), True))
+            r.tg(tokens(1, True), 2, False)
+        for test in tests:
+            rows = {r.name: Result(r.name, test, th) for r in runners}
+            profiles: list[dict[str, float]] = []
+            for _ in range(reps):
+                context = tokens(test.depth, True) if test.depth else []
+                for r in runners:
+                    gc.collect()
+                    time.sleep(_SETTLE_S)
+                    if test.kind == "pp":
+                        dt = r.pp(context, tokens(test.n, not context))
+                    else:
+                        dt, prof = r.tg(context or tokens(1, True), test.n, profile and r.name == "ninfer")
+                        if prof:
+                            profiles.append(prof)
+                    rows[r.name].samples_ts.append(test.n / dt)
+            if profiles:
+                rows["ninfer"].profile = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}
+            results.extend(rows.values())
+            if log:
+                log("  ".join(f"{r.engine} {test.name} {r.avg_ts:.1f} t/s" for r in rows.values()))
+    return results
+
+
+def model_info(path: str) -> dict[str, Any]:
+    from ninfer.model_file import ModelFile
+
+    mf = ModelFile(path)
+    n_params = sum(t.n_elements for t in mf.tensors)
+    by_bytes: Counter[str] = Counter()
+    for t in mf.tensors:
+        by_bytes[t.type_name] += t.n_bytes
+    main_type = by_bytes.most_common(1)[0][0] if by_bytes else "?"
+    return {"model_filename": str(mf.path), "model_type": f"{mf.architecture} {main_type}",
+            "model_size": mf.weight_bytes(), "model_n_params": n_params}
+
+
+def format_table(results: list[Result], info: dict[str, Any]) -> str:
+    from ninfer import _core
+
+    ratios = any(r.engine == "llama.cpp" for r in results)
+    head = ["model", "size", "params", "engine", "threads", "test", "t/s"] + (["vs llama.cpp"] if ratios else [])
+    rows = []
+    by_key = {(r.engine, r.test, r.threads): r for r in results}
+    for r in results:
+        engine = f"{r.engine} (CPU {_core.simd_isa()})" if r.engine == "ninfer" else r.engine
+        row = [info["model_type"], f"{info['model_size'] / 2**20:.2f} MiB", f"{info['model_n_params'] / 1e6:.2f} M",
+               engine, str(r.threads), r.test.name, f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}"]
+        if ratios:
+            peer = by_key.get(("llama.cpp", r.test, r.threads))
+            row.append(f"{r.avg_ts / peer.avg_ts:.2f}x" if r.engine == "ninfer" and peer and peer.avg_ts else "")
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i >= 4 else c.ljust(w)  # noqa: E731
+                                            for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def format_profile(results: list[Result]) -> str:
+    kinds = ["matmul", "attention", "other", "sampling", "python+glue"]
+    out = ["", "where a generated token's time goes (ninfer, median over repetitions):",
+           "| test | threads | ms/token | " + " | ".join(kinds) + " |",
+           "|" + "---|" * (3 + len(kinds))]
+    for r in results:
+        if not r.profile:
+            continue
+        total = sum(r.profile[k] for k in kinds)
+        cells = [f"{1e3 * r.profile[k]:.3f} ms ({100 * r.profile[k] / total:.1f}%)" for k in kinds]
+        out.append(f"| {r.test.name} | {r.threads} | {1e3 * total:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def to_json(results: list[Result], info: dict[str, Any]) -> list[dict[str, Any]]:
+    from ninfer import _core
+
+    return [
+        {**info, "engine": r.engine, "backend": f"CPU {_core.simd_isa()}" if r.engine == "ninfer" else "CPU",
+         "n_threads": r.threads, "n_prompt": r.test.n if r.test.kind == "pp" else 0,
+         "n_gen": r.test.n if r.test.kind == "tg" else 0, "n_depth": r.test.depth, "test": r.test.name,
+         "avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ts": r.samples_ts,
+         **({"profile_s_per_token": r.profile} if r.profile else {})}
+        for r in results
+    ]
