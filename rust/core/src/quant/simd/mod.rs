@@ -65,8 +65,12 @@ pub(super) struct Kernels {
     vec_dot: Slots<VecDotFn>,
     /// Where it differs from `vec_dot`: matrices llama.cpp does not repack (row count not divisible by 8).
     vec_dot_unpacked: Slots<VecDotFn>,
-    /// Tiles of plain `vec_dot` products (several weight rows and/or activation rows per call).
+    /// Tiles (several weight rows and/or activation rows per call) of the `vec_dot`, `vec_dot_gemm4` and
+    /// `vec_dot_tiled` products; the single-row GEMV of repacked matrices has `vec_dot_tile_gemv`.
     vec_dot_tile: Slots<TileFn>,
+    vec_dot_tile_gemv: Slots<TileFn>,
+    vec_dot_tile_gemm4: Slots<TileFn>,
+    vec_dot_tile_tiled: Slots<TileFn>,
     /// Repacked matrices, activation rows processed four at a time (GEMM).
     vec_dot_gemm4: Slots<VecDotFn>,
     /// Non-repacked K-quant matrices in matmuls with 8 or more activation rows.
@@ -83,6 +87,9 @@ impl Kernels {
         vec_dot: [None; SLOTS],
         vec_dot_unpacked: [None; SLOTS],
         vec_dot_tile: [None; SLOTS],
+        vec_dot_tile_gemv: [None; SLOTS],
+        vec_dot_tile_gemm4: [None; SLOTS],
+        vec_dot_tile_tiled: [None; SLOTS],
         vec_dot_gemm4: [None; SLOTS],
         vec_dot_tiled: [None; SLOTS],
         quantize: [None; SLOTS],
@@ -125,12 +132,21 @@ impl Kernels {
         pos.act_rows >= 8 && self.vec_dot_tiled[ty as usize].is_some()
     }
 
-    /// The tile kernel for dot products at `pos`, if the kernel llama.cpp would use there is the plain
-    /// `vec_dot` one and a tile version of it exists.
+    /// The tile version of the kernel [`Kernels::vec_dot_at`] picks at `pos`, if there is one.
     #[inline]
     pub(super) fn vec_dot_tile_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<TileFn> {
-        let tile = self.vec_dot_tile[ty as usize]?;
-        (!self.is_repacked(ty, pos) && !self.is_tiled(ty, pos)).then_some(tile)
+        let t = ty as usize;
+        if self.is_repacked(ty, pos) {
+            let in_group_of_4 = pos.act_rows >= 4 && pos.act_row < pos.act_rows - pos.act_rows % 4;
+            if in_group_of_4 && self.vec_dot_gemm4[t].is_some() {
+                return self.vec_dot_tile_gemm4[t];
+            }
+            return self.vec_dot_tile_gemv[t];
+        }
+        if self.is_tiled(ty, pos) {
+            return self.vec_dot_tile_tiled[t];
+        }
+        self.vec_dot_tile[t]
     }
 
     #[inline]

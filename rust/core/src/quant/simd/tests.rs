@@ -446,18 +446,41 @@ fn atoi_reads_switches_like_c() {
     assert_eq!(atoi(""), 0);
 }
 
-/// Every tile shape 1..=4 x 1..=4 (the instanced ones and the one-at-a-time fallback) gives, bit for bit, the
-/// products of the type's single `vec_dot` kernel, on rows of 1, 7 and 11 blocks; a tile that does not fit its
+/// Every tile kernel of the table with the single kernel whose sums it must reproduce.
+fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, VecDotFn)> {
+    let mut out = Vec::new();
+    for t in 0..super::SLOTS {
+        let Some(ty) = GgmlType::from_id(t as u32) else { continue };
+        let plain = k.vec_dot_unpacked[t].or(k.vec_dot[t]);
+        let slots = [
+            ("plain", k.vec_dot_tile[t], plain),
+            ("gemv", k.vec_dot_tile_gemv[t], k.vec_dot[t]),
+            ("gemm4", k.vec_dot_tile_gemm4[t], k.vec_dot_gemm4[t]),
+            ("tiled", k.vec_dot_tile_tiled[t], k.vec_dot_tiled[t]),
+        ];
+        for (name, tile, single) in slots {
+            if let Some(tile) = tile {
+                out.push((ty, name, tile, single.unwrap_or_else(|| panic!("{ty} {name} tile without its kernel"))));
+            }
+        }
+    }
+    out
+}
+
+/// Every tile kernel, in every shape 1..=4 x 1..=4 (the instanced ones and the one-at-a-time fallback), gives
+/// the products of its single kernel bit for bit, on rows of 1, 3 and 11 blocks; a tile that does not fit its
 /// slices gives NaNs instead of reading out of bounds.
 #[test]
 fn dot_tiles_equal_single_products_bit_for_bit() {
     let Some(k) = simd_kernels() else { return };
+    let tiles = all_tile_kernels(&k);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        assert!(tiles.iter().any(|t| t.0 == ty), "{ty} has a tile kernel");
+    }
     let mut rng = Rng::new(11);
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q8_1] {
-        let tile = k.vec_dot_tile[ty as usize].unwrap_or_else(|| panic!("{ty} has a tile kernel"));
-        let single = k.vec_dot_unpacked[ty as usize].or(k.vec_dot[ty as usize]).unwrap();
+    for (ty, name, tile, single) in tiles {
         let act_ty = ty.act_type();
-        for nb in [1usize, 7, 11] {
+        for nb in [1usize, 3, 11] {
             let n = nb * ty.block_size();
             let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
             let w: Vec<u8> = (0..4).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
@@ -469,14 +492,19 @@ fn dot_tiles_equal_single_products_bit_for_bit() {
                     for r in 0..nr {
                         for c in 0..nc {
                             let want = single(nb, &w[r * rb..(r + 1) * rb], &a[c * ab..(c + 1) * ab]);
-                            assert_eq!(out[r * nc + c].to_bits(), want.to_bits(), "{ty} nb {nb} tile {nr}x{nc} ({r},{c})");
+                            assert_eq!(
+                                out[r * nc + c].to_bits(),
+                                want.to_bits(),
+                                "{ty} {name} nb {nb} tile {nr}x{nc} ({r},{c}): {} vs {want}",
+                                out[r * nc + c]
+                            );
                         }
                     }
                 }
             }
             let mut out = vec![0.0f32; 4];
             tile(nb, &w[..3 * rb], rb, 4, &a, ab, 1, &mut out);
-            assert!(out.iter().all(|v| v.is_nan()), "{ty}: a tile past the weights' end is refused");
+            assert!(out.iter().all(|v| v.is_nan()), "{ty} {name}: a tile past the weights' end is refused");
         }
     }
 }

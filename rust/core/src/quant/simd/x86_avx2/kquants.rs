@@ -342,36 +342,59 @@ pub(super) unsafe fn vec_dot_q5_k_q8_k(nb: usize, x: *const u8, y: *const u8) ->
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q6_k_ints(xb: *const u8, yb: *const u8) -> (__m256i, __m256i) {
+    q6_k_ints_unpacked(&q6_k_unpack(xb), yb)
+}
+
+/// A Q6_K block's 256 codes (0..=63, as bytes, in the order of the Q8_K quants they multiply), its 16 scales as
+/// i16, and the scale of each 32-element product as i16 lanes.
+pub(super) struct Q6kUnpacked {
+    q: [__m256i; 8],
+    scale: [__m256i; 8],
+    scales_16: __m256i,
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6_k_unpack(xb: *const u8) -> Q6kUnpacked {
     let m3 = _mm256_set1_epi8(3);
     let m15 = _mm256_set1_epi8(15);
     let scales = load128(xb.add(192));
-    let scales_16 = _mm256_cvtepi8_epi16(scales);
-    let q8sclsub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(load256(yb.add(Q8K_BSUMS)), scales_16));
-
-    let mut sumi = _mm256_setzero_si256();
+    let mut q = [_mm256_setzero_si256(); 8];
+    let mut scale = [_mm256_setzero_si256(); 8];
     for j in 0..QK_K / 128 {
         let ql = xb.add(64 * j);
         let q4bits1 = load256(ql);
         let q4bits2 = load256(ql.add(32));
         let q4bits_h = load256(xb.add(128 + 32 * j));
-
         let q4h_0 = _mm256_slli_epi16::<4>(_mm256_and_si256(q4bits_h, m3));
         let q4h_1 = _mm256_slli_epi16::<2>(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)));
         let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
         let q4h_3 = _mm256_srli_epi16::<2>(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)));
+        q[4 * j] = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+        q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+        q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q4bits1), m15), q4h_2);
+        q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q4bits2), m15), q4h_3);
+        for k in 0..4 {
+            let s = _mm_shuffle_epi8(scales, load128(SHUFFLE_Q6K[4 * j + k].as_ptr()));
+            scale[4 * j + k] = _mm256_cvtepi8_epi16(s);
+        }
+    }
+    Q6kUnpacked { q, scale, scales_16: _mm256_cvtepi8_epi16(scales) }
+}
 
-        let q4 = [
-            _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
-            _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q4bits1), m15), q4h_2),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q4bits2), m15), q4h_3),
-        ];
+/// Q6_K x Q8_K, one super-block from its unpacked codes: (sum of scale * code * q8 in eight i32 lanes,
+/// 32 * sum of scale * bsum: the offset of the codes' bias of 32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6_k_ints_unpacked(w: &Q6kUnpacked, yb: *const u8) -> (__m256i, __m256i) {
+    let q8sclsub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(load256(yb.add(Q8K_BSUMS)), w.scales_16));
+    let mut sumi = _mm256_setzero_si256();
+    for j in 0..QK_K / 128 {
         let q8 = yb.add(Q8K_QS + 128 * j);
         let mut p = [_mm256_setzero_si256(); 4];
-        for k in 0..4 {
-            let p16 = _mm256_maddubs_epi16(q4[k], load256(q8.add(32 * k)));
-            let scale = _mm_shuffle_epi8(scales, load128(SHUFFLE_Q6K[4 * j + k].as_ptr()));
-            p[k] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale), p16);
+        for (k, pk) in p.iter_mut().enumerate() {
+            let p16 = _mm256_maddubs_epi16(w.q[4 * j + k], load256(q8.add(32 * k)));
+            *pk = _mm256_madd_epi16(w.scale[4 * j + k], p16);
         }
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));

@@ -86,15 +86,21 @@ pub(super) fn detect(orders: Orders) -> Option<Kernels> {
         }
     }
     let tiles: [(GgmlType, TileFn); 6] = [
-        (GgmlType::Q4_0, legacy_tile::<legacy::Q4_0>),
-        (GgmlType::Q4_1, legacy_tile::<legacy::Q4_1>),
-        (GgmlType::Q5_0, legacy_tile::<legacy::Q5_0>),
-        (GgmlType::Q5_1, legacy_tile::<legacy::Q5_1>),
-        (GgmlType::Q8_0, legacy_tile::<legacy::Q8_0>),
-        (GgmlType::Q8_1, legacy_tile::<legacy::Q8_1>),
+        (GgmlType::Q4_0, tile_q4_0),
+        (GgmlType::Q4_1, tile_q4_1),
+        (GgmlType::Q5_0, tile_q5_0),
+        (GgmlType::Q5_1, tile_q5_1),
+        (GgmlType::Q8_0, tile_q8_0),
+        (GgmlType::Q8_1, tile_q8_1),
     ];
     for (ty, f) in tiles {
         k.vec_dot_tile[ty as usize] = Some(f);
+    }
+    if orders.repacked_q4 {
+        k.vec_dot_tile_gemm4[GgmlType::Q4_K as usize] = Some(tile_q4_k_gemm);
+    }
+    if orders.tiled {
+        k.vec_dot_tile_tiled[GgmlType::Q6_K as usize] = Some(tile_q6_k_tiled);
     }
     k.quantize[GgmlType::Q8_0 as usize] = Some(quantize_q8_0);
     k.quantize[GgmlType::Q8_1 as usize] = Some(quantize_q8_1);
@@ -144,42 +150,72 @@ dot_wrapper!(vec_dot_q4_k_tiled, orders::vec_dot_q4_k_q8_k_tiled, Q4_K_BYTES, Q8
 dot_wrapper!(vec_dot_q5_k_tiled, orders::vec_dot_q5_k_q8_k_tiled, Q5_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES);
 
-/// A `TileFn` for a legacy format: checks the tile's shape and extent, then runs the matching `dot_tile`
-/// instance (row tiles for decode, column tiles for prefill; other shapes one dot at a time).
-fn legacy_tile<F: legacy::Block32>(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
+/// Whether a tile of `nr` weight rows (`ws` bytes apart) and `nc` activation rows (`as_` apart) of `nb` blocks
+/// lies within its slices.
+#[allow(clippy::too_many_arguments)]
+fn tile_fits(nb: usize, wl: usize, ws: usize, nr: usize, wb: usize, al: usize, as_: usize, nc: usize, ab: usize) -> bool {
     let fits = |len: usize, stride: usize, rows: usize, bb: usize| {
         rows >= 1 && stride >= nb * bb && len >= (rows - 1) * stride + nb * bb
     };
-    if !(fits(w.len(), ws, nr, F::WB) && fits(a.len(), as_, nc, F::AB) && out.len() >= nr * nc) {
-        out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
-        return;
-    }
-    let (x, y) = (w.as_ptr(), a.as_ptr());
-    // SAFETY: reachable only through the checked table; every row of both tiles holds `nb` whole blocks.
-    unsafe {
-        macro_rules! run {
-            ($r:literal, $c:literal) => {{
-                let t = legacy::dot_tile::<F, $r, $c>(nb, x, ws, y, as_);
-                for r in 0..$r {
-                    out[r * $c..(r + 1) * $c].copy_from_slice(&t[r]);
-                }
-            }};
-        }
-        match (nr, nc) {
-            (4, 1) => run!(4, 1),
-            (2, 1) => run!(2, 1),
-            (1, 4) => run!(1, 4),
-            (1, 2) => run!(1, 2),
-            _ => {
-                for r in 0..nr {
-                    for c in 0..nc {
-                        out[r * nc + c] = legacy::vec_dot::<F>(nb, x.add(r * ws), y.add(c * as_));
+    fits(wl, ws, nr, wb) && fits(al, as_, nc, ab)
+}
+
+/// A `TileFn` over `$wb`-byte weight blocks and `$ab`-byte activation blocks: checks the tile's extent (NaNs if
+/// it does not fit), runs the tile kernel instanced for its shape, or else `$single` once per product.
+macro_rules! tile_wrapper {
+    ($name:ident, $single:path, $wb:expr, $ab:expr, [$(($r:literal, $c:literal) => $kernel:path),* $(,)?]) => {
+        fn $name(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
+            if !tile_fits(nb, w.len(), ws, nr, $wb, a.len(), as_, nc, $ab) || out.len() < nr * nc {
+                out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
+                return;
+            }
+            let (x, y) = (w.as_ptr(), a.as_ptr());
+            // SAFETY: reachable only through the checked table; every row of both tiles holds `nb` blocks.
+            unsafe {
+                match (nr, nc) {
+                    $(($r, $c) => {
+                        let t = $kernel(nb, x, ws, y, as_);
+                        for r in 0..$r {
+                            out[r * $c..(r + 1) * $c].copy_from_slice(&t[r]);
+                        }
+                    })*
+                    _ => {
+                        for r in 0..nr {
+                            for c in 0..nc {
+                                out[r * nc + c] = $single(nb, x.add(r * ws), y.add(c * as_));
+                            }
+                        }
                     }
                 }
             }
         }
-    }
+    };
 }
+
+/// The legacy formats' tiles: 2 weight rows for decode, 4 activation rows for prefill (`cpu::matmul`).
+macro_rules! legacy_tiles {
+    ($name:ident, $fmt:ty) => {
+        tile_wrapper!($name, legacy::vec_dot::<$fmt>, <$fmt as legacy::Block32>::WB, <$fmt as legacy::Block32>::AB, [
+            (2, 1) => legacy::dot_tile::<$fmt, 2, 1>,
+            (4, 1) => legacy::dot_tile::<$fmt, 4, 1>,
+            (1, 4) => legacy::dot_tile::<$fmt, 1, 4>,
+            (1, 2) => legacy::dot_tile::<$fmt, 1, 2>,
+        ]);
+    };
+}
+
+legacy_tiles!(tile_q4_0, legacy::Q4_0);
+legacy_tiles!(tile_q4_1, legacy::Q4_1);
+legacy_tiles!(tile_q5_0, legacy::Q5_0);
+legacy_tiles!(tile_q5_1, legacy::Q5_1);
+legacy_tiles!(tile_q8_0, legacy::Q8_0);
+legacy_tiles!(tile_q8_1, legacy::Q8_1);
+tile_wrapper!(tile_q4_k_gemm, orders::vec_dot_q4_k_q8_k_repacked_gemm, Q4_K_BYTES, Q8_K_BYTES, [
+    (1, 4) => orders::q4_k_repacked_gemm_1x4,
+]);
+tile_wrapper!(tile_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES, [
+    (1, 4) => orders::q6_k_tiled_1x4,
+]);
 
 /// A `QuantizeFn` writing whole blocks of `$qk` elements / `$bytes` bytes with `$kernel`.
 macro_rules! quantize_wrapper {

@@ -14,6 +14,7 @@ use std::arch::x86_64::*;
 
 use super::kquants::{
     f32_at, k4_min_prod, k4_mins_and_scales, q2_k_ints, q3_k_ints, q4_k_block_sumi, q5_k_block_sumi, q6_k_ints,
+    q6_k_ints_unpacked, q6_k_unpack, shuffle_k4,
 };
 use super::{f16_at, f16_at_tail, hsum_i32_4, hsum_i32_8, load256};
 use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
@@ -153,4 +154,108 @@ pub(super) unsafe fn vec_dot_q6_k_q8_k_tiled(nb: usize, x: *const u8, y: *const 
         acc = tiled_step(acc, f16_at_tail(xb.add(208)), isum, None, f32_at(yb));
     }
     acc
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tiles: several dot products per call, each summed exactly as the single kernel above sums it
+// ---------------------------------------------------------------------------------------------------------------
+
+/// The four i32 of `v[0]`, `v[1]`, `v[2]`, `v[3]` transposed: result `j` holds lane `j` of each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose4(v: [__m128i; 4]) -> [__m128i; 4] {
+    let t0 = _mm_unpacklo_epi32(v[0], v[1]);
+    let t1 = _mm_unpacklo_epi32(v[2], v[3]);
+    let t2 = _mm_unpackhi_epi32(v[0], v[1]);
+    let t3 = _mm_unpackhi_epi32(v[2], v[3]);
+    [_mm_unpacklo_epi64(t0, t1), _mm_unpackhi_epi64(t0, t1), _mm_unpacklo_epi64(t2, t3), _mm_unpackhi_epi64(t2, t3)]
+}
+
+/// The lane sums of four i32 vectors: [sum v0, sum v1, sum v2, sum v3]. Exact.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsums_4x8(v: [__m256i; 4]) -> __m128i {
+    let s = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
+}
+
+/// [`vec_dot_q4_k_q8_k_repacked_gemm`] for one weight row and four activation rows (`ys` bytes apart): the
+/// weight's nibbles and scales are unpacked once per super-block; per column, each 32-element product is scaled
+/// in its `madd` and the four 64-element integer sums come out of one reduction; the four columns' FMA chains
+/// run side by side in the lanes of one vector (each lane the same sequential chain as the single kernel).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4_k_repacked_gemm_1x4(nb: usize, x: *const u8, _xs: usize, y: *const u8, ys: usize) -> [[f32; 4]; 1] {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut acc = _mm_setzero_ps();
+    let mut acc_min = _mm_setzero_ps();
+    for i in 0..nb {
+        let xb = x.add(i * Q4_K_BYTES);
+        let ms = k4_mins_and_scales(xb.add(4)); // 8 scales, then 8 mins (i16)
+        let sc128 = _mm256_castsi256_si128(ms);
+        let scales = _mm256_set_m128i(sc128, sc128);
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for j in 0..QK_K / 64 {
+            let bits = load256(xb.add(16 + 32 * j));
+            q[2 * j] = _mm256_and_si256(bits, m4);
+            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+            sc[2 * j] = shuffle_k4(scales, 2 * j);
+            sc[2 * j + 1] = shuffle_k4(scales, 2 * j + 1);
+        }
+        let mut isum = [_mm_setzero_si128(); 4];
+        let mut imin = [_mm_setzero_si128(); 4];
+        let mut yd = [0.0f32; 4];
+        for c in 0..4 {
+            let yb = y.add(c * ys + i * Q8_K_BYTES);
+            yd[c] = f32_at(yb);
+            // isum_j = scale[2j] * dot(lo nibbles) + scale[2j + 1] * dot(hi nibbles), j = 0..4.
+            let mut u = [_mm256_setzero_si256(); 4];
+            for (j, uj) in u.iter_mut().enumerate() {
+                let p = |k: usize| {
+                    let y8 = load256(yb.add(Q8K_QS + 32 * k));
+                    _mm256_madd_epi16(sc[k], _mm256_maddubs_epi16(q[k], y8))
+                };
+                *uj = _mm256_add_epi32(p(2 * j), p(2 * j + 1));
+            }
+            isum[c] = hsums_4x8(u);
+            imin[c] = k4_min_prod(ms, yb.add(Q8K_BSUMS));
+        }
+        let (isum, imin) = (transpose4(isum), transpose4(imin));
+        let ydv = _mm_loadu_ps(yd.as_ptr());
+        let d = _mm_mul_ps(_mm_set1_ps(f16_at(xb)), ydv);
+        let dmin = _mm_mul_ps(_mm_set1_ps(f16_at(xb.add(2))), ydv);
+        for j in 0..QK_K / 64 {
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum[j]), d, acc);
+            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imin[j]), dmin, acc_min);
+        }
+    }
+    let mut out = [[0.0f32; 4]; 1];
+    _mm_storeu_ps(out[0].as_mut_ptr(), _mm_sub_ps(acc, acc_min));
+    out
+}
+
+/// [`vec_dot_q6_k_q8_k_tiled`] for one weight row and four activation rows (`ys` bytes apart): the 6-bit codes
+/// and scales are unpacked once per super-block, the four columns' integer sums come out of one reduction, and
+/// their `tiled_step` chains run in the lanes of one vector.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6_k_tiled_1x4(nb: usize, x: *const u8, _xs: usize, y: *const u8, ys: usize) -> [[f32; 4]; 1] {
+    let mut acc = _mm_setzero_ps();
+    for i in 0..nb {
+        let xb = x.add(i * Q6_K_BYTES);
+        let w = q6_k_unpack(xb);
+        let mut isums = [_mm256_setzero_si256(); 4];
+        let mut yd = [0.0f32; 4];
+        for (c, s) in isums.iter_mut().enumerate() {
+            let yb = y.add(c * ys + i * Q8_K_BYTES);
+            yd[c] = f32_at(yb);
+            let (sumi, q8sclsub) = q6_k_ints_unpacked(&w, yb);
+            *s = _mm256_sub_epi32(sumi, q8sclsub);
+        }
+        let isum = _mm_cvtepi32_ps(hsums_4x8(isums));
+        let res = _mm_mul_ps(_mm_set1_ps(f16_at_tail(xb.add(208))), isum);
+        acc = _mm_fmadd_ps(res, _mm_loadu_ps(yd.as_ptr()), acc);
+    }
+    let mut out = [[0.0f32; 4]; 1];
+    _mm_storeu_ps(out[0].as_mut_ptr(), acc);
+    out
 }
