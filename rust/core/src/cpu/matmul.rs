@@ -45,6 +45,8 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
 const DECODE_ROW_TILE: usize = 2;
 /// Activation rows per tile in prefill: each weight block is unpacked once for all of them.
 const PREFILL_COL_TILE: usize = 4;
+/// Weight rows per tile in prefill: each activation block is loaded once for both.
+const PREFILL_ROW_TILE: usize = 2;
 
 /// As `matmul`, reusing activations already quantized for `w`'s format (q, k and v share theirs).
 pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
@@ -86,12 +88,16 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     let mut tmp = vec![0.0f32; m * n];
     tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, rows)| {
         let r0 = c * ROWS_PER_TASK;
-        let mut buf = [0.0f32; PREFILL_COL_TILE];
+        let mut buf = [0.0f32; PREFILL_ROW_TILE * PREFILL_COL_TILE];
         for t0 in (0..n).step_by(PREFILL_COL_TILE) {
             let nc = (n - t0).min(PREFILL_COL_TILE);
-            for (i, row) in rows.chunks_exact_mut(n).enumerate() {
-                tile(r0 + i, 1, t0, nc, &mut buf[..nc]);
-                row[t0..t0 + nc].copy_from_slice(&buf[..nc]);
+            for (i, pair) in rows.chunks_mut(PREFILL_ROW_TILE * n).enumerate() {
+                let nr = pair.len() / n;
+                let r = r0 + i * PREFILL_ROW_TILE;
+                tile(r, nr, t0, nc, &mut buf[..nr * nc]);
+                for (j, row) in pair.chunks_exact_mut(n).enumerate() {
+                    row[t0..t0 + nc].copy_from_slice(&buf[j * nc..(j + 1) * nc]);
+                }
             }
         }
     });
