@@ -197,12 +197,14 @@ macro_rules! tile_wrapper {
     };
 }
 
-/// The legacy formats' tiles: 2 weight rows for decode, 4 activation rows for prefill (`cpu::matmul`).
+/// The legacy formats' tiles: 4 activation rows (and 2 x 4) for prefill; 2 weight rows for decode where that
+/// measured faster than single rows streaming from DRAM (`cpu::matmul`). Measured on the 2-core Zen 3 dev VM,
+/// best of 5, one thread: Q4_1 (576 columns) 6.8 vs 5.8 GB/s, Q5_0 (896) 5.4 vs 5.1 GB/s, but Q8_0 (896 columns,
+/// Qwen2.5-0.5B's 151936-row output) 4.3 vs 6.1 GB/s, so Q8_0 / Q8_1 decode one row at a time.
 macro_rules! legacy_tiles {
-    ($name:ident, $fmt:ty) => {
+    ($name:ident, $fmt:ty $(, $decode:literal)?) => {
         tile_wrapper!($name, legacy::vec_dot::<$fmt>, <$fmt as legacy::Block32>::WB, <$fmt as legacy::Block32>::AB, [
-            (2, 1) => legacy::dot_tile::<$fmt, 2, 1>,
-            (4, 1) => legacy::dot_tile::<$fmt, 4, 1>,
+            $(($decode, 1) => legacy::dot_tile::<$fmt, $decode, 1>,)?
             (1, 4) => legacy::dot_tile::<$fmt, 1, 4>,
             (2, 4) => legacy::dot_tile::<$fmt, 2, 4>,
             (1, 2) => legacy::dot_tile::<$fmt, 1, 2>,
@@ -210,16 +212,18 @@ macro_rules! legacy_tiles {
     };
 }
 
-legacy_tiles!(tile_q4_0, legacy::Q4_0);
-legacy_tiles!(tile_q4_1, legacy::Q4_1);
-legacy_tiles!(tile_q5_0, legacy::Q5_0);
-legacy_tiles!(tile_q5_1, legacy::Q5_1);
+legacy_tiles!(tile_q4_0, legacy::Q4_0, 2);
+legacy_tiles!(tile_q4_1, legacy::Q4_1, 2);
+legacy_tiles!(tile_q5_0, legacy::Q5_0, 2);
+legacy_tiles!(tile_q5_1, legacy::Q5_1, 2);
 legacy_tiles!(tile_q8_0, legacy::Q8_0);
 legacy_tiles!(tile_q8_1, legacy::Q8_1);
 tile_wrapper!(tile_q4_k_gemm, orders::vec_dot_q4_k_q8_k_repacked_gemm, Q4_K_BYTES, Q8_K_BYTES, [
     // 2 x 4 measured ~5% slower than 1 x 4 here (2-core AVX2 VM): register spills outweigh the shared loads.
     (1, 4) => orders::q4_k_repacked_gemm_rx4::<1>,
 ]);
+// No decode (R x 1) tiles for the K-quants: a super-block holds enough independent work to hide the FMA
+// latency, and interleaving two rows' reads measured 15-65% slower than one sequential stream from DRAM.
 tile_wrapper!(tile_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES, [
     (1, 4) => orders::q6_k_tiled_1x4,
 ]);

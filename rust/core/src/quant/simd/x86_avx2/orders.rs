@@ -274,3 +274,4 @@ pub(super) unsafe fn q6_k_tiled_1x4(nb: usize, x: *const u8, _xs: usize, y: *con
     _mm_storeu_ps(out[0].as_mut_ptr(), acc);
     out
 }
+
