@@ -407,6 +407,9 @@ pub(super) unsafe fn vec_dot_q6_k_q8_k(nb: usize, x: *const u8, y: *const u8) ->
     let mut acc = _mm256_setzero_ps();
     for i in 0..nb {
         let (xb, yb) = (x.add(i * Q6_K_BYTES), y.add(i * Q8_K_BYTES));
+        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024 + 64) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024 + 128) as *const i8);
         let d = f32_at(yb) * f16_at_tail(xb.add(208));
         let (sumi, q8sclsub) = q6_k_ints(xb, yb);
         let sumi = _mm256_sub_epi32(sumi, q8sclsub);

@@ -150,9 +150,11 @@ pub(super) unsafe fn dot_tile<F: Block32, const R: usize, const C: usize>(
         }
         for r in 0..R {
             let xb = x.add(r * xs + i * F::WB);
+            // A hint: prefetching past the end of the row (or the mapping) never faults.
             if R > 1 {
-                // A hint: prefetching past the end of the row (or the mapping) never faults.
                 _mm_prefetch::<_MM_HINT_T1>(xb.wrapping_add(PREFETCH_AHEAD) as *const i8);
+            } else if C == 1 {
+                _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024) as *const i8);
             }
             let dx = f16_at(xb);
             let qx = F::codes(xb);

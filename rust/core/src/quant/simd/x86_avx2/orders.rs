@@ -35,6 +35,8 @@ pub(super) unsafe fn vec_dot_q4_k_q8_k_repacked(nb: usize, x: *const u8, y: *con
     let mut acc_min = 0.0f32;
     for i in 0..nb {
         let (xb, yb) = (x.add(i * Q4_K_BYTES), y.add(i * Q8_K_BYTES));
+        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024 + 64) as *const i8);
         let yd = f32_at(yb);
         let mins_and_scales = k4_mins_and_scales(xb.add(4));
         let isum_min = hsum_i32_4(k4_min_prod(mins_and_scales, yb.add(Q8K_BSUMS)));
