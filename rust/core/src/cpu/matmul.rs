@@ -41,10 +41,15 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
     matmul_quantized(w, &acts, out);
 }
 
+/// The output of a matmul shared by its tasks, which write disjoint elements.
+struct OutPtr(*mut f32);
+// SAFETY: only used to write elements that one task alone owns (see `matmul_quantized`).
+unsafe impl Sync for OutPtr {}
+
 /// Weight rows per tile in decode (one activation row): the rows' FMA chains overlap and share its loads.
 const DECODE_ROW_TILE: usize = 2;
 /// Activation rows per tile in prefill: each weight block is unpacked once for all of them.
-const PREFILL_COL_TILE: usize = 4;
+const PREFILL_COL_TILE: usize = 8;
 /// Weight rows per tile in prefill: each activation block is loaded once for both.
 const PREFILL_ROW_TILE: usize = 2;
 
@@ -84,26 +89,31 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
         });
         return;
     }
-    // Tiles of rows, each against every token: [m, n] row-major, transposed into out afterwards.
-    let mut tmp = vec![0.0f32; m * n];
-    tmp.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(c, rows)| {
-        let r0 = c * ROWS_PER_TASK;
+    // Each task takes ROWS_PER_TASK weight rows (kept in cache) against every token, in tiles, and writes its
+    // products straight into their places in out [n, m]: tasks own disjoint sets of output columns.
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..m.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
+        let out_ptr = &out_ptr;
+        let r0 = task * ROWS_PER_TASK;
+        let rows = (m - r0).min(ROWS_PER_TASK);
         let mut buf = [0.0f32; PREFILL_ROW_TILE * PREFILL_COL_TILE];
-        for t0 in (0..n).step_by(PREFILL_COL_TILE) {
-            let nc = (n - t0).min(PREFILL_COL_TILE);
-            for (i, pair) in rows.chunks_mut(PREFILL_ROW_TILE * n).enumerate() {
-                let nr = pair.len() / n;
-                let r = r0 + i * PREFILL_ROW_TILE;
-                tile(r, nr, t0, nc, &mut buf[..nr * nc]);
-                for (j, row) in pair.chunks_exact_mut(n).enumerate() {
-                    row[t0..t0 + nc].copy_from_slice(&buf[j * nc..(j + 1) * nc]);
+        let mut t0 = 0;
+        while t0 < n {
+            // A tile never straddles llama.cpp's split between rows summed in groups of 4 and the rest.
+            let split = n - n % 4;
+            let end = if t0 < split { split } else { n };
+            let nc = (end - t0).min(PREFILL_COL_TILE);
+            for i in (0..rows).step_by(PREFILL_ROW_TILE) {
+                let nr = (rows - i).min(PREFILL_ROW_TILE);
+                tile(r0 + i, nr, t0, nc, &mut buf[..nr * nc]);
+                for j in 0..nr {
+                    for c in 0..nc {
+                        // SAFETY: (t0 + c, r0 + i + j) is inside [n, m] and belongs to this task alone.
+                        unsafe { *out_ptr.0.add((t0 + c) * m + r0 + i + j) = buf[j * nc + c] };
+                    }
                 }
             }
+            t0 += nc;
         }
     });
-    for (r, col) in tmp.chunks_exact(n).enumerate() {
-        for (t, &v) in col.iter().enumerate() {
-            out[t * m + r] = v;
-        }
-    }
 }

@@ -467,7 +467,7 @@ fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, 
     out
 }
 
-/// Every tile kernel, in every shape 1..=4 x 1..=4 (the instanced ones and the one-at-a-time fallback), gives
+/// Every tile kernel, in every shape 1..=4 x 1..=8 (the instanced ones and the one-at-a-time fallback), gives
 /// the products of its single kernel bit for bit, on rows of 1, 3 and 11 blocks; a tile that does not fit its
 /// slices gives NaNs instead of reading out of bounds.
 #[test]
@@ -484,9 +484,9 @@ fn dot_tiles_equal_single_products_bit_for_bit() {
             let n = nb * ty.block_size();
             let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
             let w: Vec<u8> = (0..4).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
-            let a: Vec<u8> = (0..4).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
+            let a: Vec<u8> = (0..8).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
             for nr in 1..=4 {
-                for nc in 1..=4 {
+                for nc in 1..=8 {
                     let mut out = vec![0.0f32; nr * nc];
                     tile(nb, &w, rb, nr, &a, ab, nc, &mut out);
                     for r in 0..nr {

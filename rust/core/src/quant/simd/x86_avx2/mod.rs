@@ -165,6 +165,7 @@ fn tile_fits(nb: usize, wl: usize, ws: usize, nr: usize, wb: usize, al: usize, a
 /// per product.
 macro_rules! tile_wrapper {
     ($name:ident, $single:path, $wb:expr, $ab:expr, [$(($r:literal, $c:literal) => $kernel:path),* $(,)?]) => {
+        #[allow(clippy::too_many_arguments)]
         fn $name(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
             if !tile_fits(nb, w.len(), ws, nr, $wb, a.len(), as_, nc, $ab) || out.len() < nr * nc {
                 out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
@@ -180,7 +181,18 @@ macro_rules! tile_wrapper {
                             out[r * $c..(r + 1) * $c].copy_from_slice(&t[r]);
                         }
                     })*
-                    // Several rows without an instance of their own: row by row (a 1 x nc instance, if any).
+                    // A shape without an instance of its own: columns in groups of 4, then row by row, then
+                    // one product at a time.
+                    _ if nc > 4 && nr <= 4 => {
+                        for c0 in (0..nc).step_by(4) {
+                            let k = (nc - c0).min(4);
+                            let mut tmp = [0.0f32; 16];
+                            $name(nb, w, ws, nr, &a[c0 * as_..], as_, k, &mut tmp[..nr * k]);
+                            for r in 0..nr {
+                                out[r * nc + c0..r * nc + c0 + k].copy_from_slice(&tmp[r * k..(r + 1) * k]);
+                            }
+                        }
+                    }
                     _ if nr > 1 => {
                         for r in 0..nr {
                             $name(nb, &w[r * ws..], ws, 1, a, as_, nc, &mut out[r * nc..(r + 1) * nc]);
@@ -219,8 +231,8 @@ legacy_tiles!(tile_q5_1, legacy::Q5_1, 2);
 legacy_tiles!(tile_q8_0, legacy::Q8_0);
 legacy_tiles!(tile_q8_1, legacy::Q8_1);
 tile_wrapper!(tile_q4_k_gemm, orders::vec_dot_q4_k_q8_k_repacked_gemm, Q4_K_BYTES, Q8_K_BYTES, [
-    // 2 x 4 measured ~5% slower than 1 x 4 here (2-core AVX2 VM): register spills outweigh the shared loads.
-    (1, 4) => orders::q4_k_repacked_gemm_rx4::<1>,
+    (1, 8) => orders::q4_k_repacked_gemm_1xc::<8>,
+    (1, 4) => orders::q4_k_repacked_gemm_1xc::<4>,
 ]);
 // No decode (R x 1) tiles for the K-quants: a super-block holds enough independent work to hide the FMA
 // latency, and interleaving two rows' reads measured 15-65% slower than one sequential stream from DRAM.

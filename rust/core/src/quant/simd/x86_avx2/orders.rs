@@ -181,72 +181,64 @@ unsafe fn hsums_4x8(v: [__m256i; 4]) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
 }
 
-/// [`vec_dot_q4_k_q8_k_repacked_gemm`] for `R` weight rows (`xs` bytes apart) and four activation rows (`ys`
-/// apart): each row's nibbles and scales are unpacked once per super-block and each column's quants loaded once
-/// for all rows; per (row, column), each 32-element product is scaled in its `madd` and the four 64-element
-/// integer sums come out of one reduction; the four columns' FMA chains of a row run side by side in the lanes
-/// of one vector (each lane the same sequential chain as the single kernel).
+/// [`vec_dot_q4_k_q8_k_repacked_gemm`] for one weight row and `C` activation rows (`ys` bytes apart; C a
+/// multiple of 4): the weight's nibbles and scales are unpacked once per super-block; per column, each 32-element
+/// product is scaled in its `madd` and the four 64-element integer sums come out of one reduction; the FMA chains
+/// of four columns run side by side in the lanes of one vector (each lane the same sequential chain as the single
+/// kernel).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q4_k_repacked_gemm_rx4<const R: usize>(
+pub(super) unsafe fn q4_k_repacked_gemm_1xc<const C: usize>(
     nb: usize,
     x: *const u8,
-    xs: usize,
+    _xs: usize,
     y: *const u8,
     ys: usize,
-) -> [[f32; 4]; R] {
+) -> [[f32; C]; 1] {
     let m4 = _mm256_set1_epi8(0xF);
-    let mut acc = [_mm_setzero_ps(); R];
-    let mut acc_min = [_mm_setzero_ps(); R];
+    let mut acc = [[_mm_setzero_ps(); 2]; 2]; // [group of 4 columns][acc, acc_min]; C <= 8
+    debug_assert!(C.is_multiple_of(4) && C <= 8);
     for i in 0..nb {
-        let mut ms = [_mm256_setzero_si256(); R];
-        let mut q = [[_mm256_setzero_si256(); 8]; R];
-        let mut sc = [[_mm256_setzero_si256(); 8]; R];
-        for r in 0..R {
-            let xb = x.add(r * xs + i * Q4_K_BYTES);
-            ms[r] = k4_mins_and_scales(xb.add(4)); // 8 scales, then 8 mins (i16)
-            let sc128 = _mm256_castsi256_si128(ms[r]);
-            let scales = _mm256_set_m128i(sc128, sc128);
-            for j in 0..QK_K / 64 {
-                let bits = load256(xb.add(16 + 32 * j));
-                q[r][2 * j] = _mm256_and_si256(bits, m4);
-                q[r][2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-                sc[r][2 * j] = shuffle_k4(scales, 2 * j);
-                sc[r][2 * j + 1] = shuffle_k4(scales, 2 * j + 1);
-            }
+        let xb = x.add(i * Q4_K_BYTES);
+        let ms = k4_mins_and_scales(xb.add(4)); // 8 scales, then 8 mins (i16)
+        let sc128 = _mm256_castsi256_si128(ms);
+        let scales = _mm256_set_m128i(sc128, sc128);
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut sc = [_mm256_setzero_si256(); 8];
+        for j in 0..QK_K / 64 {
+            let bits = load256(xb.add(16 + 32 * j));
+            q[2 * j] = _mm256_and_si256(bits, m4);
+            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+            sc[2 * j] = shuffle_k4(scales, 2 * j);
+            sc[2 * j + 1] = shuffle_k4(scales, 2 * j + 1);
         }
-        let mut isum = [[_mm_setzero_si128(); 4]; R];
-        let mut imin = [[_mm_setzero_si128(); 4]; R];
-        let mut yd = [0.0f32; 4];
-        for c in 0..4 {
-            let yb = y.add(c * ys + i * Q8_K_BYTES);
-            yd[c] = f32_at(yb);
-            let mut y8 = [_mm256_setzero_si256(); 8];
-            for (k, v) in y8.iter_mut().enumerate() {
-                *v = load256(yb.add(Q8K_QS + 32 * k));
-            }
-            for r in 0..R {
+        let (dw, dminw) = (_mm_set1_ps(f16_at(xb)), _mm_set1_ps(f16_at(xb.add(2))));
+        for (g, acc) in acc.iter_mut().enumerate().take(C / 4) {
+            let mut isum = [_mm_setzero_si128(); 4];
+            let mut imin = [_mm_setzero_si128(); 4];
+            let mut yd = [0.0f32; 4];
+            for c in 0..4 {
+                let yb = y.add((4 * g + c) * ys + i * Q8_K_BYTES);
+                yd[c] = f32_at(yb);
                 // isum_j = scale[2j] * dot(lo nibbles) + scale[2j + 1] * dot(hi nibbles), j = 0..4.
-                let p = |k: usize| _mm256_madd_epi16(sc[r][k], _mm256_maddubs_epi16(q[r][k], y8[k]));
-                let u = [0, 1, 2, 3].map(|j| _mm256_add_epi32(p(2 * j), p(2 * j + 1)));
-                isum[r][c] = hsums_4x8(u);
-                imin[r][c] = k4_min_prod(ms[r], yb.add(Q8K_BSUMS));
+                let p = |k: usize| {
+                    let y8 = load256(yb.add(Q8K_QS + 32 * k));
+                    _mm256_madd_epi16(sc[k], _mm256_maddubs_epi16(q[k], y8))
+                };
+                isum[c] = hsums_4x8([0, 1, 2, 3].map(|j| _mm256_add_epi32(p(2 * j), p(2 * j + 1))));
+                imin[c] = k4_min_prod(ms, yb.add(Q8K_BSUMS));
             }
-        }
-        let ydv = _mm_loadu_ps(yd.as_ptr());
-        for r in 0..R {
-            let xb = x.add(r * xs + i * Q4_K_BYTES);
-            let (isum, imin) = (transpose4(isum[r]), transpose4(imin[r]));
-            let d = _mm_mul_ps(_mm_set1_ps(f16_at(xb)), ydv);
-            let dmin = _mm_mul_ps(_mm_set1_ps(f16_at(xb.add(2))), ydv);
+            let (isum, imin) = (transpose4(isum), transpose4(imin));
+            let ydv = _mm_loadu_ps(yd.as_ptr());
+            let (d, dmin) = (_mm_mul_ps(dw, ydv), _mm_mul_ps(dminw, ydv));
             for j in 0..QK_K / 64 {
-                acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(isum[j]), d, acc[r]);
-                acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin[j]), dmin, acc_min[r]);
+                acc[0] = _mm_fmadd_ps(_mm_cvtepi32_ps(isum[j]), d, acc[0]);
+                acc[1] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin[j]), dmin, acc[1]);
             }
         }
     }
-    let mut out = [[0.0f32; 4]; R];
-    for r in 0..R {
-        _mm_storeu_ps(out[r].as_mut_ptr(), _mm_sub_ps(acc[r], acc_min[r]));
+    let mut out = [[0.0f32; C]; 1];
+    for (g, acc) in acc.iter().enumerate().take(C / 4) {
+        _mm_storeu_ps(out[0][4 * g..].as_mut_ptr(), _mm_sub_ps(acc[0], acc[1]));
     }
     out
 }

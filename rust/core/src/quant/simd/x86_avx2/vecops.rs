@@ -43,7 +43,7 @@ fn scale_f16(y: &mut [f32], a: f32) {
 
 fn dot_cols(q: &[f32], kt: &[f32], out: &mut [f32]) {
     let w = out.len();
-    let dk = q.len().min(if w == 0 { 0 } else { kt.len() / w });
+    let dk = q.len().min(kt.len().checked_div(w).unwrap_or(0));
     // SAFETY: see above; kt holds dk rows of w.
     unsafe { dot_cols_k(dk, w, q.as_ptr(), kt.as_ptr(), out.as_mut_ptr()) }
 }
