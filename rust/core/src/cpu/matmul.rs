@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::model::weights::Matrix;
 use crate::quant::quantize_act;
-use crate::quant::simd::{vec_dot_matmul, vec_dot_tile, MatmulPos};
+use crate::quant::simd::{tile_kernel, vec_dot_matmul, MatmulPos};
 
 /// Rows per task: large enough to amortise scheduling, small enough to balance 2..64 threads.
 const ROWS_PER_TASK: usize = 16;
@@ -67,15 +67,21 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
         let pos = MatmulPos { w_rows: m, act_rows: n, act_row: t };
         vec_dot_matmul(w.ty, k, &data[r * rb..(r + 1) * rb], &acts.bytes[t * arb..(t + 1) * arb], pos)
     };
+    // llama.cpp sums activation rows below `split` (in groups of 4) and the rest with different kernels for some
+    // types; a tile never straddles the split, and its kernel is looked up once per side.
+    let split = n - n % 4;
+    let kernel_at = |t: usize| tile_kernel(w.ty, MatmulPos { w_rows: m, act_rows: n, act_row: t });
+    let kernels = [kernel_at(0), if split < n { kernel_at(split) } else { None }];
     // Products of weight rows r0.. (nr of them) with activation rows t0.. (nc of them) into dst[i * nc + j].
-    let ty = w.ty;
     let tile = |r0: usize, nr: usize, t0: usize, nc: usize, dst: &mut [f32]| {
-        let pos = MatmulPos { w_rows: m, act_rows: n, act_row: t0 };
         let (w, a) = (&data[r0 * rb..(r0 + nr) * rb], &acts.bytes[t0 * arb..(t0 + nc) * arb]);
-        if !vec_dot_tile(ty, k, w, rb, nr, a, arb, nc, pos, dst) {
-            for i in 0..nr {
-                for j in 0..nc {
-                    dst[i * nc + j] = dot(r0 + i, t0 + j);
+        match kernels[usize::from(t0 >= split && split < n)] {
+            Some(kernel) => kernel.run(k, w, rb, nr, a, arb, nc, dst),
+            None => {
+                for i in 0..nr {
+                    for j in 0..nc {
+                        dst[i * nc + j] = dot(r0 + i, t0 + j);
+                    }
                 }
             }
         }
@@ -99,8 +105,6 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
         let mut buf = [0.0f32; PREFILL_ROW_TILE * PREFILL_COL_TILE];
         let mut t0 = 0;
         while t0 < n {
-            // A tile never straddles llama.cpp's split between rows summed in groups of 4 and the rest.
-            let split = n - n % 4;
             let end = if t0 < split { split } else { n };
             let nc = (end - t0).min(PREFILL_COL_TILE);
             for i in (0..rows).step_by(PREFILL_ROW_TILE) {

@@ -281,32 +281,31 @@ pub fn vec_ops() -> &'static VecOps {
     })
 }
 
-/// A block of dot products of one matmul: `nr` weight rows starting at `w` (`w_stride` bytes apart) times `nc`
-/// activation rows starting at `act` (`act_stride` apart), into `out[r * nc + c]`; `pos` is the position of the
-/// tile's first product (all of a tile's products must share the kernel choice: same matmul, and activation
-/// rows on the same side of llama.cpp's GEMM/GEMV split). Each product equals [`vec_dot_matmul`] at its
-/// position, bit for bit. Returns false, writing nothing, when this kernel set has no tile kernel for them
-/// (the caller then runs [`vec_dot_matmul`] per product).
-#[allow(clippy::too_many_arguments)]
-pub fn vec_dot_tile(
-    ty: GgmlType,
-    n: usize,
-    w: &[u8],
-    w_stride: usize,
-    nr: usize,
-    act: &[u8],
-    act_stride: usize,
-    nc: usize,
-    pos: MatmulPos,
-    out: &mut [f32],
-) -> bool {
-    match kernels().vec_dot_tile_at(ty, pos) {
-        Some(f) => {
-            f(n / ty.block_size(), w, w_stride, nr, act, act_stride, nc, out);
-            true
-        }
-        None => false,
+/// The tile kernel for a block of dot products of one matmul (see [`tile_kernel`]).
+#[derive(Clone, Copy)]
+pub struct TileKernel {
+    f: TileFn,
+    block_size: usize,
+}
+
+impl TileKernel {
+    /// The products of `nr` weight rows starting at `w` (`w_stride` bytes apart) of `n` elements with `nc`
+    /// activation rows starting at `act` (`act_stride` apart), into `out[r * nc + c]`. A tile that does not fit
+    /// its slices yields NaNs.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub fn run(&self, n: usize, w: &[u8], w_stride: usize, nr: usize, act: &[u8], act_stride: usize, nc: usize, out: &mut [f32]) {
+        (self.f)(n / self.block_size, w, w_stride, nr, act, act_stride, nc, out)
     }
+}
+
+/// The tile kernel for the dot products of a matmul of type `ty` whose first product is at `pos`; every product
+/// of a tile must share the kernel choice of `pos` (same matmul, activation rows on the same side of
+/// llama.cpp's GEMM/GEMV split at `act_rows - act_rows % 4`). Each product of a tile equals
+/// [`vec_dot_matmul`] at its position, bit for bit. `None` when this kernel set has none (then call
+/// [`vec_dot_matmul`] per product).
+pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
+    kernels().vec_dot_tile_at(ty, pos).map(|f| TileKernel { f, block_size: ty.block_size() })
 }
 
 /// Name of the kernel set the quant entry points use on this machine: `"avx2"` or `"scalar"`.

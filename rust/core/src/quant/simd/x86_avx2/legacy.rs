@@ -209,7 +209,11 @@ pub(super) unsafe fn vec_dot_q4_0_q8_0_repacked(nb: usize, x: *const u8, y: *con
             q4_0_block_lanes(x.add((i + 2) * Q4_0_BYTES), y.add((i + 2) * Q8_0_BYTES)),
             q4_0_block_lanes(x.add((i + 3) * Q4_0_BYTES), y.add((i + 3) * Q8_0_BYTES)),
         ];
-        let h = p.map(|v| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v)));
+        // (A loop, not `map`: closures do not inherit this function's target features.)
+        let mut h = [_mm_setzero_si128(); 4];
+        for (hk, v) in h.iter_mut().zip(p) {
+            *hk = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        }
         let isums = _mm_hadd_epi32(_mm_hadd_epi32(h[0], h[1]), _mm_hadd_epi32(h[2], h[3]));
         let mut isums_f = [0.0f32; 4];
         _mm_storeu_ps(isums_f.as_mut_ptr(), _mm_cvtepi32_ps(isums));

@@ -219,12 +219,16 @@ pub(super) unsafe fn q4_k_repacked_gemm_1xc<const C: usize>(
             for c in 0..4 {
                 let yb = y.add((4 * g + c) * ys + i * Q8_K_BYTES);
                 yd[c] = f32_at(yb);
-                // isum_j = scale[2j] * dot(lo nibbles) + scale[2j + 1] * dot(hi nibbles), j = 0..4.
-                let p = |k: usize| {
-                    let y8 = load256(yb.add(Q8K_QS + 32 * k));
-                    _mm256_madd_epi16(sc[k], _mm256_maddubs_epi16(q[k], y8))
-                };
-                isum[c] = hsums_4x8([0, 1, 2, 3].map(|j| _mm256_add_epi32(p(2 * j), p(2 * j + 1))));
+                // isum_j = scale[2j] * dot(lo nibbles) + scale[2j + 1] * dot(hi nibbles), j = 0..4. (Plain
+                // loops: a closure here would not inherit this function's target features, nor inline.)
+                let mut u = [_mm256_setzero_si256(); 4];
+                for (j, uj) in u.iter_mut().enumerate() {
+                    let (k0, k1) = (2 * j, 2 * j + 1);
+                    let p0 = _mm256_maddubs_epi16(q[k0], load256(yb.add(Q8K_QS + 32 * k0)));
+                    let p1 = _mm256_maddubs_epi16(q[k1], load256(yb.add(Q8K_QS + 32 * k1)));
+                    *uj = _mm256_add_epi32(_mm256_madd_epi16(sc[k0], p0), _mm256_madd_epi16(sc[k1], p1));
+                }
+                isum[c] = hsums_4x8(u);
                 imin[c] = k4_min_prod(ms, yb.add(Q8K_BSUMS));
             }
             let (isum, imin) = (transpose4(isum), transpose4(imin));
