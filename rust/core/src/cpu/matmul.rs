@@ -50,6 +50,8 @@ unsafe impl Sync for OutPtr {}
 const DECODE_ROW_TILE: usize = 2;
 /// Activation rows per tile in prefill: each weight block is unpacked once for all of them.
 const PREFILL_COL_TILE: usize = 8;
+/// Most weight rows per prefill task (64 rows of an 8960-column Q4_K matrix: 320 KiB, within L2).
+const PREFILL_MAX_ROWS_PER_TASK: usize = 64;
 /// Weight rows per tile in prefill: each activation block is loaded once for both.
 const PREFILL_ROW_TILE: usize = 2;
 
@@ -95,13 +97,16 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
         });
         return;
     }
-    // Each task takes ROWS_PER_TASK weight rows (kept in cache) against every token, in tiles, and writes its
-    // products straight into their places in out [n, m]: tasks own disjoint sets of output columns.
+    // Each task takes a block of weight rows (kept in L2) against every token, in tiles, and writes its products
+    // straight into their places in out [n, m]: tasks own disjoint sets of output columns. Every task streams
+    // all the activations once, so blocks are as large as load balance allows.
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = (m / (4 * threads)).clamp(ROWS_PER_TASK, PREFILL_MAX_ROWS_PER_TASK) & !1;
     let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..m.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
+    (0..m.div_ceil(rows_per_task)).into_par_iter().for_each(|task| {
         let out_ptr = &out_ptr;
-        let r0 = task * ROWS_PER_TASK;
-        let rows = (m - r0).min(ROWS_PER_TASK);
+        let r0 = task * rows_per_task;
+        let rows = (m - r0).min(rows_per_task);
         let mut buf = [0.0f32; PREFILL_ROW_TILE * PREFILL_COL_TILE];
         let mut t0 = 0;
         while t0 < n {
