@@ -277,9 +277,8 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
                     sum += ((v0 + v2) + (v1 + v3)) as f64;
                 }
                 s[j] = (s[j] as f64 + sum) as f32;
-                for p in ra..=rb {
-                    (ops.axpy)(o, &vt[(p - t0) * dv..(p - t0 + 1) * dv], score[p - t0]);
-                }
+                let (ca, cb) = (ra - t0, rb - t0 + 1);
+                (ops.axpy_rows)(o, &vt[ca * dv..cb * dv], &score[ca..cb]);
             }
         }
         t0 += KV_TILE;

@@ -11,6 +11,9 @@ use crate::cpu::ops::ggml_expf;
 pub type AxpyFn = fn(&mut [f32], &[f32], f32);
 /// `y[i] = f16(fma(f16 x[i], a, y[i]))`: `x` little-endian halves, `y` holds f16 values (ggml_vec_mad_f16).
 pub type AxpyF16Fn = fn(&mut [f32], &[u8], f32);
+/// `y[i] = fma(rows[k-1][i], w[k-1], ... fma(rows[0][i], w[0], y[i]))`: `axpy` for each of `k = w.len()` rows of
+/// `rows` ([k][y.len()]) in order.
+pub type AxpyRowsFn = fn(&mut [f32], &[f32], &[f32]);
 /// `y[i] *= a`, rounded to f16 when the name says so.
 pub type ScaleFn = fn(&mut [f32], f32);
 /// `out[j] = fma(q[dk-1], kt[(dk-1)*w + j], ... fma(q[0], kt[j], 0))` with `w = out.len()`, `dk = q.len()`:
@@ -24,6 +27,7 @@ pub type SwigluFn = fn(&mut [f32], &[f32]);
 pub struct VecOps {
     pub name: &'static str,
     pub axpy: AxpyFn,
+    pub axpy_rows: AxpyRowsFn,
     pub axpy_f16: AxpyF16Fn,
     pub scale: ScaleFn,
     pub scale_f16: ScaleFn,
@@ -36,6 +40,7 @@ impl VecOps {
     pub const SCALAR: VecOps = VecOps {
         name: "scalar",
         axpy,
+        axpy_rows,
         axpy_f16,
         scale,
         scale_f16,
@@ -53,6 +58,13 @@ fn f16_round(x: f32) -> f32 {
 fn axpy(y: &mut [f32], x: &[f32], a: f32) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y = x.mul_add(a, *y);
+    }
+}
+
+fn axpy_rows(y: &mut [f32], rows: &[f32], w: &[f32]) {
+    let n = y.len();
+    for (row, &a) in rows.chunks_exact(n.max(1)).zip(w) {
+        axpy(y, row, a);
     }
 }
 

@@ -1,5 +1,5 @@
 //! The SIMD element-wise primitives against their scalar definitions: bit-identical results on random inputs of
-//! every length 0..=70 (so every tail), including values that take ggml_v_expf's slow lanes and masked -inf.
+//! every length 0..=140 (so every tail), including values that take ggml_v_expf's slow lanes and masked -inf.
 
 use super::vecops::VecOps;
 
@@ -46,7 +46,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 fn element_wise_primitives_equal_the_scalar_definitions() {
     let Some(simd) = simd_ops() else { return };
     let scalar = &VecOps::SCALAR;
-    for n in 0..=70 {
+    for n in 0..=140 {
         let seed = n as u64 + 1;
         let x = floats(seed, n, 3.0);
         let y0 = floats(seed + 100, n, 3.0);
@@ -76,6 +76,14 @@ fn element_wise_primitives_equal_the_scalar_definitions() {
             }
             y
         };
+        // axpy_rows: up to 5 rows of n.
+        let k = n % 6;
+        let rows = floats(seed + 300, k * n, 3.0);
+        let w = floats(seed + 400, k, 2.0);
+        let (mut ya, mut yb) = (y0.clone(), y0.clone());
+        (simd.axpy_rows)(&mut ya, &rows, &w);
+        (scalar.axpy_rows)(&mut yb, &rows, &w);
+        assert_eq!(bits(&ya), bits(&yb), "axpy_rows, n = {n}, k = {k}");
         for which in 0..6 {
             assert_eq!(bits(&run(simd, which)), bits(&run(scalar, which)), "primitive {which}, n = {n}");
         }

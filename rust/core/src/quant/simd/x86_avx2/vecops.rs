@@ -8,6 +8,7 @@ use crate::quant::simd::vecops::{silu, VecOps};
 pub(in crate::quant::simd) const AVX2: VecOps = VecOps {
     name: "avx2",
     axpy,
+    axpy_rows,
     axpy_f16,
     scale,
     scale_f16,
@@ -23,6 +24,13 @@ fn axpy(y: &mut [f32], x: &[f32], a: f32) {
     let n = y.len().min(x.len());
     // SAFETY: see above.
     unsafe { axpy_k(n, y.as_mut_ptr(), x.as_ptr(), a) }
+}
+
+fn axpy_rows(y: &mut [f32], rows: &[f32], w: &[f32]) {
+    let n = y.len();
+    let k = w.len().min(rows.len().checked_div(n).unwrap_or(0));
+    // SAFETY: see above; rows holds k rows of n.
+    unsafe { axpy_rows_k(n, k, y.as_mut_ptr(), rows.as_ptr(), w.as_ptr()) }
 }
 
 fn axpy_f16(y: &mut [f32], x: &[u8], a: f32) {
@@ -80,6 +88,32 @@ unsafe fn axpy_k(n: usize, y: *mut f32, x: *const f32, a: f32) {
     }
     for i in i..n {
         *y.add(i) = (*x.add(i)).mul_add(a, *y.add(i));
+    }
+}
+
+/// Up to 64 elements of y stay in registers while all k rows are added in order.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_rows_k(n: usize, k: usize, y: *mut f32, rows: *const f32, w: *const f32) {
+    let mut i = 0;
+    while i + 64 <= n {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (u, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(y.add(i + 8 * u));
+        }
+        for j in 0..k {
+            let wj = _mm256_set1_ps(*w.add(j));
+            let row = rows.add(j * n + i);
+            for (u, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(row.add(8 * u)), wj, *a);
+            }
+        }
+        for (u, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(y.add(i + 8 * u), *a);
+        }
+        i += 64;
+    }
+    for j in 0..k {
+        axpy_k(n - i, y.add(i), rows.add(j * n + i), *w.add(j));
     }
 }
 
