@@ -6,12 +6,14 @@
 //! `dequantize_row`. A missing entry means "use the scalar code". The entry points in `quant/mod.rs` look the
 //! table up (one atomic load once initialised) and fall back to the scalar match.
 //!
-//! Kernel sets, best first (only the first one exists today):
+//! Kernel sets, best first:
+//! - `avx2+avx512vnni`: the `avx2` set with the legacy formats' int8 products done by AVX-512 VNNI's
+//!   `vpdpbusd` (as llama.cpp built for such a CPU does); the same integers, so the same bits;
 //! - `avx2`: x86-64 AVX2 + FMA + F16C (`x86_avx2`), with the integer layout and float summation order of
 //!   llama.cpp's own AVX2 kernels, so results are bit-identical to llama.cpp running on the same machine
 //!   (checked against its `libggml-cpu.so`); activation quantization is byte-exact with the scalar code.
-//! - later: AVX-512 / AVX-VNNI (x86-64), NEON (aarch64): add a module and a branch in [`detect`]; a set may
-//!   start from a lesser set's table and override entries.
+//! - not yet: NEON (aarch64), wider AVX-512 kernels: add a module and a branch in [`detect`]; a set may start
+//!   from a lesser set's table and override entries.
 //!
 //! llama.cpp does not sum every dot product of a matmul the same way: on AVX2 it repacks Q4_0 / Q4_K matrices
 //! and runs GEMV/GEMM kernels on them, and runs a "tiled" kernel for K-quant matmuls with 8 or more activation
@@ -20,6 +22,7 @@
 //!
 //! Environment (read once, at the first quant call):
 //! - `NINFER_SIMD=scalar` (or `off`, `0`, `none`) forces the scalar code, for debugging numeric differences;
+//!   `NINFER_SIMD=avx2` keeps AVX2 kernels where AVX-512 VNNI ones would be picked (to compare the two);
 //! - `NINFER_Q4_ORDER=vec_dot` sums Q4_0 / Q4_K like llama.cpp run with `--no-repack`;
 //! - `GGML_CPU_TILED_MM=0`, the variable llama.cpp itself reads, turns the tiled order off (like llama.cpp).
 
@@ -216,12 +219,14 @@ impl Orders {
 }
 
 fn detect() -> Kernels {
-    if matches!(env("NINFER_SIMD").as_deref(), Some("scalar" | "off" | "0" | "none")) {
+    let simd = env("NINFER_SIMD");
+    if matches!(simd.as_deref(), Some("scalar" | "off" | "0" | "none")) {
         return Kernels::SCALAR;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if let Some(k) = x86_avx2::detect(Orders::from_env()) {
+        let vnni = simd.as_deref() != Some("avx2");
+        if let Some(k) = x86_avx2::detect(Orders::from_env(), vnni) {
             return k;
         }
     }
@@ -308,7 +313,8 @@ pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
     kernels().vec_dot_tile_at(ty, pos).map(|f| TileKernel { f, block_size: ty.block_size() })
 }
 
-/// Name of the kernel set the quant entry points use on this machine: `"avx2"` or `"scalar"`.
+/// Name of the kernel set the quant entry points use on this machine: `"avx2+avx512vnni"`, `"avx2"` or
+/// `"scalar"`.
 pub fn isa() -> &'static str {
     kernels().name
 }

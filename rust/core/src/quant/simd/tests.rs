@@ -56,7 +56,7 @@ fn simd_kernels() -> Option<Kernels> {
 fn simd_kernels_with(orders: Orders) -> Option<Kernels> {
     #[cfg(target_arch = "x86_64")]
     {
-        let k = super::x86_avx2::detect(orders);
+        let k = super::x86_avx2::detect(orders, true);
         if k.is_none() {
             eprintln!("note: this CPU lacks AVX2/FMA/F16C; SIMD kernel tests skipped");
         }
@@ -412,12 +412,13 @@ fn matmul_positions_pick_llama_cpp_kernels() {
 /// The public entry points use the detected set unless `NINFER_SIMD` forces the scalar code.
 #[test]
 fn entry_points_use_the_detected_set() {
-    let Some(_) = simd_kernels() else { return };
     if ["NINFER_SIMD", "NINFER_Q4_ORDER", "GGML_CPU_TILED_MM"].iter().any(|v| std::env::var_os(v).is_some()) {
         eprintln!("note: a kernel-selection variable is set; dispatch check skipped");
         return;
     }
-    assert_eq!(super::isa(), "avx2");
+    let Some(best) = simd_kernels() else { return };
+    assert_eq!(super::isa(), best.name);
+    assert!(matches!(super::isa(), "avx2" | "avx2+avx512vnni"), "{}", super::isa());
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
         assert!(super::has_simd_vec_dot(ty), "{ty}");
     }
@@ -505,6 +506,41 @@ fn dot_tiles_equal_single_products_bit_for_bit() {
             let mut out = vec![0.0f32; 4];
             tile(nb, &w[..3 * rb], rb, 4, &a, ab, 1, &mut out);
             assert!(out.iter().all(|v| v.is_nan()), "{ty} {name}: a tile past the weights' end is refused");
+        }
+    }
+}
+
+/// On CPUs with AVX-512 VNNI: its legacy-format products and tiles give the AVX2 kernels' bits exactly.
+#[test]
+fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (Some(avx2), Some(vnni)) = (
+            super::x86_avx2::detect(Orders::PLAIN, false),
+            super::x86_avx2::detect(Orders::PLAIN, true),
+        ) else {
+            return;
+        };
+        if vnni.name != "avx2+avx512vnni" {
+            eprintln!("note: this CPU lacks AVX-512 VNNI; the VNNI kernels are not tested here");
+            return;
+        }
+        let mut rng = Rng::new(21);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q8_1] {
+            let t = ty as usize;
+            let act_ty = ty.act_type();
+            for nb in [1usize, 7, 11, 128] {
+                let n = nb * ty.block_size();
+                let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
+                let w: Vec<u8> = (0..2).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
+                let a: Vec<u8> = (0..4).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
+                let (d0, d1) = (avx2.vec_dot[t].unwrap(), vnni.vec_dot[t].unwrap());
+                assert_eq!(d0(nb, &w[..rb], &a[..ab]).to_bits(), d1(nb, &w[..rb], &a[..ab]).to_bits(), "{ty} nb {nb}");
+                let (mut o0, mut o1) = ([0.0f32; 8], [0.0f32; 8]);
+                avx2.vec_dot_tile[t].unwrap()(nb, &w, rb, 2, &a, ab, 4, &mut o0);
+                vnni.vec_dot_tile[t].unwrap()(nb, &w, rb, 2, &a, ab, 4, &mut o1);
+                assert_eq!(o0.map(f32::to_bits), o1.map(f32::to_bits), "{ty} nb {nb} 2x4 tile");
+            }
         }
     }
 }

@@ -120,14 +120,25 @@ impl Block32 for Q8_1 {
     }
 }
 
+/// Bytes ahead of the current block that a multi-row tile prefetches (into L2) for each of its rows. Measured on
+/// decode-sized matrices streaming from DRAM (2-core dev VM): without it, tiles of several rows read memory
+/// slower than one row at a time (the hardware prefetcher follows one sequential stream better than several
+/// interleaved ones); with it, 2-row tiles beat single rows by 10-40%.
+const PREFETCH_AHEAD: usize = 256;
+
+/// Defines `$tile` (an R x C tile) and `$single` (one product) for the CPU features `$features`, with
+/// `$product` the unsigned-by-signed int8 product summed four per i32 lane. The AVX2 and AVX-512 VNNI variants
+/// differ only there, and give the same integers (so the same bits: llama.cpp's VNNI build swaps the same step).
+macro_rules! legacy_dot_kernels {
+    ($tile:ident, $single:ident, $features:literal, $product:ident) => {
 /// `R` weight rows (`x`, `xs` bytes apart) times `C` activation rows (`y`, `ys` bytes apart) over `nb` blocks:
 /// `out[r][c]`. Every one of the R x C dot products is summed exactly like llama.cpp's single dot kernel
 /// `ggml_vec_dot_*_q8_*` (per block: `fmadd(d_x * d_y, int8 products summed four per lane, acc)`, the min
 /// term `m * s` in a scalar FMA chain, `hsum_float_8` at the end), so a tile gives the same bits as R x C
 /// separate calls; it only shares the loads and unpacking of each block and overlaps the FMA chains.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_tile<F: Block32, const R: usize, const C: usize>(
+        #[inline]
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $tile<F: Block32, const R: usize, const C: usize>(
     nb: usize,
     x: *const u8,
     xs: usize,
@@ -166,7 +177,7 @@ pub(super) unsafe fn dot_tile<F: Block32, const R: usize, const C: usize>(
                     summ[r][c] = mx.mul_add(sy[c], summ[r][c]);
                 }
                 let sy8 = if F::SIGNED { _mm256_sign_epi8(qy[c], qx) } else { qy[c] };
-                let p = mul_sum_us8_pairs_float(ax, sy8);
+                let p = $product(ax, sy8);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[c]), p, acc[r][c]);
             }
         }
@@ -180,16 +191,25 @@ pub(super) unsafe fn dot_tile<F: Block32, const R: usize, const C: usize>(
     out
 }
 
-/// Bytes ahead of the current block that a multi-row tile prefetches (into L2) for each of its rows. Measured on
-/// decode-sized matrices streaming from DRAM (2-core dev VM): without it, tiles of several rows read memory
-/// slower than one row at a time (the hardware prefetcher follows one sequential stream better than several
-/// interleaved ones); with it, 2-row tiles beat single rows by 10-40%.
-const PREFETCH_AHEAD: usize = 256;
 
-/// One dot product of `nb` blocks: `dot_tile` with a 1 x 1 tile.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot<F: Block32>(nb: usize, x: *const u8, y: *const u8) -> f32 {
-    dot_tile::<F, 1, 1>(nb, x, 0, y, 0)[0][0]
+        /// One dot product of `nb` blocks: a 1 x 1 tile.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $single<F: Block32>(nb: usize, x: *const u8, y: *const u8) -> f32 {
+            $tile::<F, 1, 1>(nb, x, 0, y, 0)[0][0]
+        }
+
+    };
+}
+
+legacy_dot_kernels!(dot_tile, vec_dot, "avx2,fma,f16c", mul_sum_us8_pairs_float);
+legacy_dot_kernels!(dot_tile_vnni, vec_dot_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", mul_sum_us8_pairs_float_vnni);
+
+/// `mul_sum_us8_pairs_float` with AVX-512 VNNI: one `vpdpbusd` instead of `vpmaddubsw` + `vpmaddwd` (exact: no
+/// pair of these products reaches i16 saturation, so both give the same lane sums).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn mul_sum_us8_pairs_float_vnni(ax: __m256i, sy: __m256i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy))
 }
 
 /// Q4_0 in the float order of llama.cpp's repacked kernels (`ggml_gemv_q4_0_8x8_q8_0` /

@@ -33,8 +33,9 @@ pub(super) fn detect_vec_ops() -> Option<&'static super::vecops::VecOps> {
 }
 
 /// The AVX2 kernel table mirroring llama.cpp's matmul paths selected by `orders`, or `None` if this CPU lacks
-/// AVX2, FMA or F16C.
-pub(super) fn detect(orders: Orders) -> Option<Kernels> {
+/// AVX2, FMA or F16C. With `vnni` and a CPU with AVX-512 VNNI (and VL), the legacy formats' products use
+/// `vpdpbusd` (table name "avx2+avx512vnni"); the results are the same bits.
+pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
     if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
         return None;
     }
@@ -102,12 +103,38 @@ pub(super) fn detect(orders: Orders) -> Option<Kernels> {
     if orders.tiled {
         k.vec_dot_tile_tiled[GgmlType::Q6_K as usize] = Some(tile_q6_k_tiled);
     }
+    if vnni && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+        use_vnni(&mut k);
+    }
     k.quantize[GgmlType::Q8_0 as usize] = Some(quantize_q8_0);
     k.quantize[GgmlType::Q8_1 as usize] = Some(quantize_q8_1);
     k.quantize[GgmlType::Q8_K as usize] = Some(quantize_q8_k);
     k.quantize[GgmlType::F16 as usize] = Some(quantize_f16);
     k.dequantize[GgmlType::F16 as usize] = Some(dequantize_f16);
     Some(k)
+}
+
+/// Swap the legacy formats' plain products and tiles for their AVX-512 VNNI versions.
+fn use_vnni(k: &mut Kernels) {
+    k.name = "avx2+avx512vnni";
+    let kernels: [(GgmlType, VecDotFn, TileFn); 6] = [
+        (GgmlType::Q4_0, vec_dot_q4_0_vnni, tile_q4_0_vnni),
+        (GgmlType::Q4_1, vec_dot_q4_1_vnni, tile_q4_1_vnni),
+        (GgmlType::Q5_0, vec_dot_q5_0_vnni, tile_q5_0_vnni),
+        (GgmlType::Q5_1, vec_dot_q5_1_vnni, tile_q5_1_vnni),
+        (GgmlType::Q8_0, vec_dot_q8_0_vnni, tile_q8_0_vnni),
+        (GgmlType::Q8_1, vec_dot_q8_1_vnni, tile_q8_1_vnni),
+    ];
+    for (ty, dot, tile) in kernels {
+        let t = ty as usize;
+        // A repacked Q4_0 keeps its GEMV kernel in `vec_dot` and the plain one in `vec_dot_unpacked`.
+        if k.vec_dot_unpacked[t].is_some() {
+            k.vec_dot_unpacked[t] = Some(dot);
+        } else {
+            k.vec_dot[t] = Some(dot);
+        }
+        k.vec_dot_tile[t] = Some(tile);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -136,6 +163,12 @@ dot_wrapper!(vec_dot_q5_0, legacy::vec_dot::<legacy::Q5_0>, Q5_0_BYTES, Q8_0_BYT
 dot_wrapper!(vec_dot_q5_1, legacy::vec_dot::<legacy::Q5_1>, Q5_1_BYTES, Q8_1_BYTES);
 dot_wrapper!(vec_dot_q8_0, legacy::vec_dot::<legacy::Q8_0>, Q8_0_BYTES, Q8_0_BYTES);
 dot_wrapper!(vec_dot_q8_1, legacy::vec_dot::<legacy::Q8_1>, Q8_1_BYTES, Q8_1_BYTES);
+dot_wrapper!(vec_dot_q4_0_vnni, legacy::vec_dot_vnni::<legacy::Q4_0>, Q4_0_BYTES, Q8_0_BYTES);
+dot_wrapper!(vec_dot_q4_1_vnni, legacy::vec_dot_vnni::<legacy::Q4_1>, Q4_1_BYTES, Q8_1_BYTES);
+dot_wrapper!(vec_dot_q5_0_vnni, legacy::vec_dot_vnni::<legacy::Q5_0>, Q5_0_BYTES, Q8_0_BYTES);
+dot_wrapper!(vec_dot_q5_1_vnni, legacy::vec_dot_vnni::<legacy::Q5_1>, Q5_1_BYTES, Q8_1_BYTES);
+dot_wrapper!(vec_dot_q8_0_vnni, legacy::vec_dot_vnni::<legacy::Q8_0>, Q8_0_BYTES, Q8_0_BYTES);
+dot_wrapper!(vec_dot_q8_1_vnni, legacy::vec_dot_vnni::<legacy::Q8_1>, Q8_1_BYTES, Q8_1_BYTES);
 dot_wrapper!(vec_dot_q2_k, kquants::vec_dot_q2_k_q8_k, Q2_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q3_k, kquants::vec_dot_q3_k_q8_k, Q3_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q4_k, kquants::vec_dot_q4_k_q8_k, Q4_K_BYTES, Q8_K_BYTES);
@@ -214,22 +247,31 @@ macro_rules! tile_wrapper {
 /// best of 5, one thread: Q4_1 (576 columns) 6.8 vs 5.8 GB/s, Q5_0 (896) 5.4 vs 5.1 GB/s, but Q8_0 (896 columns,
 /// Qwen2.5-0.5B's 151936-row output) 4.3 vs 6.1 GB/s, so Q8_0 / Q8_1 decode one row at a time.
 macro_rules! legacy_tiles {
-    ($name:ident, $fmt:ty $(, $decode:literal)?) => {
-        tile_wrapper!($name, legacy::vec_dot::<$fmt>, <$fmt as legacy::Block32>::WB, <$fmt as legacy::Block32>::AB, [
-            $(($decode, 1) => legacy::dot_tile::<$fmt, $decode, 1>,)?
-            (1, 4) => legacy::dot_tile::<$fmt, 1, 4>,
-            (2, 4) => legacy::dot_tile::<$fmt, 2, 4>,
-            (1, 2) => legacy::dot_tile::<$fmt, 1, 2>,
+    ($name:ident, $fmt:ty, $tile:ident, $single:ident $(, $decode:literal)?) => {
+        tile_wrapper!($name, legacy::$single::<$fmt>, <$fmt as legacy::Block32>::WB, <$fmt as legacy::Block32>::AB, [
+            $(($decode, 1) => legacy::$tile::<$fmt, $decode, 1>,)?
+            (1, 4) => legacy::$tile::<$fmt, 1, 4>,
+            (2, 4) => legacy::$tile::<$fmt, 2, 4>,
+            (1, 2) => legacy::$tile::<$fmt, 1, 2>,
         ]);
     };
 }
 
-legacy_tiles!(tile_q4_0, legacy::Q4_0, 2);
-legacy_tiles!(tile_q4_1, legacy::Q4_1, 2);
-legacy_tiles!(tile_q5_0, legacy::Q5_0, 2);
-legacy_tiles!(tile_q5_1, legacy::Q5_1, 2);
-legacy_tiles!(tile_q8_0, legacy::Q8_0);
-legacy_tiles!(tile_q8_1, legacy::Q8_1);
+legacy_tiles!(tile_q4_0, legacy::Q4_0, dot_tile, vec_dot, 2);
+legacy_tiles!(tile_q4_1, legacy::Q4_1, dot_tile, vec_dot, 2);
+legacy_tiles!(tile_q5_0, legacy::Q5_0, dot_tile, vec_dot, 2);
+legacy_tiles!(tile_q5_1, legacy::Q5_1, dot_tile, vec_dot, 2);
+legacy_tiles!(tile_q8_0, legacy::Q8_0, dot_tile, vec_dot);
+legacy_tiles!(tile_q8_1, legacy::Q8_1, dot_tile, vec_dot);
+// The same with AVX-512 VNNI's int8 products (only reachable through the table `detect` builds after checking
+// avx512vnni and avx512vl).
+legacy_tiles!(tile_q4_0_vnni, legacy::Q4_0, dot_tile_vnni, vec_dot_vnni, 2);
+legacy_tiles!(tile_q4_1_vnni, legacy::Q4_1, dot_tile_vnni, vec_dot_vnni, 2);
+legacy_tiles!(tile_q5_0_vnni, legacy::Q5_0, dot_tile_vnni, vec_dot_vnni, 2);
+legacy_tiles!(tile_q5_1_vnni, legacy::Q5_1, dot_tile_vnni, vec_dot_vnni, 2);
+legacy_tiles!(tile_q8_0_vnni, legacy::Q8_0, dot_tile_vnni, vec_dot_vnni);
+legacy_tiles!(tile_q8_1_vnni, legacy::Q8_1, dot_tile_vnni, vec_dot_vnni);
+
 tile_wrapper!(tile_q4_k_gemm, orders::vec_dot_q4_k_q8_k_repacked_gemm, Q4_K_BYTES, Q8_K_BYTES, [
     (1, 8) => orders::q4_k_repacked_gemm_1xc::<8>,
     (1, 4) => orders::q4_k_repacked_gemm_1xc::<4>,
