@@ -12,7 +12,9 @@
 //! - `avx2`: x86-64 AVX2 + FMA + F16C (`x86_avx2`), with the integer layout and float summation order of
 //!   llama.cpp's own AVX2 kernels, so results are bit-identical to llama.cpp running on the same machine
 //!   (checked against its `libggml-cpu.so`); activation quantization is byte-exact with the scalar code.
-//! - not yet: NEON (aarch64), wider AVX-512 kernels: add a module and a branch in [`detect`]; a set may start
+//! - `neon` (aarch64, `aarch64_neon`): the 32-element block formats' dot products, exact integer parts, float
+//!   sums in their own order (not llama.cpp's); everything else scalar there.
+//! - not yet: wider AVX-512 kernels, NEON K-quants: add a module and a branch in [`detect`]; a set may start
 //!   from a lesser set's table and override entries.
 //!
 //! llama.cpp does not sum every dot product of a matmul the same way: on AVX2 it repacks Q4_0 / Q4_K matrices
@@ -30,6 +32,8 @@ use std::sync::OnceLock;
 
 use super::{GgmlType, Result};
 
+#[cfg(target_arch = "aarch64")]
+mod aarch64_neon;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
 
@@ -176,7 +180,9 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().map(|v| v.trim().to_ascii_lowercase())
 }
 
+// `Orders` and `atoi` describe llama.cpp's x86 matmul paths; other architectures do not use them.
 /// C's `atoi`, as llama.cpp reads its switches: optional sign and leading digits, 0 when there are none.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn atoi(s: &str) -> i64 {
     let s = s.trim_start();
     let (neg, digits) = match s.as_bytes().first() {
@@ -197,6 +203,7 @@ fn atoi(s: &str) -> i64 {
 
 /// Which of llama.cpp's matmul paths the kernel table mirrors.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Orders {
     /// Q4_0 / Q4_K matrices are repacked (llama.cpp without `--no-repack`).
     repacked_q4: bool,
@@ -204,6 +211,7 @@ struct Orders {
     tiled: bool,
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl Orders {
     #[cfg(test)]
     const LLAMA_CPP_DEFAULT: Orders = Orders { repacked_q4: true, tiled: true };
@@ -227,6 +235,12 @@ fn detect() -> Kernels {
     {
         let vnni = simd.as_deref() != Some("avx2");
         if let Some(k) = x86_avx2::detect(Orders::from_env(), vnni) {
+            return k;
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if let Some(k) = aarch64_neon::detect() {
             return k;
         }
     }

@@ -1,3 +1,4 @@
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
 //! The SIMD kernels against the scalar reference code (the oracle): dot products on random blocks with
 //! realistic scales (relative error < 1e-5 of sum |w * a|), integer parts exact (unit scales, results that
 //! are exact integers in f32), activation quantizers byte for byte. Skipped, with a note, on CPUs without the
@@ -62,7 +63,12 @@ fn simd_kernels_with(orders: Orders) -> Option<Kernels> {
         }
         k
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        let _ = orders;
+        super::aarch64_neon::detect()
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         let _ = orders;
         eprintln!("note: no SIMD kernel set for this architecture; SIMD kernel tests skipped");
@@ -178,8 +184,10 @@ fn vec_dot_matches_scalar_on_random_blocks() {
             }
         }
     }
-    // 14 vec_dot (every weight type but F32... see the table) + unpacked/gemm4/tiled variants.
-    assert!(kernels.len() >= 14 + 2 + 1 + 5, "only {} SIMD dot products", kernels.len());
+    // x86: 14 vec_dot (every weight type but F32... see the table) + unpacked/gemm4/tiled variants; aarch64:
+    // the six 32-element block formats, in both tables.
+    let want = if cfg!(target_arch = "x86_64") { 14 + 2 + 1 + 5 } else { 2 * 6 };
+    assert!(kernels.len() >= want, "only {} SIMD dot products", kernels.len());
 }
 
 /// With unit scales and small activation quants every partial sum is an exact integer in f32, so the SIMD
@@ -281,6 +289,8 @@ fn tricky_rows(rng: &mut Rng, n: usize) -> Vec<Vec<f32>> {
     rows
 }
 
+// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+#[cfg(target_arch = "x86_64")]
 #[test]
 fn quantize_act_is_byte_exact() {
     let Some(k) = simd_kernels() else { return };
@@ -315,6 +325,8 @@ fn quantize_act_is_byte_exact() {
     }
 }
 
+// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+#[cfg(target_arch = "x86_64")]
 #[test]
 fn dequantize_f16_is_exact_for_every_half() {
     let Some(k) = simd_kernels() else { return };
@@ -350,6 +362,8 @@ fn short_rows_are_clamped() {
 
 /// `vec_dot_at` picks llama.cpp's kernel for each position in a matmul. Kernels are told apart by their
 /// results on a row where their float orders give different bits.
+// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+#[cfg(target_arch = "x86_64")]
 #[test]
 fn matmul_positions_pick_llama_cpp_kernels() {
     let Some(k) = simd_kernels() else { return };
@@ -410,6 +424,8 @@ fn matmul_positions_pick_llama_cpp_kernels() {
 }
 
 /// The public entry points use the detected set unless `NINFER_SIMD` forces the scalar code.
+// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+#[cfg(target_arch = "x86_64")]
 #[test]
 fn entry_points_use_the_detected_set() {
     if ["NINFER_SIMD", "NINFER_Q4_ORDER", "GGML_CPU_TILED_MM"].iter().any(|v| std::env::var_os(v).is_some()) {
@@ -471,6 +487,8 @@ fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, 
 /// Every tile kernel, in every shape 1..=4 x 1..=8 (the instanced ones and the one-at-a-time fallback), gives
 /// the products of its single kernel bit for bit, on rows of 1, 3 and 11 blocks; a tile that does not fit its
 /// slices gives NaNs instead of reading out of bounds.
+// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+#[cfg(target_arch = "x86_64")]
 #[test]
 fn dot_tiles_equal_single_products_bit_for_bit() {
     let Some(k) = simd_kernels() else { return };
@@ -543,4 +561,18 @@ fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
             }
         }
     }
+}
+
+/// On aarch64 the entry points dispatch to the NEON set for the 32-element block formats.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn entry_points_use_neon_on_aarch64() {
+    if std::env::var_os("NINFER_SIMD").is_some() {
+        return;
+    }
+    assert_eq!(super::isa(), "neon");
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
+        assert!(super::has_simd_vec_dot(ty), "{ty}");
+    }
+    assert!(!super::has_simd_vec_dot(GgmlType::Q4_K), "K-quants stay scalar on aarch64");
 }
