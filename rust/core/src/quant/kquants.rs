@@ -18,7 +18,7 @@
 //! - the dot product sums `scale * sum(q * q8)` exactly in i32 over the sub-blocks and scales once per
 //!   super-block in f32, like `ggml_vec_dot_*_q8_K_generic`; the mins of Q2_K/Q4_K/Q5_K use Q8_K's `bsums`.
 
-use super::{dot_i8, f16_at, nearest_int, signed_abs_max, K_SCALE_SIZE, QK_K};
+use super::{f16_at, nearest_int, signed_abs_max, IntDot, ScalarDot, K_SCALE_SIZE, QK_K};
 
 pub(super) const Q2_K_BYTES: usize = QK_K / 16 + QK_K / 4 + 2 + 2;
 pub(super) const Q3_K_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;
@@ -303,15 +303,20 @@ fn block_pairs<'a, const WB: usize>(
 
 /// Sum over sub-blocks of `GROUP` elements of `scale[g] * dot(q[g], q8[g])`, exact in i32.
 #[inline(always)]
-fn scaled_dot<const GROUP: usize>(q: &Codes, q8: &[u8], scales: impl IntoIterator<Item = i32>) -> i32 {
+fn scaled_dot<D: IntDot, const GROUP: usize>(q: &Codes, q8: &[u8], scales: impl IntoIterator<Item = i32>) -> i32 {
     q.chunks_exact(GROUP)
         .zip(q8.chunks_exact(GROUP))
         .zip(scales)
-        .map(|((q, y), s)| s * dot_i8(q, y))
+        .map(|((q, y), s)| s * D::dot(q, y))
         .sum()
 }
 
 pub(super) fn vec_dot_q2_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_q2_k_with::<ScalarDot>(nb, w, a)
+}
+
+/// [`vec_dot_q2_k_q8_k`] with the int8 products of `D`.
+pub(crate) fn vec_dot_q2_k_with<D: IntDot>(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut q = [0i8; QK_K];
     let mut sumf = 0.0f32;
     for (x, y) in block_pairs::<Q2_K_BYTES>(nb, w, a) {
@@ -322,7 +327,7 @@ pub(super) fn vec_dot_q2_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
 
         // The mins: sum over sub-blocks of min * sum(q8), from the precomputed bsums.
         let summs: i32 = bsums.iter().zip(scales).map(|(&s, &sc)| s * (sc >> 4) as i32).sum();
-        let isum = scaled_dot::<16>(&q, q8, scales.iter().map(|&sc| (sc & 0x0F) as i32));
+        let isum = scaled_dot::<D, 16>(&q, q8, scales.iter().map(|&sc| (sc & 0x0F) as i32));
 
         let dall = yd * f16_at(&x[80..82]);
         let dmin = yd * f16_at(&x[82..84]);
@@ -332,12 +337,17 @@ pub(super) fn vec_dot_q2_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
 }
 
 pub(super) fn vec_dot_q3_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_q3_k_with::<ScalarDot>(nb, w, a)
+}
+
+/// [`vec_dot_q3_k_q8_k`] with the int8 products of `D`.
+pub(crate) fn vec_dot_q3_k_with<D: IntDot>(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut q = [0i8; QK_K];
     let mut sumf = 0.0f32;
     for (x, y) in block_pairs::<Q3_K_BYTES>(nb, w, a) {
         let (yd, q8, _) = q8_k_parts(y);
         unpack_q3_k(&x[0..32], &x[32..96], &mut q);
-        let isum = scaled_dot::<16>(&q, q8, q3_k_scales(&x[96..108]));
+        let isum = scaled_dot::<D, 16>(&q, q8, q3_k_scales(&x[96..108]));
         sumf += (f16_at(&x[108..110]) * yd) * isum as f32;
     }
     sumf
@@ -345,43 +355,58 @@ pub(super) fn vec_dot_q3_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
 
 /// Q4_K and Q5_K after unpacking: 8 sub-blocks of 32 with 6-bit scales and mins.
 #[inline(always)]
-fn dot_k4_block(x_d: f32, x_dmin: f32, scales: &[u8], q: &Codes, y: &[u8; Q8_K_BYTES]) -> f32 {
+fn dot_k4_block<D: IntDot>(x_d: f32, x_dmin: f32, scales: &[u8], q: &Codes, y: &[u8; Q8_K_BYTES]) -> f32 {
     let (yd, q8, bsums) = q8_k_parts(y);
     let bsums = q8_k_bsums(bsums);
     let (sc, mn) = k4_scales_mins(scales);
     // Each min covers two 16-element bsums.
     let summs: i32 = bsums.iter().enumerate().map(|(j, &s)| s * mn[j / 2] as i32).sum();
-    let isum = scaled_dot::<32>(q, q8, sc.map(i32::from));
+    let isum = scaled_dot::<D, 32>(q, q8, sc.map(i32::from));
     (x_d * yd) * isum as f32 - (x_dmin * yd) * summs as f32
 }
 
 pub(super) fn vec_dot_q4_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_q4_k_with::<ScalarDot>(nb, w, a)
+}
+
+/// [`vec_dot_q4_k_q8_k`] with the int8 products of `D`.
+pub(crate) fn vec_dot_q4_k_with<D: IntDot>(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut q = [0i8; QK_K];
     let mut sumf = 0.0f32;
     for (x, y) in block_pairs::<Q4_K_BYTES>(nb, w, a) {
         unpack_q4_k(&x[16..], &mut q);
-        sumf += dot_k4_block(f16_at(&x[0..2]), f16_at(&x[2..4]), &x[4..16], &q, y);
+        sumf += dot_k4_block::<D>(f16_at(&x[0..2]), f16_at(&x[2..4]), &x[4..16], &q, y);
     }
     sumf
 }
 
 pub(super) fn vec_dot_q5_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_q5_k_with::<ScalarDot>(nb, w, a)
+}
+
+/// [`vec_dot_q5_k_q8_k`] with the int8 products of `D`.
+pub(crate) fn vec_dot_q5_k_with<D: IntDot>(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut q = [0i8; QK_K];
     let mut sumf = 0.0f32;
     for (x, y) in block_pairs::<Q5_K_BYTES>(nb, w, a) {
         unpack_q5_k(&x[16..48], &x[48..], &mut q);
-        sumf += dot_k4_block(f16_at(&x[0..2]), f16_at(&x[2..4]), &x[4..16], &q, y);
+        sumf += dot_k4_block::<D>(f16_at(&x[0..2]), f16_at(&x[2..4]), &x[4..16], &q, y);
     }
     sumf
 }
 
 pub(super) fn vec_dot_q6_k_q8_k(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_q6_k_with::<ScalarDot>(nb, w, a)
+}
+
+/// [`vec_dot_q6_k_q8_k`] with the int8 products of `D`.
+pub(crate) fn vec_dot_q6_k_with<D: IntDot>(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     let mut q = [0i8; QK_K];
     let mut sumf = 0.0f32;
     for (x, y) in block_pairs::<Q6_K_BYTES>(nb, w, a) {
         let (yd, q8, _) = q8_k_parts(y);
         unpack_q6_k(&x[0..128], &x[128..192], &mut q);
-        let isum = scaled_dot::<16>(&q, q8, x[192..208].iter().map(|&s| (s as i8) as i32));
+        let isum = scaled_dot::<D, 16>(&q, q8, x[192..208].iter().map(|&s| (s as i8) as i32));
         sumf += (f16_at(&x[208..210]) * yd) * isum as f32;
     }
     sumf

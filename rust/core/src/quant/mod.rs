@@ -411,6 +411,21 @@ fn signed_abs_max(x: &[f32]) -> f32 {
     x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0)
 }
 
+/// The exact int8 dot product of codes and activation quants inside the K-quant dot products: the scalar loop
+/// here ([`ScalarDot`], the reference), NEON on aarch64 (`simd::aarch64_neon`).
+pub(crate) trait IntDot {
+    fn dot(a: &[i8], b: &[u8]) -> i32;
+}
+
+pub(crate) struct ScalarDot;
+
+impl IntDot for ScalarDot {
+    #[inline(always)]
+    fn dot(a: &[i8], b: &[u8]) -> i32 {
+        dot_i8(a, b)
+    }
+}
+
 /// Signed dot product of int8 values (`a`) with int8 values stored as bytes (`b`), over the shorter of the two.
 /// Written as a plain reduction so LLVM vectorizes it.
 #[inline(always)]

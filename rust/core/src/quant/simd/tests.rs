@@ -185,8 +185,8 @@ fn vec_dot_matches_scalar_on_random_blocks() {
         }
     }
     // x86: 14 vec_dot (every weight type but F32... see the table) + unpacked/gemm4/tiled variants; aarch64:
-    // the six 32-element block formats, in both tables.
-    let want = if cfg!(target_arch = "x86_64") { 14 + 2 + 1 + 5 } else { 2 * 6 };
+    // the six 32-element block formats and five K-quants, in both tables.
+    let want = if cfg!(target_arch = "x86_64") { 14 + 2 + 1 + 5 } else { 2 * 11 };
     assert!(kernels.len() >= want, "only {} SIMD dot products", kernels.len());
 }
 
@@ -563,7 +563,8 @@ fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
     }
 }
 
-/// On aarch64 the entry points dispatch to the NEON set for the 32-element block formats.
+/// On aarch64 the entry points dispatch to the NEON set; its K-quant products are the reference code with NEON
+/// int8 products, so they equal the scalar reference bit for bit.
 #[cfg(target_arch = "aarch64")]
 #[test]
 fn entry_points_use_neon_on_aarch64() {
@@ -571,8 +572,18 @@ fn entry_points_use_neon_on_aarch64() {
         return;
     }
     assert_eq!(super::isa(), "neon");
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
+    let mut rng = Rng::new(31);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K,
+               GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
         assert!(super::has_simd_vec_dot(ty), "{ty}");
     }
-    assert!(!super::has_simd_vec_dot(GgmlType::Q4_K), "K-quants stay scalar on aarch64");
+    for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        for nb in [1usize, 3, 7] {
+            let n = nb * ty.block_size();
+            let w = random_weights(ty, n, &mut rng);
+            let act = quantized_acts(ty.act_type(), &rng.floats(n));
+            let neon = super::kernels().vec_dot(ty).unwrap()(nb, &w, &act);
+            assert_eq!(neon.to_bits(), vec_dot_scalar(ty, nb, &w, &act).to_bits(), "{ty} nb {nb}");
+        }
+    }
 }

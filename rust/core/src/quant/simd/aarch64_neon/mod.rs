@@ -1,5 +1,9 @@
 //! aarch64 NEON kernels: the dot products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1)
-//! with their Q8_0 / Q8_1 activations. Other types use the scalar code on aarch64.
+//! with their Q8_0 / Q8_1 activations, and of the K-quants (Q2_K..Q6_K) with Q8_K activations. F16/BF16/F32 rows
+//! use the scalar code on aarch64.
+//!
+//! The K-quant kernels are the reference code (`quant::kquants`, scalar unpacking and float combination) with
+//! its exact int8 products done by NEON, so they give the reference's bits.
 //!
 //! Per block, the 32 int8 products are formed exactly (widening `smull`, pairwise adds into four i32 lanes),
 //! converted to f32 and accumulated with one FMA by the block's combined scale into four f32 lanes; the min
@@ -12,8 +16,9 @@
 use std::arch::aarch64::*;
 
 use super::{Kernels, VecDotFn};
+use crate::quant::kquants;
 use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use crate::quant::GgmlType;
+use crate::quant::{GgmlType, IntDot};
 
 /// The NEON kernel table, or `None` without NEON.
 pub(super) fn detect() -> Option<Kernels> {
@@ -22,7 +27,12 @@ pub(super) fn detect() -> Option<Kernels> {
     }
     let mut k = Kernels::SCALAR;
     k.name = "neon";
-    let dots: [(GgmlType, VecDotFn); 6] = [
+    let dots: [(GgmlType, VecDotFn); 11] = [
+        (GgmlType::Q2_K, kquants::vec_dot_q2_k_with::<NeonDot>),
+        (GgmlType::Q3_K, kquants::vec_dot_q3_k_with::<NeonDot>),
+        (GgmlType::Q4_K, kquants::vec_dot_q4_k_with::<NeonDot>),
+        (GgmlType::Q5_K, kquants::vec_dot_q5_k_with::<NeonDot>),
+        (GgmlType::Q6_K, kquants::vec_dot_q6_k_with::<NeonDot>),
         (GgmlType::Q4_0, vec_dot_q4_0),
         (GgmlType::Q4_1, vec_dot_q4_1),
         (GgmlType::Q5_0, vec_dot_q5_0),
@@ -202,3 +212,26 @@ dot_wrapper!(vec_dot_q5_0, Q5_0);
 dot_wrapper!(vec_dot_q5_1, Q5_1);
 dot_wrapper!(vec_dot_q8_0, Q8_0);
 dot_wrapper!(vec_dot_q8_1, Q8_1);
+
+/// NEON int8 products for the K-quant reference code: 16 elements per step, the rest scalar.
+struct NeonDot;
+
+impl IntDot for NeonDot {
+    #[inline(always)]
+    fn dot(a: &[i8], b: &[u8]) -> i32 {
+        let n = a.len().min(b.len());
+        let n16 = n - n % 16;
+        let mut acc = 0i32;
+        // SAFETY: NEON is part of the aarch64 baseline; every load reads 16 bytes below n16.
+        unsafe {
+            let mut v = vdupq_n_s32(0);
+            let mut i = 0;
+            while i < n16 {
+                v = vaddq_s32(v, dot16(vld1q_s8(a.as_ptr().add(i)), vld1q_s8(b.as_ptr().add(i) as *const i8)));
+                i += 16;
+            }
+            acc += vaddvq_s32(v);
+        }
+        acc + a[n16..n].iter().zip(&b[n16..n]).map(|(&x, &y)| x as i32 * (y as i8) as i32).sum::<i32>()
+    }
+}
