@@ -168,6 +168,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_synth(args: argparse.Namespace) -> int:
+    import time
+
+    from ninfer.synth import write_synthetic
+
+    t = time.perf_counter()
+    path = write_synthetic(args.output, args.shape, args.type, seed=args.seed, n_layer=args.n_layer)
+    size = path.stat().st_size
+    _log(f"ninfer: wrote {path} ({_gib(size)}) in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ninfer", description="Run GGUF language models on the CPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -214,6 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true",
                    help="time per generated token by kind of work: matmul, attention, other, sampling, Python")
     b.set_defaults(func=cmd_bench)
+
+    from ninfer.synth import SHAPES, TYPES
+
+    sy = sub.add_parser("synth", help="write a random-weight GGUF in a real model's shape (speed and parity tests)")
+    sy.add_argument("--shape", required=True, choices=list(SHAPES), help="architecture shape")
+    sy.add_argument("--type", required=True, type=str.upper, choices=list(TYPES), help="type of every matrix")
+    sy.add_argument("-o", "--output", required=True, help="GGUF file to write (atomically)")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--n-layer", type=int, default=None, help="fewer layers than the shape has (quick tests)")
+    sy.set_defaults(func=cmd_synth)
     return parser
 
 

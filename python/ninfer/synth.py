@@ -1,0 +1,199 @@
+"""Synthetic GGUF models: random weights in the shapes of real models, for speed tests and backend parity where
+real weights cannot be shipped (`ninfer synth --shape qwen2.5-1.5b --type Q4_K -o model.gguf`).
+
+Every quantized block is valid and its scales are centred: a block's weights average to zero and have a standard
+deviation of about 1/sqrt(fan-in), so activations stay finite through any number of layers. Blocks are built
+directly from random bytes (no quantizer runs), and tensors are streamed to disk, so a 32B-shape file needs
+little memory beyond one tensor. The vocabulary is the 256 byte tokens of byte-level BPE plus placeholder tokens
+up to the real vocabulary size, so the file loads in ninfer and in llama.cpp alike; the text it produces is
+meaningless by design.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from ninfer.errors import InvalidArgumentError
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    tied: bool  # output head shares the token embedding
+
+
+# Qwen2.5 (and Qwen2.5-Coder) configurations, from their published config.json files.
+SHAPES: dict[str, Shape] = {
+    "qwen2.5-0.5b": Shape(896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-7b": Shape(3584, 28, 28, 4, 18944, 152064, False),
+    "qwen2.5-32b": Shape(5120, 64, 40, 8, 27648, 152064, False),
+}
+
+TYPES: dict[str, GGMLQuantizationType] = {t.name: t for t in (
+    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
+
+# llama-quantize's replacements when a row length is not a multiple of 256 (e.g. Qwen2.5-0.5B's 896).
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _pack_k4_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and eight 6-bit mins ([..., 8] uint8 each)."""
+    out = np.zeros((*sc.shape[:-1], 12), dtype=np.uint8)
+    out[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    return out
+
+
+def random_blocks(ty: GGMLQuantizationType, rows: int, cols: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """[rows, row_bytes] of valid, centred blocks of `ty` whose weights have a standard deviation near `sigma`."""
+    if ty in (Q.F32, Q.F16, Q.BF16):
+        w = rng.standard_normal((rows, cols), dtype=np.float32) * sigma
+        if ty == Q.F32:
+            return w.view(np.uint8)
+        if ty == Q.F16:
+            return w.astype(np.float16).view(np.uint8)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: truncate
+    block, size = GGML_QUANT_SIZES[ty]
+    nb = rows * cols // block
+    b = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    jitter = rng.uniform(0.75, 1.25, size=nb).astype(np.float32)  # scales vary from block to block
+    # Code spread (standard deviation of the integer codes) per type, so that d * spread ~ sigma.
+    if ty == Q.Q4_0:  # w = d (q - 8)
+        b[:, 0:2] = _f16(sigma / 4.6 * jitter)
+    elif ty == Q.Q4_1:  # w = d q + m, q in 0..15
+        d = sigma / 4.6 * jitter
+        b[:, 0:2], b[:, 2:4] = _f16(d), _f16(-7.5 * d)
+    elif ty == Q.Q5_0:  # w = d (q - 16)
+        b[:, 0:2] = _f16(sigma / 9.2 * jitter)
+    elif ty == Q.Q5_1:  # q in 0..31
+        d = sigma / 9.2 * jitter
+        b[:, 0:2], b[:, 2:4] = _f16(d), _f16(-15.5 * d)
+    elif ty == Q.Q8_0:  # int8 codes
+        b[:, 0:2] = _f16(sigma / 73.0 * jitter)
+    elif ty == Q.Q2_K:  # w = d sc q - dmin m, q in 0..3, 4-bit sc and m: m = 1.5 sc centres every sub-block
+        sc = rng.integers(1, 11, size=(nb, 16), dtype=np.uint8)
+        m = np.minimum(np.rint(1.5 * sc), 15).astype(np.uint8)
+        b[:, 0:16] = sc | (m << 4)
+        d = sigma / (5.5 * 1.12) * jitter
+        b[:, 80:82], b[:, 82:84] = _f16(d), _f16(d)
+    elif ty == Q.Q3_K:  # w = d (sc - 32) q, q in -4..3; random 6-bit scales are symmetric around 32
+        b[:, 108:110] = _f16(sigma / (18.5 * 2.3) * jitter)
+    elif ty in (Q.Q4_K, Q.Q5_K):  # w = d sc q - dmin m with m = sc: dmin = mean code * d centres them
+        sc = rng.integers(8, 64, size=(nb, 8), dtype=np.uint8)
+        spread, mean = (4.6, 7.5) if ty == Q.Q4_K else (9.2, 15.5)
+        d = sigma / (spread * 36.0) * jitter
+        b[:, 0:2], b[:, 2:4] = _f16(d), _f16(mean * d)
+        b[:, 4:16] = _pack_k4_scales(sc, sc)
+    elif ty == Q.Q6_K:  # w = d sc (q - 32), int8 scales symmetric around 0
+        b[:, 192:208] = rng.integers(-64, 64, size=(nb, 16), dtype=np.int8).view(np.uint8)
+        b[:, 208:210] = _f16(sigma / (18.5 * 37.0) * jitter)
+    else:
+        raise InvalidArgumentError(f"synthetic blocks of type {ty.name} are not supported")
+    return b.reshape(rows, cols // block * size)
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map to U+0100 onwards."""
+    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    extra = iter(range(256, 512))
+    table = {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+    return [table[b] for b in range(256)]
+
+
+def tensor_type(ty: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
+    block = GGML_QUANT_SIZES[ty][0]
+    return ty if cols % block == 0 else _FALLBACK.get(ty, Q.Q8_0)
+
+
+def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | GGMLQuantizationType, *,
+                    seed: int = 0, n_layer: int | None = None, n_ctx: int = 32768) -> Path:
+    """Write a qwen2-architecture GGUF of `shape` with every matrix in `ty` (norms F32); returns the path.
+    Written to a temporary name and renamed, so an interrupted run leaves no partial file."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise InvalidArgumentError(f"unknown shape '{shape}' (one of {', '.join(SHAPES)})")
+        shape = SHAPES[shape]
+    if isinstance(ty, str):
+        if ty.upper() not in TYPES:
+            raise InvalidArgumentError(f"unknown type '{ty}' (one of {', '.join(TYPES)})")
+        ty = TYPES[ty.upper()]
+    layers = shape.n_layer if n_layer is None else n_layer
+    if layers < 1:
+        raise InvalidArgumentError(f"n_layer must be >= 1, got {layers}")
+    rng = np.random.default_rng(seed)
+    e, hd = shape.n_embd, shape.n_embd // shape.n_head
+    kv = hd * shape.n_head_kv
+    plan: list[tuple[str, int, int, str]] = [("token_embd.weight", shape.n_vocab, e, "w"), ("output_norm.weight", 1, e, "norm")]
+    if not shape.tied:
+        plan.append(("output.weight", shape.n_vocab, e, "w"))
+    for il in range(layers):
+        p = f"blk.{il}."
+        plan += [(p + "attn_norm.weight", 1, e, "norm"), (p + "attn_q.weight", e, e, "w"), (p + "attn_q.bias", 1, e, "bias"),
+                 (p + "attn_k.weight", kv, e, "w"), (p + "attn_k.bias", 1, kv, "bias"),
+                 (p + "attn_v.weight", kv, e, "w"), (p + "attn_v.bias", 1, kv, "bias"),
+                 (p + "attn_output.weight", e, e, "w"), (p + "ffn_norm.weight", 1, e, "norm"),
+                 (p + "ffn_gate.weight", shape.n_ff, e, "w"), (p + "ffn_up.weight", shape.n_ff, e, "w"),
+                 (p + "ffn_down.weight", e, shape.n_ff, "w")]
+
+    out = Path(path)
+    tmp = out.with_name(out.name + ".partial")
+    w = GGUFWriter(str(tmp), "qwen2")
+    w.add_name(f"ninfer synthetic {shape.n_embd}x{layers} {ty.name}")
+    w.add_block_count(layers)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(e)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    # The byte tokens, one merge (tokenizers need at least one) and placeholders up to the vocabulary size.
+    tokens = _byte_tokens() + ["ab"] + [f"<synth_{i}>" for i in range(shape.n_vocab - 257)]
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 257 + [3] * (shape.n_vocab - 257))
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(shape.n_vocab - 1)
+    w.add_add_bos_token(False)
+    for name, rows, cols, kind in plan:
+        t = tensor_type(ty, cols) if kind == "w" else Q.F32
+        block, size = GGML_QUANT_SIZES[t]
+        row_bytes = cols // block * size  # the writer takes byte shapes for raw types
+        w.add_tensor_info(name, (rows, row_bytes) if rows > 1 else (row_bytes,), np.dtype(np.uint8), rows * row_bytes, t)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for name, rows, cols, kind in plan:
+            if kind == "norm":
+                data = (1.0 + 0.1 * rng.standard_normal(cols, dtype=np.float32)).view(np.uint8)
+            elif kind == "bias":
+                data = (0.1 * rng.standard_normal(cols, dtype=np.float32)).view(np.uint8)
+            else:
+                data = random_blocks(tensor_type(ty, cols), rows, cols, cols ** -0.5, rng)
+            w.write_tensor_data(data)
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out

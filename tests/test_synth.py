@@ -1,0 +1,56 @@
+"""Synthetic GGUF models (`ninfer synth`): valid files in real shapes that ninfer and gguf read, with finite,
+unit-scale logits for every weight type."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import ninfer
+from ninfer.synth import SHAPES, TYPES, write_synthetic
+
+
+@pytest.mark.parametrize("ty", list(TYPES))
+def test_every_type_loads_and_gives_finite_unit_scale_logits(tmp_path: Path, ty: str) -> None:
+    path = write_synthetic(tmp_path / f"{ty}.gguf", "qwen2.5-0.5b", ty, n_layer=1, seed=3)
+    llm = ninfer.LLM(path, n_ctx=128, threads=1)
+    logits = llm.eval_logits([5, 77, 300, 1000], rows=[3])
+    assert logits.shape == (1, SHAPES["qwen2.5-0.5b"].n_vocab)
+    assert np.isfinite(logits).all()
+    assert 0.5 < float(np.std(logits)) < 2.0, "centred scales keep activations near unit scale"
+
+
+def test_shapes_and_fallback_types_as_gguf_reads_them(tmp_path: Path) -> None:
+    path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "Q4_K", n_layer=2, seed=1)
+    r = gguf.GGUFReader(path)
+    t = {x.name: x for x in r.tensors}
+    assert len(t) == 2 + 2 * 12, "tied output: no output.weight"
+    assert list(t["blk.1.ffn_down.weight"].shape) == [4864, 896]
+    assert t["blk.1.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_K  # 4864 = 19 x 256
+    assert t["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.Q5_0  # 896 is not, as llama-quantize
+    assert t["blk.0.attn_k.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert r.fields["qwen2.block_count"].contents() == 2
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_same_seed_same_file_other_seed_other_weights(tmp_path: Path) -> None:
+    a = write_synthetic(tmp_path / "a.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=1, seed=7).read_bytes()
+    b = write_synthetic(tmp_path / "b.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=1, seed=7).read_bytes()
+    c = write_synthetic(tmp_path / "c.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=1, seed=8).read_bytes()
+    assert a == b and a != c and len(a) == len(c)
+
+
+def test_cli_writes_and_rejects_bad_flags(tmp_path: Path) -> None:
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ninfer.cli", "synth", *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=300)
+    ok = run("--shape", "qwen2.5-0.5b", "--type", "q4_0", "--n-layer", "1", "-o", str(tmp_path / "x.gguf"))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == "" and "wrote" in ok.stderr and (tmp_path / "x.gguf").stat().st_size > 80e6
+    bad = run("--shape", "qwen2.5-0.5b", "--type", "IQ2_XXS", "-o", str(tmp_path / "y.gguf"))
+    assert bad.returncode == 2 and "invalid choice: 'IQ2_XXS'" in bad.stderr
+    assert not (tmp_path / "y.gguf").exists()
