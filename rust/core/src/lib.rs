@@ -7,5 +7,7 @@ pub mod kv;
 pub mod model;
 pub mod quant;
 pub mod sampler;
+#[cfg(test)]
+mod test_rng;
 
 pub use error::{Error, Result};

@@ -296,15 +296,7 @@ mod tests {
     use crate::kv::KvConfig;
 
     fn pseudo(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s >> 12;
-                s ^= s << 25;
-                s ^= s >> 27;
-                ((s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
-            })
-            .collect()
+        crate::test_rng::uniform_floats(seed, n, 2.0)
     }
 
     /// softmax(q·k * scale) V in f64 from the f16-rounded cache contents.

@@ -16,19 +16,7 @@ fn simd_ops() -> Option<&'static VecOps> {
     None
 }
 
-/// Deterministic pseudo-random floats in [-scale, scale).
-fn floats(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            let u = (s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32;
-            (2.0 * u - 1.0) * scale
-        })
-        .collect()
-}
+use crate::test_rng::uniform_floats as floats;
 
 fn f16_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect()
