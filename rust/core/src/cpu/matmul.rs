@@ -77,7 +77,7 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     // Products of weight rows r0.. (nr of them) with activation rows t0.. (nc of them) into dst[i * nc + j].
     let tile = |r0: usize, nr: usize, t0: usize, nc: usize, dst: &mut [f32]| {
         let (w, a) = (&data[r0 * rb..(r0 + nr) * rb], &acts.bytes[t0 * arb..(t0 + nc) * arb]);
-        match kernels[usize::from(t0 >= split && split < n)] {
+        match kernels[usize::from(t0 >= split)] {
             Some(kernel) => kernel.run(k, w, rb, nr, a, arb, nc, dst),
             None => {
                 for i in 0..nr {

@@ -72,16 +72,15 @@ pub(super) struct Kernels {
     vec_dot: Slots<VecDotFn>,
     /// Where it differs from `vec_dot`: matrices llama.cpp does not repack (row count not divisible by 8).
     vec_dot_unpacked: Slots<VecDotFn>,
-    /// Tiles (several weight rows and/or activation rows per call) of the `vec_dot`, `vec_dot_gemm4` and
-    /// `vec_dot_tiled` products; the single-row GEMV of repacked matrices has `vec_dot_tile_gemv`.
-    vec_dot_tile: Slots<TileFn>,
-    vec_dot_tile_gemv: Slots<TileFn>,
-    vec_dot_tile_gemm4: Slots<TileFn>,
-    vec_dot_tile_tiled: Slots<TileFn>,
     /// Repacked matrices, activation rows processed four at a time (GEMM).
     vec_dot_gemm4: Slots<VecDotFn>,
     /// Non-repacked K-quant matrices in matmuls with 8 or more activation rows.
     vec_dot_tiled: Slots<VecDotFn>,
+    /// Tiles (several weight rows and/or activation rows per call) of the plain (`vec_dot_unpacked` or
+    /// `vec_dot`), `vec_dot_gemm4` and `vec_dot_tiled` products. The GEMV of repacked matrices has none.
+    vec_dot_tile: Slots<TileFn>,
+    vec_dot_tile_gemm4: Slots<TileFn>,
+    vec_dot_tile_tiled: Slots<TileFn>,
     quantize: Slots<QuantizeFn>,
     dequantize: Slots<DequantizeFn>,
 }
@@ -93,12 +92,11 @@ impl Kernels {
         repacked_q4: false,
         vec_dot: [None; SLOTS],
         vec_dot_unpacked: [None; SLOTS],
-        vec_dot_tile: [None; SLOTS],
-        vec_dot_tile_gemv: [None; SLOTS],
-        vec_dot_tile_gemm4: [None; SLOTS],
-        vec_dot_tile_tiled: [None; SLOTS],
         vec_dot_gemm4: [None; SLOTS],
         vec_dot_tiled: [None; SLOTS],
+        vec_dot_tile: [None; SLOTS],
+        vec_dot_tile_gemm4: [None; SLOTS],
+        vec_dot_tile_tiled: [None; SLOTS],
         quantize: [None; SLOTS],
         dequantize: [None; SLOTS],
     };
@@ -108,52 +106,44 @@ impl Kernels {
         self.vec_dot[ty as usize]
     }
 
+    /// Which of llama.cpp's matmul paths sums the dot product at `pos` (see [`vec_dot_matmul`]).
+    #[inline]
+    fn path(&self, ty: GgmlType, pos: MatmulPos) -> Path {
+        let t = ty as usize;
+        // llama.cpp repacks Q4_0 / Q4_K matrices with a row count divisible by 8.
+        if self.repacked_q4 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_K) && pos.w_rows.is_multiple_of(8) {
+            let in_group_of_4 = pos.act_rows >= 4 && pos.act_row < pos.act_rows - pos.act_rows % 4;
+            return if in_group_of_4 && self.vec_dot_gemm4[t].is_some() { Path::Gemm4 } else { Path::Gemv };
+        }
+        // Its tiled K-quant kernel runs on (unrepacked) matmuls of 8 or more activation rows.
+        if pos.act_rows >= 8 && self.vec_dot_tiled[t].is_some() {
+            return Path::Tiled;
+        }
+        Path::Plain
+    }
+
     /// The kernel llama.cpp's CPU backend would sum this dot product with (see [`vec_dot_matmul`]).
     #[inline]
     pub(super) fn vec_dot_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<VecDotFn> {
         let t = ty as usize;
-        if self.is_repacked(ty, pos) {
-            let in_group_of_4 = pos.act_rows >= 4 && pos.act_row < pos.act_rows - pos.act_rows % 4;
-            if in_group_of_4 {
-                if let Some(f) = self.vec_dot_gemm4[t] {
-                    return Some(f);
-                }
-            }
-            return self.vec_dot[t];
+        match self.path(ty, pos) {
+            Path::Gemm4 => self.vec_dot_gemm4[t],
+            Path::Gemv => self.vec_dot[t],
+            Path::Tiled => self.vec_dot_tiled[t],
+            Path::Plain => self.vec_dot_unpacked[t].or(self.vec_dot[t]),
         }
-        if self.is_tiled(ty, pos) {
-            return self.vec_dot_tiled[t];
-        }
-        self.vec_dot_unpacked[t].or(self.vec_dot[t])
-    }
-
-    /// llama.cpp repacks this matrix (Q4_0 / Q4_K with a row count divisible by 8).
-    #[inline]
-    fn is_repacked(&self, ty: GgmlType, pos: MatmulPos) -> bool {
-        self.repacked_q4 && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_K) && pos.w_rows.is_multiple_of(8)
-    }
-
-    /// llama.cpp runs its tiled K-quant kernel on this (unrepacked) matmul.
-    #[inline]
-    fn is_tiled(&self, ty: GgmlType, pos: MatmulPos) -> bool {
-        pos.act_rows >= 8 && self.vec_dot_tiled[ty as usize].is_some()
     }
 
     /// The tile version of the kernel [`Kernels::vec_dot_at`] picks at `pos`, if there is one.
     #[inline]
     pub(super) fn vec_dot_tile_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<TileFn> {
         let t = ty as usize;
-        if self.is_repacked(ty, pos) {
-            let in_group_of_4 = pos.act_rows >= 4 && pos.act_row < pos.act_rows - pos.act_rows % 4;
-            if in_group_of_4 && self.vec_dot_gemm4[t].is_some() {
-                return self.vec_dot_tile_gemm4[t];
-            }
-            return self.vec_dot_tile_gemv[t];
+        match self.path(ty, pos) {
+            Path::Gemm4 => self.vec_dot_tile_gemm4[t],
+            Path::Gemv => None,
+            Path::Tiled => self.vec_dot_tile_tiled[t],
+            Path::Plain => self.vec_dot_tile[t],
         }
-        if self.is_tiled(ty, pos) {
-            return self.vec_dot_tile_tiled[t];
-        }
-        self.vec_dot_tile[t]
     }
 
     #[inline]
@@ -165,6 +155,19 @@ impl Kernels {
     pub(super) fn dequantize(&self, ty: GgmlType) -> Option<DequantizeFn> {
         self.dequantize[ty as usize]
     }
+}
+
+/// llama.cpp's matmul paths on the CPU, as far as they sum dot products differently.
+#[derive(Clone, Copy)]
+enum Path {
+    /// Repacked matrix, activation rows in a group of four (`ggml_gemm_*`).
+    Gemm4,
+    /// Repacked matrix, other activation rows (`ggml_gemv_*`).
+    Gemv,
+    /// The tiled K-quant GEMM.
+    Tiled,
+    /// `ggml_vec_dot_*` (or llamafile's GEMM, which sums the same way).
+    Plain,
 }
 
 static KERNELS: OnceLock<Kernels> = OnceLock::new();

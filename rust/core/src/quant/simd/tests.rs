@@ -471,7 +471,6 @@ fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, 
         let plain = k.vec_dot_unpacked[t].or(k.vec_dot[t]);
         let slots = [
             ("plain", k.vec_dot_tile[t], plain),
-            ("gemv", k.vec_dot_tile_gemv[t], k.vec_dot[t]),
             ("gemm4", k.vec_dot_tile_gemm4[t], k.vec_dot_gemm4[t]),
             ("tiled", k.vec_dot_tile_tiled[t], k.vec_dot_tiled[t]),
         ];
