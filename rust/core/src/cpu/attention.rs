@@ -29,6 +29,18 @@ pub struct AttnShape {
     pub window: Option<usize>,
 }
 
+impl AttnShape {
+    /// The first key position a query at `pos` sees.
+    pub fn first_key(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
+/// Divide an unnormalised attention output by its softmax sum (none: zeros, as llama.cpp).
+fn normalize(o: &mut [f32], sum: f32) {
+    (vec_ops().scale)(o, if sum > 0.0 { 1.0 / sum } else { 0.0 });
+}
+
 /// out[t, h*dv..] = softmax(q[t,h] · K[seq_t, 0..=pos_t]) V for every row t of the batch.
 /// rows: (sequence, position) of each query row; q: [n, n_head * head_dim]; out: [n, n_head * head_dim_v].
 pub fn attention(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32], shape: AttnShape, out: &mut [f32]) {
@@ -51,12 +63,11 @@ pub fn attention(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32],
         let (t, h) = (i / n_head, i % n_head);
         let (seq, pos) = rows[t];
         let qh = &q[(t * n_head + h) * dk..][..dk];
-        let lo = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let lo = shape.first_key(pos);
         match split {
             None => {
                 let s = attend_range(kv, layer, seq, lo, pos, qh, h / group, shape, o).1;
-                let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-                (vec_ops().scale)(o, inv);
+                normalize(o, s);
             }
             Some(chunk) => {
                 let mut part = vec![0.0f32; dv];
@@ -211,8 +222,7 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
     let (k_rb, v_rb) = (kv.k_row_bytes(), kv.v_row_bytes());
     let bs = kv.cfg.block_size;
     let seq = rows[0].0;
-    let lo_of = |pos: usize| shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let lo_min = rows.iter().map(|&(_, p)| lo_of(p)).min().unwrap_or(0);
+    let lo_min = rows.iter().map(|&(_, p)| shape.first_key(p)).min().unwrap_or(0);
     let hi_max = rows.iter().map(|&(_, p)| p).max().unwrap_or(0);
 
     let n_out = rows.len() * group;
@@ -244,7 +254,7 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
             p = end + 1;
         }
         for (i, &(_, pos)) in rows.iter().enumerate() {
-            let (ra, rb) = (t0.max(lo_of(pos)), (t0 + KV_TILE - 1).min(pos));
+            let (ra, rb) = (t0.max(shape.first_key(pos)), (t0 + KV_TILE - 1).min(pos));
             if ra > rb {
                 continue; // this row sees no key of the tile
             }
@@ -284,8 +294,7 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
         t0 += KV_TILE;
     }
     for (o, &sj) in out.chunks_exact_mut(dv).zip(&s) {
-        let inv = if sj > 0.0 { 1.0 / sj } else { 0.0 };
-        (ops.scale)(o, inv);
+        normalize(o, sj);
     }
     out
 }
