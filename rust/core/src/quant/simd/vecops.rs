@@ -50,8 +50,9 @@ impl VecOps {
     };
 }
 
+/// Round to the nearest f16 and back (the rounding of an f16 accumulator).
 #[inline(always)]
-fn f16_round(x: f32) -> f32 {
+pub(super) fn f16_round(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 

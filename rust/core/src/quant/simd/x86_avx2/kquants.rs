@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::{
     abs_max_lanes, f16_at, f16_at_tail, hmax_ps, hsum_float_8, hsum_i32_4, load128, load256, nearest_int,
-    pack_low_bytes, sum_i8_groups8,
+    pack_low_bytes, prefetch_ahead, sum_i8_groups8,
 };
 use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use crate::quant::QK_K;
@@ -407,9 +407,7 @@ pub(super) unsafe fn vec_dot_q6_k_q8_k(nb: usize, x: *const u8, y: *const u8) ->
     let mut acc = _mm256_setzero_ps();
     for i in 0..nb {
         let (xb, yb) = (x.add(i * Q6_K_BYTES), y.add(i * Q8_K_BYTES));
-        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024 + 64) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024 + 128) as *const i8);
+        prefetch_ahead::<3>(xb); // a 210-byte block
         let d = f32_at(yb) * f16_at_tail(xb.add(208));
         let (sumi, q8sclsub) = q6_k_ints(xb, yb);
         let sumi = _mm256_sub_epi32(sumi, q8sclsub);

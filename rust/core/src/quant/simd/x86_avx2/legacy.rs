@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 
 use super::{
     abs_max_lanes, bytes_from_bits_32, bytes_from_nibbles_32, f16_at, hmax_ps, hsum_float_8, hsum_i32_8, load256,
-    mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, put_f16, sum_i8_groups8,
+    mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, prefetch_ahead, put_f16, sum_i8_groups8,
 };
 use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::quant::QK_LEGACY as QK;
@@ -165,7 +165,7 @@ macro_rules! legacy_dot_kernels {
             if R > 1 {
                 _mm_prefetch::<_MM_HINT_T1>(xb.wrapping_add(PREFETCH_AHEAD) as *const i8);
             } else if C == 1 {
-                _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024) as *const i8);
+                prefetch_ahead::<1>(xb);
             }
             let dx = f16_at(xb);
             let qx = F::codes(xb);

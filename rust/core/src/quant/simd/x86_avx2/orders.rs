@@ -16,7 +16,7 @@ use super::kquants::{
     f32_at, k4_min_prod, k4_mins_and_scales, q2_k_ints, q3_k_ints, q4_k_block_sumi, q5_k_block_sumi, q6_k_ints,
     q6_k_ints_unpacked, q6_k_unpack, shuffle_k4,
 };
-use super::{f16_at, f16_at_tail, hsum_i32_4, hsum_i32_8, load256};
+use super::{f16_at, f16_at_tail, hsum_i32_4, hsum_i32_8, load256, prefetch_ahead};
 use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 use crate::quant::QK_K;
 
@@ -35,8 +35,7 @@ pub(super) unsafe fn vec_dot_q4_k_q8_k_repacked(nb: usize, x: *const u8, y: *con
     let mut acc_min = 0.0f32;
     for i in 0..nb {
         let (xb, yb) = (x.add(i * Q4_K_BYTES), y.add(i * Q8_K_BYTES));
-        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(1024 + 64) as *const i8);
+        prefetch_ahead::<2>(xb); // a 144-byte block
         let yd = f32_at(yb);
         let mins_and_scales = k4_mins_and_scales(xb.add(4));
         let isum_min = hsum_i32_4(k4_min_prod(mins_and_scales, yb.add(Q8K_BSUMS)));

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::simd::vecops::{silu, VecOps};
+use crate::quant::simd::vecops::{f16_round, silu, VecOps};
 
 pub(in crate::quant::simd) const AVX2: VecOps = VecOps {
     name: "avx2",
@@ -71,11 +71,6 @@ fn swiglu(gate: &mut [f32], up: &[f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_round8(v: __m256) -> __m256 {
     _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
-}
-
-#[inline(always)]
-fn f16_round(x: f32) -> f32 {
-    half::f16::from_f32(x).to_f32()
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
