@@ -17,7 +17,7 @@ use std::arch::aarch64::*;
 
 use super::{Kernels, VecDotFn};
 use crate::quant::kquants;
-use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use crate::quant::legacy::{BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1};
 use crate::quant::{GgmlType, IntDot};
 
 /// The NEON kernel table, or `None` without NEON.
@@ -46,24 +46,11 @@ pub(super) fn detect() -> Option<Kernels> {
     Some(k)
 }
 
-/// A 32-element weight format paired with its activation format.
-trait Block32 {
-    const WB: usize;
-    const AB: usize;
-    /// Offset of the activation block's 32 int8 quants.
-    const A_QS: usize;
-    /// Weight block with a min `m` (f16 at byte 2), activation block with its sum `s` (f16 at byte 2).
-    const MIN: bool;
+/// A 32-element block format, as these NEON kernels unpack it.
+trait Block32: BlockFormat {
     /// The 32 codes as signed bytes (elements 0..16, 16..32), in the order of the activation quants.
     unsafe fn codes(xb: *const u8) -> (int8x16_t, int8x16_t);
 }
-
-struct Q4_0;
-struct Q4_1;
-struct Q5_0;
-struct Q5_1;
-struct Q8_0;
-struct Q8_1;
 
 /// Low and high nibbles of the 16 bytes at `p`: elements 0..16 and 16..32.
 #[inline(always)]
@@ -87,10 +74,6 @@ unsafe fn fifth_bits(p: *const u8) -> (uint8x16_t, uint8x16_t) {
 }
 
 impl Block32 for Q4_0 {
-    const WB: usize = Q4_0_BYTES;
-    const AB: usize = Q8_0_BYTES;
-    const A_QS: usize = 2;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> (int8x16_t, int8x16_t) {
         let (lo, hi) = nibbles(xb.add(2));
@@ -100,10 +83,6 @@ impl Block32 for Q4_0 {
 }
 
 impl Block32 for Q4_1 {
-    const WB: usize = Q4_1_BYTES;
-    const AB: usize = Q8_1_BYTES;
-    const A_QS: usize = 4;
-    const MIN: bool = true;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> (int8x16_t, int8x16_t) {
         let (lo, hi) = nibbles(xb.add(4));
@@ -112,10 +91,6 @@ impl Block32 for Q4_1 {
 }
 
 impl Block32 for Q5_0 {
-    const WB: usize = Q5_0_BYTES;
-    const AB: usize = Q8_0_BYTES;
-    const A_QS: usize = 2;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> (int8x16_t, int8x16_t) {
         let (lo, hi) = nibbles(xb.add(6));
@@ -129,10 +104,6 @@ impl Block32 for Q5_0 {
 }
 
 impl Block32 for Q5_1 {
-    const WB: usize = Q5_1_BYTES;
-    const AB: usize = Q8_1_BYTES;
-    const A_QS: usize = 4;
-    const MIN: bool = true;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> (int8x16_t, int8x16_t) {
         let (lo, hi) = nibbles(xb.add(8));
@@ -142,10 +113,6 @@ impl Block32 for Q5_1 {
 }
 
 impl Block32 for Q8_0 {
-    const WB: usize = Q8_0_BYTES;
-    const AB: usize = Q8_0_BYTES;
-    const A_QS: usize = 2;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> (int8x16_t, int8x16_t) {
         (vld1q_s8(xb.add(2) as *const i8), vld1q_s8(xb.add(18) as *const i8))
@@ -153,10 +120,6 @@ impl Block32 for Q8_0 {
 }
 
 impl Block32 for Q8_1 {
-    const WB: usize = Q8_1_BYTES;
-    const AB: usize = Q8_1_BYTES;
-    const A_QS: usize = 4;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> (int8x16_t, int8x16_t) {
         (vld1q_s8(xb.add(4) as *const i8), vld1q_s8(xb.add(20) as *const i8))

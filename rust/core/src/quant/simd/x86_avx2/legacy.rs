@@ -12,42 +12,22 @@ use super::{
     abs_max_lanes, bytes_from_bits_32, bytes_from_nibbles_32, f16_at, hmax_ps, hsum_float_8, hsum_i32_8, load256,
     mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, prefetch_ahead, put_f16, sum_i8_groups8,
 };
-use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use crate::quant::legacy::{BlockFormat, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::quant::QK_LEGACY as QK;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dot products; `nb` blocks, `x` the weight row, `y` the activation row (both in bounds for `nb` blocks)
 // ---------------------------------------------------------------------------------------------------------------
 
-/// A 32-element weight format paired with its activation format (Q8_0 or Q8_1).
-pub(super) trait Block32 {
-    /// Bytes of a weight block.
-    const WB: usize;
-    /// Bytes of an activation block.
-    const AB: usize;
-    /// Offset of the 32 int8 quants in an activation block.
-    const A_QS: usize;
-    /// Weight codes are signed (products via llama.cpp's sign trick) rather than 0..=31.
-    const SIGNED: bool;
-    /// The weight block has a min `m` (f16 at byte 2) and the activation block its sum `s` (f16 at byte 2).
-    const MIN: bool;
+pub(super) use crate::quant::legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1};
+
+/// A 32-element block format, as these AVX2 kernels unpack it.
+pub(super) trait Block32: BlockFormat {
     /// The block's 32 codes as bytes, in the element order of the activation quants.
     unsafe fn codes(xb: *const u8) -> __m256i;
 }
 
-pub(super) struct Q4_0;
-pub(super) struct Q4_1;
-pub(super) struct Q5_0;
-pub(super) struct Q5_1;
-pub(super) struct Q8_0;
-pub(super) struct Q8_1;
-
 impl Block32 for Q4_0 {
-    const WB: usize = Q4_0_BYTES;
-    const AB: usize = Q8_0_BYTES;
-    const A_QS: usize = 2;
-    const SIGNED: bool = true;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> __m256i {
         // Nibbles 0..=15, offset to -8..=7.
@@ -56,11 +36,6 @@ impl Block32 for Q4_0 {
 }
 
 impl Block32 for Q4_1 {
-    const WB: usize = Q4_1_BYTES;
-    const AB: usize = Q8_1_BYTES;
-    const A_QS: usize = 4;
-    const SIGNED: bool = false;
-    const MIN: bool = true;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> __m256i {
         bytes_from_nibbles_32(xb.add(4))
@@ -68,11 +43,6 @@ impl Block32 for Q4_1 {
 }
 
 impl Block32 for Q5_0 {
-    const WB: usize = Q5_0_BYTES;
-    const AB: usize = Q8_0_BYTES;
-    const A_QS: usize = 2;
-    const SIGNED: bool = true;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> __m256i {
         // nibble | (fifth bit clear ? 0xF0 : 0): the code minus 16 as a signed byte.
@@ -82,11 +52,6 @@ impl Block32 for Q5_0 {
 }
 
 impl Block32 for Q5_1 {
-    const WB: usize = Q5_1_BYTES;
-    const AB: usize = Q8_1_BYTES;
-    const A_QS: usize = 4;
-    const SIGNED: bool = false;
-    const MIN: bool = true;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> __m256i {
         let bxhi = _mm256_and_si256(bytes_from_bits_32(xb.add(4)), _mm256_set1_epi8(0x10));
@@ -97,11 +62,6 @@ impl Block32 for Q5_1 {
 /// Int8 x int8 blocks (llama.cpp's `ggml_vec_dot_q8_0_q8_0`; Q8_1 x Q8_1 has no llama.cpp kernel and sums the
 /// same way).
 impl Block32 for Q8_0 {
-    const WB: usize = Q8_0_BYTES;
-    const AB: usize = Q8_0_BYTES;
-    const A_QS: usize = 2;
-    const SIGNED: bool = true;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> __m256i {
         load256(xb.add(2))
@@ -109,11 +69,6 @@ impl Block32 for Q8_0 {
 }
 
 impl Block32 for Q8_1 {
-    const WB: usize = Q8_1_BYTES;
-    const AB: usize = Q8_1_BYTES;
-    const A_QS: usize = 4;
-    const SIGNED: bool = true;
-    const MIN: bool = false;
     #[inline(always)]
     unsafe fn codes(xb: *const u8) -> __m256i {
         load256(xb.add(4))

@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 use super::{Kernels, Orders, TileFn, VecDotFn};
 use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
-use crate::quant::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use crate::quant::legacy::{BlockFormat, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::quant::{GgmlType, QK_K, QK_LEGACY};
 
 mod float;
@@ -248,7 +248,7 @@ macro_rules! tile_wrapper {
 /// Qwen2.5-0.5B's 151936-row output) 4.3 vs 6.1 GB/s, so Q8_0 / Q8_1 decode one row at a time.
 macro_rules! legacy_tiles {
     ($name:ident, $fmt:ty, $tile:ident, $single:ident $(, $decode:literal)?) => {
-        tile_wrapper!($name, legacy::$single::<$fmt>, <$fmt as legacy::Block32>::WB, <$fmt as legacy::Block32>::AB, [
+        tile_wrapper!($name, legacy::$single::<$fmt>, <$fmt as BlockFormat>::WB, <$fmt as BlockFormat>::AB, [
             $(($decode, 1) => legacy::$tile::<$fmt, $decode, 1>,)?
             (1, 4) => legacy::$tile::<$fmt, 1, 4>,
             (2, 4) => legacy::$tile::<$fmt, 2, 4>,
