@@ -18,7 +18,6 @@ import gc
 import random
 import statistics
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,13 +222,10 @@ def model_info(path: str) -> dict[str, Any]:
     from ninfer.model_file import ModelFile
 
     mf = ModelFile(path)
-    n_params = sum(t.n_elements for t in mf.tensors)
-    by_bytes: Counter[str] = Counter()
-    for t in mf.tensors:
-        by_bytes[t.type_name] += t.n_bytes
+    by_bytes = mf.bytes_by_type()
     main_type = by_bytes.most_common(1)[0][0] if by_bytes else "?"
     return {"model_filename": str(mf.path), "model_type": f"{mf.architecture} {main_type}",
-            "model_size": mf.weight_bytes(), "model_n_params": n_params}
+            "model_size": mf.weight_bytes(), "model_n_params": mf.n_params()}
 
 
 def format_table(results: list[Result], info: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ninfer.config import CACHE_TYPES
+from ninfer.config import CACHE_TYPES, EngineConfig
 from ninfer.errors import NinferError
 
 EXIT_USAGE = 2
@@ -82,17 +82,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     mf = ModelFile(args.model)
     md = mf.metadata
-    n_params = sum(t.n_elements for t in mf.tensors)
+    n_params = mf.n_params()
     out = [f"file          {mf.path} ({_gib(mf.gguf.file_size)}, GGUF v{mf.gguf.version})",
            f"name          {md.get('general.name', '?')}",
            f"architecture  {mf.architecture}",
            f"parameters    {n_params / 1e6:.1f} M",
            f"tensors       {len(mf.tensors)}"]
-    by_type: Counter[str] = Counter()
-    bytes_by_type: Counter[str] = Counter()
-    for t in mf.tensors:
-        by_type[t.type_name] += 1
-        bytes_by_type[t.type_name] += t.n_bytes
+    by_type = Counter(t.type_name for t in mf.tensors)
+    bytes_by_type = mf.bytes_by_type()
     for name, n in by_type.most_common():
         out.append(f"  {name:<10} {n:>5} tensors  {_gib(bytes_by_type[name]):>10}")
     weights = mf.weight_bytes()
@@ -150,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts=bench.parse_ints(args.n_prompt or ["512"], "-p"),
         gens=bench.parse_ints(args.n_gen or ["128"], "-n"),
         depths=bench.parse_ints(args.n_depth or ["0"], "-d"),
-        threads=bench.parse_ints(args.threads or [str(len(os.sched_getaffinity(0)))], "-t"),
+        threads=bench.parse_ints(args.threads or [str(EngineConfig().resolved_threads)], "-t"),
         reps=args.repetitions,
         n_batch=args.batch_size,
         cache_type_k=args.cache_type_k,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections import Counter
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,16 @@ class ModelFile:
 
     def weight_bytes(self) -> int:
         return sum(t.n_bytes for t in self.tensors)
+
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    def bytes_by_type(self) -> Counter[str]:
+        """Bytes of the tensors of each type, by type name."""
+        out: Counter[str] = Counter()
+        for t in self.tensors:
+            out[t.type_name] += t.n_bytes
+        return out
 
     def kv_bytes_per_token(self, k_type_bytes: float = 2.0, v_type_bytes: float = 2.0) -> float:
         s = self.spec
