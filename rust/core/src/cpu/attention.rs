@@ -47,7 +47,9 @@ pub fn attention(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32],
     let AttnShape { n_head, n_head_kv, head_dim: dk, head_dim_v: dv, .. } = shape;
     let group = n_head / n_head_kv;
     let f16_cache = kv.cfg.k_type == GgmlType::F16 && kv.cfg.v_type == GgmlType::F16;
-    let wide = f16_cache && rows.len() >= TILED_MIN_ROWS;
+    if f16_cache && rows.len() >= TILED_MIN_ROWS {
+        return attention_tiled(kv, layer, rows, q, shape, out);
+    }
     // llama.cpp's decode of a single query row over at least SPLIT_KV_MIN padded cache cells splits the cells
     // into one chunk per thread and merges the chunks' partial softmaxes (ggml_flash_attn_ext_reduce_partials).
     let split = if f16_cache && rows.len() == 1 {
@@ -56,9 +58,6 @@ pub fn attention(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32],
     } else {
         None
     };
-    if wide {
-        return attention_tiled(kv, layer, rows, q, shape, out);
-    }
     out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / n_head, i % n_head);
         let (seq, pos) = rows[t];

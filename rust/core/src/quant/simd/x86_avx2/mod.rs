@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 use super::{Kernels, Orders, TileFn, VecDotFn};
 use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
-use crate::quant::legacy::{BlockFormat, Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES};
+use crate::quant::legacy::{BlockFormat, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::quant::{GgmlType, QK_K, QK_LEGACY};
 
 mod float;
@@ -156,19 +156,27 @@ macro_rules! dot_wrapper {
 dot_wrapper!(vec_dot_f32, float::vec_dot_f32, 4, 4);
 dot_wrapper!(vec_dot_f16, float::vec_dot_f16, 2, 2);
 dot_wrapper!(vec_dot_bf16, float::vec_dot_bf16, 2, 2);
-dot_wrapper!(vec_dot_q4_0, legacy::vec_dot::<legacy::Q4_0>, Q4_0_BYTES, Q8_0_BYTES);
+
+/// A `VecDotFn` for a legacy format: `$kernel` over the format's blocks.
+macro_rules! legacy_dot {
+    ($name:ident, $kernel:ident, $fmt:ty) => {
+        dot_wrapper!($name, legacy::$kernel::<$fmt>, <$fmt as BlockFormat>::WB, <$fmt as BlockFormat>::AB);
+    };
+}
+
+legacy_dot!(vec_dot_q4_0, vec_dot, legacy::Q4_0);
 dot_wrapper!(vec_dot_q4_0_repacked, legacy::vec_dot_q4_0_q8_0_repacked, Q4_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q4_1, legacy::vec_dot::<legacy::Q4_1>, Q4_1_BYTES, Q8_1_BYTES);
-dot_wrapper!(vec_dot_q5_0, legacy::vec_dot::<legacy::Q5_0>, Q5_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q5_1, legacy::vec_dot::<legacy::Q5_1>, Q5_1_BYTES, Q8_1_BYTES);
-dot_wrapper!(vec_dot_q8_0, legacy::vec_dot::<legacy::Q8_0>, Q8_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q8_1, legacy::vec_dot::<legacy::Q8_1>, Q8_1_BYTES, Q8_1_BYTES);
-dot_wrapper!(vec_dot_q4_0_vnni, legacy::vec_dot_vnni::<legacy::Q4_0>, Q4_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q4_1_vnni, legacy::vec_dot_vnni::<legacy::Q4_1>, Q4_1_BYTES, Q8_1_BYTES);
-dot_wrapper!(vec_dot_q5_0_vnni, legacy::vec_dot_vnni::<legacy::Q5_0>, Q5_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q5_1_vnni, legacy::vec_dot_vnni::<legacy::Q5_1>, Q5_1_BYTES, Q8_1_BYTES);
-dot_wrapper!(vec_dot_q8_0_vnni, legacy::vec_dot_vnni::<legacy::Q8_0>, Q8_0_BYTES, Q8_0_BYTES);
-dot_wrapper!(vec_dot_q8_1_vnni, legacy::vec_dot_vnni::<legacy::Q8_1>, Q8_1_BYTES, Q8_1_BYTES);
+legacy_dot!(vec_dot_q4_1, vec_dot, legacy::Q4_1);
+legacy_dot!(vec_dot_q5_0, vec_dot, legacy::Q5_0);
+legacy_dot!(vec_dot_q5_1, vec_dot, legacy::Q5_1);
+legacy_dot!(vec_dot_q8_0, vec_dot, legacy::Q8_0);
+legacy_dot!(vec_dot_q8_1, vec_dot, legacy::Q8_1);
+legacy_dot!(vec_dot_q4_0_vnni, vec_dot_vnni, legacy::Q4_0);
+legacy_dot!(vec_dot_q4_1_vnni, vec_dot_vnni, legacy::Q4_1);
+legacy_dot!(vec_dot_q5_0_vnni, vec_dot_vnni, legacy::Q5_0);
+legacy_dot!(vec_dot_q5_1_vnni, vec_dot_vnni, legacy::Q5_1);
+legacy_dot!(vec_dot_q8_0_vnni, vec_dot_vnni, legacy::Q8_0);
+legacy_dot!(vec_dot_q8_1_vnni, vec_dot_vnni, legacy::Q8_1);
 dot_wrapper!(vec_dot_q2_k, kquants::vec_dot_q2_k_q8_k, Q2_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q3_k, kquants::vec_dot_q3_k_q8_k, Q3_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q4_k, kquants::vec_dot_q4_k_q8_k, Q4_K_BYTES, Q8_K_BYTES);
