@@ -46,6 +46,7 @@ class Result:
     threads: int
     samples_ts: list[float] = field(default_factory=list)
     profile: dict[str, float] | None = None  # seconds per generated token, by kind of work
+    backend: str = "CPU"
 
     @property
     def avg_ts(self) -> float:
@@ -59,9 +60,12 @@ class Result:
 class NinferRunner:
     name = "ninfer"
 
-    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, cache_type_k: str, cache_type_v: str):
+    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, cache_type_k: str, cache_type_v: str,
+                 device: str = "cpu", n_gpu_layers: int = -1, gpu_mem_budget: str | None = None, log=None):
         self.llm = LLM(model, n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k,
-                       cache_type_v=cache_type_v)
+                       cache_type_v=cache_type_v, device=device, n_gpu_layers=n_gpu_layers,
+                       gpu_mem_budget=gpu_mem_budget, log=log)
+        self.backend = "CUDA" if self.llm.device == "cuda" else f"CPU {_core_isa()}"
         self.n_vocab = self.llm.n_vocab
         self.bos = self.llm.tokenizer.bos_id if self.llm.tokenizer.add_bos else None
 
@@ -92,6 +96,11 @@ class NinferRunner:
         p = dict(eng.profile())
         calls = max(1, int(p.pop("forward_calls")))
         per_tok = {k: v / calls for k, v in p.items()}
+        for k in ("matmul", "attention", "other", "sampling"):
+            per_tok.setdefault(k, 0.0)
+        if hasattr(eng, "layer_profile"):  # the CUDA backend times each layer with CUDA events
+            for i, secs in enumerate(eng.layer_profile()):
+                per_tok[f"layer{i}"] = secs / calls
         per_tok["python+glue"] = max(0.0, wall / n - sum(per_tok.values()))
         return wall, per_tok
 
@@ -150,6 +159,12 @@ class LlamaCppRunner:
         return dt, None
 
 
+def _core_isa() -> str:
+    from ninfer import _core
+
+    return _core.simd_isa()
+
+
 def parse_ints(values: list[str], flag: str) -> list[int]:
     """`-p 128,512 -p 1024` -> [128, 512, 1024], each >= 0."""
     out: list[int] = []
@@ -167,7 +182,8 @@ def parse_ints(values: list[str], flag: str) -> list[int]:
 
 def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[int], threads: list[int],
               reps: int, n_batch: int, cache_type_k: str, cache_type_v: str, vs_llama_cpp: bool, profile: bool,
-              seed: int = 1, log=None) -> list[Result]:
+              seed: int = 1, log=None, device: str = "cpu", n_gpu_layers: int = -1,
+              gpu_mem_budget: str | None = None) -> list[Result]:
     if reps < 1:
         raise InvalidArgumentError(f"-r/--repetitions must be >= 1, got {reps}")
     tests = [Test("pp", n, d) for d in depths for n in prompts if n > 0]
@@ -180,7 +196,8 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
     for th in threads:
         if th < 1:
             raise InvalidArgumentError(f"-t/--threads must be >= 1, got {th}")
-        runners: list[Any] = [NinferRunner(model, th, n_ctx, n_batch, cache_type_k, cache_type_v)]
+        runners: list[Any] = [NinferRunner(model, th, n_ctx, n_batch, cache_type_k, cache_type_v, device,
+                                           n_gpu_layers, gpu_mem_budget, log)]
         if vs_llama_cpp:
             runners.append(LlamaCppRunner(model, th, n_ctx, n_batch))
         rng = random.Random(seed)
@@ -212,6 +229,8 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
                     rows[r.name].samples_ts.append(test.n / dt)
             if profiles:
                 rows["ninfer"].profile = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}
+            for r in rows.values():
+                r.backend = runners[0].backend if r.engine == "ninfer" else "CPU"
             results.extend(rows.values())
             if log:
                 log("  ".join(f"{r.engine} {test.name} {r.avg_ts:.1f} t/s" for r in rows.values()))
@@ -236,7 +255,7 @@ def format_table(results: list[Result], info: dict[str, Any]) -> str:
     rows = []
     by_key = {(r.engine, r.test, r.threads): r for r in results}
     for r in results:
-        engine = f"{r.engine} (CPU {_core.simd_isa()})" if r.engine == "ninfer" else r.engine
+        engine = f"{r.engine} ({r.backend})" if r.engine == "ninfer" else r.engine
         row = [info["model_type"], f"{info['model_size'] / 2**20:.2f} MiB", f"{info['model_n_params'] / 1e6:.2f} M",
                engine, str(r.threads), r.test.name, f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}"]
         if ratios:
@@ -261,6 +280,11 @@ def format_profile(results: list[Result]) -> str:
         total = sum(r.profile[k] for k in kinds)
         cells = [f"{1e3 * r.profile[k]:.3f} ms ({100 * r.profile[k] / total:.1f}%)" for k in kinds]
         out.append(f"| {r.test.name} | {r.threads} | {1e3 * total:.3f} | " + " | ".join(cells) + " |")
+    for r in results:  # per-layer times (CUDA events), one line per test
+        layers = sorted((int(k[5:]), v) for k, v in (r.profile or {}).items() if k.startswith("layer"))
+        if layers:
+            out.append(f"per layer, {r.test.name} (ms/token; the last is the output head and glue): "
+                       + " ".join(f"{1e3 * v:.3f}" for _, v in layers))
     return "\n".join(out)
 
 
@@ -268,7 +292,7 @@ def to_json(results: list[Result], info: dict[str, Any]) -> list[dict[str, Any]]
     from ninfer import _core
 
     return [
-        {**info, "engine": r.engine, "backend": f"CPU {_core.simd_isa()}" if r.engine == "ninfer" else "CPU",
+        {**info, "engine": r.engine, "backend": r.backend,
          "n_threads": r.threads, "n_prompt": r.test.n if r.test.kind == "pp" else 0,
          "n_gen": r.test.n if r.test.kind == "tg" else 0, "n_depth": r.test.depth, "test": r.test.name,
          "avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ts": r.samples_ts,

@@ -32,6 +32,16 @@ def _add_engine_args(p: argparse.ArgumentParser, ctx_default: int) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
     p.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type (default f16)")
     p.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type (default f16)")
+    _add_device_args(p)
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="where layers run: cuda (needs CuPy and a GPU), cpu, or auto (cuda when available)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
+                   help="layers on the GPU, the rest on the CPU (default -1: all, or what --gpu-mem-budget allows)")
+    p.add_argument("--gpu-mem-budget", default=None, metavar="SIZE",
+                   help="GPU memory to plan for, e.g. 12GiB: picks --n-gpu-layers from weights, KV cache and buffers")
 
 
 def _load(args: argparse.Namespace):
@@ -44,6 +54,10 @@ def _load(args: argparse.Namespace):
         n_batch=args.batch_size,
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
+        device=args.device,
+        n_gpu_layers=args.n_gpu_layers,
+        gpu_mem_budget=args.gpu_mem_budget,
+        log=_log,
     )
 
 
@@ -54,7 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise NinferError("no prompt: pass -p PROMPT or pipe text on stdin")
         prompt = sys.stdin.read()
     llm = _load(args)
-    _log(f"ninfer: {llm.model_file.path.name} ({llm.architecture}), n_ctx={llm.n_ctx}, "
+    _log(f"ninfer: {llm.model_file.path.name} ({llm.architecture}), device={llm.device}, n_ctx={llm.n_ctx}, "
          f"threads={llm.config.resolved_threads}")
     messages = [{"role": "user", "content": prompt}] if args.chat else None
     kwargs = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
@@ -155,6 +169,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         vs_llama_cpp=args.vs_llama_cpp,
         profile=args.profile,
         log=None if args.json else _log,
+        device=args.device,
+        n_gpu_layers=args.n_gpu_layers,
+        gpu_mem_budget=args.gpu_mem_budget,
     )
     if args.json:
         print(json.dumps(bench.to_json(results, info), indent=2))
@@ -178,7 +195,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ninfer", description="Run GGUF language models on the CPU.")
+    parser = argparse.ArgumentParser(prog="ninfer", description="Run GGUF language models on the CPU or an NVIDIA GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate text (stdout: the generated text only)")
@@ -217,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
     b.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16")
     b.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16")
+    _add_device_args(b)
     b.add_argument("--json", action="store_true", help="print the results as JSON (llama-bench's -o json fields)")
     b.add_argument("--vs-llama-cpp", action="store_true",
                    help="also run llama.cpp (llama-cpp-python, `ninfer[bench]`) interleaved, and print ratios")
@@ -224,11 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time per generated token by kind of work: matmul, attention, other, sampling, Python")
     b.set_defaults(func=cmd_bench)
 
-    from ninfer.synth import SHAPES, TYPES
+    from ninfer.synth import MIXES, SHAPES, TYPES
 
     sy = sub.add_parser("synth", help="write a random-weight GGUF in a real model's shape (speed and parity tests)")
     sy.add_argument("--shape", required=True, choices=list(SHAPES), help="architecture shape")
-    sy.add_argument("--type", required=True, type=str.upper, choices=list(TYPES), help="type of every matrix")
+    sy.add_argument("--type", required=True, type=str.upper, choices=list(TYPES) + list(MIXES),
+                    help="type of every matrix, or Q4_K_M (llama-quantize's mixture: Q6_K output, attn_v, ffn_down)")
     sy.add_argument("-o", "--output", required=True, help="GGUF file to write (atomically)")
     sy.add_argument("--seed", type=int, default=0)
     sy.add_argument("--n-layer", type=int, default=None, help="fewer layers than the shape has (quick tests)")

@@ -34,3 +34,7 @@ class TokenizerError(NinferError, ValueError):
 
 class ChatTemplateError(NinferError, ValueError):
     """The model has no chat template, a message is malformed, or the template failed in the sandbox."""
+
+
+class BackendUnavailableError(NinferError, RuntimeError):
+    """The requested device cannot be used here (no CuPy, no GPU, not enough GPU memory)."""

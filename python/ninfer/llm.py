@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer import _core
+from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
 from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
@@ -87,7 +88,14 @@ class LLM:
         n_batch: int = 512,
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
+        device: str = "cpu",
+        n_gpu_layers: int = -1,
+        gpu_mem_budget: int | str | None = None,
+        log: Any = None,
     ):
+        """device: "cpu", "cuda" or "auto" (cuda when CuPy sees a GPU). On cuda, n_gpu_layers puts the first N
+        layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
+        `log` receives the memory plan printed at load."""
         if model is None:
             from ninfer.default_model import default_model_path
 
@@ -98,15 +106,28 @@ class LLM:
         self.model_file = ModelFile(model)
         spec = self.model_file.spec
         self.tokenizer = Tokenizer.from_metadata(self.model_file.metadata)
-        self._engine = _core.Engine(
-            self.model_file.gguf,
-            spec,
-            threads=self.config.resolved_threads,
-            n_ctx=self.config.n_ctx,
-            block_size=self.config.kv_block_size,
-            k_type=CACHE_TYPES[self.config.cache_type_k][0],
-            v_type=CACHE_TYPES[self.config.cache_type_v][0],
-        )
+        self.device = resolve_device(device)
+        if self.device == "cuda":
+            from ninfer.backends.budget import parse_size
+            from ninfer.backends.cuda_engine import CudaEngine
+
+            if (cache_type_k, cache_type_v) != ("f16", "f16"):
+                raise InvalidArgumentError("the CUDA backend keeps its KV cache in f16 (cache types f16/f16)")
+            budget = parse_size(gpu_mem_budget) if isinstance(gpu_mem_budget, str) else gpu_mem_budget
+            self._engine: Any = CudaEngine(
+                self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
+                n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
+            )
+        else:
+            self._engine = _core.Engine(
+                self.model_file.gguf,
+                spec,
+                threads=self.config.resolved_threads,
+                n_ctx=self.config.n_ctx,
+                block_size=self.config.kv_block_size,
+                k_type=CACHE_TYPES[self.config.cache_type_k][0],
+                v_type=CACHE_TYPES[self.config.cache_type_v][0],
+            )
         self._seq_tokens: list[int] = []  # what the KV cache holds for _SEQ, for prompt-prefix reuse
         self._chat_template: ChatTemplate | None = None
 

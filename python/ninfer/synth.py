@@ -118,6 +118,26 @@ def _byte_tokens() -> list[str]:
     return [table[b] for b in range(256)]
 
 
+# Mixtures named as llama-quantize names them: a base type, with some tensors raised (llama_tensor_get_type).
+MIXES = ("Q4_K_M",)
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_type(mix: str, name: str, n_layer: int, tied: bool) -> GGMLQuantizationType:
+    """The type llama-quantize gives tensor `name` in a Q4_K_M file: Q6_K for the output head (the token
+    embedding when it is tied to it) and, in the layers where use_more_bits holds, attn_v and ffn_down; Q4_K
+    elsewhere."""
+    assert mix == "Q4_K_M"
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return Q.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(int(name.split(".")[1]), n_layer):
+        return Q.Q6_K
+    return Q.Q4_K
+
+
 def tensor_type(ty: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
     block = GGML_QUANT_SIZES[ty][0]
     return ty if cols % block == 0 else _FALLBACK.get(ty, Q.Q8_0)
@@ -131,10 +151,14 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
         if shape not in SHAPES:
             raise InvalidArgumentError(f"unknown shape '{shape}' (one of {', '.join(SHAPES)})")
         shape = SHAPES[shape]
+    mix = None
     if isinstance(ty, str):
-        if ty.upper() not in TYPES:
-            raise InvalidArgumentError(f"unknown type '{ty}' (one of {', '.join(TYPES)})")
-        ty = TYPES[ty.upper()]
+        if ty.upper() in MIXES:
+            mix, ty = ty.upper(), Q.Q4_K
+        elif ty.upper() not in TYPES:
+            raise InvalidArgumentError(f"unknown type '{ty}' (one of {', '.join(list(TYPES) + list(MIXES))})")
+        else:
+            ty = TYPES[ty.upper()]
     layers = shape.n_layer if n_layer is None else n_layer
     if layers < 1:
         raise InvalidArgumentError(f"n_layer must be >= 1, got {layers}")
@@ -156,7 +180,11 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     out = Path(path)
     tmp = out.with_name(out.name + ".partial")
     w = GGUFWriter(str(tmp), "qwen2")
-    w.add_name(f"ninfer synthetic {shape.n_embd}x{layers} {ty.name}")
+    w.add_name(f"ninfer synthetic {shape.n_embd}x{layers} {mix or ty.name}")
+
+    def type_of(name: str, cols: int) -> GGMLQuantizationType:
+        return tensor_type(mix_type(mix, name, layers, shape.tied) if mix else ty, cols)
+
     w.add_block_count(layers)
     w.add_context_length(n_ctx)
     w.add_embedding_length(e)
@@ -175,7 +203,7 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     w.add_eos_token_id(shape.n_vocab - 1)
     w.add_add_bos_token(False)
     for name, rows, cols, kind in plan:
-        t = tensor_type(ty, cols) if kind == "w" else Q.F32
+        t = type_of(name, cols) if kind == "w" else Q.F32
         block, size = GGML_QUANT_SIZES[t]
         row_bytes = cols // block * size  # the writer takes byte shapes for raw types
         w.add_tensor_info(name, (rows, row_bytes) if rows > 1 else (row_bytes,), np.dtype(np.uint8), rows * row_bytes, t)
@@ -189,7 +217,7 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
             elif kind == "bias":
                 data = (0.1 * rng.standard_normal(cols, dtype=np.float32)).view(np.uint8)
             else:
-                data = random_blocks(tensor_type(ty, cols), rows, cols, cols ** -0.5, rng)
+                data = random_blocks(type_of(name, cols), rows, cols, cols ** -0.5, rng)
             w.write_tensor_data(data)
         w.close()
         os.replace(tmp, out)

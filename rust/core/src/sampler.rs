@@ -96,6 +96,11 @@ impl Sampler {
         Ok(Sampler { params, rng: Rng::new(params.seed), cand: Vec::new() })
     }
 
+    /// Temperature 0: `sample` returns the first maximum.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         if logits.is_empty() {
             return Err(Error::InvalidArgument("cannot sample from an empty logits vector".into()));

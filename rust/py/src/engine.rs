@@ -6,7 +6,7 @@ use ninfer_core::cpu::profile::Work;
 use ninfer_core::kv::{KvCache, KvConfig};
 use ninfer_core::model::{Activation, LayerSpec, Model, ModelSpec};
 use ninfer_core::quant::GgmlType;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::prelude::*;
@@ -174,6 +174,47 @@ impl PyEngine {
         let (model, kv, sampler) = (&self.model, &mut self.kv, &mut sampler.inner);
         py.detach(|| {
             let logits = model.forward(kv, &[SeqTokens { seq, tokens: &[token] }], &[0])?;
+            let mut laps = model.profile.laps();
+            let next = sampler.sample(&logits);
+            laps.lap(Work::Sampling);
+            next
+        })
+        .map_err(to_py)
+    }
+
+    /// `forward` for the layers of this engine when earlier layers ran elsewhere (the GPU backend's split):
+    /// `hidden` is the residual stream entering this engine's first layer, [len(tokens), n_embd].
+    fn forward_hidden<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq: u32,
+        hidden: PyReadonlyArray2<'py, f32>,
+        logit_rows: Vec<usize>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let n_vocab = self.model.spec.n_vocab;
+        let n = hidden.shape()[0];
+        let h: Vec<f32> = hidden.as_array().iter().copied().collect();
+        let tokens = vec![0u32; n];
+        let (model, kv) = (&self.model, &mut self.kv);
+        let logits = py
+            .detach(|| model.forward_hidden(kv, &[SeqTokens { seq, tokens: &tokens }], &h, &logit_rows))
+            .map_err(to_py)?;
+        let rows = logit_rows.len();
+        logits.into_pyarray(py).reshape([rows, n_vocab])
+    }
+
+    /// `step` from a hidden state (one row) instead of a token: the CPU half of a split decode step.
+    fn step_hidden(
+        &mut self,
+        py: Python<'_>,
+        seq: u32,
+        hidden: PyReadonlyArray2<'_, f32>,
+        sampler: &mut PySampler,
+    ) -> PyResult<u32> {
+        let h: Vec<f32> = hidden.as_array().iter().copied().collect();
+        let (model, kv, sampler) = (&self.model, &mut self.kv, &mut sampler.inner);
+        py.detach(|| {
+            let logits = model.forward_hidden(kv, &[SeqTokens { seq, tokens: &[0] }], &h, &[0])?;
             let mut laps = model.profile.laps();
             let next = sampler.sample(&logits);
             laps.lap(Work::Sampling);

@@ -20,6 +20,12 @@ impl PySampler {
         Ok(PySampler { inner })
     }
 
+    /// Whether this sampler takes the argmax (temperature 0), which the GPU backend computes on the device.
+    #[getter]
+    fn is_greedy(&self) -> bool {
+        self.inner.is_greedy()
+    }
+
     fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>) -> PyResult<u32> {
         self.inner.sample(logits.as_slice()?).map_err(to_py)
     }

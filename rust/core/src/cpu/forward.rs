@@ -54,6 +54,36 @@ impl Model {
     /// Returns logits [logit_rows.len(), n_vocab] for the requested rows of the flattened batch (row i is the
     /// i-th token in the order given). On error nothing is appended.
     pub fn forward(&self, kv: &mut KvCache, batch: &[SeqTokens], logit_rows: &[usize]) -> Result<Vec<f32>> {
+        self.forward_from(kv, batch, None, logit_rows)
+    }
+
+    /// `forward` for a model whose first layers ran elsewhere (the GPU): `hidden` holds the residual stream
+    /// entering this model's first layer, [total tokens, n_embd]; the tokens only give the batch its shape.
+    pub fn forward_hidden(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SeqTokens],
+        hidden: &[f32],
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        let n: usize = batch.iter().map(|b| b.tokens.len()).sum();
+        if hidden.len() != n * self.spec.n_embd {
+            return Err(Error::InvalidArgument(format!(
+                "hidden state of {} floats for {n} tokens of width {}",
+                hidden.len(),
+                self.spec.n_embd
+            )));
+        }
+        self.forward_from(kv, batch, Some(hidden), logit_rows)
+    }
+
+    fn forward_from(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SeqTokens],
+        hidden: Option<&[f32]>,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
         let spec = &self.spec;
         let n: usize = batch.iter().map(|b| b.tokens.len()).sum();
         if n == 0 {
@@ -89,10 +119,17 @@ impl Model {
         }
         let tokens: Vec<u32> = batch.iter().flat_map(|b| b.tokens.iter().copied()).collect();
         self.profile.count_forward();
-        self.pool.install(|| self.run_layers(kv, &tokens, &rows, logit_rows))
+        self.pool.install(|| self.run_layers(kv, &tokens, hidden, &rows, logit_rows))
     }
 
-    fn run_layers(&self, kv: &mut KvCache, tokens: &[u32], rows: &[(SeqId, usize)], logit_rows: &[usize]) -> Result<Vec<f32>> {
+    fn run_layers(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        hidden: Option<&[f32]>,
+        rows: &[(SeqId, usize)],
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
         let spec = &self.spec;
         let w = &self.weights;
         let n = tokens.len();
@@ -105,10 +142,15 @@ impl Model {
         let mut laps = self.profile.laps();
         // x: [n, n_embd], the residual stream.
         let mut x = vec![0.0f32; n * e];
-        for (t, row) in x.chunks_exact_mut(e).enumerate() {
-            w.token_embd.dequantize_row(tokens[t] as usize, row)?;
-            if spec.embd_scale != 1.0 {
-                row.iter_mut().for_each(|v| *v *= spec.embd_scale);
+        match hidden {
+            Some(h) => x.copy_from_slice(h),
+            None => {
+                for (t, row) in x.chunks_exact_mut(e).enumerate() {
+                    w.token_embd.dequantize_row(tokens[t] as usize, row)?;
+                    if spec.embd_scale != 1.0 {
+                        row.iter_mut().for_each(|v| *v *= spec.embd_scale);
+                    }
+                }
             }
         }
         trace("embd", 0, &x);

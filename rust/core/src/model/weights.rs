@@ -143,8 +143,11 @@ impl Weights {
         let v_dim = spec.n_head_kv * spec.head_dim_v;
         let token_embd = ld.matrix(&spec.token_embd, e, Some(spec.n_vocab))?;
         let output = ld.matrix(&spec.output, e, Some(spec.n_vocab))?;
-        let first_gate = spec.layers.first().ok_or_else(|| Error::BadModel("model has no layers".into()))?;
-        let n_ff = ld.matrix(&first_gate.w_gate, e, None)?.n_rows;
+        // No layers is allowed: the CPU half of a split model can hold just the output head.
+        let n_ff = match spec.layers.first() {
+            Some(l) => ld.matrix(&l.w_gate, e, None)?.n_rows,
+            None => 0,
+        };
         let mut layers = Vec::with_capacity(spec.layers.len());
         for l in &spec.layers {
             layers.push(LayerWeights {

@@ -1,0 +1,583 @@
+"""The CUDA backend: a model's first `n_gpu_layers` layers (and the output head when everything fits) on an NVIDIA
+GPU, the rest on the Rust CPU engine, with only activations crossing between them.
+
+- Weights are uploaded tensor by tensor from the memory map (layouts.to_gpu pads the blocks for aligned loads).
+- The KV cache is paged like the CPU's: f16 pools [page][kv_head][PAGE][head_dim] per layer, a page table per
+  sequence in device memory.
+- Decode (`step`) replays a CUDA graph of the whole token: fused norm+quantize, GEMVs reading quantized blocks,
+  RoPE + KV write, TinyFlash attention, and either the argmax (greedy: only the token id comes back, through
+  mapped pinned memory) or the logits written straight into mapped pinned host memory for the Rust sampler.
+  The token's embedding row and position enter through pinned memory copied by the graph's first node.
+- Prompts (`forward`, `prefill`) run a batch per layer: weights dequantized to f16 and multiplied by cuBLAS
+  with f32 accumulation, activations quantized and dequantized exactly as the CPU quantizes them.
+- With profiling on, a step runs the same launches one by one between CUDA events, per layer and per kind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+
+from ninfer import _core
+from ninfer.backends import budget as budget_mod
+from ninfer.backends import cuda_ops as K
+from ninfer.backends.layouts import LAYOUTS, QUANTIZED_ACTS, gpu_row_bytes, to_gpu
+from ninfer.errors import ContextOverflowError, InvalidArgumentError
+
+_CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
+_H2D, _D2H = 1, 2
+
+
+class _Pinned:
+    """Mapped pinned host memory: a numpy view for the host, a device pointer the GPU reads and writes directly."""
+
+    def __init__(self, dtype: Any, n: int):
+        import cupy as cp
+
+        self.nbytes = np.dtype(dtype).itemsize * n
+        self.host_ptr = cp.cuda.runtime.hostAlloc(self.nbytes, 2)  # cudaHostAllocMapped
+        self.dev_ptr = cp.cuda.runtime.hostGetDevicePointer(self.host_ptr, 0)
+        buf = (ctypes.c_byte * self.nbytes).from_address(self.host_ptr)
+        self.array = np.frombuffer(buf, dtype=dtype, count=n)
+
+    def free(self) -> None:
+        import cupy as cp
+
+        if self.host_ptr:
+            self.array = None
+            cp.cuda.runtime.freeHost(self.host_ptr)
+            self.host_ptr = 0
+
+
+class _Matrix:
+    def __init__(self, entry: Any, raw: np.ndarray):
+        self.name, self.type = entry.name, entry.type_id
+        self.cols, self.rows = entry.dims[0], (entry.dims[1] if len(entry.dims) > 1 else 1)
+        self.data = to_gpu(raw, self.type, self.rows, self.cols, self.name)
+        self.ptr = self.data.data.ptr
+        self.row_bytes = gpu_row_bytes(self.type, self.cols)
+        self.act = LAYOUTS[self.type].act
+
+
+class CudaEngine:
+    def __init__(self, model_file: Any, *, n_ctx: int, threads: int, n_batch: int = 512, n_gpu_layers: int = -1,
+                 gpu_mem_budget: int | None = None, page_size: int = 256, n_seq_max: int = 1,
+                 log: Callable[[str], None] | None = None):
+        import cupy as cp
+
+        self.cp = cp
+        self.mf, self.spec = model_file, model_file.spec
+        s = self.spec
+        if s["head_dim"] != s["head_dim_v"] or s["head_dim"] not in (64, 128, 256):
+            raise InvalidArgumentError(f"the CUDA attention kernel needs head_dim == head_dim_v in (64, 128, 256); "
+                                       f"this model has {s['head_dim']} / {s['head_dim_v']}")
+        if s["n_head"] % s["n_head_kv"] or s["n_head"] // s["n_head_kv"] > K.MAX_GROUP:
+            raise InvalidArgumentError(f"the CUDA attention kernel serves up to {K.MAX_GROUP} query heads per KV "
+                                       f"head; this model has {s['n_head']} / {s['n_head_kv']}")
+        self.n_ctx, self.n_batch, self.page_size, self.n_seq_max = n_ctx, n_batch, page_size, n_seq_max
+        self.tensors = {t.name: t for t in model_file.tensors}
+        self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, n_gpu_layers, gpu_mem_budget)
+        if log:
+            log(self.plan.table(n_ctx, threads))
+        self.n_gpu = self.plan.n_gpu_layers
+        self.L = len(s["layers"])
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._map = np.memmap(model_file.path, dtype=np.uint8, mode="r")
+        with self.stream:
+            self._upload()
+            self._alloc()
+        self.stream.synchronize()
+        # The CPU engine runs the layers past n_gpu and, unless it is on the GPU, the output head.
+        self.tail = None
+        if not self.plan.head_on_gpu:
+            tail_spec = dict(s, layers=s["layers"][self.n_gpu:])
+            self.tail = _core.Engine(model_file.gguf, tail_spec, threads=threads, n_ctx=n_ctx, n_seq_max=n_seq_max,
+                                     block_size=page_size)
+        self.seq_len_: dict[int, int] = {}
+        self.pages: dict[int, list[int]] = {}
+        self.free_pages = list(range(self.n_pages - 1, -1, -1))
+        self.graphs: dict[tuple[int, bool], Any] = {}
+        self.profiling = False
+        self.prof: dict[str, float] = defaultdict(float)
+        self.prof_layers = np.zeros(self.n_gpu + 1)
+        self.forward_calls = 0
+        # Greedy steps take the argmax on the GPU; NINFER_CUDA_SAMPLING=host sends the logits to the CPU sampler
+        # instead (through mapped pinned memory), to measure one against the other.
+        self.host_sampling = os.environ.get("NINFER_CUDA_SAMPLING") == "host"
+
+    # ---- loading ---------------------------------------------------------------------------------------------
+    def _raw(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        return self._map[t.offset : t.offset + t.n_bytes]
+
+    def _vec(self, name: str | None):
+        if not name:
+            return None
+        t = self.tensors[name]
+        v = _core.dequantize(t.type_id, bytes(self._raw(name)), t.n_elements)
+        return self.cp.asarray(v.astype(np.float32))
+
+    def _upload(self) -> None:
+        s = self.spec
+        self.layers = []
+        for ls in s["layers"][: self.n_gpu]:
+            lw = {k: _Matrix(self.tensors[ls[k]], self._raw(ls[k])) for k in
+                  ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+            for k in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm",
+                      "post_ffn_norm"):
+                lw[k] = self._vec(ls.get(k))
+            lw["ptr"] = {k: (lw[k].data.ptr if lw[k] is not None else 0) for k in
+                         ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm",
+                          "post_ffn_norm")}
+            self.layers.append(lw)
+        self.output = self.output_norm = None
+        if self.plan.head_on_gpu:
+            self.output = _Matrix(self.tensors[s["output"]], self._raw(s["output"]))
+            self.output_norm = self._vec(s["output_norm"])
+        te = self.tensors[s["token_embd"]]
+        self.embd_type, self.embd_row_bytes = te.type_id, te.n_bytes // te.dims[1]
+        # RoPE's per-pair factor, computed as the CPU computes it (f32 powf on the host).
+        self.theta_scale = [float(np.float32(ls["rope_base"]) ** (np.float32(-2.0) / np.float32(s["rope_dims"])))
+                            for ls in s["layers"]]
+
+    def _alloc(self) -> None:
+        cp, s = self.cp, self.spec
+        e, T = s["n_embd"], self.n_batch
+        self.n_ff = self.tensors[s["layers"][0]["w_gate"]].dims[1]
+        self.qkv_dim = (s["n_head"] + 2 * s["n_head_kv"]) * s["head_dim"]
+        self.att_dim = s["n_head"] * s["head_dim_v"]
+        width = max(e, self.n_ff, self.att_dim)
+        f32 = cp.float32
+        self.x = cp.zeros((T, e), f32)
+        self.o = cp.zeros((T, e), f32)
+        self.qkv = cp.zeros((T, self.qkv_dim), f32)
+        self.q_rot = cp.zeros((T, s["n_head"] * s["head_dim"]), f32)
+        self.att = cp.zeros((T, self.att_dim), f32)
+        self.gu = cp.zeros((T, 2 * self.n_ff), f32)
+        self.act = cp.zeros((T, self.n_ff), f32)
+        self.aq = cp.zeros(T * width, cp.int8)
+        self.ad = cp.zeros(T * width // 32, f32)
+        self.as_ = cp.zeros(2 * T * width // 32, f32)
+        self.ah = cp.zeros(T * width, cp.uint16)
+        self.af = cp.zeros(T * width, f32)
+        biggest = max(m.rows * m.cols for lw in self.layers for m in lw.values() if isinstance(m, _Matrix)) \
+            if self.layers else 0
+        self.w16 = cp.zeros(max(biggest, 1 << 20), cp.uint16)
+        self.pos = cp.zeros(T, cp.int32)
+        self.row_seq = cp.zeros(T, cp.int32)  # every row reads the one page table it is given
+        self.logits_dev = cp.zeros((4, s["n_vocab"]), f32)
+        self.best = cp.zeros(1, cp.uint64)
+        self.n_pages = -(-self.n_ctx // self.page_size) * self.n_seq_max
+        self.max_pages = -(-self.n_ctx // self.page_size)
+        self.tables = cp.zeros((self.n_seq_max, self.max_pages), cp.int32)
+        kv_shape = (self.n_pages, s["n_head_kv"], self.page_size, s["head_dim"])
+        self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
+        self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
+        n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.n_split = max(1, min(-(-self.n_ctx // 256), (2 * n_sm) // s["n_head_kv"]))
+        self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
+        self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
+        self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)
+        # Step inputs and outputs in mapped pinned memory.
+        self.in_x = _Pinned(np.float32, e)
+        self.in_pos = _Pinned(np.int32, 1)
+        self.out_token = _Pinned(np.int32, 1)
+        self.out_logits = _Pinned(np.float32, s["n_vocab"])
+        self.out_x = _Pinned(np.float32, e)
+        self._keep: list[Any] = []
+        self._op_lists: dict[tuple[int, bool], list[Any]] = {}
+
+    def close(self) -> None:
+        for p in ("in_x", "in_pos", "out_token", "out_logits", "out_x"):
+            if getattr(self, p, None) is not None:
+                getattr(self, p).free()
+                setattr(self, p, None)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- the engine protocol -----------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return int(self.spec["n_vocab"])
+
+    def seq_len(self, seq: int) -> int:
+        return self.seq_len_.get(seq, 0)
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise InvalidArgumentError(f"sequence id {seq} is out of range (n_seq_max = {self.n_seq_max})")
+
+    def truncate(self, seq: int, n: int) -> None:
+        cur = self.seq_len(seq)
+        if n >= cur:
+            return
+        keep = -(-n // self.page_size)
+        pages = self.pages.get(seq, [])
+        self.free_pages.extend(reversed(pages[keep:]))
+        self.pages[seq] = pages[:keep]
+        self.seq_len_[seq] = n
+        if self.tail is not None:
+            self.tail.truncate(seq, n)
+
+    def remove(self, seq: int) -> None:
+        self.truncate(seq, 0)
+        self.seq_len_.pop(seq, None)
+        if self.tail is not None:
+            self.tail.remove(seq)
+
+    def kv_usage(self) -> tuple[int, int]:
+        used = sum(len(p) for p in self.pages.values())
+        return used, sum(p.nbytes for p in self.k_pools + self.v_pools)
+
+    def _reserve(self, seq: int, n_new: int) -> int:
+        """Pages for n_new more positions; returns the start position. Raises before changing anything."""
+        self._check_seq(seq)
+        start = self.seq_len(seq)
+        end = start + n_new
+        if end > self.n_ctx:
+            raise ContextOverflowError(f"sequence {seq} would hold {end} tokens, but the context holds {self.n_ctx}")
+        pages = self.pages.setdefault(seq, [])
+        need = -(-end // self.page_size) - len(pages)
+        if need > len(self.free_pages):
+            raise ContextOverflowError(f"the KV cache has no free pages for {n_new} more tokens of sequence {seq}")
+        for _ in range(need):
+            page = self.free_pages.pop()
+            with self.stream:  # ordered before the launches that read the table
+                self.tables[seq, len(pages)] = page
+            pages.append(page)
+        return start
+
+    def _embed_host(self, tokens: list[int]) -> np.ndarray:
+        s = self.spec
+        e = s["n_embd"]
+        out = np.empty((len(tokens), e), np.float32)
+        for i, t in enumerate(tokens):
+            if not 0 <= t < s["n_vocab"]:
+                raise InvalidArgumentError(f"token id {t} is out of range for a vocabulary of {s['n_vocab']}")
+            a = self.tensors[s["token_embd"]].offset + t * self.embd_row_bytes
+            out[i] = _core.dequantize(self.embd_type, bytes(self._map[a : a + self.embd_row_bytes]), e)
+        if s["embd_scale"] != 1.0:
+            out *= np.float32(s["embd_scale"])
+        return out
+
+    def forward(self, batch: list[tuple[int, list[int]]], logit_rows: list[int]) -> np.ndarray:
+        n = sum(len(t) for _, t in batch)
+        if n == 0:
+            raise InvalidArgumentError("forward called with no tokens")
+        bad = [r for r in logit_rows if not 0 <= r < n]
+        if bad:
+            raise InvalidArgumentError(f"logits requested for row {bad[0]} of a {n}-token batch")
+        out = np.zeros((len(logit_rows), self.n_vocab), np.float32)
+        base = 0
+        for seq, tokens in batch:
+            want = [(i, r - base) for i, r in enumerate(logit_rows) if base <= r < base + len(tokens)]
+            for c0 in range(0, len(tokens), self.n_batch):
+                chunk = list(tokens[c0 : c0 + self.n_batch])
+                sub = [(i, r - c0) for i, r in want if c0 <= r < c0 + len(chunk)]
+                logits = self._forward_seq(seq, chunk, [r for _, r in sub])
+                for k, (i, _) in enumerate(sub):
+                    out[i] = logits[k]
+            base += len(tokens)
+        self.forward_calls += 1
+        return out
+
+    def prefill(self, seq: int, tokens: list[int], n_batch: int) -> np.ndarray:
+        if not tokens or n_batch <= 0:
+            raise InvalidArgumentError("prefill needs at least one token and n_batch >= 1")
+        start = self.seq_len(seq)
+        if start + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(f"the prompt needs {start + len(tokens)} positions, the context holds "
+                                       f"{self.n_ctx}")
+        step = min(n_batch, self.n_batch)
+        try:
+            for c0 in range(0, len(tokens), step):
+                chunk = list(tokens[c0 : c0 + step])
+                final = c0 + step >= len(tokens)
+                logits = self._forward_seq(seq, chunk, [len(chunk) - 1] if final else [])
+        except Exception:
+            self.truncate(seq, start)
+            raise
+        return logits[0]
+
+    def step(self, seq: int, token: int, sampler: Any) -> int:
+        greedy = bool(sampler.is_greedy) and not self.host_sampling and self.plan.head_on_gpu
+        start = self._reserve(seq, 1)
+        try:
+            self.in_x.array[:] = self._embed_host([token])[0]
+            self.in_pos.array[0] = start
+            if self.profiling:
+                self._run_profiled(self._ops(seq, greedy))
+            else:
+                key = (seq, greedy)
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(seq, greedy)
+                self.graphs[key].launch(self.stream)
+                self.stream.synchronize()
+            self.seq_len_[seq] = start + 1
+            self.forward_calls += 1
+            if self.tail is not None:
+                return int(self.tail.step_hidden(seq, self.out_x.array.reshape(1, -1), sampler))
+            if greedy:
+                return int(self.out_token.array[0])
+            return int(sampler.sample(self.out_logits.array))
+        except Exception:
+            self.truncate(seq, start)
+            raise
+
+    # ---- profiling ---------------------------------------------------------------------------------------
+    def set_profiling(self, on: bool) -> None:
+        self.profiling = bool(on)
+
+    def reset_profile(self) -> None:
+        self.prof = defaultdict(float)
+        self.prof_layers = np.zeros(self.n_gpu + 1)
+        self.forward_calls = 0
+        if self.tail is not None:
+            self.tail.reset_profile()
+
+    def profile(self) -> dict[str, float]:
+        out = dict(self.prof)
+        out["forward_calls"] = self.forward_calls
+        return out
+
+    def layer_profile(self) -> list[float]:
+        """Seconds per GPU layer (the last entry: the output head and glue), summed over profiled steps."""
+        return list(self.prof_layers)
+
+    def _run_profiled(self, ops: list[tuple[str, int, Callable[[], None]]]) -> None:
+        cp = self.cp
+        with self.stream:
+            events = [cp.cuda.Event()]
+            events[0].record()
+            for _, _, fn in ops:
+                fn()
+                ev = cp.cuda.Event()
+                ev.record()
+                events.append(ev)
+        events[-1].synchronize()
+        for (kind, layer, _), a, b in zip(ops, events, events[1:]):
+            dt = cp.cuda.get_elapsed_time(a, b) / 1e3
+            self.prof[kind] += dt
+            self.prof_layers[layer if layer >= 0 else self.n_gpu] += dt
+
+    # ---- decode: the captured token step -----------------------------------------------------------------
+    def _capture(self, seq: int, greedy: bool):
+        ops = self._ops(seq, greedy)
+        with self.stream:
+            for _, _, fn in ops:  # run once uncaptured: compiles and loads every kernel first
+                fn()
+        self.stream.synchronize()
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                for _, _, fn in ops:
+                    fn()
+            finally:
+                graph = self.stream.end_capture()
+        return graph
+
+    def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
+                    glu_act: int = 0, best: int = 0, keep: list[Any] | None = None) -> list[Callable[[], None]]:
+        """Launches for one activation vector x (f32, device) times matrices that read it: quantize once per
+        activation kind, then one GEMV launch per kind. The descriptor arrays are appended to `keep` (they must
+        live as long as a graph that launches them)."""
+        s = self.spec
+        ops = []
+        n = mats[0].cols
+        kinds = sorted({m.act for m in mats})
+        if mode == K.MODE_GLU and len(kinds) > 1:
+            raise AssertionError("GLU fusion needs gate and up of one activation kind")
+        for kind in kinds:
+            group = [(m, o) for m, o in zip(mats, outs) if m.act == kind]
+            descs = K.mat_descs([(m.ptr, 0, o, m.row_bytes, m.type, m.rows) for m, o in group])
+            (self._keep if keep is None else keep).append(descs)
+            total = group[0][0].rows if mode == K.MODE_GLU else sum(m.rows for m, _ in group)
+            quant = kind in QUANTIZED_ACTS
+            aq = self.aq.data.ptr if quant else self.af.data.ptr
+            ops.append(lambda kind=kind, aq=aq, quant=quant: K.norm_quant(
+                1, x, norm, s["rms_eps"], n, kind, out_q=aq if quant else 0, out_d=self.ad.data.ptr,
+                out_s=self.as_.data.ptr, out_f=0 if quant else aq))
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, aq=aq: K.gemv(
+                kind, descs, len(g), total, n, aq, self.ad.data.ptr, self.as_.data.ptr, mode, glu_act, best))
+        return ops
+
+    def _ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
+        key = (seq, greedy)
+        if key not in self._op_lists:
+            self._op_lists[key] = self._decode_ops(seq, greedy)
+        return self._op_lists[key]
+
+    def _decode_ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
+        cp, s = self.cp, self.spec
+        e = s["n_embd"]
+        x = self.x.data.ptr
+        ops: list[tuple[str, int, Callable[[], None]]] = []
+
+        def add(kind: str, layer: int, fns: list[Callable[[], None]]) -> None:
+            ops.extend((kind, layer, f) for f in fns)
+
+        stream_ptr = self.stream.ptr
+        add("other", -1, [
+            lambda: cp.cuda.runtime.memcpyAsync(x, self.in_x.host_ptr, 4 * e, _H2D, stream_ptr),
+            lambda: cp.cuda.runtime.memcpyAsync(self.pos.data.ptr, self.in_pos.host_ptr, 4, _H2D, stream_ptr)])
+        table = self.tables.data.ptr + 4 * self.max_pages * seq
+        glu_act = 0 if s["activation"] == "silu" else 1
+        for il, lw in enumerate(self.layers):
+            ls = s["layers"][il]
+            qkv = self.qkv.data.ptr
+            q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
+            add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]],
+                                               [qkv, qkv + 4 * q_dim, qkv + 4 * (q_dim + k_dim)],
+                                               x, lw["ptr"]["attn_norm"], K.MODE_STORE))
+            add("other", il, [lambda il=il, lw=lw, ls=ls: K.rope_kv(
+                1, self.qkv.data.ptr, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
+                self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr, table, self.page_size,
+                self.theta_scale[il])])
+            add("attention", il, [lambda il=il, ls=ls: K.attention(
+                1, self.n_split, s, self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
+                table, self.max_pages, self.row_seq.data.ptr, self.pos.data.ptr,
+                ls.get("sliding_window") or 0, self.page_size, self.part_ml.data.ptr, self.part_acc.data.ptr,
+                self.tickets.data.ptr, self.att.data.ptr)])
+            post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
+            o = self.o.data.ptr
+            add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], self.att.data.ptr, 0,
+                                               K.MODE_STORE if post_a else K.MODE_ADD))
+            if post_a:
+                add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
+            act = self.act.data.ptr
+            if lw["w_gate"].act == lw["w_up"].act:
+                add("matmul", il, self._matmul_vec([lw["w_gate"], lw["w_up"]], [act, act], x,
+                                                   lw["ptr"]["ffn_norm"], K.MODE_GLU, glu_act))
+            else:
+                gu = self.gu.data.ptr
+                add("matmul", il, self._matmul_vec([lw["w_gate"], lw["w_up"]], [gu, gu + 4 * self.n_ff], x,
+                                                   lw["ptr"]["ffn_norm"], K.MODE_STORE))
+                add("other", il, [lambda: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
+            add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
+                                               K.MODE_STORE if post_f else K.MODE_ADD))
+            if post_f:
+                add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
+        if not self.plan.head_on_gpu:
+            add("other", -1, [lambda: cp.cuda.runtime.memcpyAsync(self.out_x.host_ptr, x, 4 * e, _D2H, stream_ptr)])
+            return ops
+        best = self.best.data.ptr
+        if greedy:
+            add("other", -1, [lambda: K.argmax_reset(best)])
+            add("matmul", -1, self._matmul_vec([self.output], [self.logits_dev.data.ptr], x,
+                                               self.output_norm.data.ptr, K.MODE_ARGMAX, best=best))
+            add("other", -1, [lambda: K.argmax_finish(best, self.out_token.dev_ptr)])
+        else:
+            add("matmul", -1, self._matmul_vec([self.output], [self.out_logits.dev_ptr], x,
+                                               self.output_norm.data.ptr, K.MODE_STORE))
+        return ops
+
+    # ---- prompts: batched layers on cuBLAS -------------------------------------------------------------
+    def _gemm(self, m: _Matrix, x16: int, T: int, out: int, ldc: int, beta: float) -> None:
+        """out[T, m.rows] (row stride ldc, f32) = x16[T, cols] @ W^T (+ beta * out), W dequantized to f16 in
+        slices of rows that fit the scratch buffer."""
+        from cupy.cuda import cublas
+
+        handle = self.cp.cuda.device.get_cublas_handle()
+        alpha = np.array([1.0], np.float32)
+        b = np.array([beta], np.float32)
+        rows_per = max(1, min(m.rows, self.w16.size // m.cols))
+        for r0 in range(0, m.rows, rows_per):
+            n = min(rows_per, m.rows - r0)
+            K.dequant_f16(m.type, m.ptr + r0 * m.row_bytes, m.row_bytes, n, m.cols, self.w16.data.ptr)
+            cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, T, m.cols, alpha.ctypes.data, self.w16.data.ptr,
+                          _R_16F, m.cols, x16, _R_16F, m.cols, b.ctypes.data, out + 4 * r0, _R_32F, ldc,
+                          _COMPUTE_32F, _GEMM_DEFAULT)
+
+    def _act16(self, T: int, x: int, norm: int, n: int, kind: int) -> int:
+        """The activation rows as the CPU would quantize them, dequantized to f16 for the GEMM."""
+        K.norm_quant(T, x, norm, self.spec["rms_eps"], n, kind, out_h=self.ah.data.ptr)
+        return self.ah.data.ptr
+
+    def _matmul_rows(self, T: int, mats: list[_Matrix], outs: list[int], ldc: int, x: int, norm: int,
+                     beta: float) -> None:
+        done: dict[int, int] = {}
+        for m, o in zip(mats, outs):
+            if m.act not in done:
+                done.clear()  # one f16 activation buffer: re-quantize when the kind changes
+                done[m.act] = self._act16(T, x, norm, m.cols, m.act)
+            self._gemm(m, done[m.act], T, o, ldc, beta)
+
+    def _forward_seq(self, seq: int, tokens: list[int], rows: list[int]) -> np.ndarray:
+        T = len(tokens)
+        xs = self._embed_host(tokens)
+        start = self._reserve(seq, T)
+        try:
+            with self.stream:
+                self.x[:T].set(xs)
+                self.pos[:T].set(np.arange(start, start + T, dtype=np.int32))
+                for il in range(self.n_gpu):
+                    self._layer_rows(il, T, seq)
+                if self.tail is not None:
+                    hidden = self.x[:T].get()
+            if self.tail is not None:
+                self.stream.synchronize()
+                logits = self.tail.forward_hidden(seq, hidden, list(rows))
+            else:
+                with self.stream:
+                    logits = self._head_rows(T, rows)
+        except Exception:
+            self.truncate(seq, start)
+            raise
+        self.seq_len_[seq] = start + T
+        return logits
+
+    def _layer_rows(self, il: int, T: int, seq: int) -> None:
+        s, lw, ls = self.spec, self.layers[il], self.spec["layers"][il]
+        e, hd = s["n_embd"], s["head_dim"]
+        q_dim, k_dim = s["n_head"] * hd, s["n_head_kv"] * hd
+        x, qkv, o = self.x.data.ptr, self.qkv.data.ptr, self.o.data.ptr
+        self._matmul_rows(T, [lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim, qkv + 4 * (q_dim + k_dim)],
+                          self.qkv_dim, x, lw["ptr"]["attn_norm"], 0.0)
+        K.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
+                  self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
+                  self.tables.data.ptr + 4 * self.max_pages * seq, self.page_size,
+                  self.theta_scale[il])
+        K.attention(T, 1, s, self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
+                    self.tables.data.ptr + 4 * self.max_pages * seq, self.max_pages, self.row_seq.data.ptr, self.pos.data.ptr,
+                    ls.get("sliding_window") or 0, self.page_size, 0, 0, self.tickets.data.ptr, self.att.data.ptr)
+        post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
+        self._matmul_rows(T, [lw["wo"]], [o if post_a else x], e, self.att.data.ptr, 0, 0.0 if post_a else 1.0)
+        if post_a:
+            K.rms_norm_rows(T, o, post_a, s["rms_eps"], e, x, True)
+        gu, act, nff = self.gu.data.ptr, self.act.data.ptr, self.n_ff
+        self._matmul_rows(T, [lw["w_gate"], lw["w_up"]], [gu, gu + 4 * nff], 2 * nff, x, lw["ptr"]["ffn_norm"], 0.0)
+        K.glu_rows(gu, nff, T, 0 if s["activation"] == "silu" else 1, act)
+        self._matmul_rows(T, [lw["w_down"]], [o if post_f else x], e, act, 0, 0.0 if post_f else 1.0)
+        if post_f:
+            K.rms_norm_rows(T, o, post_f, s["rms_eps"], e, x, True)
+
+    def _head_rows(self, T: int, rows: list[int]) -> np.ndarray:
+        cp, s = self.cp, self.spec
+        m = len(rows)
+        out = np.zeros((m, self.n_vocab), np.float32)
+        if m == 0:
+            return out
+        e = s["n_embd"]
+        idx = cp.asarray(np.array(rows, np.int32))
+        sel = cp.empty((m, e), cp.float32)
+        K.gather_rows(self.x.data.ptr, idx.data.ptr, m, e, sel.data.ptr)
+        norm = self.output_norm.data.ptr
+        if m <= 4:  # a few rows: the decode GEMV, one row at a time
+            keep: list[Any] = []
+            for i in range(m):
+                for fn in self._matmul_vec([self.output], [self.logits_dev.data.ptr], sel.data.ptr + 4 * e * i,
+                                           norm, K.MODE_STORE, keep=keep):
+                    fn()
+                out[i] = self.logits_dev[0].get()
+            return out
+        logits = cp.empty((m, self.n_vocab), cp.float32)
+        self._matmul_rows(m, [self.output], [logits.data.ptr], self.n_vocab, sel.data.ptr, norm, 0.0)
+        return logits.get()

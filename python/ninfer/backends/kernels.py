@@ -1,0 +1,47 @@
+"""The CUDA kernel registry: kernels/*.cu compiled once per process by CuPy (NVRTC) for the device's
+architecture, as one module (every file sees common.cuh and quant.cuh, prepended here). CuPy caches the binary
+on disk keyed by the source text, options and architecture, so a second process starts without compiling.
+
+The sources live in python/ninfer/kernels/ (kernels/ at the top of the repository points there), so the wheel
+ships them as package data; NINFER_KERNELS_DIR overrides (for trying a kernel edit against an installed package)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+HEADERS = ("common.cuh", "quant.cuh")
+SOURCES = ("gemv.cu", "norm.cu", "rope_kv.cu", "attention.cu", "misc.cu")
+
+
+def kernels_dir() -> Path:
+    env = os.environ.get("NINFER_KERNELS_DIR")
+    here = Path(__file__).resolve().parent
+    candidates = ([Path(env)] if env else []) + [here.parent / "kernels"]
+    for c in candidates:
+        if (c / "common.cuh").is_file():
+            return c
+    raise FileNotFoundError("CUDA kernel sources not found (looked in " + ", ".join(map(str, candidates)) + ")")
+
+
+def source_of(*files: str) -> str:
+    """Headers + the given .cu files (all of them when none given) as one translation unit."""
+    d = kernels_dir()
+    parts = []
+    for name in HEADERS + (files or SOURCES):
+        text = (d / name).read_text()
+        parts.append(f"// ---- {name}\n" + text.replace("#pragma once", ""))
+    return "\n".join(parts)
+
+
+@lru_cache(maxsize=None)
+def module():
+    import cupy
+
+    return cupy.RawModule(code=source_of(), options=("-std=c++17",))
+
+
+@lru_cache(maxsize=None)
+def function(name: str):
+    return module().get_function(name)

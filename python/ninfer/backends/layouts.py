@@ -1,0 +1,80 @@
+"""Weight block layouts on the GPU: GGML's blocks with padding inserted so every int-loaded field is 4-byte
+aligned (kernels/quant.cuh reads these offsets), and the activation kind each weight type multiplies with (the
+CPU backend's act_type, so the GPU's integer dot products see the CPU's activation quants)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Activation kinds (kernels/common.cuh ACT_*).
+ACT_F32, ACT_F16, ACT_BF16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = range(6)
+
+
+@dataclass(frozen=True)
+class Layout:
+    block_elems: int  # elements per GGML block
+    raw_bytes: int  # bytes per block in the file
+    gpu_bytes: int  # bytes per block on the GPU
+    moves: tuple[tuple[int, int, int], ...]  # (file offset, GPU offset, length) of each span
+    act: int
+
+
+def _same(elems: int, size: int, act: int) -> Layout:
+    return Layout(elems, size, size, ((0, 0, size),), act)
+
+
+# By GGML type id. F32/F16/BF16 are rows of plain numbers; their "block" is one 32-element unit.
+LAYOUTS: dict[int, Layout] = {
+    0: _same(32, 128, ACT_F32),
+    1: _same(32, 64, ACT_F16),
+    30: _same(32, 64, ACT_BF16),
+    2: Layout(32, 18, 20, ((0, 0, 2), (2, 4, 16)), ACT_Q8_0),  # Q4_0: d | pad | qs
+    3: _same(32, 20, ACT_Q8_1),  # Q4_1
+    6: Layout(32, 22, 24, ((0, 0, 2), (2, 4, 20)), ACT_Q8_0),  # Q5_0: d | pad | qh | qs
+    7: _same(32, 24, ACT_Q8_1),  # Q5_1
+    8: Layout(32, 34, 36, ((0, 0, 2), (2, 4, 32)), ACT_Q8_0),  # Q8_0: d | pad | qs
+    10: _same(256, 84, ACT_Q8_K),  # Q2_K
+    11: Layout(256, 110, 112, ((0, 0, 110),), ACT_Q8_K),  # Q3_K (+2 at the end)
+    12: _same(256, 144, ACT_Q8_K),  # Q4_K
+    13: _same(256, 176, ACT_Q8_K),  # Q5_K
+    14: Layout(256, 210, 212, ((0, 0, 210),), ACT_Q8_K),  # Q6_K (+2 at the end)
+}
+
+# How each activation kind is stored: bytes per element of the quants/values, and whether it has unit scales.
+QUANTIZED_ACTS = (ACT_Q8_0, ACT_Q8_1, ACT_Q8_K)
+
+
+def layout(type_id: int, name: str) -> Layout:
+    from ninfer.errors import UnsupportedModelError
+
+    try:
+        return LAYOUTS[type_id]
+    except KeyError:
+        raise UnsupportedModelError(f"tensor {name}: GGML type {type_id} has no CUDA kernel") from None
+
+
+def gpu_row_bytes(type_id: int, cols: int) -> int:
+    lay = LAYOUTS[type_id]
+    return cols // lay.block_elems * lay.gpu_bytes
+
+
+def to_gpu(raw: np.ndarray, type_id: int, rows: int, cols: int, name: str):
+    """Upload one matrix's file bytes (rows x cols elements of type_id) as a GPU array in the padded layout."""
+    import cupy as cp
+
+    lay = layout(type_id, name)
+    if cols % lay.block_elems or (lay.block_elems == 32 and cols % 32):
+        from ninfer.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"tensor {name}: {cols} columns is not a whole number of 32-element units")
+    n_blocks = rows * cols // lay.block_elems
+    src = cp.asarray(np.ascontiguousarray(raw).reshape(n_blocks, lay.raw_bytes))
+    if lay.moves == ((0, 0, lay.raw_bytes),) and lay.gpu_bytes == lay.raw_bytes:
+        return src.reshape(-1)
+    dst = cp.zeros((n_blocks, lay.gpu_bytes), dtype=cp.uint8)
+    for a, b, n in lay.moves:
+        dst[:, b : b + n] = src[:, a : a + n]
+    del src
+    return dst.reshape(-1)

@@ -1,0 +1,193 @@
+// TinyFlash: attention of a few query rows against the paged f16 KV cache, split over the key range
+// (flash-decoding) and GQA-aware: a block serves every query head of one KV head, so each K and V row is read
+// once per group, not once per query head.
+//
+// Grid (n_split, n_head_kv, rows), 128 threads. Each block takes an equal share of its row's keys (a multiple of
+// 32; lengths are read from device memory, so a captured decode step serves any length), runs an online softmax
+// over tiles of 32 keys per warp, and merges its 4 warps. With n_split > 1 each block writes its partial
+// (max, sum, unnormalized output); the last block of a (row, KV head) to finish, found with an atomic ticket,
+// merges the partials and resets the ticket for the next launch. Rows are queries (decode: one per sequence;
+// prefill: one per prompt token), each with its own position, page table and sliding window.
+//
+// Numerics as the CPU's decode path: q rounded to f16 (the cache's dot format), score = (q . k) * scale, f32
+// softmax and accumulation.
+
+#define ATT_WARPS 4
+#define MAX_GROUP 8
+
+template <int HD>
+__device__ void attend(const float* q, const u16* k_pool, const u16* v_pool, const int* page_tables,
+                       int table_stride, const int* row_seq, const int* pos, int window, int n_head, int n_head_kv,
+                       int page_size, float scale, float2* part_ml, float* part_acc, int* tickets, float* out) {
+    constexpr int VPL = HD / 32;  // output dims per lane
+    const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ng = n_head / n_head_kv;
+    extern __shared__ float att_sm[];
+    float* qs = att_sm;                                  // [ng][HD]
+    float* pt = qs + MAX_GROUP * HD;                 // [warps][ng][32] probabilities of the tile
+    float* wml = pt + ATT_WARPS * MAX_GROUP * 32;    // [warps][ng][2]
+    float* wacc = wml + ATT_WARPS * MAX_GROUP * 2;   // [warps][ng][HD]
+    __shared__ int last_block;
+
+    const int* table = page_tables + (long long)row_seq[row] * table_stride;
+    const int p = pos[row];
+    const int kbeg = window > 0 ? max(0, p + 1 - window) : 0, kend = p + 1;
+    const int per = (((kend - kbeg) + n_split - 1) / n_split + 31) & ~31;
+    const int s0 = min(kend, kbeg + split * per), s1 = min(kend, s0 + per);
+
+    for (int i = tid; i < ng * HD; i += blockDim.x)
+        qs[i] = f16_round(q[((long long)row * n_head + g * ng) * HD + i]);
+    __syncthreads();
+
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][VPL];
+#pragma unroll
+    for (int h = 0; h < MAX_GROUP; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < VPL; ++c) acc[h][c] = 0.0f;
+    }
+    const long long head_stride = (long long)page_size * HD;
+    for (int t0 = s0 + 32 * warp; t0 < s1; t0 += 32 * ATT_WARPS) {
+        const int key = t0 + lane;
+        const bool valid = key < s1;
+        float sc[MAX_GROUP];
+#pragma unroll
+        for (int h = 0; h < MAX_GROUP; ++h) sc[h] = 0.0f;
+        if (valid) {
+            const int pg = table[key / page_size];
+            const uint4* kr = (const uint4*)(k_pool + ((long long)pg * n_head_kv + g) * head_stride +
+                                              (long long)(key % page_size) * HD);
+#pragma unroll 4
+            for (int c = 0; c < HD / 8; ++c) {
+                uint4 kv = kr[c];
+                float k8[8] = {h2f(kv.x & 0xFFFF), h2f(kv.x >> 16), h2f(kv.y & 0xFFFF), h2f(kv.y >> 16),
+                               h2f(kv.z & 0xFFFF), h2f(kv.z >> 16), h2f(kv.w & 0xFFFF), h2f(kv.w >> 16)};
+#pragma unroll
+                for (int h = 0; h < MAX_GROUP; ++h) {
+                    if (h < ng) {
+                        const float* qh = qs + h * HD + 8 * c;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) sc[h] = fmaf(qh[e], k8[e], sc[h]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < MAX_GROUP; ++h) {
+            if (h >= ng) break;
+            float s = valid ? sc[h] * scale : -INFINITY;
+            float m_new = fmaxf(m[h], warp_max(s));
+            float pr = valid ? expf(s - m_new) : 0.0f;
+            float corr = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
+            l[h] = l[h] * corr + warp_sum(pr);
+#pragma unroll
+            for (int c = 0; c < VPL; ++c) acc[h][c] *= corr;
+            m[h] = m_new;
+            pt[(warp * MAX_GROUP + h) * 32 + lane] = pr;
+        }
+        __syncwarp();
+        const int n_keys = min(32, s1 - t0);
+        for (int j = 0; j < n_keys; ++j) {
+            const int kj = t0 + j;
+            const int pg = table[kj / page_size];
+            const u16* vr = v_pool + ((long long)pg * n_head_kv + g) * head_stride + (long long)(kj % page_size) * HD +
+                            lane * VPL;
+            float vv[VPL];
+            if (VPL == 4) {
+                uint2 raw = *(const uint2*)vr;
+                vv[0] = h2f(raw.x & 0xFFFF); vv[1] = h2f(raw.x >> 16);
+                vv[2] = h2f(raw.y & 0xFFFF); vv[3] = h2f(raw.y >> 16);
+            } else {
+#pragma unroll
+                for (int c = 0; c < VPL; ++c) vv[c] = h2f(vr[c]);
+            }
+#pragma unroll
+            for (int h = 0; h < MAX_GROUP; ++h) {
+                if (h >= ng) break;
+                float pj = pt[(warp * MAX_GROUP + h) * 32 + j];
+#pragma unroll
+                for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[c], acc[h][c]);
+            }
+        }
+        __syncwarp();
+    }
+    // Merge the warps of this block.
+    for (int h = 0; h < ng; ++h) {
+        if (lane == 0) {
+            wml[(warp * MAX_GROUP + h) * 2] = m[h];
+            wml[(warp * MAX_GROUP + h) * 2 + 1] = l[h];
+        }
+#pragma unroll
+        for (int c = 0; c < VPL; ++c) wacc[(warp * MAX_GROUP + h) * HD + lane * VPL + c] = acc[h][c];
+    }
+    __syncthreads();
+    for (int i = tid; i < ng * HD; i += blockDim.x) {
+        const int h = i / HD, d = i % HD;
+        float M = -INFINITY;
+        for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wml[(w * MAX_GROUP + h) * 2]);
+        float L = 0.0f, A = 0.0f;
+        if (M != -INFINITY) {
+            for (int w = 0; w < ATT_WARPS; ++w) {
+                float mw = wml[(w * MAX_GROUP + h) * 2];
+                if (mw == -INFINITY) continue;
+                float f = expf(mw - M);
+                L += wml[(w * MAX_GROUP + h) * 2 + 1] * f;
+                A += wacc[(w * MAX_GROUP + h) * HD + d] * f;
+            }
+        }
+        const long long oh = (long long)row * n_head + g * ng + h;
+        if (n_split == 1) {
+            out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
+        } else {
+            part_acc[(oh * n_split + split) * HD + d] = A;
+            if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
+        }
+    }
+    if (n_split == 1) return;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* ticket = tickets + row * n_head_kv + g;
+        last_block = atomicAdd(ticket, 1) == n_split - 1;
+        if (last_block) *ticket = 0;
+    }
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();
+    for (int i = tid; i < ng * HD; i += blockDim.x) {
+        const int h = i / HD, d = i % HD;
+        const long long oh = (long long)row * n_head + g * ng + h;
+        const volatile float2* ml = part_ml + oh * n_split;
+        float M = -INFINITY;
+        for (int s = 0; s < n_split; ++s) M = fmaxf(M, ml[s].x);
+        float L = 0.0f, A = 0.0f;
+        if (M != -INFINITY) {
+            for (int s = 0; s < n_split; ++s) {
+                float ms = ml[s].x;
+                if (ms == -INFINITY) continue;
+                float f = expf(ms - M);
+                L += ml[s].y * f;
+                A += ((const volatile float*)part_acc)[(oh * n_split + s) * HD + d] * f;
+            }
+        }
+        out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
+    }
+}
+
+#define ATTN_KERNEL(HD)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) attention_hd##HD(                                        \
+        const float* q, const u16* k_pool, const u16* v_pool, const int* page_tables, int table_stride,        \
+        const int* row_seq, const int* pos, int window, int n_head, int n_head_kv, int page_size, float scale, \
+        float2* part_ml, float* part_acc, int* tickets, float* out) {                                          \
+        attend<HD>(q, k_pool, v_pool, page_tables, table_stride, row_seq, pos, window, n_head, n_head_kv,      \
+                   page_size, scale, part_ml, part_acc, tickets, out);                                         \
+    }
+
+ATTN_KERNEL(64)
+ATTN_KERNEL(128)
+ATTN_KERNEL(256)
+
+// Shared memory bytes attention_hd<HD> needs (mirrored in python/ninfer/backends/cuda_ops.py).
+// (MAX_GROUP * HD + ATT_WARPS * MAX_GROUP * 32 + ATT_WARPS * MAX_GROUP * 2 + ATT_WARPS * MAX_GROUP * HD) * 4

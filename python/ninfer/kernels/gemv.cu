@@ -1,0 +1,154 @@
+// Decode matrix-vector products: out[r] = W[r, :] . x, one warp per output row, reading the quantized blocks
+// directly (fused dequant + dot). The activation x arrives quantized the way the CPU backend quantizes it
+// (norm.cu: int8 quants, a scale per unit, per-half sums), so the integer products equal the CPU's.
+//
+// One launch can cover several matrices that read the same activation (q, k and v; gate and up): their
+// descriptors sit in a small device array, rows numbered across them in order. Weight types may differ between
+// matrices of a launch as long as they share the activation kind (each kernel below serves one kind).
+//
+// Epilogues: MODE_STORE  out[r] = dot (+ bias[r])
+//            MODE_ADD    out[r] += dot            (the residual add after attention-output and down projections)
+//            MODE_GLU    out[r] = glu(gate . x, up . x) for descriptor 0 = gate, 1 = up (one warp, both rows)
+//            MODE_ARGMAX out[r] = dot, and argmax packed into *best (greedy sampling without a second kernel)
+
+#define MODE_STORE 0
+#define MODE_ADD 1
+#define MODE_GLU 2
+#define MODE_ARGMAX 3
+
+struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_plan.py
+    const u8* w;
+    const float* bias;  // may be null
+    float* out;
+    long long row_bytes;
+    int type;
+    int rows;
+    int row0;  // first global row of this matrix in the launch
+    int pad;
+};
+
+// Dot of one row with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K), lanes striding over units.
+template <int T, int ACT>
+__device__ __forceinline__ float row_dot_q(const u8* row, int n_units, const int* aq, const float* ad,
+                                           const float2* as) {
+    float acc = 0.0f;
+    const int lane = threadIdx.x & 31;
+    for (int u = lane; u < n_units; u += WARP) {
+        Unit w;
+        unpack<T>(row + (u / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T), u % UNITS_PER_BLOCK(T), w);
+        const int4* xq = (const int4*)(aq + 8 * u);
+        int4 x0 = xq[0], x1 = xq[1];
+        int s0 = __dp4a(w.q[0], x0.x, __dp4a(w.q[1], x0.y, __dp4a(w.q[2], x0.z, __dp4a(w.q[3], x0.w, 0))));
+        int s1 = __dp4a(w.q[4], x1.x, __dp4a(w.q[5], x1.y, __dp4a(w.q[6], x1.z, __dp4a(w.q[7], x1.w, 0))));
+        float d = ad[u];
+        if (ACT == ACT_Q8_0) {
+            acc += (w.sc[0] * d) * (float)(s0 + s1);
+        } else if (ACT == ACT_Q8_1) {
+            acc += (w.sc[0] * d) * (float)(s0 + s1) - w.mn[0] * as[u].x;
+        } else {
+            float2 bs = as[u];
+            acc += d * ((w.sc[0] * (float)s0 + w.sc[1] * (float)s1) - (w.mn[0] * bs.x + w.mn[1] * bs.y));
+        }
+    }
+    return acc;
+}
+
+// Dot of one row of float weights (F32, F16, BF16) with an f32 activation (already rounded to the weight's
+// precision where the CPU rounds it).
+__device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const float* x) {
+    float acc = 0.0f;
+    const int lane = threadIdx.x & 31;
+    if (type == T_F32) {
+        const float4* w4 = (const float4*)row;
+        const float4* x4 = (const float4*)x;
+        for (int i = lane; i < n / 4; i += WARP) {
+            float4 a = w4[i], b = x4[i];
+            acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
+    } else {
+        const uint2* w4 = (const uint2*)row;  // 4 halves
+        const float4* x4 = (const float4*)x;
+        const bool bf = type == T_BF16;
+        for (int i = lane; i < n / 4; i += WARP) {
+            uint2 a = w4[i];
+            float4 b = x4[i];
+            float w0 = bf ? bf2f(a.x & 0xFFFF) : h2f(a.x & 0xFFFF), w1 = bf ? bf2f(a.x >> 16) : h2f(a.x >> 16);
+            float w2 = bf ? bf2f(a.y & 0xFFFF) : h2f(a.y & 0xFFFF), w3 = bf ? bf2f(a.y >> 16) : h2f(a.y >> 16);
+            acc += w0 * b.x + w1 * b.y + w2 * b.z + w3 * b.w;
+        }
+    }
+    return acc;
+}
+
+template <int ACT>
+__device__ __forceinline__ float row_dot(const MatDesc& m, int r, int n_cols, const void* act_q,
+                                         const float* act_d, const float2* act_s) {
+    const u8* row = m.w + (long long)r * m.row_bytes;
+    const int n_units = n_cols >> 5;
+    if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16) return row_dot_f(m.type, row, n_cols, (const float*)act_q);
+    const int* aq = (const int*)act_q;
+#define DOT_CASE(T) \
+    case T: return row_dot_q<T, ACT>(row, n_units, aq, act_d, act_s);
+    if (ACT == ACT_Q8_0) {
+        switch (m.type) { DOT_CASE(T_Q4_0) DOT_CASE(T_Q5_0) DOT_CASE(T_Q8_0) }
+    } else if (ACT == ACT_Q8_1) {
+        switch (m.type) { DOT_CASE(T_Q4_1) DOT_CASE(T_Q5_1) }
+    } else {
+        switch (m.type) { DOT_CASE(T_Q2_K) DOT_CASE(T_Q3_K) DOT_CASE(T_Q4_K) DOT_CASE(T_Q5_K) DOT_CASE(T_Q6_K) }
+    }
+#undef DOT_CASE
+    return __int_as_float(0x7fc00000);  // a type the launcher should not have sent here: NaN, loudly
+}
+
+// Orderable key of (value, index): larger value wins, then the smaller index (the CPU sampler's first maximum).
+__device__ __forceinline__ u64 argmax_key(float v, int idx) {
+    u32 b = __float_as_uint(v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u32)(~idx);
+}
+
+// One warp per global row; blockDim.x = 32 * warps. n_mats <= 4.
+template <int ACT>
+__device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const void* act_q,
+                     const float* act_d, const float2* act_s, int mode, int glu_act, u64* best) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= total_rows) return;
+    int mi = 0;
+    while (mi + 1 < n_mats && warp >= mats[mi + 1].row0) ++mi;
+    const MatDesc m = mats[mi];
+    const int r = warp - m.row0;
+    float v = warp_sum(row_dot<ACT>(m, r, n_cols, act_q, act_d, act_s));
+    if (mode == MODE_GLU) {
+        const MatDesc up = mats[1];
+        float u = warp_sum(row_dot<ACT>(up, r, n_cols, act_q, act_d, act_s));
+        if (lane == 0) m.out[r] = glu(v, u, glu_act);
+        return;
+    }
+    if (lane != 0) return;
+    if (m.bias) v += m.bias[r];
+    if (mode == MODE_ADD) {
+        m.out[r] += v;
+    } else {
+        m.out[r] = v;
+        if (mode == MODE_ARGMAX) atomicMax(best, argmax_key(v, r));
+    }
+}
+
+#define GEMV_KERNEL(NAME, ACT)                                                                                  \
+    extern "C" __global__ void NAME(const MatDesc* mats, int n_mats, int total_rows, int n_cols,               \
+                                    const void* act_q, const float* act_d, const float2* act_s, int mode,      \
+                                    int glu_act, u64* best) {                                                   \
+        gemv<ACT>(mats, n_mats, total_rows, n_cols, act_q, act_d, act_s, mode, glu_act, best);                  \
+    }
+
+GEMV_KERNEL(gemv_f32act, ACT_F32)
+GEMV_KERNEL(gemv_q8_0, ACT_Q8_0)
+GEMV_KERNEL(gemv_q8_1, ACT_Q8_1)
+GEMV_KERNEL(gemv_q8_k, ACT_Q8_K)
+
+// Reset the argmax accumulator (first node of a greedy decode step).
+extern "C" __global__ void argmax_reset(u64* best) { *best = 0ull; }
+
+// The token id from a packed argmax key.
+extern "C" __global__ void argmax_finish(const u64* best, int* token) { *token = (int)(~(u32)(*best & 0xffffffffu)); }

@@ -1,0 +1,73 @@
+// Row gathers and element-wise work: token embeddings, weight dequantization to f16 for the prefill GEMM, the
+// gated activation of a prefill batch.
+
+template <int T>
+__device__ __forceinline__ void dequant_unit(const u8* row, long long unit, float* v) {
+    if (T == T_F32 || T == T_F16 || T == T_BF16) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) v[e] = float_value(T, row, unit * 32 + e);
+        return;
+    }
+    Unit u;
+    unpack<T>(row + (unit / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T), (int)(unit % UNITS_PER_BLOCK(T)), u);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) v[e] = unit_value(u, e);
+}
+
+__device__ __forceinline__ void dequant_unit_any(int type, const u8* row, long long unit, float* v) {
+    switch (type) {
+#define DQ_CASE(T) \
+    case T: dequant_unit<T>(row, unit, v); return;
+        FOR_EACH_TYPE(DQ_CASE)
+#undef DQ_CASE
+    }
+#pragma unroll
+    for (int e = 0; e < 32; ++e) v[e] = __int_as_float(0x7fc00000);
+}
+
+// out[t, :] = embd_scale * row tokens[t] of the table. One thread per 32-element unit; grid (units/128, rows).
+extern "C" __global__ void embed(int type, const u8* table, long long row_bytes, const int* tokens, int n,
+                                 float embd_scale, float* out) {
+    const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int t = blockIdx.y;
+    if (unit >= n / 32) return;
+    float v[32];
+    dequant_unit_any(type, table + (long long)tokens[t] * row_bytes, unit, v);
+    float* o = out + (long long)t * n + unit * 32;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) o[e] = embd_scale != 1.0f ? v[e] * embd_scale : v[e];
+}
+
+// out (f16, [rows, cols]) = the weights dequantized: one thread per unit.
+extern "C" __global__ void dequant_f16(int type, const u8* w, long long row_bytes, int rows, int cols, u16* out) {
+    const long long units_per_row = cols / 32;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)rows * units_per_row) return;
+    const long long r = idx / units_per_row, unit = idx % units_per_row;
+    float v[32];
+    dequant_unit_any(type, w + r * row_bytes, unit, v);
+    u32* o = (u32*)(out + r * cols + unit * 32);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) o[e] = (u32)f2h(v[2 * e]) | ((u32)f2h(v[2 * e + 1]) << 16);
+}
+
+// gu: [rows, 2 * n] with gate in the first half of a row and up in the second; out[r, i] = glu(gate, up).
+extern "C" __global__ void glu_rows(const float* gu, int n, int rows, int act, float* out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * n) return;
+    const long long r = i / n, c = i % n;
+    out[i] = glu(gu[r * 2 * n + c], gu[r * 2 * n + n + c], act);
+}
+
+// x += y (f32), n elements.
+extern "C" __global__ void add_inplace(float* x, const float* y, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// Gather rows: out[i, :] = x[rows[i], :] (the logit rows of a prefill batch before the output head).
+extern "C" __global__ void gather_rows(const float* x, const int* rows, int n, float* out) {
+    const int i = blockIdx.y;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < n; c += gridDim.x * blockDim.x)
+        out[(long long)i * n + c] = x[(long long)rows[i] * n + c];
+}

@@ -1,0 +1,239 @@
+// Weight blocks on the GPU, and how a kernel reads them.
+//
+// Weights are uploaded in their GGML block formats, with a few bytes of padding inserted so that every field a
+// kernel loads as an int is 4-byte aligned (python/ninfer/backends/layouts.py pads them; the table there and the
+// offsets below must agree). The unit of work is 32 consecutive elements of a row: `unpack_<type>` turns unit j
+// of a block into 32 signed 8-bit codes (8 packed ints, element order) and, per half of 16, a scale and a min,
+// with weight = scale * code - min. That single description serves the integer dot products of the decode GEMV
+// (codes against the activation's int8 quants) and dequantization to f16 for the prefill GEMM.
+#pragma once
+
+struct Unit {
+    int q[8];
+    float sc[2];
+    float mn[2];
+};
+
+__device__ __forceinline__ int ld_i32(const u8* p) { return *(const int*)p; }
+__device__ __forceinline__ float ld_h(const u8* p) { return h2f(*(const u16*)p); }
+
+__device__ __forceinline__ void ld_ints(const u8* p, int* v, int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) v[i] = ld_i32(p + 4 * i);
+}
+
+// Spread 4 bits to bit 4 of each byte (the fifth bit of Q5 codes).
+__device__ __forceinline__ int bits_to_bit4(u32 bits) { return (int)(((bits & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
+
+// ---- legacy formats: one unit per block -----------------------------------------------------------------------
+// Q4_0 (20 B on the GPU): d f16 | pad 2 | qs 16.  Element i < 16: low nibble of qs[i]; i >= 16: high nibble.
+__device__ __forceinline__ void unpack_q4_0(const u8* b, int, Unit& u) {
+    int v[4];
+    ld_ints(b + 4, v, 4);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u.q[k] = __vsubss4(v[k] & 0x0F0F0F0F, 0x08080808);
+        u.q[4 + k] = __vsubss4((v[k] >> 4) & 0x0F0F0F0F, 0x08080808);
+    }
+    u.sc[0] = u.sc[1] = ld_h(b);
+    u.mn[0] = u.mn[1] = 0.0f;
+}
+
+// Q4_1 (20 B): d | m | qs 16.
+__device__ __forceinline__ void unpack_q4_1(const u8* b, int, Unit& u) {
+    int v[4];
+    ld_ints(b + 4, v, 4);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u.q[k] = v[k] & 0x0F0F0F0F;
+        u.q[4 + k] = (v[k] >> 4) & 0x0F0F0F0F;
+    }
+    u.sc[0] = u.sc[1] = ld_h(b);
+    u.mn[0] = u.mn[1] = -ld_h(b + 2);
+}
+
+// Q5_0 (24 B): d | pad 2 | qh 4 | qs 16.  Bit j of qh is element j's fifth bit.
+__device__ __forceinline__ void unpack_q5_0(const u8* b, int, Unit& u) {
+    u32 qh = (u32)ld_i32(b + 4);
+    int v[4];
+    ld_ints(b + 8, v, 4);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u.q[k] = __vsubss4((v[k] & 0x0F0F0F0F) | bits_to_bit4(qh >> (4 * k)), 0x10101010);
+        u.q[4 + k] = __vsubss4(((v[k] >> 4) & 0x0F0F0F0F) | bits_to_bit4(qh >> (16 + 4 * k)), 0x10101010);
+    }
+    u.sc[0] = u.sc[1] = ld_h(b);
+    u.mn[0] = u.mn[1] = 0.0f;
+}
+
+// Q5_1 (24 B): d | m | qh 4 | qs 16.
+__device__ __forceinline__ void unpack_q5_1(const u8* b, int, Unit& u) {
+    u32 qh = (u32)ld_i32(b + 4);
+    int v[4];
+    ld_ints(b + 8, v, 4);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u.q[k] = (v[k] & 0x0F0F0F0F) | bits_to_bit4(qh >> (4 * k));
+        u.q[4 + k] = ((v[k] >> 4) & 0x0F0F0F0F) | bits_to_bit4(qh >> (16 + 4 * k));
+    }
+    u.sc[0] = u.sc[1] = ld_h(b);
+    u.mn[0] = u.mn[1] = -ld_h(b + 2);
+}
+
+// Q8_0 (36 B): d | pad 2 | qs 32.
+__device__ __forceinline__ void unpack_q8_0(const u8* b, int, Unit& u) {
+    ld_ints(b + 4, u.q, 8);
+    u.sc[0] = u.sc[1] = ld_h(b);
+    u.mn[0] = u.mn[1] = 0.0f;
+}
+
+// ---- K-quants: 256-element super-blocks, eight units each ---------------------------------------------------
+// Q2_K (84 B): scales 16 (low nibble scale, high nibble min, per 16) | qs 64 | d | dmin.
+// Unit j: qs[32*(j/4) ...] shifted by 2*(j%4); scales 8*(j/4) + 2*(j%4) + half.
+__device__ __forceinline__ void unpack_q2_k(const u8* b, int j, Unit& u) {
+    int n = j >> 2, s = 2 * (j & 3);
+    int v[8];
+    ld_ints(b + 16 + 32 * n, v, 8);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) u.q[k] = (v[k] >> s) & 0x03030303;
+    float d = ld_h(b + 80), dmin = ld_h(b + 82);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int sc = b[8 * n + s + h];
+        u.sc[h] = d * (float)(sc & 0xF);
+        u.mn[h] = dmin * (float)(sc >> 4);
+    }
+}
+
+// Q3_K (112 B): hmask 32 | qs 64 | scales 12 (sixteen 6-bit scales) | d | pad 2.
+// Unit j: low 2 bits as Q2_K; minus 4 where bit 4*(j/4) + j%4 of hmask[l] is clear.
+__device__ __forceinline__ void unpack_q3_k(const u8* b, int j, Unit& u) {
+    int n = j >> 2, s = 2 * (j & 3), m = 4 * n + (j & 3);
+    int v[8], hm[8];
+    ld_ints(b + 32 + 32 * n, v, 8);
+    ld_ints(b, hm, 8);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int low = (v[k] >> s) & 0x03030303;
+        int clear = ~(hm[k] >> m) & 0x01010101;
+        u.q[k] = __vsubss4(low, clear << 2);
+    }
+    const u8* sc = b + 96;
+    float d = ld_h(b + 108);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int is = 8 * n + s + h;
+        int low4 = is < 8 ? (sc[is] & 0xF) : (sc[is - 8] >> 4);
+        int high2 = (sc[8 + (is & 3)] >> (2 * (is >> 2))) & 3;
+        u.sc[h] = d * (float)((low4 | (high2 << 4)) - 32);
+        u.mn[h] = 0.0f;
+    }
+}
+
+// The 6-bit scale and min of sub-block j of Q4_K/Q5_K (ggml's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Q4_K (144 B): d | dmin | scales 12 | qs 128.  Unit j: qs[32*(j/2) ...], low nibbles for even j, high for odd.
+__device__ __forceinline__ void unpack_q4_k(const u8* b, int j, Unit& u) {
+    int v[8];
+    ld_ints(b + 16 + 32 * (j >> 1), v, 8);
+    int s = 4 * (j & 1);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) u.q[k] = (v[k] >> s) & 0x0F0F0F0F;
+    int sc, m;
+    scale_min_k4(j, b + 4, sc, m);
+    u.sc[0] = u.sc[1] = ld_h(b) * (float)sc;
+    u.mn[0] = u.mn[1] = ld_h(b + 2) * (float)m;
+}
+
+// Q5_K (176 B): d | dmin | scales 12 | qh 32 | qs 128.  Fifth bit of element l of unit j: bit j of qh[l].
+__device__ __forceinline__ void unpack_q5_k(const u8* b, int j, Unit& u) {
+    int v[8], hb[8];
+    ld_ints(b + 48 + 32 * (j >> 1), v, 8);
+    ld_ints(b + 16, hb, 8);
+    int s = 4 * (j & 1);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) u.q[k] = ((v[k] >> s) & 0x0F0F0F0F) | (((hb[k] >> j) & 0x01010101) << 4);
+    int sc, m;
+    scale_min_k4(j, b + 4, sc, m);
+    u.sc[0] = u.sc[1] = ld_h(b) * (float)sc;
+    u.mn[0] = u.mn[1] = ld_h(b + 2) * (float)m;
+}
+
+// Q6_K (212 B): ql 128 | qh 64 | scales 16 (int8, per 16) | d | pad 2.
+// Unit j = 4n + t: ql[64n + 32*(t&1) ...] shifted by 4*(t>>1), qh[32n ...] bits 2t..2t+1, minus 32.
+__device__ __forceinline__ void unpack_q6_k(const u8* b, int j, Unit& u) {
+    int n = j >> 2, t = j & 3;
+    int lo[8], hi[8];
+    ld_ints(b + 64 * n + 32 * (t & 1), lo, 8);
+    ld_ints(b + 128 + 32 * n, hi, 8);
+    int s = 4 * (t >> 1);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int q = ((lo[k] >> s) & 0x0F0F0F0F) | (((hi[k] >> (2 * t)) & 0x03030303) << 4);
+        u.q[k] = __vsubss4(q, 0x20202020);
+    }
+    float d = ld_h(b + 208);
+    const i8* sc = (const i8*)(b + 192);
+    u.sc[0] = d * (float)sc[2 * j];
+    u.sc[1] = d * (float)sc[2 * j + 1];
+    u.mn[0] = u.mn[1] = 0.0f;
+}
+
+// Bytes of one block on the GPU and units (of 32 elements) per block, by GGML type id.
+#define GPU_BLOCK_BYTES(T)                                                                                     \
+    ((T) == T_Q4_0 ? 20 : (T) == T_Q4_1 ? 20 : (T) == T_Q5_0 ? 24 : (T) == T_Q5_1 ? 24 : (T) == T_Q8_0 ? 36 \
+     : (T) == T_Q2_K ? 84 : (T) == T_Q3_K ? 112 : (T) == T_Q4_K ? 144 : (T) == T_Q5_K ? 176                 \
+     : (T) == T_Q6_K ? 212 : (T) == T_F32 ? 128 : 64)
+#define UNITS_PER_BLOCK(T) ((T) >= T_Q2_K && (T) <= T_Q6_K ? 8 : 1)
+
+template <int T>
+__device__ __forceinline__ void unpack(const u8* b, int j, Unit& u) {
+    if (T == T_Q4_0) unpack_q4_0(b, j, u);
+    if (T == T_Q4_1) unpack_q4_1(b, j, u);
+    if (T == T_Q5_0) unpack_q5_0(b, j, u);
+    if (T == T_Q5_1) unpack_q5_1(b, j, u);
+    if (T == T_Q8_0) unpack_q8_0(b, j, u);
+    if (T == T_Q2_K) unpack_q2_k(b, j, u);
+    if (T == T_Q3_K) unpack_q3_k(b, j, u);
+    if (T == T_Q4_K) unpack_q4_k(b, j, u);
+    if (T == T_Q5_K) unpack_q5_k(b, j, u);
+    if (T == T_Q6_K) unpack_q6_k(b, j, u);
+}
+
+// Element e (< 32) of a unit as a float: scale * code - min (the CPU dequantizers' operations).
+__device__ __forceinline__ float unit_value(const Unit& u, int e) {
+    int code = (int)(i8)((u.q[e >> 2] >> (8 * (e & 3))) & 0xFF);
+    int h = e >> 4;
+    return u.sc[h] * (float)code - u.mn[h];
+}
+
+// Element e of unit u (32 elements) of a float-typed row.
+__device__ __forceinline__ float float_value(int type, const u8* row, long idx) {
+    if (type == T_F32) return ((const float*)row)[idx];
+    if (type == T_F16) return h2f(((const u16*)row)[idx]);
+    return bf2f(((const u16*)row)[idx]);
+}
+
+// Dequantize element idx of a row of any supported type (row points at the row's first GPU block).
+template <int T>
+__device__ __forceinline__ float dequant_at(const u8* row, long idx) {
+    if (T == T_F32 || T == T_F16 || T == T_BF16) return float_value(T, row, idx);
+    long unit = idx >> 5;
+    const u8* b = row + (unit / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T);
+    Unit u;
+    unpack<T>(b, (int)(unit % UNITS_PER_BLOCK(T)), u);
+    return unit_value(u, (int)(idx & 31));
+}
+
+// Apply F(T) for every supported weight type id (for switch statements over a runtime type).
+#define FOR_EACH_TYPE(F) \
+    F(T_F32) F(T_F16) F(T_BF16) F(T_Q4_0) F(T_Q4_1) F(T_Q5_0) F(T_Q5_1) F(T_Q8_0) F(T_Q2_K) F(T_Q3_K) F(T_Q4_K) F(T_Q5_K) F(T_Q6_K)

@@ -1,0 +1,61 @@
+// After the q/k/v projections: optional per-head RMSNorm of q and k (gemma3), RoPE on q and k (llama's
+// interleaved pairs or NeoX's halves, as the CPU's rope_row with its FMAs), q scaling, then k and v written to
+// the paged f16 KV cache at the token's position and q kept in f32 for attention.
+//
+// Grid: (rows, n_head + n_head_kv); a warp per (row, head). Positions come from device memory (pos[row]) so a
+// captured decode step needs no new arguments. The KV pools are [page][kv_head][PAGE][head_dim] f16; the
+// sequence's page table maps position / PAGE to a page.
+
+__device__ __forceinline__ void rope_head(float* v, int pos, int rope_dims, float theta_scale, float freq_scale,
+                                          int neox) {
+    const int lane = threadIdx.x & 31;
+    const int half = rope_dims / 2;
+    for (int i = lane; i < half; i += WARP) {
+        float theta = (float)pos;
+        for (int k = 0; k < i; ++k) theta *= theta_scale;  // the CPU's running product, step by step
+        float t = freq_scale * theta;
+        float c = cosf(t), s = sinf(t);
+        int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        float x0 = v[a], x1 = v[b];
+        v[a] = fmaf(x0, c, -__fmul_rn(x1, s));
+        v[b] = fmaf(x0, s, __fmul_rn(x1, c));
+    }
+    __syncwarp();
+}
+
+extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* pos, int n_head, int n_head_kv,
+                                   int hd, int hdv, const float* bias_q, const float* bias_k, const float* bias_v,
+                                   const float* q_norm, const float* k_norm, float eps, int rope_dims,
+                                   float theta_scale, float freq_scale, int neox, float q_scale, float* q_out,
+                                   u16* k_pool, u16* v_pool, const int* page_table, int page_size) {
+    const int row = blockIdx.x;
+    const int warps = blockDim.x >> 5;
+    const int head = blockIdx.y * warps + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    extern __shared__ float rope_sm[];
+    float* v = rope_sm + (threadIdx.x >> 5) * (hd > hdv ? hd : hdv);
+    if (head >= n_head + n_head_kv) return;
+    const int p = pos[row];
+    const float* src = qkv + (long long)row * qkv_stride;
+    const int page = page_table[p / page_size], off = p % page_size;
+    if (head < n_head) {
+        for (int i = lane; i < hd; i += WARP) v[i] = src[head * hd + i] + (bias_q ? bias_q[head * hd + i] : 0.0f);
+        __syncwarp();
+        if (q_norm) head_rms_norm(v, q_norm, hd, eps);
+        rope_head(v, p, rope_dims, theta_scale, freq_scale, neox);
+        float* dst = q_out + ((long long)row * n_head + head) * hd;
+        for (int i = lane; i < hd; i += WARP) dst[i] = q_scale != 1.0f ? v[i] * q_scale : v[i];
+        return;
+    }
+    const int g = head - n_head;
+    const float* ks = src + n_head * hd + g * hd;
+    for (int i = lane; i < hd; i += WARP) v[i] = ks[i] + (bias_k ? bias_k[g * hd + i] : 0.0f);
+    __syncwarp();
+    if (k_norm) head_rms_norm(v, k_norm, hd, eps);
+    rope_head(v, p, rope_dims, theta_scale, freq_scale, neox);
+    u16* kd = k_pool + (((long long)page * n_head_kv + g) * page_size + off) * hd;
+    for (int i = lane; i < hd; i += WARP) kd[i] = f2h(v[i]);
+    const float* vs = src + (n_head + n_head_kv) * hd + g * hdv;
+    u16* vd = v_pool + (((long long)page * n_head_kv + g) * page_size + off) * hdv;
+    for (int i = lane; i < hdv; i += WARP) vd[i] = f2h(vs[i] + (bias_v ? bias_v[g * hdv + i] : 0.0f));
+}

@@ -1,0 +1,262 @@
+"""The CUDA backend: every GPU op against the CPU op on random inputs (NMSE), and whole models' greedy tokens on the
+GPU against the CPU's. These need CuPy and a GPU and are skipped elsewhere; the first tests (the clear message
+when CuPy or the GPU is missing) run everywhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ninfer
+from ninfer import _core
+from ninfer.backends import cuda_unavailable_reason, resolve_device
+from ninfer.errors import BackendUnavailableError
+from ninfer.synth import TYPES, random_blocks, write_synthetic
+
+from conftest import model_path
+
+HAS_CUDA = cuda_unavailable_reason() is None
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason=f"no CUDA backend here: {cuda_unavailable_reason()}")
+
+SMOLLM2 = model_path("smollm2")
+
+
+def _without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+
+
+# ---- without a GPU -------------------------------------------------------------------------------------------
+def test_cuda_without_cupy_names_the_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_cupy(monkeypatch)
+    with pytest.raises(BackendUnavailableError, match=r"device 'cuda' is not available: CuPy is not installed.*"
+                                                      r"pip install 'ninfer\[cuda\]'"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == "cpu"
+    assert resolve_device("cpu") == "cpu"
+
+
+def test_llm_on_cuda_without_cupy_raises_and_cpu_keeps_working(monkeypatch: pytest.MonkeyPatch,
+                                                                 smollm2_path: Path) -> None:
+    _without_cupy(monkeypatch)
+    with pytest.raises(BackendUnavailableError, match="CuPy"):
+        ninfer.LLM(smollm2_path, device="cuda")
+    llm = ninfer.LLM(smollm2_path, device="auto", n_ctx=64, threads=1)
+    assert llm.device == "cpu"
+    assert llm.generate([1, 2, 3], max_tokens=2, temperature=0).completion_tokens >= 1
+
+
+def test_cli_device_cuda_without_cupy_exits_2_with_the_reason(smollm2_path: Path, tmp_path: Path) -> None:
+    # A sitecustomize that hides CuPy, so this holds on the GPU host too.
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['cupy'] = None\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "run", "-m", str(smollm2_path), "-p", "hi", "-n", "2",
+                        "--device", "cuda"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "device 'cuda' is not available: CuPy is not installed" in r.stderr
+
+
+def test_unknown_device_is_an_argument_error() -> None:
+    with pytest.raises(ninfer.errors.InvalidArgumentError, match="device must be one of auto, cuda, cpu"):
+        resolve_device("tpu")
+
+
+# ---- GPU ops against CPU ops ----------------------------------------------------------------------------------
+ACT_TYPE_ID = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 8, "Q5_0": 8, "Q8_0": 8, "Q4_1": 9, "Q5_1": 9,
+               "Q2_K": 15, "Q3_K": 15, "Q4_K": 15, "Q5_K": 15, "Q6_K": 15}
+
+
+def nmse(a: np.ndarray, ref: np.ndarray) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.sum((a - ref) ** 2) / max(np.sum(ref**2), 1e-30))
+
+
+@needs_cuda
+@pytest.mark.parametrize("ty", list(TYPES))
+def test_gemv_equals_cpu_dot_products(ty: str) -> None:
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import LAYOUTS, gpu_row_bytes, to_gpu
+
+    rng = np.random.default_rng(7)
+    rows, cols = 96, 1024
+    tid = int(TYPES[ty])
+    raw = random_blocks(TYPES[ty], rows, cols, cols**-0.5, rng)
+    x = rng.standard_normal(cols).astype(np.float32)
+    act = _core.quantize_act(ACT_TYPE_ID[ty], x)
+    rb = len(raw) // rows
+    ref = np.array([_core.vec_dot(tid, cols, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)])
+
+    w = to_gpu(raw, tid, rows, cols, "w")
+    kind = LAYOUTS[tid].act
+    xd = cp.asarray(x)
+    aq, ad, as_ = cp.zeros(cols, cp.int8), cp.zeros(cols // 32, cp.float32), cp.zeros(cols // 16, cp.float32)
+    af = cp.zeros(cols, cp.float32)
+    out = cp.zeros(rows, cp.float32)
+    quant = kind >= 3
+    K.norm_quant(1, xd.data.ptr, 0, 1e-6, cols, kind, out_q=aq.data.ptr if quant else 0, out_d=ad.data.ptr,
+                 out_s=as_.data.ptr, out_f=0 if quant else af.data.ptr)
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, cols), tid, rows)])
+    K.gemv(kind, descs, 1, rows, cols, (aq if quant else af).data.ptr, ad.data.ptr, as_.data.ptr, K.MODE_STORE)
+    got = out.get()
+    assert nmse(got, ref) < 1e-6, (ty, nmse(got, ref))
+    if ty in ("Q8_0", "Q4_K"):  # the activation quants are the CPU's, byte for byte
+        n_units = cols // 32
+        if ty == "Q8_0":
+            blocks = np.frombuffer(act, np.uint8).reshape(n_units, 34)
+            assert (blocks[:, 2:].view(np.int8).reshape(-1) == aq.get()).all()
+        else:
+            blocks = np.frombuffer(act, np.uint8).reshape(cols // 256, 292)
+            assert (blocks[:, 4:260].view(np.int8).reshape(-1) == aq.get()).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("ty", list(TYPES))
+def test_dequantize_to_f16_equals_cpu_dequantize(ty: str) -> None:
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, to_gpu
+
+    rng = np.random.default_rng(3)
+    rows, cols = 8, 512
+    tid = int(TYPES[ty])
+    raw = random_blocks(TYPES[ty], rows, cols, 0.05, rng)
+    ref = _core.dequantize(tid, raw.tobytes(), rows * cols).reshape(rows, cols)
+    w = to_gpu(raw, tid, rows, cols, "w")
+    out = cp.zeros((rows, cols), cp.uint16)
+    K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, cols), rows, cols, out.data.ptr)
+    got = out.get().view(np.float16).astype(np.float32)
+    assert (got == ref.astype(np.float16).astype(np.float32)).all(), ty
+
+
+def _rope_ref(v: np.ndarray, pos: int, dims: int, base: float, neox: bool) -> np.ndarray:
+    """The CPU's rope_row (f32, the same running product of angles)."""
+    v = v.astype(np.float32).copy()
+    ts = np.float32(base) ** (np.float32(-2.0) / np.float32(dims))
+    theta = np.float32(pos)
+    half = dims // 2
+    for i in range(half):
+        c, s = np.float32(np.cos(theta)), np.float32(np.sin(theta))
+        a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        x0, x1 = v[a], v[b]
+        v[a] = x0 * c - x1 * s
+        v[b] = x0 * s + x1 * c
+        theta = np.float32(theta * ts)
+    return v
+
+
+def _attention_ref(q, keys, vals, scale):
+    s = (q.astype(np.float64) @ keys.astype(np.float64).T) * scale
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ vals.astype(np.float64)
+
+
+@needs_cuda
+@pytest.mark.parametrize("hd,n_head,n_kv,length,n_split,window", [
+    (64, 9, 3, 37, 1, 0), (128, 12, 2, 700, 4, 0), (128, 40, 8, 1500, 7, 0), (64, 14, 2, 300, 3, 128),
+    (256, 4, 1, 260, 2, 0)])
+def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, length: int, n_split: int,
+                                               window: int) -> None:
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+
+    rng = np.random.default_rng(hd + length)
+    page, rows = 256, 3  # three query rows at the last three positions (a batch of decode rows)
+    n_pages = -(-length // page) + 1
+    spec = {"n_head": n_head, "n_head_kv": n_kv, "head_dim": hd, "head_dim_v": hd, "rms_eps": 1e-6,
+            "rope_dims": hd, "rope_neox": True, "q_scale": 1.0, "attn_scale": hd**-0.5}
+    layer = {"bq": 0, "bk": 0, "bv": 0, "q_norm": 0, "k_norm": 0, "rope_freq_scale": 1.0}
+    qkv_dim = (n_head + 2 * n_kv) * hd
+    qkv = rng.standard_normal((length, qkv_dim)).astype(np.float32)
+    table = cp.asarray(rng.permutation(n_pages).astype(np.int32))  # pages in a scrambled order
+    kp = cp.zeros((n_pages, n_kv, page, hd), cp.uint16)
+    vp = cp.zeros_like(kp)
+    q_rot = cp.zeros((length, n_head * hd), cp.float32)
+    base = 1e4
+    theta_scale = float(np.float32(base) ** (np.float32(-2.0) / np.float32(hd)))
+    K.rope_kv(length, cp.asarray(qkv).data.ptr, qkv_dim, cp.arange(length, dtype=cp.int32).data.ptr, spec, layer,
+              q_rot.data.ptr, kp.data.ptr, vp.data.ptr, table.data.ptr, page, theta_scale)
+    q_all = q_rot.get().reshape(length, n_head, hd)
+    for t in (0, length - 1):
+        for h in (0, n_head - 1):
+            ref = _rope_ref(qkv[t, h * hd : (h + 1) * hd], t, hd, base, True)
+            assert nmse(q_all[t, h], ref) < 1e-10
+    # Read the cache back in position order.
+    tab = table.get()
+    k_cache = np.stack([kp.get()[tab[p // page], :, p % page] for p in range(length)]).view(np.float16)
+    v_cache = np.stack([vp.get()[tab[p // page], :, p % page] for p in range(length)]).view(np.float16)
+    ref_k = _rope_ref(qkv[5, n_head * hd : (n_head + 1) * hd], 5, hd, base, True)
+    assert nmse(k_cache[5, 0].astype(np.float32), ref_k) < 1e-6
+    assert (v_cache[9, n_kv - 1] == qkv[9, (n_head + 2 * n_kv - 1) * hd :].astype(np.float16)).all()
+
+    positions = np.arange(length - rows, length, dtype=np.int32)
+    q = cp.asarray(q_all[positions].reshape(rows, -1))
+    out = cp.zeros((rows, n_head * hd), cp.float32)
+    part_ml = cp.zeros(rows * 2 * n_head * n_split, cp.float32)
+    part_acc = cp.zeros(rows * n_head * n_split * hd, cp.float32)
+    tickets = cp.zeros(rows * n_kv, cp.int32)
+    for rep in range(2):  # the tickets reset themselves: a second launch gives the same result
+        K.attention(rows, n_split, spec, q.data.ptr, kp.data.ptr, vp.data.ptr, table.data.ptr, 0,
+                    cp.zeros(rows, cp.int32).data.ptr, cp.asarray(positions).data.ptr, window, page,
+                    part_ml.data.ptr, part_acc.data.ptr, tickets.data.ptr, out.data.ptr)
+        got = out.get().reshape(rows, n_head, hd)
+        g = n_head // n_kv
+        for i, p in enumerate(positions):
+            lo = max(0, p + 1 - window) if window else 0
+            for h in range(n_head):
+                qh = q_all[p, h].astype(np.float16).astype(np.float64)
+                ref = _attention_ref(qh, k_cache[lo : p + 1, h // g], v_cache[lo : p + 1, h // g], hd**-0.5)
+                assert nmse(got[i, h], ref) < 1e-6, (rep, i, h, nmse(got[i, h], ref))
+    assert (tickets.get() == 0).all()
+
+
+# ---- whole models: greedy tokens on the GPU equal the CPU's --------------------------------------------------
+def _greedy(path: Path, device: str, prompt: list[int], n: int, **kw) -> list[int]:
+    llm = ninfer.LLM(path, n_ctx=512, threads=8, device=device, **kw)
+    return llm.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True).tokens
+
+
+@needs_cuda
+@pytest.mark.skipif(SMOLLM2 is None, reason="SmolLM2-135M not in the model cache")
+def test_smollm2_greedy_64_tokens_gpu_equals_cpu() -> None:
+    llm = ninfer.LLM(SMOLLM2, n_ctx=512, threads=8)
+    prompt = llm.tokenize("The three most important inventions of the nineteenth century were")
+    cpu = llm.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True).tokens
+    gpu = _greedy(SMOLLM2, "cuda", prompt, 64)
+    assert gpu == cpu
+
+
+@needs_cuda
+@pytest.mark.parametrize("ty", list(TYPES) + ["Q4_K_M"])
+def test_synthetic_1_5b_greedy_gpu_equals_cpu(ty: str, tmp_path: Path) -> None:
+    # Full-width Qwen2.5-1.5B layers; 4 of them keep the file small and the CPU reference quick.
+    path = write_synthetic(tmp_path / f"{ty}.gguf", "qwen2.5-1.5b", ty, n_layer=4, seed=11)
+    prompt = [17, 400, 9000, 123, 5555, 42, 7, 100000]
+    cpu = _greedy(path, "cpu", prompt, 64)
+    gpu = _greedy(path, "cuda", prompt, 64)
+    assert gpu == cpu, ty
+
+
+@needs_cuda
+def test_split_model_runs_first_layers_on_gpu_rest_on_cpu(tmp_path: Path) -> None:
+    path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-1.5b", "Q4_K_M", n_layer=4, seed=5)
+    prompt = [3, 30, 300, 3000]
+    cpu = _greedy(path, "cpu", prompt, 32)
+    assert _greedy(path, "cuda", prompt, 32, n_gpu_layers=2) == cpu
+    assert _greedy(path, "cuda", prompt, 32, n_gpu_layers=0) == cpu
+
+
+@needs_cuda
+def test_prefill_logits_gpu_close_to_cpu(tmp_path: Path) -> None:
+    path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=2, seed=2)
+    tokens = list(range(5, 5 + 40))
+    cpu = ninfer.LLM(path, n_ctx=256, threads=8).eval_logits(tokens, rows=[0, 20, 39])
+    gpu = ninfer.LLM(path, n_ctx=256, device="cuda").eval_logits(tokens, rows=[0, 20, 39])
+    assert nmse(gpu, cpu) < 1e-5
