@@ -40,7 +40,9 @@ class _Pinned:
 
         self.nbytes = np.dtype(dtype).itemsize * n
         self.host_ptr = cp.cuda.runtime.hostAlloc(self.nbytes, 2)  # cudaHostAllocMapped
-        self.dev_ptr = cp.cuda.runtime.hostGetDevicePointer(self.host_ptr, 0)
+        # With unified virtual addressing (every 64-bit CUDA platform) a mapped allocation has the same address
+        # on the device as on the host.
+        self.dev_ptr = self.host_ptr
         buf = (ctypes.c_byte * self.nbytes).from_address(self.host_ptr)
         self.array = np.frombuffer(buf, dtype=dtype, count=n)
 
