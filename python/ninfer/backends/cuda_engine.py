@@ -184,6 +184,9 @@ class CudaEngine:
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)
+        # Arrival counters of the decode kernels' tails (each resets itself after use), handed out by _counter.
+        self.counters = cp.zeros(16384, cp.int32)
+        self._n_counters = 0
         # Step inputs and outputs in mapped pinned memory.
         self.in_x = _Pinned(np.float32, e)
         self.in_pos = _Pinned(np.int32, 1)
@@ -357,6 +360,9 @@ class CudaEngine:
     def _run_profiled(self, ops: list[tuple[str, int, Callable[[], None]]]) -> None:
         cp = self.cp
         with self.stream:
+            # Hold the stream for ~50 ms so every launch below is queued before the first runs: the events then
+            # time the kernels, not Python's launch gaps.
+            K.function("spin")((1,), (1,), (np.int64(100_000_000),))
             events = [cp.cuda.Event()]
             events[0].record()
             for _, _, fn in ops:
@@ -387,29 +393,50 @@ class CudaEngine:
         return graph
 
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
-                    glu_act: int = 0, best: int = 0, keep: list[Any] | None = None) -> list[Callable[[], None]]:
+                    glu_act: int = 0, best: int = 0, keep: list[Any] | None = None, ready: int | None = None,
+                    tail_struct: Any = None) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device) times matrices that read it: quantize once per
-        activation kind, then one GEMV launch per kind. The descriptor arrays are appended to `keep` (they must
-        live as long as a graph that launches them)."""
+        activation kind (except `ready`, the kind a previous kernel's tail already wrote), then one GEMV launch per
+        kind; the last launch carries `tail_struct`. Descriptor arrays are appended to `keep` (they must live as
+        long as a graph that launches them)."""
         s = self.spec
-        ops = []
+        keep = self._keep if keep is None else keep
+        ops: list[Callable[[], None]] = []
         n = mats[0].cols
-        kinds = sorted({m.act for m in mats})
+        kinds = sorted({m.act for m in mats}, key=lambda k: k != ready)
         if mode == K.MODE_GLU and len(kinds) > 1:
             raise AssertionError("GLU fusion needs gate and up of one activation kind")
-        for kind in kinds:
+        for i, kind in enumerate(kinds):
             group = [(m, o) for m, o in zip(mats, outs) if m.act == kind]
             descs = K.mat_descs([(m.ptr, 0, o, m.row_bytes, m.type, m.rows) for m, o in group])
-            (self._keep if keep is None else keep).append(descs)
+            keep.append(descs)
             total = group[0][0].rows if mode == K.MODE_GLU else sum(m.rows for m, _ in group)
             quant = kind in QUANTIZED_ACTS
             aq = self.aq.data.ptr if quant else self.af.data.ptr
-            ops.append(lambda kind=kind, aq=aq, quant=quant: K.norm_quant(
-                1, x, norm, s["rms_eps"], n, kind, out_q=aq if quant else 0, out_d=self.ad.data.ptr,
-                out_s=self.as_.data.ptr, out_f=0 if quant else aq))
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, aq=aq: K.gemv(
-                kind, descs, len(g), total, n, aq, self.ad.data.ptr, self.as_.data.ptr, mode, glu_act, best))
+            if kind != ready:
+                ops.append(lambda kind=kind, aq=aq, quant=quant: K.norm_quant(
+                    1, x, norm, s["rms_eps"], n, kind, out_q=aq if quant else 0, out_d=self.ad.data.ptr,
+                    out_s=self.as_.data.ptr, out_f=0 if quant else aq))
+            t = tail_struct if i == len(kinds) - 1 else None
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, aq=aq, t=t: K.gemv(
+                kind, descs, len(g), total, n, aq, self.ad.data.ptr, self.as_.data.ptr, mode, glu_act, best, t))
         return ops
+
+    def _tail_for(self, x: int, norm: int, mats: list[_Matrix]) -> tuple[Any, int]:
+        """A tail that norms + quantizes x for `mats` (their first kind), and that kind."""
+        kind = mats[0].act
+        quant = kind in QUANTIZED_ACTS
+        t = K.tail(self._counter(), x, norm, self.spec["rms_eps"], mats[0].cols, kind,
+                   self.aq.data.ptr if quant else 0, self.ad.data.ptr, self.as_.data.ptr,
+                   0 if quant else self.af.data.ptr)
+        self._keep.append(t)
+        return t, kind
+
+    def _counter(self) -> int:
+        if self._n_counters == self.counters.size:
+            raise RuntimeError("out of tail counters (too many captured decode plans)")
+        self._n_counters += 1
+        return self.counters.data.ptr + 4 * (self._n_counters - 1)
 
     def _ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy)
@@ -418,9 +445,13 @@ class CudaEngine:
         return self._op_lists[key]
 
     def _decode_ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
+        """The launches of one decode step. Each kernel's tail quantizes the next product's input, so a layer
+        is four launches (qkv GEMV, attention with RoPE + KV write, output projection + residual, gate/up + GLU,
+        down + residual: five) where the layer has no post-norms and its matrices share activation kinds."""
         cp, s = self.cp, self.spec
         e = s["n_embd"]
-        x = self.x.data.ptr
+        x, o, act, att, qkv = (self.x.data.ptr, self.o.data.ptr, self.act.data.ptr, self.att.data.ptr,
+                               self.qkv.data.ptr)
         ops: list[tuple[str, int, Callable[[], None]]] = []
 
         def add(kind: str, layer: int, fns: list[Callable[[], None]]) -> None:
@@ -432,53 +463,72 @@ class CudaEngine:
             lambda: cp.cuda.runtime.memcpyAsync(self.pos.data.ptr, self.in_pos.host_ptr, 4, _H2D, stream_ptr)])
         table = self.tables.data.ptr + 4 * self.max_pages * seq
         glu_act = 0 if s["activation"] == "silu" else 1
+        q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
+        head = self.output if self.plan.head_on_gpu else None
+        ready: int | None = None  # the activation kind the previous launch's tail wrote for the next product
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
-            qkv = self.qkv.data.ptr
-            q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
-            add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]],
-                                               [qkv, qkv + 4 * q_dim, qkv + 4 * (q_dim + k_dim)],
-                                               x, lw["ptr"]["attn_norm"], K.MODE_STORE))
-            add("other", il, [lambda il=il, lw=lw, ls=ls: K.rope_kv(
-                1, self.qkv.data.ptr, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
-                self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr, table, self.page_size,
-                self.theta_scale[il])])
-            add("attention", il, [lambda il=il, ls=ls: K.attention(
-                1, self.n_split, s, self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
-                table, self.max_pages, self.row_seq.data.ptr, self.pos.data.ptr,
-                ls.get("sliding_window") or 0, self.page_size, self.part_ml.data.ptr, self.part_acc.data.ptr,
-                self.tickets.data.ptr, self.att.data.ptr)])
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
-            o = self.o.data.ptr
-            add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], self.att.data.ptr, 0,
-                                               K.MODE_STORE if post_a else K.MODE_ADD))
+            fused = not post_a and not post_f
+            gate_up = [lw["w_gate"], lw["w_up"]]
+            glu = lw["w_gate"].act == lw["w_up"].act
+            # q, k, v
+            add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
+                                               qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
+                                               K.MODE_STORE, ready=ready))
+            # attention (RoPE and the KV write inside); its tail quantizes the output for wo
+            t_att, ready = self._tail_for(att, 0, [lw["wo"]])
+            done = self._counter()
+            params = K.attn_params(
+                s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
+                theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
+                page_tables=table, table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
+                window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,
+                part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att, tail_struct=t_att, done=done)
+            self._keep.append(params)
+            add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
+                                                                    s["head_dim"], True)])
+            # output projection + residual; its tail norms + quantizes x for gate/up
+            t_wo, next_ready = self._tail_for(x, lw["ptr"]["ffn_norm"], gate_up) if fused else (None, None)
+            add("matmul", il, self._matmul_vec([lw["wo"]], [x if fused else o], att, 0,
+                                               K.MODE_ADD if fused else K.MODE_STORE, ready=ready, tail_struct=t_wo))
+            ready = next_ready
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
-            act = self.act.data.ptr
-            if lw["w_gate"].act == lw["w_up"].act:
-                add("matmul", il, self._matmul_vec([lw["w_gate"], lw["w_up"]], [act, act], x,
-                                                   lw["ptr"]["ffn_norm"], K.MODE_GLU, glu_act))
+            # gate/up + GLU; its tail quantizes the activation for down
+            if glu:
+                t_gu, next_ready = self._tail_for(act, 0, [lw["w_down"]])
+                add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
+                                                   glu_act, ready=ready, tail_struct=t_gu))
             else:
                 gu = self.gu.data.ptr
-                add("matmul", il, self._matmul_vec([lw["w_gate"], lw["w_up"]], [gu, gu + 4 * self.n_ff], x,
-                                                   lw["ptr"]["ffn_norm"], K.MODE_STORE))
-                add("other", il, [lambda: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
-            add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD))
+                add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
+                                                   K.MODE_STORE, ready=ready))
+                add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
+                next_ready = None
+            ready = next_ready
+            # down + residual; its tail norms + quantizes x for the next layer's q/k/v or the output head
+            nxt = (self.layers[il + 1]["ptr"]["attn_norm"], [self.layers[il + 1][k] for k in ("wq", "wk", "wv")]) \
+                if il + 1 < len(self.layers) else ((self.output_norm.data.ptr, [head]) if head else (0, None))
+            t_dn, next_ready = self._tail_for(x, nxt[0], nxt[1]) if fused and nxt[1] else (None, None)
+            add("matmul", il, self._matmul_vec([lw["w_down"]], [x if fused else o], act, 0,
+                                               K.MODE_ADD if fused else K.MODE_STORE, ready=ready, tail_struct=t_dn))
+            ready = next_ready
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
-        if not self.plan.head_on_gpu:
+        if head is None:
             add("other", -1, [lambda: cp.cuda.runtime.memcpyAsync(self.out_x.host_ptr, x, 4 * e, _D2H, stream_ptr)])
             return ops
+        norm = self.output_norm.data.ptr
         best = self.best.data.ptr
         if greedy:
             add("other", -1, [lambda: K.argmax_reset(best)])
-            add("matmul", -1, self._matmul_vec([self.output], [self.logits_dev.data.ptr], x,
-                                               self.output_norm.data.ptr, K.MODE_ARGMAX, best=best))
+            add("matmul", -1, self._matmul_vec([head], [self.logits_dev.data.ptr], x, norm, K.MODE_ARGMAX, best=best,
+                                               ready=ready))
             add("other", -1, [lambda: K.argmax_finish(best, self.out_token.dev_ptr)])
         else:
-            add("matmul", -1, self._matmul_vec([self.output], [self.out_logits.dev_ptr], x,
-                                               self.output_norm.data.ptr, K.MODE_STORE))
+            add("matmul", -1, self._matmul_vec([head], [self.out_logits.dev_ptr], x, norm, K.MODE_STORE,
+                                               ready=ready))
         return ops
 
     # ---- prompts: batched layers on cuBLAS -------------------------------------------------------------
@@ -547,9 +597,11 @@ class CudaEngine:
                   self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
                   self.tables.data.ptr + 4 * self.max_pages * seq, self.page_size,
                   self.theta_scale[il])
-        K.attention(T, 1, s, self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
-                    self.tables.data.ptr + 4 * self.max_pages * seq, self.max_pages, self.row_seq.data.ptr, self.pos.data.ptr,
-                    ls.get("sliding_window") or 0, self.page_size, 0, 0, self.tickets.data.ptr, self.att.data.ptr)
+        params = K.attn_params(s, q=self.q_rot.data.ptr, k_pool=self.k_pools[il].data.ptr,
+                               v_pool=self.v_pools[il].data.ptr, page_tables=self.tables.data.ptr + 4 * self.max_pages * seq,
+                               table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
+                               window=ls.get("sliding_window") or 0, page_size=self.page_size, out=self.att.data.ptr)
+        K.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False)
         post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
         self._matmul_rows(T, [lw["wo"]], [o if post_a else x], e, self.att.data.ptr, 0, 0.0 if post_a else 1.0)
         if post_a:

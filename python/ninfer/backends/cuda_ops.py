@@ -13,7 +13,7 @@ from ninfer.backends.kernels import function
 from ninfer.backends.layouts import ACT_BF16, ACT_F16, ACT_F32, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K
 
 MODE_STORE, MODE_ADD, MODE_GLU, MODE_ARGMAX = range(4)
-GEMV_WARPS = 4
+GEMV_WARPS = 8
 ATT_WARPS, MAX_GROUP = 4, 8  # kernels/attention.cu
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f32act", ACT_BF16: "gemv_f32act",
@@ -22,6 +22,33 @@ _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f32act", ACT_BF16: "gemv_
 # struct MatDesc in kernels/gemv.cu (48 bytes).
 MAT_DESC = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("row_bytes", "<i8"), ("type", "<i4"),
                      ("rows", "<i4"), ("row0", "<i4"), ("pad", "<i4")])
+
+
+# struct Tail in kernels/norm.cu and struct AttnParams in kernels/attention.cu (C layout: align=True).
+TAIL = np.dtype([("counter", "<u8"), ("x", "<u8"), ("w", "<u8"), ("eps", "<f4"), ("n", "<i4"), ("act", "<i4"),
+                 ("out_q", "<u8"), ("out_d", "<u8"), ("out_s", "<u8"), ("out_f", "<u8")], align=True)
+ATTN_PARAMS = np.dtype(
+    [(k, "<u8") for k in ("q", "qkv", "bias_q", "bias_k", "bias_v", "q_norm", "k_norm", "k_pool", "v_pool",
+                          "page_tables", "row_seq", "pos", "part_ml", "part_acc", "tickets", "out", "tail", "done")]
+    + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "qkv_stride",
+                            "rope_dims", "neox")]
+    + [(k, "<f4") for k in ("scale", "eps", "theta_scale", "freq_scale", "q_scale")] + [("pad", "<i4")], align=True)
+
+
+def device_struct(dtype: np.dtype, **fields):
+    """One C struct in device memory (a kernel reads its parameters from it)."""
+    import cupy as cp
+
+    a = np.zeros(1, dtype=dtype)
+    for k, v in fields.items():
+        a[0][k] = v
+    return cp.asarray(a.view(np.uint8))
+
+
+def tail(counter: int, x: int, w: int, eps: float, n: int, act: int, out_q: int, out_d: int, out_s: int,
+         out_f: int = 0):
+    return device_struct(TAIL, counter=counter, x=x, w=w, eps=eps, n=n, act=act, out_q=out_q, out_d=out_d,
+                         out_s=out_s, out_f=out_f)
 
 
 def P(ptr: int) -> np.uint64:
@@ -49,11 +76,12 @@ def mat_descs(entries: list[tuple[int, int, int, int, int, int]]):
 
 
 def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, act_q: int, act_d: int, act_s: int,
-         mode: int, glu_act: int = 0, best: int = 0) -> None:
+         mode: int, glu_act: int = 0, best: int = 0, tail_struct=None) -> None:
     threads = 32 * GEMV_WARPS
     grid = (total_rows + GEMV_WARPS - 1) // GEMV_WARPS
     function(_GEMV_KERNEL[act])((grid,), (threads,), (
-        descs, I(n_mats), I(total_rows), I(n_cols), P(act_q), P(act_d), P(act_s), I(mode), I(glu_act), P(best)))
+        descs, I(n_mats), I(total_rows), I(n_cols), P(act_q), P(act_d), P(act_s), I(mode), I(glu_act), P(best),
+        tail_struct if tail_struct is not None else P(0)))
 
 
 def norm_quant(rows: int, x: int, w: int, eps: float, n: int, act: int, out_q: int = 0, out_d: int = 0,
@@ -82,14 +110,26 @@ def attention_smem(hd: int) -> int:
     return 4 * (MAX_GROUP * hd + ATT_WARPS * MAX_GROUP * 32 + ATT_WARPS * MAX_GROUP * 2 + ATT_WARPS * MAX_GROUP * hd)
 
 
-def attention(rows: int, n_split: int, s: dict, q: int, k_pool: int, v_pool: int, page_tables: int,
-              table_stride: int, row_seq: int, pos: int, window: int, page_size: int, part_ml: int, part_acc: int,
-              tickets: int, out: int) -> None:
-    hd = s["head_dim"]
-    function(f"attention_hd{hd}")((n_split, s["n_head_kv"], rows), (32 * ATT_WARPS,), (
-        P(q), P(k_pool), P(v_pool), P(page_tables), I(table_stride), P(row_seq), P(pos), I(window),
-        I(s["n_head"]), I(s["n_head_kv"]), I(page_size), F(s["attn_scale"]), P(part_ml), P(part_acc), P(tickets),
-        P(out)), shared_mem=attention_smem(hd))
+def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_stride: int, row_seq: int, pos: int,
+                window: int, page_size: int, out: int, q: int = 0, qkv: int = 0, qkv_stride: int = 0,
+                layer: dict | None = None, theta_scale: float = 0.0, part_ml: int = 0, part_acc: int = 0,
+                tickets: int = 0, tail_struct=None, done: int = 0):
+    """The AttnParams struct of one attention launch (layer: the decode form's biases, norms, RoPE factors)."""
+    lw = layer or {}
+    return device_struct(
+        ATTN_PARAMS, q=q, qkv=qkv, bias_q=lw.get("bq", 0), bias_k=lw.get("bk", 0), bias_v=lw.get("bv", 0),
+        q_norm=lw.get("q_norm", 0), k_norm=lw.get("k_norm", 0), k_pool=k_pool, v_pool=v_pool,
+        page_tables=page_tables, row_seq=row_seq, pos=pos, part_ml=part_ml, part_acc=part_acc, tickets=tickets,
+        out=out, tail=tail_struct.data.ptr if tail_struct is not None else 0, done=done, table_stride=table_stride,
+        window=window, n_head=s["n_head"], n_head_kv=s["n_head_kv"], page_size=page_size, qkv_stride=qkv_stride,
+        rope_dims=s["rope_dims"], neox=int(s["rope_neox"]), scale=s["attn_scale"], eps=s["rms_eps"],
+        theta_scale=theta_scale, freq_scale=lw.get("rope_freq_scale", 1.0), q_scale=s["q_scale"])
+
+
+def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bool) -> None:
+    """TinyFlash over `rows` query rows; step=True is the decode form (RoPE + KV write fused, tail)."""
+    name = f"attention_step_hd{hd}" if step else f"attention_hd{hd}"
+    function(name)((n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,), shared_mem=attention_smem(hd))
 
 
 def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int) -> None:

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 HEADERS = ("common.cuh", "quant.cuh")
-SOURCES = ("gemv.cu", "norm.cu", "rope_kv.cu", "attention.cu", "misc.cu")
+SOURCES = ("norm.cu", "rope_kv.cu", "gemv.cu", "attention.cu", "misc.cu")  # in dependency order
 
 
 def kernels_dir() -> Path:

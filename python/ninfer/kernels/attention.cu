@@ -9,16 +9,50 @@
 // merges the partials and resets the ticket for the next launch. Rows are queries (decode: one per sequence;
 // prefill: one per prompt token), each with its own position, page table and sliding window.
 //
+// The decode form (attention_step_*) also does what rope_kv.cu does for a prompt: each block ropes its own query
+// heads from the raw projections, and the block whose share holds the new position writes that token's K and V
+// to the cache before reading it. Its tail quantizes the attention output for the output projection, so a
+// decode layer's attention is one launch.
+//
 // Numerics as the CPU's decode path: q rounded to f16 (the cache's dot format), score = (q . k) * scale, f32
 // softmax and accumulation.
+
+struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARAMS
+    const float* q;     // roped queries [rows][n_head][HD] (prompt form)
+    const float* qkv;   // raw projections [rows][qkv_stride] (decode form)
+    const float* bias_q;
+    const float* bias_k;
+    const float* bias_v;
+    const float* q_norm;
+    const float* k_norm;
+    u16* k_pool;
+    u16* v_pool;
+    const int* page_tables;
+    const int* row_seq;
+    const int* pos;
+    float2* part_ml;
+    float* part_acc;
+    int* tickets;
+    float* out;
+    const Tail* tail;
+    int* done;
+    int table_stride, window, n_head, n_head_kv, page_size, qkv_stride, rope_dims, neox;
+    float scale, eps, theta_scale, freq_scale, q_scale;
+    int pad;
+};
 
 #define ATT_WARPS 4
 #define MAX_GROUP 8
 
-template <int HD>
-__device__ void attend(const float* q, const u16* k_pool, const u16* v_pool, const int* page_tables,
-                       int table_stride, const int* row_seq, const int* pos, int window, int n_head, int n_head_kv,
-                       int page_size, float scale, float2* part_ml, float* part_acc, int* tickets, float* out) {
+template <int HD, bool STEP>
+__device__ void attend(const AttnParams& P) {
+    const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
+    const float scale = P.scale;
+    const u16* k_pool = P.k_pool;
+    const u16* v_pool = P.v_pool;
+    float2* part_ml = P.part_ml;
+    float* part_acc = P.part_acc;
+    float* out = P.out;
     constexpr int VPL = HD / 32;  // output dims per lane
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -30,14 +64,47 @@ __device__ void attend(const float* q, const u16* k_pool, const u16* v_pool, con
     float* wacc = wml + ATT_WARPS * MAX_GROUP * 2;   // [warps][ng][HD]
     __shared__ int last_block;
 
-    const int* table = page_tables + (long long)row_seq[row] * table_stride;
-    const int p = pos[row];
+    const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
+    const int p = P.pos[row];
     const int kbeg = window > 0 ? max(0, p + 1 - window) : 0, kend = p + 1;
     const int per = (((kend - kbeg) + n_split - 1) / n_split + 31) & ~31;
     const int s0 = min(kend, kbeg + split * per), s1 = min(kend, s0 + per);
 
-    for (int i = tid; i < ng * HD; i += blockDim.x)
-        qs[i] = f16_round(q[((long long)row * n_head + g * ng) * HD + i]);
+    if (STEP) {
+        // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
+        // holds position p, write the new token's K and V for this KV head.
+        const float* src = P.qkv + (long long)row * P.qkv_stride;
+        for (int h = warp; h < ng; h += ATT_WARPS) {
+            float* v = qs + h * HD;
+            const int head = g * ng + h;
+            for (int i = lane; i < HD; i += WARP) v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
+            __syncwarp();
+            if (P.q_norm) head_rms_norm(v, P.q_norm, HD, P.eps);
+            rope_head(v, p, P.rope_dims, P.theta_scale, P.freq_scale, P.neox);
+            for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
+            __syncwarp();
+        }
+        if (s0 <= p && p < s1) {
+            const long long cell = ((long long)table[p / page_size] * n_head_kv + g) * page_size + p % page_size;
+            if (warp == ATT_WARPS - 1) {
+                float* v = wacc;  // scratch: the warps' merge area is not in use yet
+                const float* ks = src + n_head * HD + g * HD;
+                for (int i = lane; i < HD; i += WARP) v[i] = ks[i] + (P.bias_k ? P.bias_k[g * HD + i] : 0.0f);
+                __syncwarp();
+                if (P.k_norm) head_rms_norm(v, P.k_norm, HD, P.eps);
+                rope_head(v, p, P.rope_dims, P.theta_scale, P.freq_scale, P.neox);
+                for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
+            } else if (warp == ATT_WARPS - 2) {
+                const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
+                for (int i = lane; i < HD; i += WARP)
+                    P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
+            }
+        }
+        __threadfence_block();
+    } else {
+        for (int i = tid; i < ng * HD; i += blockDim.x)
+            qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
+    }
     __syncthreads();
 
     float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][VPL];
@@ -145,11 +212,11 @@ __device__ void attend(const float* q, const u16* k_pool, const u16* v_pool, con
             if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
         }
     }
-    if (n_split == 1) return;
+    if (n_split > 1) {
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-        int* ticket = tickets + row * n_head_kv + g;
+        int* ticket = P.tickets + row * n_head_kv + g;
         last_block = atomicAdd(ticket, 1) == n_split - 1;
         if (last_block) *ticket = 0;
     }
@@ -174,20 +241,32 @@ __device__ void attend(const float* q, const u16* k_pool, const u16* v_pool, con
         }
         out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
     }
+    }
+    // This block finished its group's output; the last group to finish runs the tail over the whole output.
+    if (STEP && P.tail) {
+        __shared__ int all_done;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            all_done = atomicAdd(P.done, 1) == (int)(gridDim.z * gridDim.y) - 1;
+            if (all_done) *P.done = 0;
+        }
+        __syncthreads();
+        if (!all_done) return;
+        __threadfence();
+        const Tail t = *P.tail;
+        norm_quant_cta(t.x, t.w, t.eps, t.n, t.act, t.out_q, t.out_d, t.out_s, 0, t.out_f);
+    }
 }
 
 #define ATTN_KERNEL(HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) attention_hd##HD(                                        \
-        const float* q, const u16* k_pool, const u16* v_pool, const int* page_tables, int table_stride,        \
-        const int* row_seq, const int* pos, int window, int n_head, int n_head_kv, int page_size, float scale, \
-        float2* part_ml, float* part_acc, int* tickets, float* out) {                                          \
-        attend<HD>(q, k_pool, v_pool, page_tables, table_stride, row_seq, pos, window, n_head, n_head_kv,      \
-                   page_size, scale, part_ml, part_acc, tickets, out);                                         \
+    extern "C" __global__ void __launch_bounds__(128) attention_hd##HD(const AttnParams* p) {                   \
+        attend<HD, false>(*p);                                                                                 \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attention_step_hd##HD(const AttnParams* p) {              \
+        attend<HD, true>(*p);                                                                                  \
     }
 
 ATTN_KERNEL(64)
 ATTN_KERNEL(128)
 ATTN_KERNEL(256)
-
-// Shared memory bytes attention_hd<HD> needs (mirrored in python/ninfer/backends/cuda_ops.py).
-// (MAX_GROUP * HD + ATT_WARPS * MAX_GROUP * 32 + ATT_WARPS * MAX_GROUP * 2 + ATT_WARPS * MAX_GROUP * HD) * 4

@@ -10,6 +10,8 @@
 //            MODE_ADD    out[r] += dot            (the residual add after attention-output and down projections)
 //            MODE_GLU    out[r] = glu(gate . x, up . x) for descriptor 0 = gate, 1 = up (one warp, both rows)
 //            MODE_ARGMAX out[r] = dot, and argmax packed into *best (greedy sampling without a second kernel)
+// A tail (norm.cu) lets the last block to finish norm + quantize the vector the next product reads, so a decode
+// step needs no separate quantization launches.
 
 #define MODE_STORE 0
 #define MODE_ADD 1
@@ -29,28 +31,33 @@ struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_plan.py
 
 // Dot of one row with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K), lanes striding over units.
 template <int T, int ACT>
+__device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, const float* ad, const float2* as) {
+    Unit w;
+    unpack<T>(row + (u / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T), u % UNITS_PER_BLOCK(T), w);
+    const int4* xq = (const int4*)(aq + 8 * u);
+    int4 x0 = xq[0], x1 = xq[1];
+    int s0 = __dp4a(w.q[0], x0.x, __dp4a(w.q[1], x0.y, __dp4a(w.q[2], x0.z, __dp4a(w.q[3], x0.w, 0))));
+    int s1 = __dp4a(w.q[4], x1.x, __dp4a(w.q[5], x1.y, __dp4a(w.q[6], x1.z, __dp4a(w.q[7], x1.w, 0))));
+    float d = ad[u];
+    if (ACT == ACT_Q8_0) return (w.sc[0] * d) * (float)(s0 + s1);
+    if (ACT == ACT_Q8_1) return (w.sc[0] * d) * (float)(s0 + s1) - w.mn[0] * as[u].x;
+    float2 bs = as[u];
+    return d * ((w.sc[0] * (float)s0 + w.sc[1] * (float)s1) - (w.mn[0] * bs.x + w.mn[1] * bs.y));
+}
+
+// Dot of one row with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K), lanes striding over units, two units
+// in flight per lane so their loads overlap.
+template <int T, int ACT>
 __device__ __forceinline__ float row_dot_q(const u8* row, int n_units, const int* aq, const float* ad,
                                            const float2* as) {
-    float acc = 0.0f;
-    const int lane = threadIdx.x & 31;
-    for (int u = lane; u < n_units; u += WARP) {
-        Unit w;
-        unpack<T>(row + (u / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T), u % UNITS_PER_BLOCK(T), w);
-        const int4* xq = (const int4*)(aq + 8 * u);
-        int4 x0 = xq[0], x1 = xq[1];
-        int s0 = __dp4a(w.q[0], x0.x, __dp4a(w.q[1], x0.y, __dp4a(w.q[2], x0.z, __dp4a(w.q[3], x0.w, 0))));
-        int s1 = __dp4a(w.q[4], x1.x, __dp4a(w.q[5], x1.y, __dp4a(w.q[6], x1.z, __dp4a(w.q[7], x1.w, 0))));
-        float d = ad[u];
-        if (ACT == ACT_Q8_0) {
-            acc += (w.sc[0] * d) * (float)(s0 + s1);
-        } else if (ACT == ACT_Q8_1) {
-            acc += (w.sc[0] * d) * (float)(s0 + s1) - w.mn[0] * as[u].x;
-        } else {
-            float2 bs = as[u];
-            acc += d * ((w.sc[0] * (float)s0 + w.sc[1] * (float)s1) - (w.mn[0] * bs.x + w.mn[1] * bs.y));
-        }
+    float acc0 = 0.0f, acc1 = 0.0f;
+    int u = threadIdx.x & 31;
+    for (; u + WARP < n_units; u += 2 * WARP) {
+        acc0 += unit_dot<T, ACT>(row, u, aq, ad, as);
+        acc1 += unit_dot<T, ACT>(row, u + WARP, aq, ad, as);
     }
-    return acc;
+    if (u < n_units) acc0 += unit_dot<T, ACT>(row, u, aq, ad, as);
+    return acc0 + acc1;
 }
 
 // Dot of one row of float weights (F32, F16, BF16) with an f32 activation (already rounded to the weight's
@@ -107,39 +114,39 @@ __device__ __forceinline__ u64 argmax_key(float v, int idx) {
     return ((u64)b << 32) | (u32)(~idx);
 }
 
-// One warp per global row; blockDim.x = 32 * warps. n_mats <= 4.
+// One warp per global row; blockDim.x = 32 * warps.
 template <int ACT>
 __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const void* act_q,
-                     const float* act_d, const float2* act_s, int mode, int glu_act, u64* best) {
+                     const float* act_d, const float2* act_s, int mode, int glu_act, u64* best, const Tail* tail) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (warp >= total_rows) return;
-    int mi = 0;
-    while (mi + 1 < n_mats && warp >= mats[mi + 1].row0) ++mi;
-    const MatDesc m = mats[mi];
-    const int r = warp - m.row0;
-    float v = warp_sum(row_dot<ACT>(m, r, n_cols, act_q, act_d, act_s));
-    if (mode == MODE_GLU) {
-        const MatDesc up = mats[1];
-        float u = warp_sum(row_dot<ACT>(up, r, n_cols, act_q, act_d, act_s));
-        if (lane == 0) m.out[r] = glu(v, u, glu_act);
-        return;
+    if (warp < total_rows) {
+        int mi = 0;
+        while (mi + 1 < n_mats && warp >= mats[mi + 1].row0) ++mi;
+        const MatDesc m = mats[mi];
+        const int r = warp - m.row0;
+        float v = warp_sum(row_dot<ACT>(m, r, n_cols, act_q, act_d, act_s));
+        if (mode == MODE_GLU) {
+            float u = warp_sum(row_dot<ACT>(mats[1], r, n_cols, act_q, act_d, act_s));
+            if (lane == 0) m.out[r] = glu(v, u, glu_act);
+        } else if (lane == 0) {
+            if (m.bias) v += m.bias[r];
+            if (mode == MODE_ADD) {
+                m.out[r] += v;
+            } else {
+                m.out[r] = v;
+                if (mode == MODE_ARGMAX) atomicMax(best, argmax_key(v, r));
+            }
+        }
     }
-    if (lane != 0) return;
-    if (m.bias) v += m.bias[r];
-    if (mode == MODE_ADD) {
-        m.out[r] += v;
-    } else {
-        m.out[r] = v;
-        if (mode == MODE_ARGMAX) atomicMax(best, argmax_key(v, r));
-    }
+    if (tail) run_tail(*tail, gridDim.x);
 }
 
 #define GEMV_KERNEL(NAME, ACT)                                                                                  \
     extern "C" __global__ void NAME(const MatDesc* mats, int n_mats, int total_rows, int n_cols,               \
                                     const void* act_q, const float* act_d, const float2* act_s, int mode,      \
-                                    int glu_act, u64* best) {                                                   \
-        gemv<ACT>(mats, n_mats, total_rows, n_cols, act_q, act_d, act_s, mode, glu_act, best);                  \
+                                    int glu_act, u64* best, const Tail* tail) {                                \
+        gemv<ACT>(mats, n_mats, total_rows, n_cols, act_q, act_d, act_s, mode, glu_act, best, tail);            \
     }
 
 GEMV_KERNEL(gemv_f32act, ACT_F32)

@@ -8,20 +8,23 @@
 // dequantized activation) for the prefill GEMM, out_f (f32 y) for anything else.
 
 __device__ __forceinline__ float norm_value(const float* x, const float* w, float scale, int i) {
-    return w ? (x[i] * scale) * w[i] : x[i];
+    return w ? (__ldcg(x + i) * scale) * w[i] : __ldcg(x + i);
 }
 
-extern "C" __global__ void norm_quant(const float* x_all, const float* w, float eps, int n, int act,
-                                      i8* out_q, float* out_d, float2* out_s, u16* out_h, float* out_f) {
-    const int row = blockIdx.x;
-    const float* x = x_all + (long long)row * n;
+// One row's norm + quantization by the whole thread block (any multiple of 32 threads). x is read with __ldcg
+// (L2, not L1): as the tail of a GEMV it reads rows other blocks just wrote.
+__device__ void norm_quant_cta(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
+                               float2* out_s, u16* out_h, float* out_f) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
     __shared__ double red[32];
     __shared__ float s_scale;
     float scale = 1.0f;
     if (w) {
         double s = 0.0;
-        for (int i = tid; i < n; i += blockDim.x) s += (double)(x[i] * x[i]);
+        for (int i = tid; i < n; i += blockDim.x) {
+            float v = __ldcg(x + i);
+            s += (double)(v * v);
+        }
         s = warp_sum_d(s);
         if (lane == 0) red[warp] = s;
         __syncthreads();
@@ -33,15 +36,14 @@ extern "C" __global__ void norm_quant(const float* x_all, const float* w, float 
         __syncthreads();
         scale = s_scale;
     }
-    const long long base = (long long)row * n;
     const int n_units = n >> 5;
     if (act == ACT_F32 || act == ACT_F16 || act == ACT_BF16) {
         for (int i = tid; i < n; i += blockDim.x) {
             float y = norm_value(x, w, scale, i);
             if (act == ACT_F16) y = f16_round(y);
             if (act == ACT_BF16) y = bf16_round(y);
-            if (out_f) out_f[base + i] = y;
-            if (out_h) out_h[base + i] = f2h(y);
+            if (out_f) out_f[i] = y;
+            if (out_h) out_h[i] = f2h(y);
         }
         return;
     }
@@ -54,13 +56,13 @@ extern "C" __global__ void norm_quant(const float* x_all, const float* w, float 
             float id = amax != 0.0f ? 127.0f / amax : 0.0f;
             int q = nearest_int(y * id);
             float dh = f16_round(d);
-            if (out_q) out_q[base + i] = (i8)q;
-            if (out_h) out_h[base + i] = f2h((float)q * dh);
-            if (out_f) out_f[base + i] = y;
+            if (out_q) out_q[i] = (i8)q;
+            if (out_h) out_h[i] = f2h((float)q * dh);
+            if (out_f) out_f[i] = y;
             int sum = warp_sum_i(q);
             if (lane == 0 && out_d) {
-                out_d[(long long)row * n_units + u] = dh;
-                out_s[(long long)row * n_units + u] = make_float2(act == ACT_Q8_1 ? f16_round((float)sum * d) : 0.0f, 0.0f);
+                out_d[u] = dh;
+                out_s[u] = make_float2(act == ACT_Q8_1 ? f16_round((float)sum * d) : 0.0f, 0.0f);
             }
         }
         return;
@@ -90,18 +92,58 @@ extern "C" __global__ void norm_quant(const float* x_all, const float* w, float 
         for (int k = 0; k < 8; ++k) {
             int q = mx != 0.0f ? min(nearest_int(iscale * y[k]), 127) : 0;
             sum8 += q;
-            if (out_q) out_q[base + i0 + k] = (i8)q;
-            if (out_h) out_h[base + i0 + k] = f2h((float)q * (mx != 0.0f ? 1.0f / iscale : 0.0f));
-            if (out_f) out_f[base + i0 + k] = y[k];
+            if (out_q) out_q[i0 + k] = (i8)q;
+            if (out_h) out_h[i0 + k] = f2h((float)q * (mx != 0.0f ? 1.0f / iscale : 0.0f));
+            if (out_f) out_f[i0 + k] = y[k];
         }
         int sum16 = sum8 + __shfl_xor_sync(0xffffffffu, sum8, 1);  // lanes 2g, 2g+1 hold group g of 16
         int next16 = __shfl_down_sync(0xffffffffu, sum16, 2);
         if ((lane & 3) == 0 && out_d) {
-            const long long u = (long long)row * n_units + 8 * blk + (lane >> 2);
+            const int u = 8 * blk + (lane >> 2);
             out_d[u] = mx != 0.0f ? 1.0f / iscale : 0.0f;
             out_s[u] = make_float2((float)sum16, (float)next16);
         }
     }
+}
+
+// A row per block: norm_quant_cta on rows of x (prompt batches; the first quantization of a decode step).
+extern "C" __global__ void norm_quant(const float* x, const float* w, float eps, int n, int act, i8* out_q,
+                                      float* out_d, float2* out_s, u16* out_h, float* out_f) {
+    const long long r = blockIdx.x, nu = n >> 5;
+    norm_quant_cta(x + r * n, w, eps, n, act, out_q ? out_q + r * n : 0, out_d ? out_d + r * nu : 0,
+                   out_s ? out_s + r * nu : 0, out_h ? out_h + r * n : 0, out_f ? out_f + r * n : 0);
+}
+
+// What a kernel's last block does after the others finished (see gemv.cu, attention.cu): norm + quantize the
+// vector the next matrix product reads. counter == null: no tail.
+struct Tail {
+    int* counter;
+    const float* x;
+    const float* w;
+    float eps;
+    int n;
+    int act;
+    i8* out_q;
+    float* out_d;
+    float2* out_s;
+    float* out_f;
+};
+
+// Called by every thread of every block at the end of a kernel; the last block to arrive runs the tail and
+// resets the counter for the next launch.
+__device__ void run_tail(const Tail& t, int n_blocks) {
+    if (!t.counter) return;
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(t.counter, 1) == n_blocks - 1;
+        if (is_last) *t.counter = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    norm_quant_cta(t.x, t.w, t.eps, t.n, t.act, t.out_q, t.out_d, t.out_s, 0, t.out_f);
 }
 
 // Per-head RMSNorm in place over rows of `dim` floats (gemma3's q/k norms), one warp per head.
