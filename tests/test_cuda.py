@@ -327,7 +327,8 @@ def test_split_model_runs_first_layers_on_gpu_rest_on_cpu(tmp_path: Path) -> Non
 
 
 @needs_cuda
-@pytest.mark.parametrize("ty,tol", [("F32", 1e-6), ("F16", 1e-6)])
+# The CPU's prompt path keeps q in f32 from 64 rows on, the GPU rounds it to f16 as both do in decode: 1e-5.
+@pytest.mark.parametrize("ty,tol", [("F32", 1e-5), ("F16", 1e-5)])
 def test_prefill_logits_gpu_equal_cpu(ty: str, tol: float, tmp_path: Path) -> None:
     path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", ty, n_layer=2, seed=2)
     tokens = list(range(5, 5 + 100))
