@@ -98,6 +98,8 @@ class NinferRunner:
         per_tok = {k: v / calls for k, v in p.items()}
         for k in ("matmul", "attention", "other", "sampling"):
             per_tok.setdefault(k, 0.0)
+        if "cpu_layers" in per_tok:  # a split model: the CPU engine's layers, timed around its call
+            per_tok["other"] += per_tok.pop("cpu_layers")
         if hasattr(eng, "layer_profile"):  # the CUDA backend times each layer with CUDA events
             for i, secs in enumerate(eng.layer_profile()):
                 per_tok[f"layer{i}"] = secs / calls

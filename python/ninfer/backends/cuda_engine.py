@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -99,6 +100,11 @@ class CudaEngine:
             tail_spec = dict(s, layers=s["layers"][self.n_gpu:])
             self.tail = _core.Engine(model_file.gguf, tail_spec, threads=threads, n_ctx=n_ctx, n_seq_max=n_seq_max,
                                      block_size=page_size)
+            try:  # the CPU layers are read every token: keep them out of the page cache's eviction
+                self.tail.lock_weights()
+            except OSError as e:
+                if log:
+                    log(f"warning: could not pin the CPU layers in RAM ({e}); they may be re-read from disk")
         self.seq_len_: dict[int, int] = {}
         self.pages: dict[int, list[int]] = {}
         self.free_pages = list(range(self.n_pages - 1, -1, -1))
@@ -329,7 +335,11 @@ class CudaEngine:
             self.seq_len_[seq] = start + 1
             self.forward_calls += 1
             if self.tail is not None:
-                return int(self.tail.step_hidden(seq, self.out_x.array.reshape(1, -1), sampler))
+                t0 = time.perf_counter()
+                token = int(self.tail.step_hidden(seq, self.out_x.array.reshape(1, -1), sampler))
+                if self.profiling:
+                    self.prof["cpu_layers"] += time.perf_counter() - t0
+                return token
             if greedy:
                 return int(self.out_token.array[0])
             return int(sampler.sample(self.out_logits.array))

@@ -78,7 +78,8 @@ def mat_descs(entries: list[tuple[int, int, int, int, int, int]]):
 def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, act_q: int, act_d: int, act_s: int,
          mode: int, glu_act: int = 0, best: int = 0, tail_struct=None) -> None:
     threads = 32 * GEMV_WARPS
-    grid = (total_rows + GEMV_WARPS - 1) // GEMV_WARPS
+    warps = total_rows if mode == MODE_GLU else (total_rows + 1) // 2  # a warp: gate+up of a row, or two rows
+    grid = (warps + GEMV_WARPS - 1) // GEMV_WARPS
     function(_GEMV_KERNEL[act])((grid,), (threads,), (
         descs, I(n_mats), I(total_rows), I(n_cols), P(act_q), P(act_d), P(act_s), I(mode), I(glu_act), P(best),
         tail_struct if tail_struct is not None else P(0)))

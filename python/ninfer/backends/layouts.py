@@ -39,7 +39,7 @@ LAYOUTS: dict[int, Layout] = {
     11: Layout(256, 110, 112, ((0, 0, 110),), ACT_Q8_K),  # Q3_K (+2 at the end)
     12: _same(256, 144, ACT_Q8_K),  # Q4_K
     13: _same(256, 176, ACT_Q8_K),  # Q5_K
-    14: Layout(256, 210, 212, ((0, 0, 210),), ACT_Q8_K),  # Q6_K (+2 at the end)
+    14: Layout(256, 210, 224, ((0, 0, 210),), ACT_Q8_K),  # Q6_K (+14 at the end: 16-byte aligned blocks)
 }
 
 # How each activation kind is stored: bytes per element of the quants/values, and whether it has unit scales.

@@ -122,10 +122,11 @@ __device__ void attend(const AttnParams& P) {
         float sc[MAX_GROUP];
 #pragma unroll
         for (int h = 0; h < MAX_GROUP; ++h) sc[h] = 0.0f;
+        // This lane's key's cache row (element offset, for K and V alike); invalid lanes point at a valid row.
+        const long long row_off = ((long long)table[(valid ? key : t0) / page_size] * n_head_kv + g) * head_stride +
+                                  (long long)((valid ? key : t0) % page_size) * HD;
         if (valid) {
-            const int pg = table[key / page_size];
-            const uint4* kr = (const uint4*)(k_pool + ((long long)pg * n_head_kv + g) * head_stride +
-                                              (long long)(key % page_size) * HD);
+            const uint4* kr = (const uint4*)(k_pool + row_off);
 #pragma unroll 4
             for (int c = 0; c < HD / 8; ++c) {
                 uint4 kv = kr[c];
@@ -155,17 +156,20 @@ __device__ void attend(const AttnParams& P) {
             pt[(warp * MAX_GROUP + h) * 32 + lane] = pr;
         }
         __syncwarp();
-        const int n_keys = min(32, s1 - t0);
-        for (int j = 0; j < n_keys; ++j) {
-            const int kj = t0 + j;
-            const int pg = table[kj / page_size];
-            const u16* vr = v_pool + ((long long)pg * n_head_kv + g) * head_stride + (long long)(kj % page_size) * HD +
-                            lane * VPL;
+        // V: all 32 keys of the tile (probability 0 for keys past the share), row offsets shuffled from the lane
+        // that looked them up, so the loads do not wait on page-table reads and unroll into flight together.
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {
+            const long long off = __shfl_sync(0xffffffffu, row_off, j);
+            const u16* vr = v_pool + off + lane * VPL;
             float vv[VPL];
             if (VPL == 4) {
                 uint2 raw = *(const uint2*)vr;
                 vv[0] = h2f(raw.x & 0xFFFF); vv[1] = h2f(raw.x >> 16);
                 vv[2] = h2f(raw.y & 0xFFFF); vv[3] = h2f(raw.y >> 16);
+            } else if (VPL == 2) {
+                u32 raw = *(const u32*)vr;
+                vv[0] = h2f(raw & 0xFFFF); vv[1] = h2f(raw >> 16);
             } else {
 #pragma unroll
                 for (int c = 0; c < VPL; ++c) vv[c] = h2f(vr[c]);
@@ -261,10 +265,12 @@ __device__ void attend(const AttnParams& P) {
 
 #define ATTN_KERNEL(HD)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) attention_hd##HD(const AttnParams* p) {                   \
-        attend<HD, false>(*p);                                                                                 \
+        const AttnParams P = *p;                                                                               \
+        attend<HD, false>(P);                                                                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attention_step_hd##HD(const AttnParams* p) {              \
-        attend<HD, true>(*p);                                                                                  \
+        const AttnParams P = *p;                                                                               \
+        attend<HD, true>(P);                                                                                  \
     }
 
 ATTN_KERNEL(64)

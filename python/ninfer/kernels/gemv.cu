@@ -2,7 +2,7 @@
 // directly (fused dequant + dot). The activation x arrives quantized the way the CPU backend quantizes it
 // (norm.cu: int8 quants, a scale per unit, per-half sums), so the integer products equal the CPU's.
 //
-// One launch can cover several matrices that read the same activation (q, k and v; gate and up): their
+// A warp computes two rows at once. One launch can cover several matrices that read the same activation (q, k and v; gate and up): their
 // descriptors sit in a small device array, rows numbered across them in order. Weight types may differ between
 // matrices of a launch as long as they share the activation kind (each kernel below serves one kind).
 //
@@ -45,19 +45,17 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, c
     return d * ((w.sc[0] * (float)s0 + w.sc[1] * (float)s1) - (w.mn[0] * bs.x + w.mn[1] * bs.y));
 }
 
-// Dot of one row with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K), lanes striding over units, two units
-// in flight per lane so their loads overlap.
+// Dots of two rows of one type with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K), lanes striding over units:
+// both rows' blocks are in flight together, and the activation is loaded once for both.
 template <int T, int ACT>
-__device__ __forceinline__ float row_dot_q(const u8* row, int n_units, const int* aq, const float* ad,
-                                           const float2* as) {
-    float acc0 = 0.0f, acc1 = 0.0f;
-    int u = threadIdx.x & 31;
-    for (; u + WARP < n_units; u += 2 * WARP) {
-        acc0 += unit_dot<T, ACT>(row, u, aq, ad, as);
-        acc1 += unit_dot<T, ACT>(row, u + WARP, aq, ad, as);
+__device__ __forceinline__ float2 rows_dot_q(const u8* r0, const u8* r1, int n_units, const int* aq,
+                                             const float* ad, const float2* as) {
+    float a0 = 0.0f, a1 = 0.0f;
+    for (int u = threadIdx.x & 31; u < n_units; u += WARP) {
+        a0 += unit_dot<T, ACT>(r0, u, aq, ad, as);
+        a1 += unit_dot<T, ACT>(r1, u, aq, ad, as);
     }
-    if (u < n_units) acc0 += unit_dot<T, ACT>(row, u, aq, ad, as);
-    return acc0 + acc1;
+    return make_float2(a0, a1);
 }
 
 // Dot of one row of float weights (F32, F16, BF16) with an f32 activation (already rounded to the weight's
@@ -87,24 +85,39 @@ __device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const
     return acc;
 }
 
+// Dots of two rows of one quantized type with the activation: the type switch over rows_dot_q.
 template <int ACT>
-__device__ __forceinline__ float row_dot(const MatDesc& m, int r, int n_cols, const void* act_q,
-                                         const float* act_d, const float2* act_s) {
-    const u8* row = m.w + (long long)r * m.row_bytes;
-    const int n_units = n_cols >> 5;
-    if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16) return row_dot_f(m.type, row, n_cols, (const float*)act_q);
-    const int* aq = (const int*)act_q;
+__device__ __forceinline__ float2 rows_dot_typed(int type, const u8* w0, const u8* w1, int n_units, const int* aq,
+                                                 const float* act_d, const float2* act_s) {
 #define DOT_CASE(T) \
-    case T: return row_dot_q<T, ACT>(row, n_units, aq, act_d, act_s);
+    case T: return rows_dot_q<T, ACT>(w0, w1, n_units, aq, act_d, act_s);
     if (ACT == ACT_Q8_0) {
-        switch (m.type) { DOT_CASE(T_Q4_0) DOT_CASE(T_Q5_0) DOT_CASE(T_Q8_0) }
+        switch (type) { DOT_CASE(T_Q4_0) DOT_CASE(T_Q5_0) DOT_CASE(T_Q8_0) }
     } else if (ACT == ACT_Q8_1) {
-        switch (m.type) { DOT_CASE(T_Q4_1) DOT_CASE(T_Q5_1) }
+        switch (type) { DOT_CASE(T_Q4_1) DOT_CASE(T_Q5_1) }
     } else {
-        switch (m.type) { DOT_CASE(T_Q2_K) DOT_CASE(T_Q3_K) DOT_CASE(T_Q4_K) DOT_CASE(T_Q5_K) DOT_CASE(T_Q6_K) }
+        switch (type) { DOT_CASE(T_Q2_K) DOT_CASE(T_Q3_K) DOT_CASE(T_Q4_K) DOT_CASE(T_Q5_K) DOT_CASE(T_Q6_K) }
     }
 #undef DOT_CASE
-    return __int_as_float(0x7fc00000);  // a type the launcher should not have sent here: NaN, loudly
+    const float nan = __int_as_float(0x7fc00000);  // a type the launcher should not have sent here: NaN, loudly
+    return make_float2(nan, nan);
+}
+
+// Dots of row r0 of matrix m0 and row r1 of matrix m1 (the same matrix, or gate and up) with the activation.
+template <int ACT>
+__device__ __forceinline__ float2 rows_dot(const MatDesc& m0, int r0, const MatDesc& m1, int r1, int n_cols,
+                                           const void* act_q, const float* act_d, const float2* act_s) {
+    const u8* w0 = m0.w + (long long)r0 * m0.row_bytes;
+    const u8* w1 = m1.w + (long long)r1 * m1.row_bytes;
+    if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16)
+        return make_float2(row_dot_f(m0.type, w0, n_cols, (const float*)act_q),
+                           row_dot_f(m1.type, w1, n_cols, (const float*)act_q));
+    const int n_units = n_cols >> 5;
+    const int* aq = (const int*)act_q;
+    if (m0.type != m1.type)  // two types in one pair (only at a boundary between matrices): one row at a time
+        return make_float2(rows_dot_typed<ACT>(m0.type, w0, w0, n_units, aq, act_d, act_s).x,
+                           rows_dot_typed<ACT>(m1.type, w1, w1, n_units, aq, act_d, act_s).x);
+    return rows_dot_typed<ACT>(m0.type, w0, w1, n_units, aq, act_d, act_s);
 }
 
 // Orderable key of (value, index): larger value wins, then the smaller index (the CPU sampler's first maximum).
@@ -114,29 +127,43 @@ __device__ __forceinline__ u64 argmax_key(float v, int idx) {
     return ((u64)b << 32) | (u32)(~idx);
 }
 
-// One warp per global row; blockDim.x = 32 * warps.
+__device__ __forceinline__ int mat_of(const MatDesc* mats, int n_mats, int row) {
+    int mi = 0;
+    while (mi + 1 < n_mats && row >= mats[mi + 1].row0) ++mi;
+    return mi;
+}
+
+// Stores row r's result by the epilogue of `mode`.
+__device__ __forceinline__ void store_row(const MatDesc& m, int r, float v, int mode, u64* best) {
+    if (m.bias) v += m.bias[r];
+    if (mode == MODE_ADD) {
+        m.out[r] += v;
+    } else {
+        m.out[r] = v;
+        if (mode == MODE_ARGMAX) atomicMax(best, argmax_key(v, r));
+    }
+}
+
+// Two rows per warp (global rows 2w and 2w+1; for MODE_GLU row w of gate and of up); blockDim.x = 32 * warps.
 template <int ACT>
 __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const void* act_q,
                      const float* act_d, const float2* act_s, int mode, int glu_act, u64* best, const Tail* tail) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (warp < total_rows) {
-        int mi = 0;
-        while (mi + 1 < n_mats && warp >= mats[mi + 1].row0) ++mi;
-        const MatDesc m = mats[mi];
-        const int r = warp - m.row0;
-        float v = warp_sum(row_dot<ACT>(m, r, n_cols, act_q, act_d, act_s));
-        if (mode == MODE_GLU) {
-            float u = warp_sum(row_dot<ACT>(mats[1], r, n_cols, act_q, act_d, act_s));
-            if (lane == 0) m.out[r] = glu(v, u, glu_act);
-        } else if (lane == 0) {
-            if (m.bias) v += m.bias[r];
-            if (mode == MODE_ADD) {
-                m.out[r] += v;
-            } else {
-                m.out[r] = v;
-                if (mode == MODE_ARGMAX) atomicMax(best, argmax_key(v, r));
-            }
+    if (mode == MODE_GLU) {
+        if (warp < total_rows) {
+            const float2 v = rows_dot<ACT>(mats[0], warp, mats[1], warp, n_cols, act_q, act_d, act_s);
+            const float g = warp_sum(v.x), u = warp_sum(v.y);
+            if (lane == 0) mats[0].out[warp] = glu(g, u, glu_act);
+        }
+    } else if (2 * warp < total_rows) {
+        const int ra = 2 * warp, rb = min(2 * warp + 1, total_rows - 1);
+        const MatDesc ma = mats[mat_of(mats, n_mats, ra)], mb = mats[mat_of(mats, n_mats, rb)];
+        const float2 v = rows_dot<ACT>(ma, ra - ma.row0, mb, rb - mb.row0, n_cols, act_q, act_d, act_s);
+        const float a = warp_sum(v.x), b = warp_sum(v.y);
+        if (lane == 0) {
+            store_row(ma, ra - ma.row0, a, mode, best);
+            if (rb != ra) store_row(mb, rb - mb.row0, b, mode, best);
         }
     }
     if (tail) run_tail(*tail, gridDim.x);

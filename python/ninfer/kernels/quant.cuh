@@ -1,7 +1,7 @@
 // Weight blocks on the GPU, and how a kernel reads them.
 //
 // Weights are uploaded in their GGML block formats, with a few bytes of padding inserted so that every field a
-// kernel loads as an int is 4-byte aligned (python/ninfer/backends/layouts.py pads them; the table there and the
+// kernel loads as an int is 4-byte aligned, and the K-quants' code arrays 16-byte aligned for vector loads (python/ninfer/backends/layouts.py pads them; the table there and the
 // offsets below must agree). The unit of work is 32 consecutive elements of a row: `unpack_<type>` turns unit j
 // of a block into 32 signed 8-bit codes (8 packed ints, element order) and, per half of 16, a scale and a min,
 // with weight = scale * code - min. That single description serves the integer dot products of the decode GEMV
@@ -20,6 +20,13 @@ __device__ __forceinline__ float ld_h(const u8* p) { return h2f(*(const u16*)p);
 __device__ __forceinline__ void ld_ints(const u8* p, int* v, int n) {
 #pragma unroll
     for (int i = 0; i < n; ++i) v[i] = ld_i32(p + 4 * i);
+}
+
+// Eight ints from a 16-byte aligned address, in two 16-byte loads.
+__device__ __forceinline__ void ld_int8x(const u8* p, int* v) {
+    int4 a = ((const int4*)p)[0], b = ((const int4*)p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
 // Spread 4 bits to bit 4 of each byte (the fifth bit of Q5 codes).
@@ -110,8 +117,8 @@ __device__ __forceinline__ void unpack_q2_k(const u8* b, int j, Unit& u) {
 __device__ __forceinline__ void unpack_q3_k(const u8* b, int j, Unit& u) {
     int n = j >> 2, s = 2 * (j & 3), m = 4 * n + (j & 3);
     int v[8], hm[8];
-    ld_ints(b + 32 + 32 * n, v, 8);
-    ld_ints(b, hm, 8);
+    ld_int8x(b + 32 + 32 * n, v);
+    ld_int8x(b, hm);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         int low = (v[k] >> s) & 0x03030303;
@@ -144,7 +151,7 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int& sc, int& m
 // Q4_K (144 B): d | dmin | scales 12 | qs 128.  Unit j: qs[32*(j/2) ...], low nibbles for even j, high for odd.
 __device__ __forceinline__ void unpack_q4_k(const u8* b, int j, Unit& u) {
     int v[8];
-    ld_ints(b + 16 + 32 * (j >> 1), v, 8);
+    ld_int8x(b + 16 + 32 * (j >> 1), v);
     int s = 4 * (j & 1);
 #pragma unroll
     for (int k = 0; k < 8; ++k) u.q[k] = (v[k] >> s) & 0x0F0F0F0F;
@@ -157,8 +164,8 @@ __device__ __forceinline__ void unpack_q4_k(const u8* b, int j, Unit& u) {
 // Q5_K (176 B): d | dmin | scales 12 | qh 32 | qs 128.  Fifth bit of element l of unit j: bit j of qh[l].
 __device__ __forceinline__ void unpack_q5_k(const u8* b, int j, Unit& u) {
     int v[8], hb[8];
-    ld_ints(b + 48 + 32 * (j >> 1), v, 8);
-    ld_ints(b + 16, hb, 8);
+    ld_int8x(b + 48 + 32 * (j >> 1), v);
+    ld_int8x(b + 16, hb);
     int s = 4 * (j & 1);
 #pragma unroll
     for (int k = 0; k < 8; ++k) u.q[k] = ((v[k] >> s) & 0x0F0F0F0F) | (((hb[k] >> j) & 0x01010101) << 4);
@@ -168,13 +175,13 @@ __device__ __forceinline__ void unpack_q5_k(const u8* b, int j, Unit& u) {
     u.mn[0] = u.mn[1] = ld_h(b + 2) * (float)m;
 }
 
-// Q6_K (212 B): ql 128 | qh 64 | scales 16 (int8, per 16) | d | pad 2.
+// Q6_K (224 B): ql 128 | qh 64 | scales 16 (int8, per 16) | d | pad 14 (16-byte aligned blocks).
 // Unit j = 4n + t: ql[64n + 32*(t&1) ...] shifted by 4*(t>>1), qh[32n ...] bits 2t..2t+1, minus 32.
 __device__ __forceinline__ void unpack_q6_k(const u8* b, int j, Unit& u) {
     int n = j >> 2, t = j & 3;
     int lo[8], hi[8];
-    ld_ints(b + 64 * n + 32 * (t & 1), lo, 8);
-    ld_ints(b + 128 + 32 * n, hi, 8);
+    ld_int8x(b + 64 * n + 32 * (t & 1), lo);
+    ld_int8x(b + 128 + 32 * n, hi);
     int s = 4 * (t >> 1);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -192,7 +199,7 @@ __device__ __forceinline__ void unpack_q6_k(const u8* b, int j, Unit& u) {
 #define GPU_BLOCK_BYTES(T)                                                                                     \
     ((T) == T_Q4_0 ? 20 : (T) == T_Q4_1 ? 20 : (T) == T_Q5_0 ? 24 : (T) == T_Q5_1 ? 24 : (T) == T_Q8_0 ? 36 \
      : (T) == T_Q2_K ? 84 : (T) == T_Q3_K ? 112 : (T) == T_Q4_K ? 144 : (T) == T_Q5_K ? 176                 \
-     : (T) == T_Q6_K ? 212 : (T) == T_F32 ? 128 : 64)
+     : (T) == T_Q6_K ? 224 : (T) == T_F32 ? 128 : 64)
 #define UNITS_PER_BLOCK(T) ((T) >= T_Q2_K && (T) <= T_Q6_K ? 8 : 1)
 
 template <int T>

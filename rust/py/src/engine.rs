@@ -223,6 +223,12 @@ impl PyEngine {
         .map_err(to_py)
     }
 
+    /// Pin the weights this engine reads in RAM (mlock); OSError if the process may not lock that much.
+    fn lock_weights(&self, py: Python<'_>) -> PyResult<()> {
+        let w = &self.model.weights;
+        py.detach(|| w.lock()).map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("mlock failed: {e}")))
+    }
+
     /// Turn the per-kind timing of forward passes and sampling on or off (`ninfer bench --profile`).
     fn set_profiling(&self, on: bool) {
         self.model.profile.set_enabled(on);

@@ -33,6 +33,24 @@ impl Matrix {
         self.row_bytes
     }
 
+    /// Pin this matrix's pages of the memory map in RAM (mlock): the CPU half of a split model reads them every
+    /// token, and a page cache under memory pressure would otherwise read them from disk again and again.
+    pub fn lock(&self) -> std::io::Result<()> {
+        #[cfg(unix)]
+        {
+            // SAFETY: sysconf has no preconditions; mlock only pins pages of a range this mapping owns.
+            let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+            let base = self.data().as_ptr() as usize;
+            let start = base & !(page - 1);
+            let len = base + self.data().len() - start;
+            let r = unsafe { libc::mlock(start as *const libc::c_void, len) };
+            if r != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+
     /// Row r dequantized to f32 (embedding lookups).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<()> {
         let start = r * self.row_bytes;
@@ -57,6 +75,18 @@ pub struct LayerWeights {
     pub w_up: Matrix,
     pub w_down: Matrix,
     pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+impl Weights {
+    /// mlock every matrix the layer loop and the output head read (not the token embedding: lookups are rare).
+    pub fn lock(&self) -> std::io::Result<()> {
+        for l in &self.layers {
+            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                m.lock()?;
+            }
+        }
+        self.output.lock()
+    }
 }
 
 pub struct Weights {
