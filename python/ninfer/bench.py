@@ -250,8 +250,6 @@ def model_info(path: str) -> dict[str, Any]:
 
 
 def format_table(results: list[Result], info: dict[str, Any]) -> str:
-    from ninfer import _core
-
     ratios = any(r.engine == "llama.cpp" for r in results)
     head = ["model", "size", "params", "engine", "threads", "test", "t/s"] + (["vs llama.cpp"] if ratios else [])
     rows = []
@@ -291,8 +289,6 @@ def format_profile(results: list[Result]) -> str:
 
 
 def to_json(results: list[Result], info: dict[str, Any]) -> list[dict[str, Any]]:
-    from ninfer import _core
-
     return [
         {**info, "engine": r.engine, "backend": r.backend,
          "n_threads": r.threads, "n_prompt": r.test.n if r.test.kind == "pp" else 0,
