@@ -142,9 +142,11 @@ __device__ void attend(const AttnParams& P) {
                 }
             }
         }
+        // Register arrays are indexed by h: every loop over h must unroll completely (a `break` would not), or
+        // they move to local memory.
 #pragma unroll
         for (int h = 0; h < MAX_GROUP; ++h) {
-            if (h >= ng) break;
+            if (h < ng) {
             float s = valid ? sc[h] * scale : -INFINITY;
             float m_new = fmaxf(m[h], warp_max(s));
             float pr = valid ? expf(s - m_new) : 0.0f;
@@ -154,6 +156,7 @@ __device__ void attend(const AttnParams& P) {
             for (int c = 0; c < VPL; ++c) acc[h][c] *= corr;
             m[h] = m_new;
             pt[(warp * MAX_GROUP + h) * 32 + lane] = pr;
+            }
         }
         __syncwarp();
         // V: all 32 keys of the tile (probability 0 for keys past the share), row offsets shuffled from the lane
@@ -176,16 +179,19 @@ __device__ void attend(const AttnParams& P) {
             }
 #pragma unroll
             for (int h = 0; h < MAX_GROUP; ++h) {
-                if (h >= ng) break;
-                float pj = pt[(warp * MAX_GROUP + h) * 32 + j];
+                if (h < ng) {
+                    float pj = pt[(warp * MAX_GROUP + h) * 32 + j];
 #pragma unroll
-                for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[c], acc[h][c]);
+                    for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[c], acc[h][c]);
+                }
             }
         }
         __syncwarp();
     }
     // Merge the warps of this block.
-    for (int h = 0; h < ng; ++h) {
+#pragma unroll
+    for (int h = 0; h < MAX_GROUP; ++h) {
+        if (h >= ng) continue;
         if (lane == 0) {
             wml[(warp * MAX_GROUP + h) * 2] = m[h];
             wml[(warp * MAX_GROUP + h) * 2 + 1] = l[h];
