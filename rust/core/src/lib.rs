@@ -3,6 +3,7 @@
 pub mod cpu;
 pub mod error;
 pub mod gguf;
+pub mod gsq;
 pub mod kv;
 pub mod model;
 pub mod quant;

