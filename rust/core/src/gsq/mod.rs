@@ -94,15 +94,15 @@ pub fn quantize_matrix(
         .num_threads(threads.max(1))
         .build()
         .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
-    let stats = pool.install(|| {
+    let per_row: Vec<RowStats> = pool.install(|| {
         out.par_chunks_mut(row_bytes)
             .zip(w.par_chunks(cols))
             .map(|(dst, row)| quantize_row(layout, row, h, steps, dst))
-            .reduce(RowStats::default, |mut a, b| {
-                a.add(&b);
-                a
-            })
+            .collect()
     });
+    // Summed in row order, so the totals (written to the file's metadata) do not depend on the thread count.
+    let mut stats = RowStats::default();
+    per_row.iter().for_each(|r| stats.add(r));
     Ok((out, stats))
 }
 

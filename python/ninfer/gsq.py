@@ -1,0 +1,333 @@
+"""GSQ-RCO conversion, verification and inspection (`gsq-rco convert|verify|inspect`, `ninfer convert`).
+
+The converter streams: one tensor at a time is read from the memory-mapped input, dequantized (Rust), quantized
+to GSQ-RCO (Rust, multithreaded) and written, so peak memory is a small multiple of the largest tensor, never the
+model. It writes `OUT.partial` and renames it to OUT only when complete; the input is only read.
+
+A GSQ-RCO tensor is stored as a raw I8 tensor of its records ([rows, row_bytes]); its logical shape, layout,
+statistics and a BLAKE2b checksum sit in the metadata key `gsq.tensor.<name>` (JSON). Tensors kept in their source
+type get a checksum too. The metadata is written before the data, so each JSON is first a fixed-width placeholder
+and is filled in place once its tensor is written (before the rename). docs/gsq-rco.md specifies the format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ninfer import _core
+from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError
+
+FORMAT_VERSION = 1
+_INFO_WIDTH = 320  # bytes reserved for each tensor's JSON in the header
+_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What happens to one tensor: 'gsq' with `slots` residual slots per group, or 'keep' the source type."""
+
+    kind: str
+    slots: int = 0
+
+
+def default_policy(name: str, dims: tuple[int, ...], n_layer: int, group: int) -> Policy:
+    """Token embedding, output head and vectors keep their source type; matrices whose rows are whole groups
+    become GSQ-RCO, with more residual slots where errors cost most (attn_v, ffn_down, the first and last layers)."""
+    if len(dims) < 2 or name in ("token_embd.weight", "output.weight") or dims[0] % group:
+        return Policy("keep")
+    m = re.match(r"blk\.(\d+)\.", name)
+    layer = int(m.group(1)) if m else -1
+    costly = name.endswith(("attn_v.weight", "ffn_down.weight")) or layer in (0, n_layer - 1)
+    return Policy("gsq", 4 if costly else 2)
+
+
+def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]:
+    """--tensor-type REGEX=TYPE overrides, TYPE one of keep, gsq, gsq:SLOTS (first match wins)."""
+    out = []
+    for spec in specs:
+        if "=" not in spec:
+            raise InvalidArgumentError(f"--tensor-type takes REGEX=TYPE, got {spec!r}")
+        pattern, ty = spec.rsplit("=", 1)
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: bad regular expression: {e}") from None
+        m = re.fullmatch(r"(keep|gsq)(?::(\d+))?", ty.lower())
+        if not m or (m.group(1) == "keep" and m.group(2)):
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep, gsq or gsq:SLOTS")
+        out.append((rx, Policy(m.group(1), int(m.group(2)) if m.group(2) else 2)))
+    return out
+
+
+def _checksum(data: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    mv = memoryview(data).cast("B")
+    for i in range(0, len(mv), _CHUNK):
+        h.update(mv[i : i + _CHUNK])
+    return h.hexdigest()
+
+
+def _placeholder(i: int) -> str:
+    return f"@gsq-info-{i:06d}@".ljust(_INFO_WIDTH, "~")
+
+
+def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: int = 128, residual_bits: int = 8,
+            steps: int = 100, threads: int = 0, seed: int = 0, tensor_types: list[str] = (),
+            log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
+    """Convert a GGUF model to GSQ-RCO. Returns totals (bytes, bpw, weighted errors, seconds)."""
+    import gguf
+
+    from ninfer.model_file import ModelFile
+
+    if residual_bits != 8:
+        raise InvalidArgumentError(f"--residual-bits {residual_bits} is not supported (format version 1 stores 8)")
+    if group not in (32, 64, 128, 256):
+        raise InvalidArgumentError(f"--group-size must be 32, 64, 128 or 256, got {group}")
+    if steps < 0:
+        raise InvalidArgumentError(f"--calibration-steps must be >= 0, got {steps}")
+    src, dst = Path(inp), Path(out)
+    if src.resolve() == dst.resolve():
+        raise InvalidArgumentError("the output would overwrite the input")
+    threads = threads or max(1, len(os.sched_getaffinity(0)))
+    overrides = parse_tensor_types(list(tensor_types))
+    mf = ModelFile(src)
+    md = mf.metadata
+    arch = md.get("general.architecture", "llama")
+    n_layer = int(md.get(f"{arch}.block_count", 0))
+    mm = np.memmap(src, dtype=np.uint8, mode="r")
+    log = log or (lambda s: None)
+
+    plans = []
+    for t in mf.tensors:
+        pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer, group)
+        if pol.kind == "gsq" and (len(t.dims) != 2 or t.dims[0] % group):
+            pol = Policy("keep")  # an override cannot make a vector or a ragged row into groups
+        plans.append((t, pol))
+
+    tmp = dst.with_name(dst.name + ".partial")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    for key, value in md.items():
+        if key.startswith(("GGUF.", "general.architecture", "gsq.")):
+            continue
+        _copy_kv(w, key, value)
+    w.add_uint32("gsq.version", FORMAT_VERSION)
+    w.add_uint32("gsq.group_size", group)
+    w.add_uint32("gsq.residual_bits", residual_bits)
+    w.add_uint32("gsq.calibration_steps", steps)
+    w.add_uint32("gsq.seed", seed)
+    for i, (t, _) in enumerate(plans):
+        w.add_string(f"gsq.tensor.{t.name}", _placeholder(i))
+    for t, pol in plans:
+        if pol.kind == "gsq":
+            cols, rows = t.dims
+            row_bytes = cols // group * (4 + 3 * group // 8 + 2 * pol.slots)  # records (docs/gsq-rco.md)
+            w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8), rows * row_bytes,
+                              raw_dtype=gguf.GGMLQuantizationType.I8)
+        else:
+            outer = tuple(reversed(t.dims[1:]))  # the writer takes byte shapes for raw types: rows x row bytes
+            shape = outer + (t.n_bytes // max(int(np.prod(outer)), 1),)
+            w.add_tensor_info(t.name, shape, np.dtype(np.uint8), t.n_bytes,
+                              raw_dtype=gguf.GGMLQuantizationType(t.type_id))
+    infos: list[dict[str, Any]] = []
+    totals = {"bytes": 0, "weights": 0, "weight": 0.0, "err": 0.0, "err_rtn": 0.0, "gsq_weights": 0}
+    t0 = time.perf_counter()
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        done_bytes, all_bytes = 0, sum(t.n_bytes for t, _ in plans)
+        for t, pol in plans:
+            raw = mm[t.offset : t.offset + t.n_bytes]
+            info: dict[str, Any] = {"shape": list(t.dims)}
+            if pol.kind == "gsq":
+                cols, rows = t.dims
+                wf = _core.dequantize(t.type_id, bytes(raw), cols * rows).reshape(rows, cols)
+                h = np.ones(cols, np.float32)
+                data, st = _core.gsq_quantize(wf, h, group=group, slots=pol.slots, steps=steps, threads=threads)
+                del wf
+                bpw = 8 * data.size / (rows * cols)
+                info.update(type="GSQ-RCO", group=group, slots=pol.slots, bpw=round(bpw, 4),
+                            sparsity=round(st["zeros"] / (rows * cols), 4),
+                            err=st["err"] / max(st["weight"], 1e-30), err_rtn=st["err_rtn"] / max(st["weight"], 1e-30))
+                for k in ("weight", "err", "err_rtn"):
+                    totals[k] += st[k]
+                totals["gsq_weights"] += rows * cols
+            else:
+                data = np.asarray(raw)
+                info.update(type=t.type_name, bpw=round(8 * t.n_bytes / max(t.n_elements, 1), 4))
+            info["blake2b"] = _checksum(data)
+            w.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+            totals["bytes"] += data.size
+            totals["weights"] += t.n_elements
+            infos.append(info)
+            done_bytes += t.n_bytes
+            el = time.perf_counter() - t0
+            if verbose and pol.kind == "gsq":
+                log(f"{t.name:32s} {info['bpw']:.3f} bpw  sparsity {info['sparsity']:.3f}  slots {pol.slots}  "
+                    f"weighted error {info['err_rtn']:.3e} -> {info['err']:.3e}")
+            elif not verbose:
+                eta = el / max(done_bytes, 1) * (all_bytes - done_bytes)
+                log(f"[{done_bytes / all_bytes:6.1%}] {t.name}  {el:.1f} s elapsed, ETA {eta:.0f} s")
+        w.close()
+        _fill_placeholders(tmp, [json.dumps(i, separators=(",", ":")) for i in infos])
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    totals["seconds"] = time.perf_counter() - t0
+    totals["bpw"] = 8 * totals["bytes"] / max(totals["weights"], 1)
+    return totals
+
+
+def _copy_kv(w: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        if -(2**31) <= value < 2**32:
+            (w.add_int32 if value < 0 else w.add_uint32)(key, value)
+        else:
+            (w.add_int64 if value < 0 else w.add_uint64)(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        w.add_array(key, list(value))
+    else:
+        raise ModelFileError(f"cannot copy metadata {key} of type {type(value).__name__}")
+
+
+def _fill_placeholders(path: Path, texts: list[str]) -> None:
+    """Write each tensor's JSON over its fixed-width placeholder in the header (same length: the layout stays)."""
+    with open(path, "r+b") as f:
+        head = f.read(64 << 20)
+        for i, text in enumerate(texts):
+            ph = _placeholder(i).encode()
+            pos = head.find(ph)
+            if pos < 0:
+                raise ModelFileError(f"{path}: placeholder {i} not found in the header")
+            body = text.encode()
+            if len(body) > len(ph):
+                raise ModelFileError(f"tensor info {i} is longer than its {len(ph)}-byte slot")
+            f.seek(pos)
+            f.write(body.ljust(len(ph)))
+
+
+def tensor_infos(path: str | os.PathLike[str]) -> tuple[Any, dict[str, dict[str, Any]]]:
+    from ninfer.model_file import ModelFile
+
+    mf = ModelFile(path)
+    md = mf.metadata
+    if "gsq.version" not in md:
+        raise ModelFileError(f"{path}: not a GSQ-RCO file (no gsq.version in its metadata)")
+    if int(md["gsq.version"]) != FORMAT_VERSION:
+        raise ModelFileError(f"{path}: GSQ-RCO format version {md['gsq.version']} (this ninfer reads {FORMAT_VERSION})")
+    infos = {}
+    for t in mf.tensors:
+        raw = md.get(f"gsq.tensor.{t.name}")
+        if raw is None:
+            raise ModelFileError(f"{path}: tensor {t.name} has no gsq.tensor metadata")
+        infos[t.name] = json.loads(raw)
+    return mf, infos
+
+
+def verify(path: str | os.PathLike[str]) -> tuple[bool, str]:
+    """(True, 'ok') or (False, the first mismatching tensor and its layer)."""
+    mf, infos = tensor_infos(path)
+    mm = np.memmap(mf.path, dtype=np.uint8, mode="r")
+    for t in mf.tensors:
+        if _checksum(mm[t.offset : t.offset + t.n_bytes]) != infos[t.name]["blake2b"]:
+            m = re.match(r"blk\.(\d+)\.", t.name)
+            where = f"layer {m.group(1)}" if m else "not in a layer"
+            return False, f"checksum mismatch: tensor {t.name} ({where})"
+    return True, "ok"
+
+
+def inspect_table(path: str | os.PathLike[str]) -> str:
+    mf, infos = tensor_infos(path)
+    md = mf.metadata
+    rows = [f"GSQ-RCO v{md['gsq.version']}  group {md['gsq.group_size']}  residual bits {md['gsq.residual_bits']}  "
+            f"calibration steps {md['gsq.calibration_steps']}",
+            f"{'tensor':34s} {'type':9s} {'bpw':>6s} {'sparsity':>8s} {'slots':>5s} {'w.err RTN':>10s} {'w.err':>10s}"]
+    for t in mf.tensors:
+        i = infos[t.name]
+        if i.get("type") == "GSQ-RCO":
+            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['sparsity']:8.3f} {i['slots']:5d} "
+                        f"{i['err_rtn']:10.3e} {i['err']:10.3e}")
+        else:
+            rows.append(f"{t.name:34s} {i['type']:9s} {i['bpw']:6.3f} {'':8s} {'':5s} {'':10s} {'':10s}")
+    total_bits = 8 * sum(t.n_bytes for t in mf.tensors)
+    total_w = sum(int(np.prod(infos[t.name]["shape"])) for t in mf.tensors)
+    rows.append(f"total {mf.gguf.file_size / 2**20:.1f} MiB, {total_bits / max(total_w, 1):.3f} bits per weight")
+    return "\n".join(rows)
+
+
+# ---- command line ------------------------------------------------------------------------------------------
+def add_convert_args(p: Any) -> None:
+    p.add_argument("--input", required=True, help="source GGUF (any supported type)")
+    p.add_argument("--output", required=True, help="GSQ-RCO GGUF to write")
+    p.add_argument("--group-size", type=int, default=128, help="weights per group: 32, 64, 128 or 256 (default 128)")
+    p.add_argument("--residual-bits", type=int, default=8, help="bits of a residual value (format v1: 8)")
+    p.add_argument("--calibration-steps", type=int, default=100, help="RCO refinement steps per group (default 100)")
+    p.add_argument("--threads", type=int, default=0, help="worker threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="recorded in the metadata; the quantizer is deterministic")
+    p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
+                   help="override a tensor's treatment: keep, gsq or gsq:SLOTS (first match wins)")
+    p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
+
+
+def run_convert(args: Any) -> int:
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    r = convert(args.input, args.output, group=args.group_size, residual_bits=args.residual_bits,
+                steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
+                log=log, verbose=args.verbose)
+    rel = r["err"] / max(r["weight"], 1e-30)
+    rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
+    log(f"gsq-rco: wrote {args.output}: {r['bytes'] / 2**20:.1f} MiB, {r['bpw']:.3f} bits per weight, "
+        f"GSQ-RCO weighted error {rel_rtn:.3e} (round to nearest) -> {rel:.3e}, {r['seconds']:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="gsq-rco", description="GSQ-RCO 3-bit quantization of GGUF models.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="convert a GGUF model to GSQ-RCO")
+    add_convert_args(c)
+    v = sub.add_parser("verify", help="recompute the checksums: 'ok' or the first mismatching tensor (exit 1)")
+    v.add_argument("--model", required=True)
+    i = sub.add_parser("inspect", help="per-tensor table: type, bpw, sparsity, slots, weighted error")
+    i.add_argument("model")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "convert":
+            return run_convert(args)
+        if args.cmd == "verify":
+            ok, msg = verify(args.model)
+            print(msg)
+            return 0 if ok else 1
+        print(inspect_table(args.model))
+        return 0
+    except NinferError as e:
+        print(f"gsq-rco: error: {e}", file=sys.stderr)
+        return 1 if args.cmd == "verify" else 2
+    except OSError as e:
+        print(f"gsq-rco: error: {e}", file=sys.stderr)
+        return 1 if args.cmd == "verify" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

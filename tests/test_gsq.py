@@ -1,0 +1,141 @@
+"""GSQ-RCO: the format's round trip through the converter, checksums (verify), atomic writes, determinism, and the
+Python bindings of the Rust quantizer."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from ninfer import _core
+from ninfer.errors import InvalidArgumentError
+from ninfer.gsq import convert, inspect_table, tensor_infos, verify
+from ninfer.synth import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic(tmp_path_factory.mktemp("gsq") / "src.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=1, seed=4)
+
+
+@pytest.fixture(scope="module")
+def converted(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gsq") / "out.gguf"
+    convert(source, out, steps=4, threads=2)
+    return out
+
+
+def sha256(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_records_round_trip_and_dot_reference() -> None:
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((16, 512)) * 0.02).astype(np.float32)
+    h = rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    data, st = _core.gsq_quantize(w, h, group=128, slots=2, steps=20, threads=2)
+    assert data.shape == (16, 4 * (4 + 48 + 4)) and data.dtype == np.uint8
+    back = _core.gsq_dequantize(data.tobytes(), 16, 512, group=128, slots=2)
+    err = float((h * (back - w) ** 2).sum())
+    assert err == pytest.approx(st["err"], rel=1e-5)
+    assert st["err"] < 0.75 * st["err_rtn"], st  # RCO and the slots beat round-to-nearest
+    x = rng.standard_normal(512).astype(np.float32)
+    assert _core.gsq_dot(data[3].tobytes(), x, group=128, slots=2) == pytest.approx(float(back[3] @ x), rel=1e-4)
+
+
+def test_quantizer_does_not_depend_on_thread_count() -> None:
+    w = (np.random.default_rng(1).standard_normal((64, 256)) * 0.05).astype(np.float32)
+    h = np.ones(256, np.float32)
+    a, _ = _core.gsq_quantize(w, h, group=64, slots=4, steps=10, threads=1)
+    b, _ = _core.gsq_quantize(w, h, group=64, slots=4, steps=10, threads=2)
+    assert (a == b).all()
+
+
+def test_bad_layouts_are_argument_errors() -> None:
+    w = np.zeros((2, 256), np.float32)
+    with pytest.raises(InvalidArgumentError, match="group size must be 32, 64, 128 or 256, got 96"):
+        _core.gsq_quantize(w, np.ones(256, np.float32), group=96, slots=2, steps=1, threads=1)
+    with pytest.raises(InvalidArgumentError, match="must be even and at most 16, got 3"):
+        _core.gsq_quantize(w, np.ones(256, np.float32), group=128, slots=3, steps=1, threads=1)
+
+
+def test_converted_file_is_gguf_with_records_and_metadata(source: Path, converted: Path) -> None:
+    r = gguf.GGUFReader(converted)
+    by_name = {t.name: t for t in r.tensors}
+    q = by_name["blk.0.attn_q.weight"]
+    assert q.tensor_type == gguf.GGMLQuantizationType.I8
+    assert list(q.shape) == [896 // 128 * (4 + 48 + 2 * 4), 896]  # layer 0: first layer, 4 slots
+    assert by_name["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0  # kept
+    _, infos = tensor_infos(converted)
+    qi = infos["blk.0.attn_q.weight"]
+    assert qi["type"] == "GSQ-RCO" and qi["shape"] == [896, 896] and qi["group"] == 128 and qi["slots"] == 4
+    assert qi["err"] < qi["err_rtn"]
+    # The records dequantize to the source weights within 3-bit error.
+    src = {t.name: t for t in gguf.GGUFReader(source).tensors}["blk.0.attn_q.weight"]
+    ref = gguf.quants.dequantize(src.data, src.tensor_type).reshape(896, 896)
+    back = _core.gsq_dequantize(np.asarray(q.data).tobytes(), 896, 896, group=128, slots=4)
+    rel = float(((back - ref) ** 2).sum() / (ref**2).sum())
+    assert rel == pytest.approx(qi["err"], rel=1e-3)
+    assert 1e-3 < rel < 0.03
+    assert "GSQ-RCO" in inspect_table(converted)
+
+
+def test_verify_ok_then_names_a_flipped_byte_and_a_cut_file(converted: Path, tmp_path: Path) -> None:
+    assert verify(converted) == (True, "ok")
+    flipped = tmp_path / "flipped.gguf"
+    data = bytearray(converted.read_bytes())
+    t = {x.name: x for x in gguf.GGUFReader(converted).tensors}["blk.0.ffn_down.weight"]
+    data[t.data_offset + 100] ^= 0x40
+    flipped.write_bytes(bytes(data))
+    assert verify(flipped) == (False, "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(converted.read_bytes()[: len(data) // 2])
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(cut)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "runs past the end of the file" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(flipped)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and r.stdout.strip() == "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)"
+
+
+def test_conversion_is_deterministic(source: Path, converted: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again.gguf"
+    convert(source, again, steps=4, threads=1)
+    assert sha256(again) == sha256(converted)
+
+
+def test_failed_conversion_leaves_no_output_and_the_input_untouched(source: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    before = sha256(source)
+    calls = {"n": 0}
+    real = _core.gsq_quantize
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third matrix: two tensors are already written
+            raise OSError("disk full (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(_core, "gsq_quantize", failing)
+    out = tmp_path / "out.gguf"
+    with pytest.raises(OSError, match="simulated"):
+        convert(source, out, steps=2, threads=1)
+    assert not out.exists() and not (tmp_path / "out.gguf.partial").exists()
+    assert sha256(source) == before
+
+
+def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output",
+                        str(tmp_path / "o.gguf"), "--residual-bits", "4"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--residual-bits 4 is not supported" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(source)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "not a GSQ-RCO file" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--input", str(source), "--output",
+                        str(source), "--threads", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "the output would overwrite the input" in r.stderr
