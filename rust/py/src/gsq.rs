@@ -34,7 +34,7 @@ fn gsq_quantize<'py>(
     let (data, stats) = py
         .detach(|| gsq::quantize_matrix(l, &w, cols, &h, steps, threads))
         .map_err(to_py)?;
-    let row_bytes = if rows == 0 { 0 } else { data.len() / rows };
+    let row_bytes = data.len().checked_div(rows).unwrap_or(0);
     let d = PyDict::new(py);
     d.set_item("weight", stats.weight)?;
     d.set_item("err_rtn", stats.err_rtn)?;
