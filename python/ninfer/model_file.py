@@ -50,7 +50,35 @@ class ModelFile:
 
     @cached_property
     def tensors(self) -> list[TensorEntry]:
-        return [TensorEntry(n, t, tn, tuple(d), o, b) for n, t, tn, d, o, b in self.gguf.tensors()]
+        """The tensor index. GSQ-RCO matrices (stored as I8 records) appear with their logical shape and the type
+        name "GSQ-RCO" (docs/gsq-rco.md)."""
+        out = []
+        for n, t, tn, d, o, b in self.gguf.tensors():
+            g = self._gsq_info(n)
+            if g is not None and g.get("type") == "GSQ-RCO":
+                tn, d = "GSQ-RCO", g["shape"]
+            out.append(TensorEntry(n, t, tn, tuple(d), o, b))
+        return out
+
+    def _gsq_info(self, name: str) -> dict[str, Any] | None:
+        raw = self.metadata.get(f"gsq.tensor.{name}") if "gsq.version" in self.metadata else None
+        if raw is None:
+            return None
+        import json
+
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ModelFileError(f"{self.path}: gsq.tensor.{name} is not valid JSON") from None
+
+    def gsq_layouts(self) -> list[tuple[str, int, int]]:
+        """(name, group, slots) of every GSQ-RCO tensor."""
+        out = []
+        for t in self.tensors:
+            g = self._gsq_info(t.name)
+            if g is not None and g.get("type") == "GSQ-RCO":
+                out.append((t.name, int(g["group"]), int(g["slots"])))
+        return out
 
     @property
     def architecture(self) -> str:
@@ -59,7 +87,9 @@ class ModelFile:
     @cached_property
     def spec(self) -> dict[str, Any]:
         """The executor spec (raises UnsupportedModelError for architectures ninfer cannot run)."""
-        return build_spec(self.metadata, {t.name: t.dims for t in self.tensors}, str(self.path))
+        spec = build_spec(self.metadata, {t.name: t.dims for t in self.tensors}, str(self.path))
+        spec["gsq"] = self.gsq_layouts()
+        return spec
 
     def type_name(self, type_id: int) -> str:
         try:

@@ -88,6 +88,7 @@ fn parse_spec(d: &Bound<'_, PyDict>) -> PyResult<ModelSpec> {
         output_norm: get(d, "output_norm")?,
         output: get(d, "output")?,
         layers,
+        gsq: opt(d, "gsq")?.unwrap_or_default(),
     })
 }
 

@@ -59,6 +59,9 @@ const PREFILL_ROW_TILE: usize = 2;
 pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
     debug_assert_eq!(out.len(), m * n);
+    if let Some(layout) = w.gsq {
+        return matmul_gsq(w, layout, acts, out);
+    }
     let data = w.data();
     let rb = w.row_bytes();
     let arb = acts.row_bytes;
@@ -125,4 +128,47 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
             t0 += nc;
         }
     });
+}
+
+/// A GSQ-RCO matrix times f32 activations (its `ty` is F32, so `acts` hold them as raw f32): each task
+/// dequantizes its weight rows one at a time into a buffer and dots each with every token.
+fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, acts: &QuantizedActs, out: &mut [f32]) {
+    let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
+    let (data, rb) = (w.data(), w.row_bytes());
+    let xs: Vec<&[f32]> = acts.bytes.chunks_exact(acts.row_bytes).map(|b| bytemuck_f32(&b[..4 * k])).collect();
+    debug_assert_eq!(xs.len(), n);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..m.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
+        let out_ptr = &out_ptr;
+        let mut row_f32 = vec![0f32; k];
+        for r in c * ROWS_PER_TASK..((c + 1) * ROWS_PER_TASK).min(m) {
+            crate::gsq::dequantize_row(layout, &data[r * rb..(r + 1) * rb], &mut row_f32)
+                .expect("matrix rows were size-checked at load");
+            for (t, x) in xs.iter().enumerate() {
+                // SAFETY: element (t, r) belongs to this task alone (its rows), and lies inside out (n * m).
+                unsafe { *out_ptr.0.add(t * m + r) = dot_f32(&row_f32, x) };
+            }
+        }
+    });
+}
+
+/// f32 dot product in eight independent lanes (the compiler vectorizes it).
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.as_chunks::<8>();
+    let (bc, br) = b.as_chunks::<8>();
+    for (x, y) in ac.iter().zip(bc) {
+        for i in 0..8 {
+            acc[i] = x[i].mul_add(y[i], acc[i]);
+        }
+    }
+    let tail: f32 = ar.iter().zip(br).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// f32 activations stored as raw little-endian bytes (quantize_act to F32 copies them), viewed in place.
+fn bytemuck_f32(b: &[u8]) -> &[f32] {
+    assert!(b.len() % 4 == 0 && (b.as_ptr() as usize) % std::mem::align_of::<f32>() == 0, "unaligned f32 activations");
+    // SAFETY: length and alignment checked above; every bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4) }
 }

@@ -161,8 +161,13 @@ pub fn dequantize_row(layout: Layout, src: &[u8], dst: &mut [f32]) -> Result<()>
     {
         let (scale, min, sparse) = header(rec);
         let codes = &rec[4..4 + code_bytes];
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = level(code_at(codes, i), scale, min, sparse);
+        // The group's levels once; then 8 codes per 3-byte word.
+        let levels: [f32; 8] = std::array::from_fn(|c| level(c as u8, scale, min, sparse));
+        for (word, o8) in codes.chunks_exact(3).zip(out.chunks_exact_mut(8)) {
+            let bits = word[0] as u32 | (word[1] as u32) << 8 | (word[2] as u32) << 16;
+            for (i, o) in o8.iter_mut().enumerate() {
+                *o = levels[((bits >> (3 * i)) & 7) as usize];
+            }
         }
         for slot in rec[4 + code_bytes..].chunks_exact(2) {
             let (pos, val) = (slot[0] as usize, slot[1] as i8);

@@ -9,12 +9,16 @@ use memmap2::Mmap;
 use super::spec::ModelSpec;
 use crate::error::{Error, Result};
 use crate::gguf::{ggml_type_layout, GgufFile};
+use crate::gsq;
 use crate::quant::{dequantize_row, GgmlType};
 
 /// A 2-D weight matrix in its GGML block format. Row r (n_cols elements) holds output feature r.
 pub struct Matrix {
     pub name: String,
+    /// The GGML block type; F32 for a GSQ-RCO matrix, whose products take f32 activations.
     pub ty: GgmlType,
+    /// Some for a GSQ-RCO matrix (rows of group records instead of GGML blocks).
+    pub gsq: Option<gsq::Layout>,
     pub n_cols: usize,
     pub n_rows: usize,
     row_bytes: usize,
@@ -54,7 +58,11 @@ impl Matrix {
     /// Row r dequantized to f32 (embedding lookups).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<()> {
         let start = r * self.row_bytes;
-        dequantize_row(self.ty, &self.data()[start..start + self.row_bytes], out)
+        let row = &self.data()[start..start + self.row_bytes];
+        match self.gsq {
+            Some(layout) => gsq::dequantize_row(layout, row, out),
+            None => dequantize_row(self.ty, row, out),
+        }
     }
 }
 
@@ -99,6 +107,7 @@ pub struct Weights {
 
 struct Loader<'a> {
     file: &'a GgufFile,
+    gsq: &'a [(String, usize, usize)],
 }
 
 impl Loader<'_> {
@@ -117,8 +126,39 @@ impl Loader<'_> {
         })
     }
 
+    /// A GSQ-RCO matrix: its I8 records must be exactly [rows, layout.row_bytes(n_cols)].
+    fn gsq_matrix(&self, name: &str, n_cols: usize, n_rows: Option<usize>, group: usize, slots: usize) -> Result<Matrix> {
+        let info = self.file.tensor(name).ok_or_else(|| self.missing(name))?;
+        let path = self.file.path.display();
+        let layout = gsq::Layout::new(group, slots).map_err(|e| Error::BadModel(format!("{path}: tensor {name}: {e}")))?;
+        let row_bytes = layout.row_bytes(n_cols).map_err(|e| Error::BadModel(format!("{path}: tensor {name}: {e}")))?;
+        let rows = info.dims[1..].iter().product::<u64>() as usize;
+        if info.type_id != 24 || info.dims[0] as usize != row_bytes || n_rows.is_some_and(|r| r != rows) {
+            return Err(Error::BadModel(format!(
+                "{path}: GSQ-RCO tensor {name} is stored as type {} with shape {:?}, expected I8 [{row_bytes}, {}]",
+                info.type_id,
+                info.dims,
+                n_rows.map_or("?".to_string(), |r| r.to_string())
+            )));
+        }
+        let start = info.offset as usize;
+        Ok(Matrix {
+            name: name.to_string(),
+            ty: GgmlType::F32,
+            gsq: Some(layout),
+            n_cols,
+            n_rows: rows,
+            row_bytes,
+            range: start..start + info.n_bytes as usize,
+            map: self.file.map(),
+        })
+    }
+
     /// A [n_rows, n_cols] matrix with the expected shape.
     fn matrix(&self, name: &str, n_cols: usize, n_rows: Option<usize>) -> Result<Matrix> {
+        if let Some((_, group, slots)) = self.gsq.iter().find(|g| g.0 == name) {
+            return self.gsq_matrix(name, n_cols, n_rows, *group, *slots);
+        }
         let info = self.file.tensor(name).ok_or_else(|| self.missing(name))?;
         let ty = self.compute_type(name, info.type_id)?;
         let cols = info.dims[0] as usize;
@@ -136,6 +176,7 @@ impl Loader<'_> {
         Ok(Matrix {
             name: name.to_string(),
             ty,
+            gsq: None,
             n_cols: cols,
             n_rows: rows,
             row_bytes,
@@ -166,7 +207,7 @@ impl Loader<'_> {
 
 impl Weights {
     pub fn load(file: &GgufFile, spec: &ModelSpec) -> Result<Weights> {
-        let ld = Loader { file };
+        let ld = Loader { file, gsq: &spec.gsq };
         let e = spec.n_embd;
         let q_dim = spec.n_head * spec.head_dim;
         let k_dim = spec.n_head_kv * spec.head_dim;
