@@ -153,3 +153,28 @@ def test_gsq_model_runs_in_the_engine_close_to_its_source(source: Path, converte
     # 3.75-bit weights of a random-weight model: 0.11 measured; a broken product is uncorrelated (NMSE ~2).
     assert nmse < 0.3, nmse
     assert llm.generate(tokens, max_tokens=4, temperature=0).completion_tokens >= 1
+
+
+def test_calibration_collects_each_matrix_inputs_mean_square(source: Path, tmp_path: Path) -> None:
+    from ninfer.gsq import collect_importances
+
+    text = "def f(x):\n    return x * 2 + 1\n" * 80  # byte-level tokens: well over one 512-token chunk
+    imp, n_tokens = collect_importances(source, text, max_chunks=2, threads=2)
+    assert n_tokens == 1024
+    widths = {"attn_q": 896, "attn_k": 896, "attn_v": 896, "attn_output": 896, "ffn_gate": 896, "ffn_up": 896,
+              "ffn_down": 4864}
+    assert set(imp) == {f"blk.0.{k}.weight" for k in widths}
+    for k, cols in widths.items():
+        h = imp[f"blk.0.{k}.weight"]
+        assert h.shape == (cols,) and (h >= 0).all() and h.mean() > 0
+    # q, k and v read the same normed input.
+    assert (imp["blk.0.attn_q.weight"] == imp["blk.0.attn_v.weight"]).all()
+    out = tmp_path / "calibrated.gguf"
+    calib = tmp_path / "calib.txt"
+    calib.write_text(text)
+    convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2)
+    mf, infos = tensor_infos(out)
+    assert mf.metadata["gsq.calibration"] == "calib.txt, 1024 tokens"
+    assert verify(out) == (True, "ok")
+    with pytest.raises(InvalidArgumentError, match="cannot read the calibration text"):
+        convert(source, tmp_path / "x.gguf", steps=1, calib_file=tmp_path / "missing.txt")

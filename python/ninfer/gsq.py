@@ -69,6 +69,29 @@ def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]
     return out
 
 
+def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int = 512, max_chunks: int = 32,
+                        threads: int = 0, log: Callable[[str], None] | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """Mean squared input of every matrix of `model` over `text` (chunks of n_ctx tokens, as llama-imatrix):
+    GSQ-RCO's importances. Returns ({tensor name: per-column means}, tokens evaluated)."""
+    from ninfer.llm import LLM
+
+    llm = LLM(model, n_ctx=n_ctx, threads=threads)
+    tokens = llm.tokenize(text)
+    chunks = [tokens[i : i + n_ctx] for i in range(0, len(tokens) - n_ctx + 1, n_ctx)][:max_chunks]
+    if not chunks:
+        raise InvalidArgumentError(f"the calibration text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}")
+    eng = llm._engine
+    eng.set_collect_act_stats(True)
+    t0 = time.perf_counter()
+    for i, chunk in enumerate(chunks):
+        llm.eval_logits(chunk, rows=[])
+        if log:
+            log(f"calibration: chunk {i + 1}/{len(chunks)}, {time.perf_counter() - t0:.1f} s")
+    eng.set_collect_act_stats(False)
+    return {name: np.asarray(means, np.float32) for name, (means, _) in eng.act_stats().items()}, \
+        sum(len(c) for c in chunks)
+
+
 def _checksum(data: Any) -> str:
     h = hashlib.blake2b(digest_size=16)
     mv = memoryview(data).cast("B")
@@ -83,8 +106,11 @@ def _placeholder(i: int) -> str:
 
 def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: int = 128, residual_bits: int = 8,
             steps: int = 100, threads: int = 0, seed: int = 0, tensor_types: list[str] = (),
+            calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
             log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
-    """Convert a GGUF model to GSQ-RCO. Returns totals (bytes, bpw, weighted errors, seconds)."""
+    """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
+    mean squared activation over that text (run through the source model); else all weights count alike.
+    Returns totals (bytes, bpw, weighted errors, seconds)."""
     import gguf
 
     from ninfer.model_file import ModelFile
@@ -106,6 +132,14 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     n_layer = int(md.get(f"{arch}.block_count", 0))
     mm = np.memmap(src, dtype=np.uint8, mode="r")
     log = log or (lambda s: None)
+    importances: dict[str, np.ndarray] = {}
+    calib_tokens = 0
+    if calib_file is not None:
+        try:
+            text = Path(calib_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InvalidArgumentError(f"{calib_file}: cannot read the calibration text: {e.strerror}") from None
+        importances, calib_tokens = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log)
 
     plans = []
     for t in mf.tensors:
@@ -125,6 +159,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     w.add_uint32("gsq.residual_bits", residual_bits)
     w.add_uint32("gsq.calibration_steps", steps)
     w.add_uint32("gsq.seed", seed)
+    w.add_string("gsq.calibration", f"{Path(calib_file).name}, {calib_tokens} tokens" if calib_file else "none")
     for i, (t, _) in enumerate(plans):
         w.add_string(f"gsq.tensor.{t.name}", _placeholder(i))
     for t, pol in plans:
@@ -152,7 +187,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             if pol.kind == "gsq":
                 cols, rows = t.dims
                 wf = _core.dequantize(t.type_id, bytes(raw), cols * rows).reshape(rows, cols)
-                h = np.ones(cols, np.float32)
+                h = importances.get(t.name)
+                if h is None or h.shape != (cols,):
+                    h = np.ones(cols, np.float32)
                 data, st = _core.gsq_quantize(wf, h, group=group, slots=pol.slots, steps=steps, threads=threads)
                 del wf
                 bpw = 8 * data.size / (rows * cols)
@@ -257,7 +294,7 @@ def inspect_table(path: str | os.PathLike[str]) -> str:
     mf, infos = tensor_infos(path)
     md = mf.metadata
     rows = [f"GSQ-RCO v{md['gsq.version']}  group {md['gsq.group_size']}  residual bits {md['gsq.residual_bits']}  "
-            f"calibration steps {md['gsq.calibration_steps']}",
+            f"calibration steps {md['gsq.calibration_steps']}  calibration text: {md.get('gsq.calibration', 'none')}",
             f"{'tensor':34s} {'type':9s} {'bpw':>6s} {'sparsity':>8s} {'slots':>5s} {'w.err RTN':>10s} {'w.err':>10s}"]
     for t in mf.tensors:
         i = infos[t.name]
@@ -283,6 +320,9 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="recorded in the metadata; the quantizer is deterministic")
     p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
                    help="override a tensor's treatment: keep, gsq or gsq:SLOTS (first match wins)")
+    p.add_argument("--calib-file", default=None, metavar="TEXT",
+                   help="calibration text: weigh errors by each input's mean squared activation over it (imatrix)")
+    p.add_argument("--calib-chunks", type=int, default=32, help="at most this many 512-token chunks of it (32)")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -292,7 +332,7 @@ def run_convert(args: Any) -> int:
 
     r = convert(args.input, args.output, group=args.group_size, residual_bits=args.residual_bits,
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
-                log=log, verbose=args.verbose)
+                calib_file=args.calib_file, calib_chunks=args.calib_chunks, log=log, verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
     log(f"gsq-rco: wrote {args.output}: {r['bytes'] / 2**20:.1f} MiB, {r['bpw']:.3f} bits per weight, "

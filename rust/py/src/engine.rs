@@ -230,6 +230,20 @@ impl PyEngine {
         py.detach(|| w.lock()).map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("mlock failed: {e}")))
     }
 
+    /// Collect (or stop collecting) the mean squared input of every matrix product (quantization calibration).
+    fn set_collect_act_stats(&self, on: bool) {
+        self.model.act_stats.set_enabled(on);
+    }
+
+    /// {matrix name: (mean x^2 per input column as float32 array, rows seen)} since the last reset.
+    fn act_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, means, rows) in self.model.act_stats.means() {
+            d.set_item(name, (means.into_pyarray(py), rows))?;
+        }
+        Ok(d)
+    }
+
     /// Turn the per-kind timing of forward passes and sampling on or off (`ninfer bench --profile`).
     fn set_profiling(&self, on: bool) {
         self.model.profile.set_enabled(on);

@@ -174,6 +174,7 @@ impl Model {
             ops::rms_norm(&x, &lw.attn_norm, spec.rms_eps, &mut h);
             trace("attn_norm", il, &h);
             laps.lap(Work::Other);
+            self.act_stats.add(&[&lw.wq.name, &lw.wk.name, &lw.wv.name], &h, e);
             let acts = quantize_acts(&lw.wq, &h, n);
             matmul_quantized(&lw.wq, &acts, &mut q);
             let same_fmt = |m: &crate::model::weights::Matrix| m.ty.act_type() == lw.wq.ty.act_type();
@@ -221,10 +222,12 @@ impl Model {
             attention(kv, il, rows, &q, shape, &mut att);
             trace("kqv_out", il, &att);
             laps.lap(Work::Attention);
+            self.act_stats.add(&[&lw.wo.name], &att, att_dim);
             matmul(&lw.wo, &att, n, &mut o);
             trace("attn_out", il, &o);
             laps.lap(Work::Matmul);
-            if il + 1 == n_layer && m < n {
+            // (Not while collecting activation statistics: calibration wants every row through every layer.)
+            if il + 1 == n_layer && m < n && !self.act_stats.enabled() {
                 let gather = |src: &[f32]| -> Vec<f32> {
                     logit_rows.iter().flat_map(|&r| src[r * e..(r + 1) * e].iter().copied()).collect()
                 };
@@ -249,6 +252,7 @@ impl Model {
             ops::rms_norm(&x, &lw.ffn_norm, spec.rms_eps, &mut h);
             trace("ffn_norm", il, &h);
             laps.lap(Work::Other);
+            self.act_stats.add(&[&lw.w_gate.name, &lw.w_up.name], &h, e);
             let acts = quantize_acts(&lw.w_gate, &h, nr);
             matmul_quantized(&lw.w_gate, &acts, &mut gate);
             if lw.w_up.ty.act_type() == lw.w_gate.ty.act_type() {
@@ -265,6 +269,7 @@ impl Model {
             }
             trace("ffn_act", il, &gate);
             laps.lap(Work::Other);
+            self.act_stats.add(&[&lw.w_down.name], &gate, n_ff);
             matmul(&lw.w_down, &gate, nr, &mut o);
             trace("ffn_out", il, &o);
             laps.lap(Work::Matmul);

@@ -1,5 +1,6 @@
 //! A loaded model: its spec, its weights (mostly views into the GGUF map) and the thread pool it computes on.
 
+pub mod act_stats;
 pub mod spec;
 pub mod weights;
 
@@ -17,6 +18,8 @@ pub struct Model {
     pub pool: rayon::ThreadPool,
     /// Time per kind of work, while profiling is on.
     pub profile: Profile,
+    /// Input statistics of every matrix product, while collecting (quantization calibration).
+    pub act_stats: act_stats::ActStats,
 }
 
 impl Model {
@@ -30,7 +33,7 @@ impl Model {
             .thread_name(|i| format!("ninfer-cpu-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} worker threads: {e}")))?;
-        Ok(Model { spec, weights, pool, profile: Profile::default() })
+        Ok(Model { spec, weights, pool, profile: Profile::default(), act_stats: Default::default() })
     }
 
     pub fn open(path: &Path, spec: ModelSpec, threads: usize) -> Result<Model> {
