@@ -78,9 +78,21 @@ fn evaluate(w: &[f32], h: &[f32], scale: f32, min: f32, sparse: bool, n_slots: u
         .zip(&codes)
         .map(|(&x, &c)| x - level(c, scale, min, sparse))
         .collect();
-    let mut order: Vec<usize> = (0..w.len()).collect();
+    // The n_slots largest weighted errors, largest first, ties to the lower index (a partial insertion sort:
+    // n_slots is at most 16, a full sort of the group per step cost more than the rest of the step).
     let key = |j: usize| h[j] as f64 * (errs[j] as f64).powi(2);
-    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    let mut order: Vec<usize> = Vec::with_capacity(n_slots + 1);
+    if n_slots > 0 {
+        for j in 0..w.len() {
+            let kj = key(j);
+            if order.len() == n_slots && kj <= key(order[n_slots - 1]) {
+                continue; // not above the smallest kept (an equal key loses: the kept index is lower)
+            }
+            let at = order.iter().position(|&o| kj > key(o)).unwrap_or(order.len());
+            order.insert(at, j);
+            order.truncate(n_slots);
+        }
+    }
     let unit = scale * RESIDUAL_UNIT;
     let mut slots = Vec::with_capacity(n_slots);
     for &j in order.iter().take(n_slots) {
