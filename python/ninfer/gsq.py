@@ -165,7 +165,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     for t, pol in plans:
         if pol.kind == "gsq":
             cols, rows = t.dims
-            row_bytes = cols // group * (4 + 3 * group // 8 + 2 * pol.slots)  # records (docs/gsq-rco.md)
+            row_bytes = _core.gsq_row_bytes(cols, group=group, slots=pol.slots)
             w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8), rows * row_bytes,
                               raw_dtype=gguf.GGMLQuantizationType.I8)
         else:
@@ -269,12 +269,10 @@ def tensor_infos(path: str | os.PathLike[str]) -> tuple[Any, dict[str, dict[str,
         raise ModelFileError(f"{path}: not a GSQ-RCO file (no gsq.version in its metadata)")
     if int(md["gsq.version"]) != FORMAT_VERSION:
         raise ModelFileError(f"{path}: GSQ-RCO format version {md['gsq.version']} (this ninfer reads {FORMAT_VERSION})")
-    infos = {}
-    for t in mf.tensors:
-        raw = md.get(f"gsq.tensor.{t.name}")
-        if raw is None:
-            raise ModelFileError(f"{path}: tensor {t.name} has no gsq.tensor metadata")
-        infos[t.name] = json.loads(raw)
+    infos = mf.gsq_infos
+    missing = next((t.name for t in mf.tensors if t.name not in infos), None)
+    if missing is not None:
+        raise ModelFileError(f"{path}: tensor {missing} has no gsq.tensor metadata")
     return mf, infos
 
 

@@ -54,31 +54,33 @@ class ModelFile:
         name "GSQ-RCO" (docs/gsq-rco.md)."""
         out = []
         for n, t, tn, d, o, b in self.gguf.tensors():
-            g = self._gsq_info(n)
+            g = self.gsq_infos.get(n)
             if g is not None and g.get("type") == "GSQ-RCO":
                 tn, d = "GSQ-RCO", g["shape"]
             out.append(TensorEntry(n, t, tn, tuple(d), o, b))
         return out
 
-    def _gsq_info(self, name: str) -> dict[str, Any] | None:
-        raw = self.metadata.get(f"gsq.tensor.{name}") if "gsq.version" in self.metadata else None
-        if raw is None:
-            return None
+    @cached_property
+    def gsq_infos(self) -> dict[str, dict[str, Any]]:
+        """The per-tensor JSON of a GSQ-RCO file (`gsq.tensor.<name>`), parsed once; empty for other files."""
+        if "gsq.version" not in self.metadata:
+            return {}
         import json
 
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise ModelFileError(f"{self.path}: gsq.tensor.{name} is not valid JSON") from None
+        prefix = "gsq.tensor."
+        infos = {}
+        for key, raw in self.metadata.items():
+            if key.startswith(prefix):
+                try:
+                    infos[key[len(prefix) :]] = json.loads(raw)
+                except (TypeError, ValueError):
+                    raise ModelFileError(f"{self.path}: {key} is not valid JSON") from None
+        return infos
 
     def gsq_layouts(self) -> list[tuple[str, int, int]]:
         """(name, group, slots) of every GSQ-RCO tensor."""
-        out = []
-        for t in self.tensors:
-            g = self._gsq_info(t.name)
-            if g is not None and g.get("type") == "GSQ-RCO":
-                out.append((t.name, int(g["group"]), int(g["slots"])))
-        return out
+        return [(name, int(g["group"]), int(g["slots"])) for name, g in self.gsq_infos.items()
+                if g.get("type") == "GSQ-RCO"]
 
     @property
     def architecture(self) -> str:

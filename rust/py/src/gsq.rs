@@ -92,7 +92,15 @@ fn gsq_dot(row: &[u8], x: PyReadonlyArray1<'_, f32>, group: usize, slots: usize)
     Ok(gsq::dot_row(l, row, x))
 }
 
+/// gsq_row_bytes(cols, group, slots) -> int: bytes of a row's records.
+#[pyfunction]
+#[pyo3(signature = (cols, *, group, slots))]
+fn gsq_row_bytes(cols: usize, group: usize, slots: usize) -> PyResult<usize> {
+    layout(group, slots)?.row_bytes(cols).map_err(to_py)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(gsq_row_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_dot, m)?)?;

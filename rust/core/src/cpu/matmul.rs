@@ -169,7 +169,7 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 
 /// f32 activations stored as raw little-endian bytes (quantize_act to F32 copies them), viewed in place.
 fn bytemuck_f32(b: &[u8]) -> &[f32] {
-    assert!(b.len() % 4 == 0 && (b.as_ptr() as usize) % std::mem::align_of::<f32>() == 0, "unaligned f32 activations");
+    assert!(b.len().is_multiple_of(4) && (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()), "unaligned f32 activations");
     // SAFETY: length and alignment checked above; every bit pattern is a valid f32.
     unsafe { std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4) }
 }
