@@ -102,7 +102,7 @@ def test_gemv_equals_cpu_dot_products(ty: str) -> None:
     K.norm_quant(1, xd.data.ptr, 0, 1e-6, cols, kind, out_q=aq.data.ptr if quant else 0, out_d=ad.data.ptr,
                  out_s=as_.data.ptr, out_f=0 if quant else af.data.ptr)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, cols), tid, rows)])
-    K.gemv(kind, descs, 1, rows, cols, (aq if quant else af).data.ptr, ad.data.ptr, as_.data.ptr, K.MODE_STORE)
+    K.gemv(kind, descs, 1, rows, cols, xd.data.ptr, 0, 1e-6, K.MODE_STORE)  # quantizes x itself, as norm_quant
     got = out.get()
     assert nmse(got, ref) < 1e-6, (ty, nmse(got, ref))
     if ty in ("Q8_0", "Q4_K"):  # the activation quants are the CPU's, byte for byte
@@ -135,42 +135,69 @@ def test_dequantize_to_f16_equals_cpu_dequantize(ty: str) -> None:
     assert (got == ref.astype(np.float16).astype(np.float32)).all(), ty
 
 
+def _rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """The CPU's RMSNorm: sum of squares in f64, y = (x * scale) * w in f32."""
+    ss = float(np.sum(x.astype(np.float64) ** 2))
+    scale = np.float32(1.0) / np.sqrt(np.float32(ss / len(x)) + np.float32(eps))
+    return (x * scale) * w
+
+
 @needs_cuda
-@pytest.mark.parametrize("ty", ["Q8_0", "Q4_K", "F16"])
-def test_gemv_tail_norms_and_quantizes_the_result_like_norm_quant(ty: str) -> None:
-    """MODE_ADD into x with a tail: the last block norms + quantizes the updated x for the next product."""
+@pytest.mark.parametrize("ty", ["Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_gemv_norms_its_input_and_adds_the_residual_like_the_cpu(ty: str) -> None:
+    """MODE_ADD with a norm weight: out += W . quantize(RMSNorm(x) * w), against the CPU's norm and dot products."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
     from ninfer.backends.layouts import LAYOUTS, gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(5)
-    n = 1536
+    n, rows = (8960, 333) if ty == "Q6_K" else (1536, 333)  # rows: not a multiple of the rows per warp; 8960
+    # columns: the row split over four warps
     tid = int(TYPES[ty])
-    kind = LAYOUTS[tid].act
-    w = to_gpu(random_blocks(TYPES[ty], n, n, n**-0.5, rng), tid, n, n, "w")
-    x = cp.asarray(rng.standard_normal(n).astype(np.float32))
-    norm_w = cp.asarray((1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-    bufs = [cp.zeros(n, cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32), cp.zeros(n, cp.float32)]
-    quant = kind >= 3
+    raw = random_blocks(TYPES[ty], rows, n, n**-0.5, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    base = rng.standard_normal(rows).astype(np.float32)
+    act = _core.quantize_act(ACT_TYPE_ID[ty], _rms_norm_ref(x, norm_w, 1e-6))
+    rb = len(raw) // rows
+    ref = base + np.array([_core.vec_dot(tid, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)],
+                          np.float32)
+    out = cp.asarray(base)
+    w = to_gpu(raw, tid, rows, n, "w")
+    x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)  # named: a temporary's memory would be reused at once
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    K.gemv(LAYOUTS[tid].act, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_ADD)
+    assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
 
-    def quantize(q, d, s_, f) -> None:
-        K.norm_quant(1, x.data.ptr, norm_w.data.ptr, 1e-6, n, kind, out_q=q.data.ptr if quant else 0,
-                     out_d=d.data.ptr, out_s=s_.data.ptr, out_f=0 if quant else f.data.ptr)
 
-    quantize(*bufs)
-    counter = cp.zeros(1, cp.int32)
-    tail_bufs = [cp.zeros_like(b) for b in bufs]
-    q, d, s_, f = tail_bufs
-    t = K.tail(counter.data.ptr, x.data.ptr, norm_w.data.ptr, 1e-6, n, kind, q.data.ptr if quant else 0, d.data.ptr,
-               s_.data.ptr, 0 if quant else f.data.ptr)
-    descs = K.mat_descs([(w.data.ptr, 0, x.data.ptr, gpu_row_bytes(tid, n), tid, n)])
-    aq = (bufs[0] if quant else bufs[3]).data.ptr
-    K.gemv(kind, descs, 1, n, n, aq, bufs[1].data.ptr, bufs[2].data.ptr, K.MODE_ADD, tail_struct=t)
-    quantize(*bufs)  # the reference: norm_quant of the updated x
-    for got, ref in zip(tail_bufs, bufs):
-        assert (got.get() == ref.get()).all()
-    assert int(counter.get()[0]) == 0
+@needs_cuda
+def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
+    """A vocabulary-sized head: persistent blocks walk many row groups; the argmax is the first maximum."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, to_gpu
+
+    rng = np.random.default_rng(11)
+    rows, n, tid = 150_001, 256, int(TYPES["Q4_K"])
+    raw = random_blocks(TYPES["Q4_K"], rows, n, n**-0.5, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    w = to_gpu(raw, tid, rows, n, "w")
+    out = cp.zeros(rows, cp.float32)
+    best = cp.zeros(1, cp.uint64)
+    token = cp.zeros(1, cp.int32)
+    x_d = cp.asarray(x)
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    K.argmax_reset(best.data.ptr)
+    K.gemv(K.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ARGMAX, best=best.data.ptr)
+    K.argmax_finish(best.data.ptr, token.data.ptr)
+    logits = out.get()
+    act = _core.quantize_act(15, x)
+    rb = len(raw) // rows
+    for r in rng.integers(0, rows, 200):
+        assert abs(logits[r] - _core.vec_dot(tid, n, raw[r * rb : (r + 1) * rb].tobytes(), act)) < 1e-4
+    assert int(token.get()[0]) == int(np.argmax(logits))
 
 
 def _rope_ref(v: np.ndarray, pos: int, dims: int, base: float, neox: bool) -> np.ndarray:
@@ -198,7 +225,7 @@ def _attention_ref(q, keys, vals, scale):
 @needs_cuda
 @pytest.mark.parametrize("hd,n_head,n_kv,length,n_split,window", [
     (64, 9, 3, 37, 1, 0), (128, 12, 2, 700, 4, 0), (128, 40, 8, 1500, 7, 0), (64, 14, 2, 300, 3, 128),
-    (256, 4, 1, 260, 2, 0)])
+    (256, 4, 1, 260, 2, 0), (128, 12, 2, 100, 16, 0)])
 def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, length: int, n_split: int,
                                                window: int) -> None:
     import cupy as cp
@@ -249,7 +276,7 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
                            page_size=page, out=out.data.ptr, part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr,
                            tickets=tickets.data.ptr)
     for rep in range(2):  # the tickets reset themselves: a second launch gives the same result
-        K.attention(params, rows, n_split, n_kv, hd, False)
+        K.attention(params, rows, n_split, n_kv, hd, False, n_head // n_kv)
         got = out.get().reshape(rows, n_head, hd)
         g = n_head // n_kv
         for i, p in enumerate(positions):
@@ -321,7 +348,9 @@ def test_synthetic_1_5b_teacher_forced_greedy_gpu_agrees_with_cpu(ty: str, tmp_p
     path = write_synthetic(tmp_path / f"{ty}.gguf", "qwen2.5-1.5b", ty, n_layer=4, seed=11)
     cpu, gpu, margins = _teacher_forced(path, [17, 400, 9000, 123, 5555, 42, 7, 100000], 64)
     differ = [i for i in range(64) if gpu[i] != cpu[i]]
-    assert all(margins[i] < 0.1 for i in differ), [(i, float(margins[i])) for i in differ]
+    # 0.25: above the margins at which the CPU engine flips against itself under a 1e-7 input perturbation (up to
+    # 0.21, scripts/noise-floor); the GPU's sums run in another order (K-split warps, persistent blocks).
+    assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 6, differ
 
 

@@ -186,13 +186,12 @@ class CudaEngine:
         self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.n_split = max(1, min(-(-self.n_ctx // 256), (2 * n_sm) // s["n_head_kv"]))
+        group = s["n_head"] // s["n_head_kv"]
+        self.n_split = max(1, min(-(-self.n_ctx // 256), (2 * n_sm) // s["n_head_kv"],
+                                  K.attention_max_split(s["head_dim"], group)))
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
-        self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)
-        # Arrival counters of the decode kernels' tails (each resets itself after use), handed out by _counter.
-        self.counters = cp.zeros(16384, cp.int32)
-        self._n_counters = 0
+        self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)
         # Step inputs and outputs in mapped pinned memory.
         self.in_x = _Pinned(np.float32, e)
         self.in_pos = _Pinned(np.int32, 1)
@@ -405,50 +404,31 @@ class CudaEngine:
         return graph
 
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
-                    glu_act: int = 0, best: int = 0, keep: list[Any] | None = None, ready: int | None = None,
-                    tail_struct: Any = None) -> list[Callable[[], None]]:
-        """Launches for one activation vector x (f32, device) times matrices that read it: quantize once per
-        activation kind (except `ready`, the kind a previous kernel's tail already wrote), then one GEMV launch per
-        kind; the last launch carries `tail_struct`. Descriptor arrays are appended to `keep` (they must live as
-        long as a graph that launches them)."""
-        s = self.spec
+                    glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
+                    prequantize: bool = False) -> list[Callable[[], None]]:
+        """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
+        it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
+        norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
+        (they must live as long as a graph that launches them)."""
         keep = self._keep if keep is None else keep
         ops: list[Callable[[], None]] = []
         n = mats[0].cols
-        kinds = sorted({m.act for m in mats}, key=lambda k: k != ready)
+        kinds = sorted({m.act for m in mats})
         if mode == K.MODE_GLU and len(kinds) > 1:
             raise AssertionError("GLU fusion needs gate and up of one activation kind")
-        for i, kind in enumerate(kinds):
+        eps = self.spec["rms_eps"]
+        for kind in kinds:
             group = [(m, o) for m, o in zip(mats, outs) if m.act == kind]
             descs = K.mat_descs([(m.ptr, 0, o, m.row_bytes, m.type, m.rows) for m, o in group])
             keep.append(descs)
             total = group[0][0].rows if mode == K.MODE_GLU else sum(m.rows for m, _ in group)
-            quant = kind in QUANTIZED_ACTS
-            aq = self.aq.data.ptr if quant else self.af.data.ptr
-            if kind != ready:
-                ops.append(lambda kind=kind, aq=aq, quant=quant: K.norm_quant(
-                    1, x, norm, s["rms_eps"], n, kind, out_q=aq if quant else 0, out_d=self.ad.data.ptr,
-                    out_s=self.as_.data.ptr, out_f=0 if quant else aq))
-            t = tail_struct if i == len(kinds) - 1 else None
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, aq=aq, t=t: K.gemv(
-                kind, descs, len(g), total, n, aq, self.ad.data.ptr, self.as_.data.ptr, mode, glu_act, best, t))
+            pre = None
+            if prequantize and not norm and kind in QUANTIZED_ACTS:
+                pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
+                ops.append(lambda kind=kind, pre=pre: K.quant_act(x, n, kind, *pre))
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre: K.gemv(
+                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre))
         return ops
-
-    def _tail_for(self, x: int, norm: int, mats: list[_Matrix]) -> tuple[Any, int]:
-        """A tail that norms + quantizes x for `mats` (their first kind), and that kind."""
-        kind = mats[0].act
-        quant = kind in QUANTIZED_ACTS
-        t = K.tail(self._counter(), x, norm, self.spec["rms_eps"], mats[0].cols, kind,
-                   self.aq.data.ptr if quant else 0, self.ad.data.ptr, self.as_.data.ptr,
-                   0 if quant else self.af.data.ptr)
-        self._keep.append(t)
-        return t, kind
-
-    def _counter(self) -> int:
-        if self._n_counters == self.counters.size:
-            raise RuntimeError("out of tail counters (too many captured decode plans)")
-        self._n_counters += 1
-        return self.counters.data.ptr + 4 * (self._n_counters - 1)
 
     def _ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy)
@@ -457,9 +437,9 @@ class CudaEngine:
         return self._op_lists[key]
 
     def _decode_ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
-        """The launches of one decode step. Each kernel's tail quantizes the next product's input, so a layer
-        is four launches (qkv GEMV, attention with RoPE + KV write, output projection + residual, gate/up + GLU,
-        down + residual: five) where the layer has no post-norms and its matrices share activation kinds."""
+        """The launches of one decode step: per layer the q/k/v GEMV, attention (RoPE and the KV write inside),
+        the output projection + residual, gate/up + GLU, down + residual (five launches; gemma's post-norms add
+        two). Each GEMV norms and quantizes its own input."""
         cp, s = self.cp, self.spec
         e = s["n_embd"]
         x, o, act, att, qkv = (self.x.data.ptr, self.o.data.ptr, self.act.data.ptr, self.att.data.ptr,
@@ -476,71 +456,52 @@ class CudaEngine:
         table = self.tables.data.ptr + 4 * self.max_pages * seq
         glu_act = 0 if s["activation"] == "silu" else 1
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
-        head = self.output if self.plan.head_on_gpu else None
-        ready: int | None = None  # the activation kind the previous launch's tail wrote for the next product
+        group = s["n_head"] // s["n_head_kv"]
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
-            fused = not post_a and not post_f
             gate_up = [lw["w_gate"], lw["w_up"]]
-            glu = lw["w_gate"].act == lw["w_up"].act
-            # q, k, v
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE, ready=ready))
-            # attention (RoPE and the KV write inside); its tail quantizes the output for wo
-            t_att, ready = self._tail_for(att, 0, [lw["wo"]])
-            done = self._counter()
+                                               K.MODE_STORE))
             params = K.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
                 page_tables=table, table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
                 window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,
-                part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att, tail_struct=t_att, done=done)
+                part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att)
             self._keep.append(params)
             add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
-                                                                    s["head_dim"], True)])
-            # output projection + residual; its tail norms + quantizes x for gate/up
-            t_wo, next_ready = self._tail_for(x, lw["ptr"]["ffn_norm"], gate_up) if fused else (None, None)
-            add("matmul", il, self._matmul_vec([lw["wo"]], [x if fused else o], att, 0,
-                                               K.MODE_ADD if fused else K.MODE_STORE, ready=ready, tail_struct=t_wo))
-            ready = next_ready
+                                                                    s["head_dim"], True, group)])
+            # output projection + residual (or into o for gemma's post-attention norm)
+            add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
+                                               K.MODE_STORE if post_a else K.MODE_ADD))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
-            # gate/up + GLU; its tail quantizes the activation for down
-            if glu:
-                t_gu, next_ready = self._tail_for(act, 0, [lw["w_down"]])
+            if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act, ready=ready, tail_struct=t_gu))
+                                                   glu_act))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
-                                                   K.MODE_STORE, ready=ready))
+                                                   K.MODE_STORE))
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
-                next_ready = None
-            ready = next_ready
-            # down + residual; its tail norms + quantizes x for the next layer's q/k/v or the output head
-            nxt = (self.layers[il + 1]["ptr"]["attn_norm"], [self.layers[il + 1][k] for k in ("wq", "wk", "wv")]) \
-                if il + 1 < len(self.layers) else ((self.output_norm.data.ptr, [head]) if head else (0, None))
-            t_dn, next_ready = self._tail_for(x, nxt[0], nxt[1]) if fused and nxt[1] else (None, None)
-            add("matmul", il, self._matmul_vec([lw["w_down"]], [x if fused else o], act, 0,
-                                               K.MODE_ADD if fused else K.MODE_STORE, ready=ready, tail_struct=t_dn))
-            ready = next_ready
+            add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
+                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
-        if head is None:
+        if not self.plan.head_on_gpu:
             add("other", -1, [lambda: cp.cuda.runtime.memcpyAsync(self.out_x.host_ptr, x, 4 * e, _D2H, stream_ptr)])
             return ops
         norm = self.output_norm.data.ptr
         best = self.best.data.ptr
         if greedy:
             add("other", -1, [lambda: K.argmax_reset(best)])
-            add("matmul", -1, self._matmul_vec([head], [self.logits_dev.data.ptr], x, norm, K.MODE_ARGMAX, best=best,
-                                               ready=ready))
+            add("matmul", -1, self._matmul_vec([self.output], [self.logits_dev.data.ptr], x, norm, K.MODE_ARGMAX,
+                                               best=best))
             add("other", -1, [lambda: K.argmax_finish(best, self.out_token.dev_ptr)])
         else:
-            add("matmul", -1, self._matmul_vec([head], [self.out_logits.dev_ptr], x, norm, K.MODE_STORE,
-                                               ready=ready))
+            add("matmul", -1, self._matmul_vec([self.output], [self.out_logits.dev_ptr], x, norm, K.MODE_STORE))
         return ops
 
     # ---- prompts: batched layers on cuBLAS -------------------------------------------------------------
@@ -613,7 +574,7 @@ class CudaEngine:
                                v_pool=self.v_pools[il].data.ptr, page_tables=self.tables.data.ptr + 4 * self.max_pages * seq,
                                table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
                                window=ls.get("sliding_window") or 0, page_size=self.page_size, out=self.att.data.ptr)
-        K.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False)
+        K.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
         post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
         self._matmul_rows(T, [lw["wo"]], [o if post_a else x], e, self.att.data.ptr, 0, 0.0 if post_a else 1.0)
         if post_a:

@@ -14,9 +14,11 @@ from ninfer.backends.layouts import ACT_BF16, ACT_F16, ACT_F32, ACT_Q8_0, ACT_Q8
 
 MODE_STORE, MODE_ADD, MODE_GLU, MODE_ARGMAX = range(4)
 GEMV_WARPS = 8
+GEMV_ROWS_PER_WARP = 2  # kernels/gemv.cu GEMV_R
+WARP_LANES = 32
 ATT_WARPS, MAX_GROUP = 4, 8  # kernels/attention.cu
 
-_GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f32act", ACT_BF16: "gemv_f32act",
+_GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
                 ACT_Q8_0: "gemv_q8_0", ACT_Q8_1: "gemv_q8_1", ACT_Q8_K: "gemv_q8_k"}
 
 # struct MatDesc in kernels/gemv.cu (48 bytes).
@@ -24,12 +26,10 @@ MAT_DESC = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("row_bytes"
                      ("rows", "<i4"), ("row0", "<i4"), ("pad", "<i4")])
 
 
-# struct Tail in kernels/norm.cu and struct AttnParams in kernels/attention.cu (C layout: align=True).
-TAIL = np.dtype([("counter", "<u8"), ("x", "<u8"), ("w", "<u8"), ("eps", "<f4"), ("n", "<i4"), ("act", "<i4"),
-                 ("out_q", "<u8"), ("out_d", "<u8"), ("out_s", "<u8"), ("out_f", "<u8")], align=True)
+# struct AttnParams in kernels/attention.cu (C layout: align=True).
 ATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "qkv", "bias_q", "bias_k", "bias_v", "q_norm", "k_norm", "k_pool", "v_pool",
-                          "page_tables", "row_seq", "pos", "part_ml", "part_acc", "tickets", "out", "tail", "done")]
+                          "page_tables", "row_seq", "pos", "part_ml", "part_acc", "tickets", "out")]
     + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "qkv_stride",
                             "rope_dims", "neox")]
     + [(k, "<f4") for k in ("scale", "eps", "theta_scale", "freq_scale", "q_scale")] + [("pad", "<i4")], align=True)
@@ -43,12 +43,6 @@ def device_struct(dtype: np.dtype, **fields):
     for k, v in fields.items():
         a[0][k] = v
     return cp.asarray(a.view(np.uint8))
-
-
-def tail(counter: int, x: int, w: int, eps: float, n: int, act: int, out_q: int, out_d: int, out_s: int,
-         out_f: int = 0):
-    return device_struct(TAIL, counter=counter, x=x, w=w, eps=eps, n=n, act=act, out_q=out_q, out_d=out_d,
-                         out_s=out_s, out_f=out_f)
 
 
 def P(ptr: int) -> np.uint64:
@@ -75,14 +69,67 @@ def mat_descs(entries: list[tuple[int, int, int, int, int, int]]):
     return cp.asarray(d.view(np.uint8))
 
 
-def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, act_q: int, act_d: int, act_s: int,
-         mode: int, glu_act: int = 0, best: int = 0, tail_struct=None) -> None:
-    threads = 32 * GEMV_WARPS
-    warps = total_rows if mode == MODE_GLU else (total_rows + 1) // 2  # a warp: gate+up of a row, or two rows
-    grid = (warps + GEMV_WARPS - 1) // GEMV_WARPS
-    function(_GEMV_KERNEL[act])((grid,), (threads,), (
-        descs, I(n_mats), I(total_rows), I(n_cols), P(act_q), P(act_d), P(act_s), I(mode), I(glu_act), P(best),
-        tail_struct if tail_struct is not None else P(0)))
+def gemv_smem(act: int, n: int) -> int:
+    """Shared memory of a GEMV block's activation (kernels/gemv.cu act_smem_bytes)."""
+    return 4 * n if act in (ACT_F32, ACT_F16, ACT_BF16) else n + 12 * (n // 32)
+
+
+_resident: dict[tuple[int, int, int], int] = {}
+
+
+def resident_blocks(fn, threads: int, smem: int) -> int:
+    """Blocks of `fn` the whole GPU holds at once (the persistent GEMV's grid), from its registers and shared
+    memory: the occupancy calculator's arithmetic for compute capability 8.x/9.x."""
+    key = (id(fn), threads, smem)
+    if key not in _resident:
+        import cupy as cp
+
+        dev = cp.cuda.Device()
+        attrs = dev.attributes
+        warps = threads // 32
+        regs_per_warp = -(-max(fn.num_regs, 1) * 32 // 256) * 256
+        by_regs = (attrs["MaxRegistersPerMultiprocessor"] // regs_per_warp) // warps
+        smem_sm = attrs["MaxSharedMemoryPerMultiprocessor"]
+        by_smem = smem_sm // (smem + fn.shared_size_bytes + 1024)
+        by_threads = attrs["MaxThreadsPerMultiProcessor"] // threads
+        per_sm = max(1, min(by_regs, by_smem, by_threads, 32))
+        _resident[key] = per_sm * attrs["MultiProcessorCount"]
+    return _resident[key]
+
+
+def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int,
+         glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
+         rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = GEMV_WARPS) -> None:
+    """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
+    inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then). kernel (a
+    compiled function), rows_per_warp, warps_per_block: another instantiation of the template, for
+    scripts/gemv-bench."""
+    fn = kernel or function(_GEMV_KERNEL[act])
+    smem = 0 if pre else gemv_smem(act, n_cols)
+    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    threads = 32 * warps_per_block
+    ks = gemv_k_split(n_cols, warps_per_block)
+    per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
+    groups = -(-total_rows // per_warp)
+    steps = -(-groups // (warps_per_block // ks))
+    grid = min(steps, resident_blocks(fn, threads, smem))
+    pq, pd, ps = pre or (0, 0, 0)
+    fn((grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps), I(mode),
+                             I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)), shared_mem=smem)
+
+
+def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_f: int = 0) -> None:
+    """Quantize a long vector without a norm, 2048 elements per block (kernels/norm.cu quant_act)."""
+    function("quant_act")((-(-n // 2048),), (256,), (P(x), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_f)))
+
+
+def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS) -> int:
+    """Warps sharing one row group: about two units (64 elements) per lane, a power of two up to the block."""
+    ks = 1
+    while ks < warps_per_block and n_cols // 32 >= 2 * WARP_LANES * 2 * ks:
+        ks *= 2
+    return ks
 
 
 def norm_quant(rows: int, x: int, w: int, eps: float, n: int, act: int, out_q: int = 0, out_d: int = 0,
@@ -114,22 +161,29 @@ def attention_smem(hd: int) -> int:
 def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_stride: int, row_seq: int, pos: int,
                 window: int, page_size: int, out: int, q: int = 0, qkv: int = 0, qkv_stride: int = 0,
                 layer: dict | None = None, theta_scale: float = 0.0, part_ml: int = 0, part_acc: int = 0,
-                tickets: int = 0, tail_struct=None, done: int = 0):
+                tickets: int = 0):
     """The AttnParams struct of one attention launch (layer: the decode form's biases, norms, RoPE factors)."""
     lw = layer or {}
     return device_struct(
         ATTN_PARAMS, q=q, qkv=qkv, bias_q=lw.get("bq", 0), bias_k=lw.get("bk", 0), bias_v=lw.get("bv", 0),
         q_norm=lw.get("q_norm", 0), k_norm=lw.get("k_norm", 0), k_pool=k_pool, v_pool=v_pool,
         page_tables=page_tables, row_seq=row_seq, pos=pos, part_ml=part_ml, part_acc=part_acc, tickets=tickets,
-        out=out, tail=tail_struct.data.ptr if tail_struct is not None else 0, done=done, table_stride=table_stride,
+        out=out, table_stride=table_stride,
         window=window, n_head=s["n_head"], n_head_kv=s["n_head_kv"], page_size=page_size, qkv_stride=qkv_stride,
         rope_dims=s["rope_dims"], neox=int(s["rope_neox"]), scale=s["attn_scale"], eps=s["rms_eps"],
         theta_scale=theta_scale, freq_scale=lw.get("rope_freq_scale", 1.0), q_scale=s["q_scale"])
 
 
-def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bool) -> None:
-    """TinyFlash over `rows` query rows; step=True is the decode form (RoPE + KV write fused, tail)."""
-    name = f"attention_step_hd{hd}" if step else f"attention_hd{hd}"
+def attention_max_split(hd: int, group: int) -> int:
+    """The most key splits the last block's merge holds in shared memory (kernels/attention.cu: (m, l) pairs of
+    every split and query head of a group in the warps' merge area, ATT_WARPS * MAX_GROUP * hd floats)."""
+    return ATT_WARPS * MAX_GROUP * hd // (2 * group)
+
+
+def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bool, group: int) -> None:
+    """TinyFlash over `rows` query rows; step=True is the decode form (RoPE + KV write fused); group: query heads
+    per KV head (1..MAX_GROUP, a kernel each)."""
+    name = f"attention_step_hd{hd}_g{group}" if step else f"attention_hd{hd}_g{group}"
     function(name)((n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,), shared_mem=attention_smem(hd))
 
 

@@ -8,6 +8,7 @@ ships them as package data; NINFER_KERNELS_DIR overrides (for trying a kernel ed
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -43,5 +44,17 @@ def module():
 
 
 @lru_cache(maxsize=None)
+def _attention_module(hd: int, group: int):
+    """TinyFlash for one head size and group size (kernels/attention.cu): compiled when a model needs it."""
+    import cupy
+
+    return cupy.RawModule(code=source_of("norm.cu", "rope_kv.cu", "attention.cu"),
+                          options=("-std=c++17", f"-DATT_HD={hd}", f"-DATT_NG={group}"))
+
+
+@lru_cache(maxsize=None)
 def function(name: str):
+    m = re.fullmatch(r"attention(?:_step)?_hd(\d+)_g(\d+)", name)
+    if m:
+        return _attention_module(int(m[1]), int(m[2])).get_function(name)
     return module().get_function(name)

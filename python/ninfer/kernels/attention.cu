@@ -11,8 +11,8 @@
 //
 // The decode form (attention_step_*) also does what rope_kv.cu does for a prompt: each block ropes its own query
 // heads from the raw projections, and the block whose share holds the new position writes that token's K and V
-// to the cache before reading it. Its tail quantizes the attention output for the output projection, so a
-// decode layer's attention is one launch.
+// to the cache before reading it, so a decode layer's attention is one launch (the output projection quantizes
+// the result itself, gemv.cu).
 //
 // Numerics as the CPU's decode path: q rounded to f16 (the cache's dot format), score = (q . k) * scale, f32
 // softmax and accumulation.
@@ -34,8 +34,6 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
     float* part_acc;
     int* tickets;
     float* out;
-    const Tail* tail;
-    int* done;
     int table_stride, window, n_head, n_head_kv, page_size, qkv_stride, rope_dims, neox;
     float scale, eps, theta_scale, freq_scale, q_scale;
     int pad;
@@ -44,7 +42,7 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 #define ATT_WARPS 4
 #define MAX_GROUP 8
 
-template <int HD, bool STEP>
+template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
     const float scale = P.scale;
@@ -56,7 +54,7 @@ __device__ void attend(const AttnParams& P) {
     constexpr int VPL = HD / 32;  // output dims per lane
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int ng = n_head / n_head_kv;
+    constexpr int ng = NG;  // query heads per KV head: a template parameter, so loops over heads unroll exactly
     extern __shared__ float att_sm[];
     float* qs = att_sm;                                  // [ng][HD]
     float* pt = qs + MAX_GROUP * HD;                 // [warps][ng][32] probabilities of the tile
@@ -67,8 +65,16 @@ __device__ void attend(const AttnParams& P) {
     const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
     const int p = P.pos[row];
     const int kbeg = window > 0 ? max(0, p + 1 - window) : 0, kend = p + 1;
-    const int per = (((kend - kbeg) + n_split - 1) / n_split + 31) & ~31;
-    const int s0 = min(kend, kbeg + split * per), s1 = min(kend, s0 + per);
+    // A share is a whole number of 32-key tiles, at least one per warp; splits past the keys (n_used and up) have
+    // nothing to do, and with one split in use its block writes the output itself.
+    const int per = max((((kend - kbeg) + n_split - 1) / n_split + 31) & ~31, 32 * ATT_WARPS);
+    const int n_used = (kend - kbeg + per - 1) / per;
+    if (split >= n_used) return;
+    if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
+        for (int i = tid; i < ng * HD; i += blockDim.x) out[((long long)row * n_head + g * ng) * HD + i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
 
     if (STEP) {
         // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
@@ -107,9 +113,9 @@ __device__ void attend(const AttnParams& P) {
     }
     __syncthreads();
 
-    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][VPL];
+    float m[NG], l[NG], acc[NG][VPL];
 #pragma unroll
-    for (int h = 0; h < MAX_GROUP; ++h) {
+    for (int h = 0; h < NG; ++h) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
 #pragma unroll
@@ -119,23 +125,30 @@ __device__ void attend(const AttnParams& P) {
     for (int t0 = s0 + 32 * warp; t0 < s1; t0 += 32 * ATT_WARPS) {
         const int key = t0 + lane;
         const bool valid = key < s1;
-        float sc[MAX_GROUP];
+        float sc[NG];
 #pragma unroll
-        for (int h = 0; h < MAX_GROUP; ++h) sc[h] = 0.0f;
+        for (int h = 0; h < NG; ++h) sc[h] = 0.0f;
         // This lane's key's cache row (element offset, for K and V alike); invalid lanes point at a valid row.
         const long long row_off = ((long long)table[(valid ? key : t0) / page_size] * n_head_kv + g) * head_stride +
                                   (long long)((valid ? key : t0) % page_size) * HD;
         if (valid) {
+            // The key row in quarters, each quarter's loads issued together before any use; the loop over quarters
+            // stays rolled to keep the kernel's code small (see ATTN_KERNEL).
             const uint4* kr = (const uint4*)(k_pool + row_off);
-#pragma unroll 4
-            for (int c = 0; c < HD / 8; ++c) {
-                uint4 kv = kr[c];
-                float k8[8] = {h2f(kv.x & 0xFFFF), h2f(kv.x >> 16), h2f(kv.y & 0xFFFF), h2f(kv.y >> 16),
-                               h2f(kv.z & 0xFFFF), h2f(kv.z >> 16), h2f(kv.w & 0xFFFF), h2f(kv.w >> 16)};
+            constexpr int NC = HD / 32;  // 16-byte chunks per quarter
+#pragma unroll 1
+            for (int qt = 0; qt < 4; ++qt) {
+                uint4 kv[NC];
 #pragma unroll
-                for (int h = 0; h < MAX_GROUP; ++h) {
-                    if (h < ng) {
-                        const float* qh = qs + h * HD + 8 * c;
+                for (int c = 0; c < NC; ++c) kv[c] = kr[qt * NC + c];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    float k8[8] = {h2f(kv[c].x & 0xFFFF), h2f(kv[c].x >> 16), h2f(kv[c].y & 0xFFFF),
+                                   h2f(kv[c].y >> 16), h2f(kv[c].z & 0xFFFF), h2f(kv[c].z >> 16),
+                                   h2f(kv[c].w & 0xFFFF), h2f(kv[c].w >> 16)};
+#pragma unroll
+                    for (int h = 0; h < NG; ++h) {
+                        const float* qh = qs + h * HD + 8 * (qt * NC + c);
 #pragma unroll
                         for (int e = 0; e < 8; ++e) sc[h] = fmaf(qh[e], k8[e], sc[h]);
                     }
@@ -145,8 +158,8 @@ __device__ void attend(const AttnParams& P) {
         // Register arrays are indexed by h: every loop over h must unroll completely (a `break` would not), or
         // they move to local memory.
 #pragma unroll
-        for (int h = 0; h < MAX_GROUP; ++h) {
-            if (h < ng) {
+        for (int h = 0; h < NG; ++h) {
+            {
             float s = valid ? sc[h] * scale : -INFINITY;
             float m_new = fmaxf(m[h], warp_max(s));
             float pr = valid ? expf(s - m_new) : 0.0f;
@@ -159,30 +172,38 @@ __device__ void attend(const AttnParams& P) {
             }
         }
         __syncwarp();
-        // V: all 32 keys of the tile (probability 0 for keys past the share), row offsets shuffled from the lane
-        // that looked them up, so the loads do not wait on page-table reads and unroll into flight together.
-#pragma unroll 8
-        for (int j = 0; j < 32; ++j) {
-            const long long off = __shfl_sync(0xffffffffu, row_off, j);
-            const u16* vr = v_pool + off + lane * VPL;
-            float vv[VPL];
-            if (VPL == 4) {
-                uint2 raw = *(const uint2*)vr;
-                vv[0] = h2f(raw.x & 0xFFFF); vv[1] = h2f(raw.x >> 16);
-                vv[2] = h2f(raw.y & 0xFFFF); vv[3] = h2f(raw.y >> 16);
-            } else if (VPL == 2) {
-                u32 raw = *(const u32*)vr;
-                vv[0] = h2f(raw & 0xFFFF); vv[1] = h2f(raw >> 16);
-            } else {
+        // V: all 32 keys of the tile (probability 0 for keys past the share), in batches of VB keys whose row
+        // offsets are shuffled from the lanes that looked them up and whose loads are all issued before any use
+        // (one memory round trip per batch, not per key).
+        constexpr int VB = 8;
+#pragma unroll 1
+        for (int j0 = 0; j0 < 32; j0 += VB) {
+            float vv[VB][VPL];
 #pragma unroll
-                for (int c = 0; c < VPL; ++c) vv[c] = h2f(vr[c]);
+            for (int k = 0; k < VB; ++k) {
+                const long long off = __shfl_sync(0xffffffffu, row_off, j0 + k);
+                const u16* vr = v_pool + off + lane * VPL;
+                if (VPL == 4) {
+                    const uint2 raw = *(const uint2*)vr;
+                    vv[k][0] = h2f(raw.x & 0xFFFF); vv[k][1] = h2f(raw.x >> 16);
+                    vv[k][2] = h2f(raw.y & 0xFFFF); vv[k][3] = h2f(raw.y >> 16);
+                } else if (VPL == 2) {
+                    const u32 raw = *(const u32*)vr;
+                    vv[k][0] = h2f(raw & 0xFFFF); vv[k][1] = h2f(raw >> 16);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < VPL; ++c) vv[k][c] = h2f(vr[c]);
+                }
             }
 #pragma unroll
-            for (int h = 0; h < MAX_GROUP; ++h) {
-                if (h < ng) {
-                    float pj = pt[(warp * MAX_GROUP + h) * 32 + j];
+            for (int k = 0; k < VB; ++k) {
 #pragma unroll
-                    for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[c], acc[h][c]);
+                for (int h = 0; h < NG; ++h) {
+                    {
+                        const float pj = pt[(warp * MAX_GROUP + h) * 32 + j0 + k];
+#pragma unroll
+                        for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[k][c], acc[h][c]);
+                    }
                 }
             }
         }
@@ -190,8 +211,7 @@ __device__ void attend(const AttnParams& P) {
     }
     // Merge the warps of this block.
 #pragma unroll
-    for (int h = 0; h < MAX_GROUP; ++h) {
-        if (h >= ng) continue;
+    for (int h = 0; h < NG; ++h) {
         if (lane == 0) {
             wml[(warp * MAX_GROUP + h) * 2] = m[h];
             wml[(warp * MAX_GROUP + h) * 2 + 1] = l[h];
@@ -215,70 +235,74 @@ __device__ void attend(const AttnParams& P) {
             }
         }
         const long long oh = (long long)row * n_head + g * ng + h;
-        if (n_split == 1) {
+        if (n_used == 1) {
             out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
         } else {
             part_acc[(oh * n_split + split) * HD + d] = A;
             if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
         }
     }
-    if (n_split > 1) {
+    if (n_used == 1) return;
     __threadfence();
     __syncthreads();
     if (tid == 0) {
         int* ticket = P.tickets + row * n_head_kv + g;
-        last_block = atomicAdd(ticket, 1) == n_split - 1;
+        last_block = atomicAdd(ticket, 1) == n_used - 1;
         if (last_block) *ticket = 0;
     }
     __syncthreads();
     if (!last_block) return;
     __threadfence();
+    // The last block merges the splits that held keys (the others are empty). Each split's weight
+    // exp(m_s - M) per head goes to shared memory first (wacc is free again), so the per-dimension sums below are
+    // independent loads that stay in flight together. (The launcher keeps ng * n_split <= ATT_WARPS * MAX_GROUP *
+    // HD / 2, cuda_ops.attention_max_split.)
+    float2* wf = (float2*)wacc;  // [ng][n_used]: (m, l), then (weight, l)
+    for (int i = tid; i < ng * n_used; i += blockDim.x) {
+        const int h = i / n_used, sp = i % n_used;
+        wf[i] = __ldcg(part_ml + ((long long)row * n_head + g * ng + h) * n_split + sp);
+    }
+    __syncthreads();
+    if (tid < ng) {
+        float M = -INFINITY;
+        for (int sp = 0; sp < n_used; ++sp) M = fmaxf(M, wf[tid * n_used + sp].x);
+        float L = 0.0f;
+        for (int sp = 0; sp < n_used; ++sp) {
+            const float2 ml = wf[tid * n_used + sp];
+            const float f = ml.x == -INFINITY ? 0.0f : expf(ml.x - M);
+            L += ml.y * f;
+            wf[tid * n_used + sp].x = f;
+        }
+        wml[tid] = L;
+    }
+    __syncthreads();
     for (int i = tid; i < ng * HD; i += blockDim.x) {
         const int h = i / HD, d = i % HD;
         const long long oh = (long long)row * n_head + g * ng + h;
-        const volatile float2* ml = part_ml + oh * n_split;
-        float M = -INFINITY;
-        for (int s = 0; s < n_split; ++s) M = fmaxf(M, ml[s].x);
-        float L = 0.0f, A = 0.0f;
-        if (M != -INFINITY) {
-            for (int s = 0; s < n_split; ++s) {
-                float ms = ml[s].x;
-                if (ms == -INFINITY) continue;
-                float f = expf(ms - M);
-                L += ml[s].y * f;
-                A += ((const volatile float*)part_acc)[(oh * n_split + s) * HD + d] * f;
-            }
-        }
+        const float* pa = part_acc + oh * n_split * HD + d;
+        float A = 0.0f;
+#pragma unroll 8
+        for (int sp = 0; sp < n_used; ++sp) A += __ldcg(pa + (long long)sp * HD) * wf[h * n_used + sp].x;
+        const float L = wml[h];
         out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
-    }
-    }
-    // This block finished its group's output; the last group to finish runs the tail over the whole output.
-    if (STEP && P.tail) {
-        __shared__ int all_done;
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-            all_done = atomicAdd(P.done, 1) == (int)(gridDim.z * gridDim.y) - 1;
-            if (all_done) *P.done = 0;
-        }
-        __syncthreads();
-        if (!all_done) return;
-        __threadfence();
-        const Tail t = *P.tail;
-        norm_quant_cta(t.x, t.w, t.eps, t.n, t.act, t.out_q, t.out_d, t.out_s, 0, t.out_f);
     }
 }
 
-#define ATTN_KERNEL(HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) attention_hd##HD(const AttnParams* p) {                   \
+// One kernel per head size and group size (query heads per KV head), compiled on demand as a module of its own
+// (backends/kernels.py defines ATT_HD and ATT_NG): attention_hd128_g6 and attention_step_hd128_g6 serve
+// Qwen2.5-1.5B. Each is small: decode kernels run once per token, so their code is fetched cold on every SM each
+// launch, and loops unrolled for every possible group size cost more in instruction fetch than they save.
+#define ATTN_KERNEL(HD, NG)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attention_hd##HD##_g##NG(const AttnParams* p) {           \
         const AttnParams P = *p;                                                                               \
-        attend<HD, false>(P);                                                                                 \
+        attend<HD, NG, false>(P);                                                                              \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attention_step_hd##HD(const AttnParams* p) {              \
+    extern "C" __global__ void __launch_bounds__(128) attention_step_hd##HD##_g##NG(const AttnParams* p) {      \
         const AttnParams P = *p;                                                                               \
-        attend<HD, true>(P);                                                                                  \
+        attend<HD, NG, true>(P);                                                                               \
     }
+#define ATTN_KERNEL_OF(HD, NG) ATTN_KERNEL(HD, NG)
 
-ATTN_KERNEL(64)
-ATTN_KERNEL(128)
-ATTN_KERNEL(256)
+#ifdef ATT_HD
+ATTN_KERNEL_OF(ATT_HD, ATT_NG)
+#endif

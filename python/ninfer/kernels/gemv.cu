@@ -1,17 +1,24 @@
-// Decode matrix-vector products: out[r] = W[r, :] . x, one warp per output row, reading the quantized blocks
-// directly (fused dequant + dot). The activation x arrives quantized the way the CPU backend quantizes it
-// (norm.cu: int8 quants, a scale per unit, per-half sums), so the integer products equal the CPU's.
+// Decode matrix-vector products: out[r] = W[r, :] . y, reading the quantized blocks directly (fused dequant +
+// dot), where y = RMSNorm(x) * norm_w (or x itself without a norm weight) quantized the way the CPU backend
+// quantizes it (norm.cu: int8 quants, a scale per unit, per-half sums), so the integer products equal the CPU's.
 //
-// A warp computes two rows at once. One launch can cover several matrices that read the same activation (q, k and v; gate and up): their
+// Every block starts by computing y from the f32 vector x into shared memory (its prologue): the vector is small
+// and sits in L2, so repeating that per block is cheaper than a separate launch or a serial "last block" pass,
+// and the inner loop then reads the activation from shared memory. Blocks are persistent (the grid is what fits
+// on the GPU at once) and walk the rows, R rows per warp (GEMV_R), so the prologue is paid a few hundred times,
+// not once per row. Long rows are split over ks warps of a block (K-split: their lanes interleave over the row's
+// units and add up through shared memory), so a row's loads are spread over more warps in flight. Before the prologue each warp asks L2 to prefetch its first rows, so their
+// first weight loads overlap it.
+//
+// One launch can cover several matrices that read the same activation (q, k and v; gate and up): their
 // descriptors sit in a small device array, rows numbered across them in order. Weight types may differ between
 // matrices of a launch as long as they share the activation kind (each kernel below serves one kind).
 //
 // Epilogues: MODE_STORE  out[r] = dot (+ bias[r])
 //            MODE_ADD    out[r] += dot            (the residual add after attention-output and down projections)
-//            MODE_GLU    out[r] = glu(gate . x, up . x) for descriptor 0 = gate, 1 = up (one warp, both rows)
-//            MODE_ARGMAX out[r] = dot, and argmax packed into *best (greedy sampling without a second kernel)
-// A tail (norm.cu) lets the last block to finish norm + quantize the vector the next product reads, so a decode
-// step needs no separate quantization launches.
+//            MODE_GLU    out[r] = glu(gate . y, up . y) for descriptor 0 = gate, 1 = up (one warp, both rows)
+//            MODE_ARGMAX out[r] = dot, and argmax packed into *best (greedy sampling without a second kernel;
+//                                  one atomic per block)
 
 #define MODE_STORE 0
 #define MODE_ADD 1
@@ -45,28 +52,32 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, c
     return d * ((w.sc[0] * (float)s0 + w.sc[1] * (float)s1) - (w.mn[0] * bs.x + w.mn[1] * bs.y));
 }
 
-// Dots of two rows of one type with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K), lanes striding over units:
-// both rows' blocks are in flight together, and the activation is loaded once for both.
-template <int T, int ACT>
-__device__ __forceinline__ float2 rows_dot_q(const u8* r0, const u8* r1, int n_units, const int* aq,
-                                             const float* ad, const float2* as) {
-    float a0 = 0.0f, a1 = 0.0f;
-    for (int u = threadIdx.x & 31; u < n_units; u += WARP) {
-        a0 += unit_dot<T, ACT>(r0, u, aq, ad, as);
-        a1 += unit_dot<T, ACT>(r1, u, aq, ad, as);
+// Dots of R rows of one type with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K): this lane's units u_first,
+// u_first + u_step, ... (the lanes of the warps sharing a row interleave), U units per lane unrolled: R * U units' loads are in flight together, and the activation is loaded once per unit
+// for all R rows.
+template <int T, int ACT, int R, int U>
+__device__ __forceinline__ void rows_dot_q(const u8* const* w, int u_first, int u_step, int n_units, const int* aq,
+                                           const float* ad, const float2* as, float* acc) {
+    for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + u_step * k;
+            if (U == 1 || u < n_units) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] += unit_dot<T, ACT>(w[r], u, aq, ad, as);
+            }
+        }
     }
-    return make_float2(a0, a1);
 }
 
 // Dot of one row of float weights (F32, F16, BF16) with an f32 activation (already rounded to the weight's
 // precision where the CPU rounds it).
-__device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const float* x) {
+__device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const float* x, int i_first, int i_step) {
     float acc = 0.0f;
-    const int lane = threadIdx.x & 31;
     if (type == T_F32) {
         const float4* w4 = (const float4*)row;
         const float4* x4 = (const float4*)x;
-        for (int i = lane; i < n / 4; i += WARP) {
+        for (int i = i_first; i < n / 4; i += i_step) {
             float4 a = w4[i], b = x4[i];
             acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
         }
@@ -74,7 +85,7 @@ __device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const
         const uint2* w4 = (const uint2*)row;  // 4 halves
         const float4* x4 = (const float4*)x;
         const bool bf = type == T_BF16;
-        for (int i = lane; i < n / 4; i += WARP) {
+        for (int i = i_first; i < n / 4; i += i_step) {
             uint2 a = w4[i];
             float4 b = x4[i];
             float w0 = bf ? bf2f(a.x & 0xFFFF) : h2f(a.x & 0xFFFF), w1 = bf ? bf2f(a.x >> 16) : h2f(a.x >> 16);
@@ -85,12 +96,12 @@ __device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const
     return acc;
 }
 
-// Dots of two rows of one quantized type with the activation: the type switch over rows_dot_q.
-template <int ACT>
-__device__ __forceinline__ float2 rows_dot_typed(int type, const u8* w0, const u8* w1, int n_units, const int* aq,
-                                                 const float* act_d, const float2* act_s) {
+// Dots of R rows of one quantized type with the activation: the type switch over rows_dot_q.
+template <int ACT, int R, int U>
+__device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int u_first, int u_step, int n_units,
+                                               const int* aq, const float* act_d, const float2* act_s, float* acc) {
 #define DOT_CASE(T) \
-    case T: return rows_dot_q<T, ACT>(w0, w1, n_units, aq, act_d, act_s);
+    case T: rows_dot_q<T, ACT, R, U>(w, u_first, u_step, n_units, aq, act_d, act_s, acc); return;
     if (ACT == ACT_Q8_0) {
         switch (type) { DOT_CASE(T_Q4_0) DOT_CASE(T_Q5_0) DOT_CASE(T_Q8_0) }
     } else if (ACT == ACT_Q8_1) {
@@ -100,24 +111,34 @@ __device__ __forceinline__ float2 rows_dot_typed(int type, const u8* w0, const u
     }
 #undef DOT_CASE
     const float nan = __int_as_float(0x7fc00000);  // a type the launcher should not have sent here: NaN, loudly
-    return make_float2(nan, nan);
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = nan;
 }
 
-// Dots of row r0 of matrix m0 and row r1 of matrix m1 (the same matrix, or gate and up) with the activation.
-template <int ACT>
-__device__ __forceinline__ float2 rows_dot(const MatDesc& m0, int r0, const MatDesc& m1, int r1, int n_cols,
-                                           const void* act_q, const float* act_d, const float2* act_s) {
-    const u8* w0 = m0.w + (long long)r0 * m0.row_bytes;
-    const u8* w1 = m1.w + (long long)r1 * m1.row_bytes;
-    if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16)
-        return make_float2(row_dot_f(m0.type, w0, n_cols, (const float*)act_q),
-                           row_dot_f(m1.type, w1, n_cols, (const float*)act_q));
+// Dots of R rows (row pointers w, types ty) with the activation, into acc (this lane's partial sums over units,
+// or float4s for float weights, first, first + step, ...).
+template <int ACT, int R, int U>
+__device__ __forceinline__ void rows_dot(const u8* const* w, const int* ty, int n_cols, int first, int step,
+                                         const void* act_q, const float* act_d, const float2* act_s, float* acc) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = row_dot_f(ty[r], w[r], n_cols, (const float*)act_q, first, step);
+        return;
+    }
     const int n_units = n_cols >> 5;
     const int* aq = (const int*)act_q;
-    if (m0.type != m1.type)  // two types in one pair (only at a boundary between matrices): one row at a time
-        return make_float2(rows_dot_typed<ACT>(m0.type, w0, w0, n_units, aq, act_d, act_s).x,
-                           rows_dot_typed<ACT>(m1.type, w1, w1, n_units, aq, act_d, act_s).x);
-    return rows_dot_typed<ACT>(m0.type, w0, w1, n_units, aq, act_d, act_s);
+    bool same = true;
+#pragma unroll
+    for (int r = 1; r < R; ++r) same = same && ty[r] == ty[0];
+    if (same) {
+        rows_dot_typed<ACT, R, U>(ty[0], w, first, step, n_units, aq, act_d, act_s, acc);
+        return;
+    }
+    // Rows of two types (only at a boundary between matrices of a launch): one row at a time.
+#pragma unroll
+    for (int r = 0; r < R; ++r) rows_dot_typed<ACT, 1, U>(ty[r], w + r, first, step, n_units, aq, act_d, act_s, acc + r);
 }
 
 // Orderable key of (value, index): larger value wins, then the smaller index (the CPU sampler's first maximum).
@@ -133,53 +154,165 @@ __device__ __forceinline__ int mat_of(const MatDesc* mats, int n_mats, int row) 
     return mi;
 }
 
-// Stores row r's result by the epilogue of `mode`.
-__device__ __forceinline__ void store_row(const MatDesc& m, int r, float v, int mode, u64* best) {
-    if (m.bias) v += m.bias[r];
-    if (mode == MODE_ADD) {
-        m.out[r] += v;
-    } else {
-        m.out[r] = v;
-        if (mode == MODE_ARGMAX) atomicMax(best, argmax_key(v, r));
+// The largest argmax key of a block into *best: one atomic per block rather than per row (a vocabulary-sized
+// head would otherwise queue a hundred thousand atomics on one address). Every thread of the block calls it.
+__device__ __forceinline__ void block_argmax(u64 key, u64* best) {
+    __shared__ u64 keys[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
+    }
+    if (lane == 0) keys[warp] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < n_warps; ++i) key = keys[i] > key ? keys[i] : key;
+        if (key) atomicMax(best, key);
     }
 }
 
-// Two rows per warp (global rows 2w and 2w+1; for MODE_GLU row w of gate and of up); blockDim.x = 32 * warps.
-template <int ACT>
-__device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const void* act_q,
-                     const float* act_d, const float2* act_s, int mode, int glu_act, u64* best, const Tail* tail) {
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (mode == MODE_GLU) {
-        if (warp < total_rows) {
-            const float2 v = rows_dot<ACT>(mats[0], warp, mats[1], warp, n_cols, act_q, act_d, act_s);
-            const float g = warp_sum(v.x), u = warp_sum(v.y);
-            if (lane == 0) mats[0].out[warp] = glu(g, u, glu_act);
-        }
-    } else if (2 * warp < total_rows) {
-        const int ra = 2 * warp, rb = min(2 * warp + 1, total_rows - 1);
-        const MatDesc ma = mats[mat_of(mats, n_mats, ra)], mb = mats[mat_of(mats, n_mats, rb)];
-        const float2 v = rows_dot<ACT>(ma, ra - ma.row0, mb, rb - mb.row0, n_cols, act_q, act_d, act_s);
-        const float a = warp_sum(v.x), b = warp_sum(v.y);
-        if (lane == 0) {
-            store_row(ma, ra - ma.row0, a, mode, best);
-            if (rb != ra) store_row(mb, rb - mb.row0, b, mode, best);
-        }
-    }
-    if (tail) run_tail(*tail, gridDim.x);
+// Bytes of shared memory the prologue needs for an n-element activation (cuda_ops.gemv_smem mirrors it).
+__host__ __device__ __forceinline__ int act_smem_bytes(int act, int n) {
+    return (act == ACT_F32 || act == ACT_F16 || act == ACT_BF16) ? 4 * n : n + 12 * (n >> 5);
 }
 
-#define GEMV_KERNEL(NAME, ACT)                                                                                  \
-    extern "C" __global__ void NAME(const MatDesc* mats, int n_mats, int total_rows, int n_cols,               \
-                                    const void* act_q, const float* act_d, const float2* act_s, int mode,      \
-                                    int glu_act, u64* best, const Tail* tail) {                                \
-        gemv<ACT>(mats, n_mats, total_rows, n_cols, act_q, act_d, act_s, mode, glu_act, best, tail);            \
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// The rows of group g (R rows per warp; for MODE_GLU R/2 output rows, each a gate row and an up row,
+// interleaved): row pointers, types and descriptor indices. Rows past the end repeat the last row (their
+// results are not stored).
+template <int R>
+__device__ __forceinline__ void group_rows(const MatDesc* mats, int n_mats, int total_rows, bool is_glu, int first,
+                                           const u8** w, int* ty, int* row, int* mi) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        row[r] = min(is_glu ? first + r / 2 : first + r, total_rows - 1);
+        mi[r] = is_glu ? (r & 1) : mat_of(mats, n_mats, row[r]);
+        const MatDesc& m = mats[mi[r]];
+        const int local = is_glu ? row[r] : row[r] - m.row0;
+        w[r] = m.w + (long long)local * m.row_bytes;
+        ty[r] = m.type;
+    }
+}
+
+template <int ACT, int R, int U>
+__device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const float* x,
+                     const float* norm_w, float eps, int mode, int glu_act, u64* best, int ks, const void* pre_q,
+                     const float* pre_d, const float2* pre_s) {
+    extern __shared__ int4 gemv_sm[];
+    __shared__ float partial[32][R];  // the K-split warps' sums, per warp and row
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int sub = warp % ks;           // which interleaved slice of the row's units this warp takes
+    const int per_step = n_warps / ks;   // row groups a block takes at a time
+    const bool is_glu = mode == MODE_GLU;
+    const int per_group = is_glu ? R / 2 : R;  // output rows per group
+    const int n_groups = (total_rows + per_group - 1) / per_group;
+    const int n_steps = (n_groups + per_step - 1) / per_step;
+    const int first_unit = sub * WARP + lane, unit_step = ks * WARP;
+    const u8* w[R];
+    int ty[R], row[R], mi[R];
+
+    if (blockIdx.x < n_steps) {  // ask L2 for this warp's slice of its first rows while the prologue runs
+        const int g0 = blockIdx.x * per_step + warp / ks;
+        if (g0 < n_groups) {
+            group_rows<R>(mats, n_mats, total_rows, is_glu, g0 * per_group, w, ty, row, mi);
+            const long long rb = mats[mi[0]].row_bytes;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                for (long long off = 128LL * first_unit; off < rb; off += 128LL * unit_step) prefetch_l2(w[r] + off);
+        }
     }
 
-GEMV_KERNEL(gemv_f32act, ACT_F32)
-GEMV_KERNEL(gemv_q8_0, ACT_Q8_0)
-GEMV_KERNEL(gemv_q8_1, ACT_Q8_1)
-GEMV_KERNEL(gemv_q8_k, ACT_Q8_K)
+    // The activation: quantized codes, unit scales and sums (or f32 values) in shared memory, unless a previous
+    // launch quantized it (pre_q: a long vector, where every block repeating the work would cost more).
+    const bool quant = !(ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16);
+    const void* act_q = pre_q;
+    const float* sd = pre_d;
+    const float2* ss = pre_s;
+    if (!pre_q) {
+        i8* q = (i8*)gemv_sm;
+        float* d = (float*)(q + n_cols);
+        float2* sums = (float2*)(d + (n_cols >> 5));
+        float* f = (float*)gemv_sm;
+        norm_quant_cta(x, norm_w, eps, n_cols, ACT, quant ? q : 0, d, sums, 0, quant ? 0 : f);
+        __syncthreads();
+        act_q = quant ? (const void*)q : (const void*)f;
+        sd = d;
+        ss = sums;
+    }
+
+    u64 key = 0;
+    for (int st = blockIdx.x; st < n_steps; st += gridDim.x) {  // every warp of the block runs every step
+        const int g = st * per_step + warp / ks;
+        const int first = g * per_group;
+        float acc[R];
+        if (g < n_groups) {
+            group_rows<R>(mats, n_mats, total_rows, is_glu, first, w, ty, row, mi);
+            rows_dot<ACT, R, U>(w, ty, n_cols, first_unit, unit_step, act_q, sd, ss, acc);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+        }
+        if (ks > 1) {  // the K-split warps of a group add up through shared memory
+            if (lane == 0 && g < n_groups) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) partial[warp][r] = acc[r];
+            }
+            __syncthreads();
+            if (sub == 0 && g < n_groups) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float t = 0.0f;
+                    for (int j = 0; j < ks; ++j) t += partial[warp + j][r];
+                    acc[r] = t;
+                }
+            }
+            __syncthreads();
+        }
+        if (lane != 0 || sub != 0 || g >= n_groups) continue;
+        if (is_glu) {
+#pragma unroll
+            for (int r = 0; r < R; r += 2)
+                if (first + r / 2 < total_rows) mats[0].out[first + r / 2] = glu(acc[r], acc[r + 1], glu_act);
+            continue;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (first + r < total_rows) {  // (not `break`: acc must stay in registers, fully unrolled)
+                const MatDesc& m = mats[mi[r]];
+                const int local = row[r] - m.row0;
+                const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
+                if (mode == MODE_ADD) {
+                    m.out[local] += v;
+                } else {
+                    m.out[local] = v;
+                    const u64 k = argmax_key(v, local);
+                    key = k > key ? k : key;
+                }
+            }
+        }
+    }
+    if (mode == MODE_ARGMAX) block_argmax(key, best);
+}
+
+// The shape every launcher uses (backends/cuda_ops.py GEMV_ROWS_PER_WARP must agree).
+#define GEMV_R 2
+#define GEMV_U 1
+
+#define GEMV_KERNEL(NAME, ACT, R, U)                                                                            \
+    extern "C" __global__ void NAME(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const float* x, \
+                                    const float* norm_w, float eps, int mode, int glu_act, u64* best, int ks,   \
+                                    const void* pre_q, const float* pre_d, const float2* pre_s) {               \
+        gemv<ACT, R, U>(mats, n_mats, total_rows, n_cols, x, norm_w, eps, mode, glu_act, best, ks, pre_q, pre_d, \
+                        pre_s);                                                                                 \
+    }
+
+GEMV_KERNEL(gemv_f32act, ACT_F32, GEMV_R, 1)
+GEMV_KERNEL(gemv_f16act, ACT_F16, GEMV_R, 1)
+GEMV_KERNEL(gemv_bf16act, ACT_BF16, GEMV_R, 1)
+GEMV_KERNEL(gemv_q8_0, ACT_Q8_0, GEMV_R, GEMV_U)
+GEMV_KERNEL(gemv_q8_1, ACT_Q8_1, GEMV_R, GEMV_U)
+GEMV_KERNEL(gemv_q8_k, ACT_Q8_K, GEMV_R, GEMV_U)
 
 // Reset the argmax accumulator (first node of a greedy decode step).
 extern "C" __global__ void argmax_reset(u64* best) { *best = 0ull; }

@@ -11,8 +11,8 @@ __device__ __forceinline__ float norm_value(const float* x, const float* w, floa
     return w ? (__ldcg(x + i) * scale) * w[i] : __ldcg(x + i);
 }
 
-// One row's norm + quantization by the whole thread block (any multiple of 32 threads). x is read with __ldcg
-// (L2, not L1): as the tail of a GEMV it reads rows other blocks just wrote.
+// One row's norm + quantization by the whole thread block (any multiple of 32 threads), into global or shared
+// memory. x is read with __ldcg (L2, not L1): a GEMV's prologue reads a vector the previous kernel just wrote.
 __device__ void norm_quant_cta(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
                                float2* out_s, u16* out_h, float* out_f) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
@@ -21,6 +21,7 @@ __device__ void norm_quant_cta(const float* x, const float* w, float eps, int n,
     float scale = 1.0f;
     if (w) {
         double s = 0.0;
+#pragma unroll 4
         for (int i = tid; i < n; i += blockDim.x) {
             float v = __ldcg(x + i);
             s += (double)(v * v);
@@ -48,6 +49,7 @@ __device__ void norm_quant_cta(const float* x, const float* w, float eps, int n,
         return;
     }
     if (act == ACT_Q8_0 || act == ACT_Q8_1) {
+#pragma unroll 4
         for (int u = warp; u < n_units; u += n_warps) {
             const int i = 32 * u + lane;
             float y = norm_value(x, w, scale, i);
@@ -68,6 +70,7 @@ __device__ void norm_quant_cta(const float* x, const float* w, float eps, int n,
         return;
     }
     // Q8_K: a warp per 256-element block, eight consecutive elements per lane.
+#pragma unroll 2
     for (int blk = warp; blk < n / 256; blk += n_warps) {
         const int i0 = 256 * blk + 8 * lane;
         float y[8];
@@ -114,36 +117,13 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float eps,
                    out_s ? out_s + r * nu : 0, out_h ? out_h + r * n : 0, out_f ? out_f + r * n : 0);
 }
 
-// What a kernel's last block does after the others finished (see gemv.cu, attention.cu): norm + quantize the
-// vector the next matrix product reads. counter == null: no tail.
-struct Tail {
-    int* counter;
-    const float* x;
-    const float* w;
-    float eps;
-    int n;
-    int act;
-    i8* out_q;
-    float* out_d;
-    float2* out_s;
-    float* out_f;
-};
-
-// Called by every thread of every block at the end of a kernel; the last block to arrive runs the tail and
-// resets the counter for the next launch.
-__device__ void run_tail(const Tail& t, int n_blocks) {
-    if (!t.counter) return;
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(t.counter, 1) == n_blocks - 1;
-        if (is_last) *t.counter = 0;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    norm_quant_cta(t.x, t.w, t.eps, t.n, t.act, t.out_q, t.out_d, t.out_s, 0, t.out_f);
+// Quantization without a norm is local to each unit (Q8_K: to each 256-element block), so a long vector (the
+// feed-forward activation before the down projection) is quantized by many blocks at once, 2048 elements each.
+extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, float* out_d, float2* out_s,
+                                     float* out_f) {
+    const int off = blockIdx.x * 2048, len = min(2048, n - off);
+    norm_quant_cta(x + off, 0, 0.0f, len, act, out_q ? out_q + off : 0, out_d + off / 32, out_s + off / 32, 0,
+                   out_f ? out_f + off : 0);
 }
 
 // Per-head RMSNorm in place over rows of `dim` floats (gemma3's q/k norms), one warp per head.
