@@ -58,8 +58,9 @@ def matrix_gpu_bytes(dims: tuple[int, ...], type_id: int) -> int:
 
 
 def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_gpu_layers: int,
-         budget: int | None) -> MemoryPlan:
-    """tensors: name -> TensorEntry. n_gpu_layers < 0 means as many as fit (all without a budget)."""
+         budget: int | None, n_seq: int = 1) -> MemoryPlan:
+    """tensors: name -> TensorEntry. n_gpu_layers < 0 means as many as fit (all without a budget). The KV cache
+    holds n_seq sequences of up to n_ctx tokens."""
     L = len(spec["layers"])
 
     def mat(name: str) -> int:
@@ -77,7 +78,7 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
         per_layer.append(sum(mat(m) for m in mats) + sum(vec(ls.get(k)) for k in (
             "attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")))
     head = mat(spec["output"]) + vec(spec["output_norm"])
-    pages = -(-n_ctx // page_size)
+    pages = -(-n_ctx // page_size) * n_seq
     kv_layer = pages * page_size * spec["n_head_kv"] * (spec["head_dim"] + spec["head_dim_v"]) * 2
     e, n_ff = spec["n_embd"], tensors[spec["layers"][0]["w_gate"]].dims[1]
     width = max(e, n_ff, spec["n_head"] * spec["head_dim_v"])

@@ -83,9 +83,10 @@ class CudaEngine:
                                        f"head; this model has {s['n_head']} / {s['n_head_kv']}")
         self.n_ctx, self.n_batch, self.page_size, self.n_seq_max = n_ctx, n_batch, page_size, n_seq_max
         self.tensors = {t.name: t for t in model_file.tensors}
-        self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, n_gpu_layers, gpu_mem_budget)
+        self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, n_gpu_layers, gpu_mem_budget,
+                                    n_seq_max)
         if log:
-            log(self.plan.table(n_ctx, threads))
+            log(self.plan.table(n_ctx * n_seq_max, threads))
         self.n_gpu = self.plan.n_gpu_layers
         self.L = len(s["layers"])
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -317,8 +318,9 @@ class CudaEngine:
             raise
         return logits[0]
 
-    def step(self, seq: int, token: int, sampler: Any) -> int:
-        greedy = bool(sampler.is_greedy) and not self.host_sampling and self.plan.head_on_gpu
+    def _gpu_step(self, seq: int, token: int, greedy: bool) -> int:
+        """The GPU part of one decode step of `seq` (a graph replay, or the profiled launches); returns the position
+        it wrote. The caller truncates back to it if what follows fails."""
         start = self._reserve(seq, 1)
         try:
             self.in_x.array[:] = self._embed_host([token])[0]
@@ -331,8 +333,17 @@ class CudaEngine:
                     self.graphs[key] = self._capture(seq, greedy)
                 self.graphs[key].launch(self.stream)
                 self.stream.synchronize()
-            self.seq_len_[seq] = start + 1
-            self.forward_calls += 1
+        except Exception:
+            self.truncate(seq, start)
+            raise
+        self.seq_len_[seq] = start + 1
+        self.forward_calls += 1
+        return start
+
+    def step(self, seq: int, token: int, sampler: Any) -> int:
+        greedy = bool(sampler.is_greedy) and not self.host_sampling and self.plan.head_on_gpu
+        start = self._gpu_step(seq, token, greedy)
+        try:
             if self.tail is not None:
                 t0 = time.perf_counter()
                 token = int(self.tail.step_hidden(seq, self.out_x.array.reshape(1, -1), sampler))
@@ -345,6 +356,26 @@ class CudaEngine:
         except Exception:
             self.truncate(seq, start)
             raise
+
+    def decode(self, batch: list[tuple[int, int]], sampler: Any) -> list[Any]:
+        """One token for each of several distinct sequences (the server's slots), each drawn by
+        `sampler.sample(seq, logits)` (the Rust sampler thread). The GPU runs the sequences one after another, a
+        graph replay each, with the logits going to the host through mapped pinned memory."""
+        if not batch or len({s for s, _ in batch}) != len(batch):
+            raise InvalidArgumentError("decode needs one token for each of one or more distinct sequences")
+        out = []
+        for seq, token in batch:
+            start = self._gpu_step(seq, token, False)
+            try:
+                if self.tail is not None:
+                    logits = self.tail.forward_hidden(seq, self.out_x.array.reshape(1, -1).copy(), [0])[0]
+                else:
+                    logits = self.out_logits.array.copy()
+                out.append(sampler.sample(seq, logits))
+            except Exception:
+                self.truncate(seq, start)
+                raise
+        return out
 
     # ---- profiling ---------------------------------------------------------------------------------------
     def set_profiling(self, on: bool) -> None:
