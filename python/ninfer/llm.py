@@ -132,6 +132,7 @@ class LLM:
                 n_seq_max=n_seq_max,
             )
         self.n_seq_max = n_seq_max if self.device != "cuda" else 1
+        self._n_vocab = int(self._engine.n_vocab)  # read once: the server reads it while its thread runs a step
         self._seq_tokens: list[int] = []  # what the KV cache holds for _SEQ, for prompt-prefix reuse
         self._chat_template: ChatTemplate | None = None
 
@@ -142,7 +143,7 @@ class LLM:
 
     @property
     def n_vocab(self) -> int:
-        return int(self._engine.n_vocab)
+        return self._n_vocab
 
     @property
     def architecture(self) -> str:

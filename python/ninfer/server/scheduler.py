@@ -133,6 +133,7 @@ class Scheduler:
         self.stats = collections.Counter()  # prompt_tokens, predicted_tokens, prompt_s, predicted_s, ...
         self.max_blocks = -(-llm.n_ctx // llm.config.kv_block_size) * llm.n_seq_max
         self._stop = False
+        self._kv_blocks = 0
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
         self._thread.start()
 
@@ -158,8 +159,13 @@ class Scheduler:
         return len(self.waiting)
 
     def kv_usage(self) -> tuple[int, float]:
-        blocks, _ = self.engine.kv_usage()
+        """(blocks in use, their share of the pool) as of the engine thread's last change. The engine itself is
+        only ever touched from the engine thread (a call from here would collide with a running step)."""
+        blocks = self._kv_blocks
         return blocks, blocks / self.max_blocks
+
+    def _note_kv(self) -> None:
+        self._kv_blocks = int(self.engine.kv_usage()[0])
 
     def close(self) -> None:
         with self.cv:
@@ -184,6 +190,7 @@ class Scheduler:
                 if prefilling is not None:
                     self._prefill_chunk(prefilling)
                 self._decode_step([s for s in self.slots if s.req is not None and not s.pending])
+                self._note_kv()
             except Exception as e:  # an engine error fails the requests in flight, never the loop
                 log.exception("engine step failed")
                 for s in self.slots:
@@ -235,6 +242,7 @@ class Scheduler:
         self.engine.truncate(slot.index, keep)
         if keep == 0:
             self.engine.remove(slot.index)
+        self._note_kv()
         slot.kv_tokens = slot.kv_tokens[:keep]
         slot.pending = req.prompt[keep:]
         slot.cached_n = keep
@@ -324,6 +332,7 @@ class Scheduler:
         if not keep_kv:
             self.engine.remove(s.index)
             s.kv_tokens = []
+            self._note_kv()
         self.stats["requests_done"] += 1
         if error is not None:
             req.emit("error", error)
