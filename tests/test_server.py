@@ -92,6 +92,7 @@ def test_completion_llama_shape_equals_generate(server: ServerProcess, llm: ninf
     assert "[DONE]" not in events and events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 20
     assert all(e["stop"] is False for e in events[:-1])
     assert "".join(e["content"] for e in events) == expected.text
+    assert [t for e in events for t in e["tokens"]] == expected.tokens
 
     # Token ids as the prompt, a stop word.
     ids = llm.tokenize(prompt)

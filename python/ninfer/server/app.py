@@ -249,9 +249,11 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         async def gen() -> AsyncIterator[str]:
             async for kind, value in events(sched, req):
                 if kind == "piece":
-                    yield sse({"content": value[0], "stop": False, "tokens_predicted": value[1]})
+                    yield sse({"index": 0, "content": value[0], "tokens": value[2], "stop": False,
+                               "id_slot": -1, "tokens_predicted": value[1]})
                 elif kind == "done":  # the text went out in the pieces: the closing object's content is empty
-                    yield sse({**formats.llama_final(value, state.model_id, params, prompt_text), "content": ""})
+                    final = formats.llama_final(value, state.model_id, params, prompt_text)
+                    yield sse({**final, "content": "", "tokens": []})
                 else:
                     yield sse(failure(value).body())
         return stream(gen())

@@ -91,7 +91,8 @@ class Request:
         self.cancelled = False  # set from the asyncio side; the engine loop reads it once per step
 
     def emit(self, kind: str, value: Any) -> None:
-        """("piece", (text, n_tokens)) | ("done", Result) | ("error", Exception), from the engine thread."""
+        """("piece", (text, tokens so far, new token ids)) | ("done", Result) | ("error", Exception), from the
+        engine thread."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -107,7 +108,8 @@ class _Slot:
         self.next_input = 0  # the token the next decode step feeds
         self.out: list[int] = []
         self.text = ""
-        self.emitted = 0
+        self.emitted = 0  # characters of text sent
+        self.sent = 0  # tokens of out sent
         self.budget = 0
         self.decoder: IncrementalDecoder | None = None
         self.cached_n = 0
@@ -246,7 +248,7 @@ class Scheduler:
         slot.kv_tokens = slot.kv_tokens[:keep]
         slot.pending = req.prompt[keep:]
         slot.cached_n = keep
-        slot.out, slot.text, slot.emitted = [], "", 0
+        slot.out, slot.text, slot.emitted, slot.sent = [], "", 0, 0
         slot.decoder = IncrementalDecoder(self.llm.tokenizer)
         limit = self.llm.n_ctx - len(req.prompt)
         slot.budget = limit if p.max_tokens < 0 else min(p.max_tokens, limit)
@@ -316,8 +318,8 @@ class Scheduler:
             return self._finish(s, reason=("stop", "word"), word=hit[1])
         safe = len(s.text) - _stop_holdback(s.text, stops)
         if safe > s.emitted:
-            req.emit("piece", (s.text[s.emitted:safe], len(s.out)))
-            s.emitted = safe
+            req.emit("piece", (s.text[s.emitted:safe], len(s.out), s.out[s.sent:]))
+            s.emitted, s.sent = safe, len(s.out)
         if len(s.out) >= s.budget:
             return self._finish(s, reason=("length", "limit"))
         s.next_input = token
@@ -342,7 +344,7 @@ class Scheduler:
         if reason[1] == "limit" and s.decoder is not None:
             s.text += s.decoder.flush()
         if len(s.text) > s.emitted:
-            req.emit("piece", (s.text[s.emitted:], len(s.out)))
+            req.emit("piece", (s.text[s.emitted:], len(s.out), s.out[s.sent:]))
         t_end = time.perf_counter()
         t_first = s.t_first or t_end
         req.emit("done", Result(
