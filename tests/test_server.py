@@ -11,12 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import ninfer
 import openai
 import pytest
 import requests
-
-import ninfer
-from tests.server_helpers import ServerProcess, metrics, sse_events
+from server_helpers import ServerProcess, metrics, sse_events, wait_healthy
 
 PARALLEL = 4
 CTX = 4096  # shared by the slots: 1024 per slot
@@ -27,8 +26,6 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     log = tmp_path_factory.mktemp("server") / "server.log"
     s = ServerProcess(["-m", str(smollm2_path), "-c", str(CTX), "-np", str(PARALLEL), "--metrics", "-t", "2"], log)
     try:
-        from tests.server_helpers import wait_healthy
-
         wait_healthy(s.base, s.proc)
         yield s
     finally:

@@ -13,12 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import ninfer
 import openai
 import pytest
-
-import ninfer
 from ninfer.server import ServerSettings, create_app
-from tests.server_helpers import InProcessServer, ServerProcess, free_port, metrics, wait_healthy
+from server_helpers import InProcessServer, ServerProcess, free_port, metrics, wait_healthy
 
 KEY = "sk-test-123"
 N_CTX = 512

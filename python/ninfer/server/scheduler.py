@@ -217,7 +217,7 @@ class Scheduler:
                 req.emit("error", DeadlineError("the request waited in the queue past its deadline"))
                 continue
 
-            def shared(s: _Slot) -> int:
+            def shared(s: _Slot, req: Request = req) -> int:
                 n = 0
                 for a, b in zip(s.kv_tokens, req.prompt[:-1]):
                     if a != b:
