@@ -166,3 +166,42 @@ def test_load_50_requests_8_clients(server: ServerProcess, llm: ninfer.LLM) -> N
     assert m["ninfer:decode_steps_total"] - steps_before < 0.6 * generated
     assert m["ninfer:requests_processing"] == 0 and m["ninfer:requests_deferred"] == 0
     assert len({r["id_slot"] for r in results}) == PARALLEL
+
+
+def test_cache_prompt_reuses_the_slots_prefix(server: ServerProcess, llm: ninfer.LLM) -> None:
+    first = "A list of fruits: apple, banana, cherry, grape, lemon, mango, orange, peach, pear"
+    second = first + ", plum"
+    a = httpx.post(f"{server.base}/completion", json={"prompt": first, "n_predict": 2, "temperature": 0},
+                   timeout=60).json()
+    b = httpx.post(f"{server.base}/completion", json={"prompt": second, "n_predict": 2, "temperature": 0},
+                   timeout=60).json()
+    ids_first, ids_second = llm.tokenize(first), llm.tokenize(second)
+    n_second = len(ids_second)
+    assert b["id_slot"] == a["id_slot"]
+    # The slot holds the first prompt and the generated tokens fed back (all but the last); the new prompt's
+    # longest common prefix with that (short of its last token) is reused, the rest evaluated.
+    held = ids_first + a["tokens"][:-1]
+    shared = next((i for i, (x, y) in enumerate(zip(held, ids_second[:-1])) if x != y), min(len(held), n_second - 1))
+    assert shared >= len(ids_first)
+    assert b["tokens_cached"] == shared and b["timings"]["prompt_n"] == n_second - shared
+    off = httpx.post(f"{server.base}/completion", timeout=60,
+                     json={"prompt": second, "n_predict": 2, "temperature": 0, "cache_prompt": False}).json()
+    assert off["tokens_cached"] == 0 and off["timings"]["prompt_n"] == n_second
+
+
+def test_sampling_parameters_reach_the_rust_chain(server: ServerProcess) -> None:
+    def complete(**kw: object) -> dict:
+        body = {"prompt": "The capital of France is", "n_predict": 12, **kw}
+        return httpx.post(f"{server.base}/completion", json=body, timeout=60).json()
+
+    greedy = complete(temperature=0)
+    # Banning the greedy first token (bias false = -inf) changes the first token.
+    banned = complete(temperature=0, logit_bias=[[greedy["tokens"][0], False]])
+    assert banned["tokens"][0] != greedy["tokens"][0]
+    # A strong repeat penalty keeps the greedy continuation from repeating any token of it.
+    penalized = complete(temperature=0, repeat_penalty=100.0, repeat_last_n=64, n_predict=24)
+    assert len(set(penalized["tokens"])) == len(penalized["tokens"]) == 24
+    # The same seed gives the same sample; temperature 1.5 with the filters open is not greedy.
+    a = complete(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    b = complete(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    assert a["tokens"] == b["tokens"] != greedy["tokens"]

@@ -124,6 +124,9 @@ class Scheduler:
         self.llm = llm
         self.engine = llm._engine
         self.n_parallel = max(1, min(n_parallel, llm.n_seq_max))
+        if self.n_parallel < n_parallel:
+            log.warning("%d slots asked for, but the model was loaded for %d sequences (LLM(n_seq_max=)): "
+                        "serving %d", n_parallel, llm.n_seq_max, self.n_parallel)
         self.queue_size = queue_size
         self.timeout_s = timeout_s
         self.sampler = _core.SamplerThread(core=sampler_core, realtime=sampler_rt)
