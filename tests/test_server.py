@@ -205,3 +205,38 @@ def test_sampling_parameters_reach_the_rust_chain(server: ServerProcess) -> None
     a = complete(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
     b = complete(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
     assert a["tokens"] == b["tokens"] != greedy["tokens"]
+
+
+def test_n_probs_and_logprobs_are_the_models(server: ServerProcess, llm: ninfer.LLM) -> None:
+    import numpy as np
+
+    prompt = "The capital of France is"
+    ids = llm.tokenize(prompt)
+    logits = llm.eval_logits(ids, [len(ids) - 1])[0].astype(np.float64)
+    logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+    top3 = [int(t) for t in np.argsort(-logprobs, kind="stable")[:3]]
+    body = {"prompt": prompt, "n_predict": 3, "temperature": 0, "n_probs": 3}
+    r = httpx.post(f"{server.base}/completion", json=body, timeout=60).json()
+    probs = r["completion_probabilities"]
+    assert len(probs) == 3 and [p["id"] for p in probs] == r["tokens"]
+    first = probs[0]
+    assert [t["id"] for t in first["top_logprobs"]] == top3 and first["id"] == top3[0]
+    assert all(abs(t["logprob"] - logprobs[t["id"]]) < 1e-4 for t in first["top_logprobs"])
+    assert first["logprob"] == first["top_logprobs"][0]["logprob"]
+    assert first["token"] == llm.detokenize([top3[0]]) and bytes(first["bytes"]).decode() == first["token"]
+    with httpx.stream("POST", f"{server.base}/completion", json={**body, "stream": True}, timeout=60) as s:
+        events = sse_events(s.iter_lines())
+    assert [p for e in events[:-1] for p in e["completion_probabilities"]] == probs
+
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused")
+    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1.gguf", max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.token == c.top_logprobs[0].token and c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    text = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1.gguf", prompt=prompt, max_tokens=3,
+                                     temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert lp.tokens == [llm.detokenize([t]) for t in r["tokens"]] and len(lp.top_logprobs[0]) == 2
+    assert abs(lp.token_logprobs[0] - logprobs[top3[0]]) < 1e-4 and lp.text_offset[0] == 0

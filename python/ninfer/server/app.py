@@ -141,7 +141,8 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         except NinferError as e:
             raise from_ninfer(e) from None
 
-    def gen_params(llm: LLM, body: Any, max_tokens: int | None, name: str, bias: list[tuple[int, float]]) -> GenParams:
+    def gen_params(llm: LLM, body: Any, max_tokens: int | None, name: str, bias: list[tuple[int, float]],
+                   n_probs: int = 0) -> GenParams:
         n = state.settings.n_predict if max_tokens is None else max_tokens
         if n == 0 or n < -1:
             raise APIError(400, f"{name} must be -1 (until the context is full) or a positive integer, got {n}",
@@ -161,7 +162,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             repeat_last_n=llm.n_ctx if body.repeat_last_n == -1 else body.repeat_last_n,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=None if body.seed in (None, -1) else body.seed, logit_bias=bias, stop=body.stop or [],
-            ignore_eos=body.ignore_eos, cache_prompt=body.cache_prompt,
+            ignore_eos=body.ignore_eos, cache_prompt=body.cache_prompt, n_probs=n_probs,
         )
 
     def parse_bias(raw: Any) -> list[tuple[int, float]]:
@@ -237,22 +238,25 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
     async def completion(body: CompletionRequest, http: Request) -> Any:
         llm, sched = state.ready()
         check_model(body.model)
-        if body.n_probs:
-            raise APIError(400, "n_probs > 0 is not supported by this server yet", param="n_probs")
         ids = await prompt_ids(llm, body.prompt)
-        params = gen_params(llm, body, body.n_predict, "n_predict", parse_bias(body.logit_bias))
+        params = gen_params(llm, body, body.n_predict, "n_predict", parse_bias(body.logit_bias), body.n_probs)
+        piece = llm.tokenizer.token_to_piece
         req = submit(sched, ids, params)
         prompt_text = body.prompt if isinstance(body.prompt, str) else ""
         if not body.stream:
-            return formats.llama_final(await collect(http, sched, req), state.model_id, params, prompt_text)
+            return formats.llama_final(await collect(http, sched, req), state.model_id, params, prompt_text, piece)
 
         async def gen() -> AsyncIterator[str]:
             async for kind, value in events(sched, req):
                 if kind == "piece":
-                    yield sse({"index": 0, "content": value[0], "tokens": value[2], "stop": False,
-                               "id_slot": -1, "tokens_predicted": value[1]})
+                    chunk = {"index": 0, "content": value[0], "tokens": value[2], "stop": False, "id_slot": -1,
+                             "tokens_predicted": value[1]}
+                    if params.n_probs:
+                        chunk["completion_probabilities"] = formats.llama_probs(piece, value[2], value[3])
+                    yield sse(chunk)
                 elif kind == "done":  # the text went out in the pieces: the closing object's content is empty
-                    final = formats.llama_final(value, state.model_id, params, prompt_text)
+                    final = formats.llama_final(value, state.model_id, params, prompt_text, piece)
+                    final.pop("completion_probabilities", None)
                     yield sse({**final, "content": "", "tokens": []})
                 else:
                     yield sse(failure(value).body())
@@ -264,8 +268,10 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         llm, sched = state.ready()
         check_model(body.model)
         ids = await prompt_ids(llm, body.prompt)
-        params = gen_params(llm, body, body.max_tokens, "max_tokens", parse_bias(body.logit_bias))
-        return await openai_run(http, sched, ids, params, body, chat=False)
+        k = body.logprobs
+        params = gen_params(llm, body, body.max_tokens, "max_tokens", parse_bias(body.logit_bias),
+                            0 if k is None else max(k, 1))
+        return await openai_run(http, llm, sched, ids, params, body, chat=False, logprobs=k)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -278,13 +284,16 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             raise from_ninfer(e) from None
         ids = await prompt_ids(llm, text, add_special=False)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = gen_params(llm, body, limit, "max_tokens", parse_bias(body.logit_bias))
-        return await openai_run(http, sched, ids, params, body, chat=True)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = gen_params(llm, body, limit, "max_tokens", parse_bias(body.logit_bias), 0 if k is None else max(k, 1))
+        return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k)
 
-    async def openai_run(http: Request, sched: Scheduler, ids: list[int], params: GenParams, body: Any,
-                         chat: bool) -> Any:
+    async def openai_run(http: Request, llm: LLM, sched: Scheduler, ids: list[int], params: GenParams, body: Any,
+                         chat: bool, logprobs: int | None) -> Any:
         req = submit(sched, ids, params)
-        fmt = formats.OpenAI(state.model_id, chat)
+        fmt = formats.OpenAI(state.model_id, chat, llm.tokenizer.token_to_piece, logprobs)
         if not body.stream:
             return fmt.final(await collect(http, sched, req))
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -294,7 +303,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
                 yield sse(fmt.chunk({"role": "assistant", "content": ""}, None))
             async for kind, value in events(sched, req):
                 if kind == "piece":
-                    yield sse(fmt.chunk(value[0], None))
+                    yield sse(fmt.chunk(value[0], None, value[2], value[3]))
                 elif kind == "done":
                     yield sse(fmt.chunk(None, value.finish_reason))
                     if usage:

@@ -2,11 +2,50 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from ninfer.server.scheduler import GenParams, Result
+from ninfer.server.scheduler import GenParams, Probs, Result
+
+Piece = Callable[[int], bytes]  # a token's bytes (Tokenizer.token_to_piece)
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf; OpenAI writes -9999 for "impossible"
+
+
+def _tok(piece: Piece, t: int) -> dict[str, Any]:
+    b = piece(t)
+    return {"id": t, "token": b.decode("utf-8", errors="replace"), "bytes": list(b)}
+
+
+def llama_probs(piece: Piece, tokens: list[int], probs: list[Probs]) -> list[dict[str, Any]]:
+    """llama-server's `completion_probabilities` (n_probs): per token, its log-probability and the top tokens'."""
+    return [{**_tok(piece, t), "logprob": _lp(lp),
+             "top_logprobs": [{**_tok(piece, u), "logprob": _lp(ulp)} for u, ulp in top]}
+            for t, (lp, top) in zip(tokens, probs)]
+
+
+def openai_chat_logprobs(piece: Piece, tokens: list[int], probs: list[Probs], k: int) -> dict[str, Any]:
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        d = _tok(piece, t)
+        return {"token": d["token"], "logprob": _lp(lp), "bytes": d["bytes"]}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(u, ulp) for u, ulp in top[:k]]}
+                        for t, (lp, top) in zip(tokens, probs)]}
+
+
+def openai_text_logprobs(piece: Piece, tokens: list[int], probs: list[Probs], k: int, offset: int = 0
+                         ) -> dict[str, Any]:
+    texts = [piece(t).decode("utf-8", errors="replace") for t in tokens]
+    offsets = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [_lp(lp) for lp, _ in probs],
+            "top_logprobs": [{piece(u).decode("utf-8", errors="replace"): _lp(ulp) for u, ulp in top[:k]}
+                             for _, top in probs],
+            "text_offset": offsets}
 
 
 def _timings(r: Result) -> dict[str, float]:
@@ -24,9 +63,9 @@ def _timings(r: Result) -> dict[str, float]:
     }
 
 
-def llama_final(r: Result, model: str, p: GenParams, prompt: str) -> dict[str, Any]:
+def llama_final(r: Result, model: str, p: GenParams, prompt: str, piece: Piece) -> dict[str, Any]:
     """llama-server's /completion answer (and the last object of its stream)."""
-    return {
+    out = {
         "content": r.text,
         "id_slot": r.slot,
         "stop": True,
@@ -49,6 +88,9 @@ def llama_final(r: Result, model: str, p: GenParams, prompt: str) -> dict[str, A
         "stopping_word": r.stopping_word,
         "timings": _timings(r),
     }
+    if p.n_probs:
+        out["completion_probabilities"] = llama_probs(piece, r.tokens, r.probs)
+    return out
 
 
 def _usage(r: Result) -> dict[str, int]:
@@ -59,33 +101,48 @@ def _usage(r: Result) -> dict[str, int]:
 class OpenAI:
     """One response's id, timestamp and shape: chat (`chat.completion[.chunk]`) or text (`text_completion`)."""
 
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, piece: Piece, logprobs: int | None = None):
+        """logprobs: None, or how many top tokens to list with each token's log-probability."""
+        self.model, self.chat, self.piece, self.logprobs = model, chat, piece, logprobs
+        self.text_offset = 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def final(self, r: Result) -> dict[str, Any]:
+    def _logprobs(self, tokens: list[int], probs: list[Probs]) -> dict[str, Any] | None:
+        if self.logprobs is None or not tokens:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+            return openai_chat_logprobs(self.piece, tokens, probs, self.logprobs)
+        out = openai_text_logprobs(self.piece, tokens, probs, self.logprobs, self.text_offset)
+        self.text_offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+    def final(self, r: Result) -> dict[str, Any]:
+        lp = self._logprobs(r.tokens, r.probs)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
                       "finish_reason": r.finish_reason}
             out = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+            choice = {"index": 0, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}
             out = self._envelope("text_completion", [choice])
         out["usage"] = _usage(r)
         out["timings"] = _timings(r)
         return out
 
-    def chunk(self, content: str | dict[str, str] | None, finish_reason: str | None) -> dict[str, Any]:
-        """A stream chunk: `content` is the new text (a dict: the whole delta), None for the closing chunk."""
+    def chunk(self, content: str | dict[str, str] | None, finish_reason: str | None, tokens: list[int] | None = None,
+              probs: list[Probs] | None = None) -> dict[str, Any]:
+        """A stream chunk: `content` is the new text (a dict: the whole delta), None for the closing chunk;
+        `tokens` and `probs` the chunk's tokens, for logprobs."""
+        lp = self._logprobs(tokens or [], probs or [])
         if self.chat:
             delta = content if isinstance(content, dict) else ({} if content is None else {"content": content})
             return self._envelope("chat.completion.chunk",
-                                  [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
-        return self._envelope("text_completion", [{"index": 0, "text": content or "", "logprobs": None,
+                                  [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
+        return self._envelope("text_completion", [{"index": 0, "text": content or "", "logprobs": lp,
                                                     "finish_reason": finish_reason}])
 
     def usage_chunk(self, r: Result) -> dict[str, Any]:

@@ -34,6 +34,9 @@ from ninfer.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("ninfer.server")
 
+# A token's log-probability and the most likely tokens with theirs: (logprob, [(token, logprob), ...]).
+Probs = tuple[float, list[tuple[int, float]]]
+
 
 class QueueFullError(Exception):
     """Every slot is busy and the waiting queue holds --queue-size requests."""
@@ -62,6 +65,7 @@ class GenParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     cache_prompt: bool = True
+    n_probs: int = 0  # > 0: report each token's log-probability and the n_probs most likely tokens
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Result:
     prompt_ms: float
     predicted_ms: float
     slot: int
+    probs: list[Probs] = field(default_factory=list)  # per token of `tokens`, when n_probs > 0
 
 
 class Request:
@@ -91,8 +96,8 @@ class Request:
         self.cancelled = False  # set from the asyncio side; the engine loop reads it once per step
 
     def emit(self, kind: str, value: Any) -> None:
-        """("piece", (text, tokens so far, new token ids)) | ("done", Result) | ("error", Exception), from the
-        engine thread."""
+        """("piece", (text, tokens so far, new token ids, their Probs)) | ("done", Result) | ("error", Exception),
+        from the engine thread."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -107,6 +112,7 @@ class _Slot:
         self.pending: list[int] = []  # prompt tokens still to evaluate
         self.next_input = 0  # the token the next decode step feeds
         self.out: list[int] = []
+        self.probs: list[Probs] = []  # aligned with out when the request asked for n_probs
         self.text = ""
         self.emitted = 0  # characters of text sent
         self.sent = 0  # tokens of out sent
@@ -251,7 +257,7 @@ class Scheduler:
         slot.kv_tokens = slot.kv_tokens[:keep]
         slot.pending = req.prompt[keep:]
         slot.cached_n = keep
-        slot.out, slot.text, slot.emitted, slot.sent = [], "", 0, 0
+        slot.out, slot.probs, slot.text, slot.emitted, slot.sent = [], [], "", 0, 0
         slot.decoder = IncrementalDecoder(self.llm.tokenizer)
         limit = self.llm.n_ctx - len(req.prompt)
         slot.budget = limit if p.max_tokens < 0 else min(p.max_tokens, limit)
@@ -262,6 +268,7 @@ class Scheduler:
                 slot.index, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seed,
                 typical_p=p.typical_p, repeat_penalty=p.repeat_penalty, repeat_last_n=p.repeat_last_n,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias,
+                n_probs=p.n_probs,
             )
             self.sampler.accept(slot.index, req.prompt)
         except Exception as e:
@@ -290,21 +297,21 @@ class Scheduler:
         assert s.req is not None
         self.stats["prompt_tokens"] += len(s.req.prompt) - s.cached_n
         self.stats["prompt_s"] += s.t_first - s.t_start
-        self._on_token(s, self.sampler.sample(s.index, logits))
+        self._on_token(s, *self.sampler.sample(s.index, logits))
 
     def _decode_step(self, slots: list[_Slot]) -> None:
         if not slots:
             return
         t0 = time.perf_counter()
         batch = [(s.index, s.next_input) for s in slots]
-        tokens = self.engine.decode(batch, self.sampler)
+        draws = self.engine.decode(batch, self.sampler)
         self.stats["predicted_s"] += time.perf_counter() - t0
         self.stats["decode_steps"] += 1
-        for s, (_, fed), tok in zip(slots, batch, tokens):
+        for s, (_, fed), (tok, probs) in zip(slots, batch, draws):
             s.kv_tokens.append(fed)
-            self._on_token(s, tok)
+            self._on_token(s, tok, probs)
 
-    def _on_token(self, s: _Slot, token: int) -> None:
+    def _on_token(self, s: _Slot, token: int, probs: Probs | None) -> None:
         """What LLM._run does with each sampled token: EOG, stop strings, held-back text, the length budget."""
         req = s.req
         assert req is not None and s.decoder is not None
@@ -312,6 +319,8 @@ class Scheduler:
         if self.llm.tokenizer.is_eog(token) and not p.ignore_eos:
             return self._finish(s, reason=("stop", "eos"))
         s.out.append(token)
+        if probs is not None:
+            s.probs.append(probs)
         self.stats["predicted_tokens"] += 1
         s.text += s.decoder.push(token)
         stops = [x for x in p.stop if x]
@@ -321,7 +330,7 @@ class Scheduler:
             return self._finish(s, reason=("stop", "word"), word=hit[1])
         safe = len(s.text) - _stop_holdback(s.text, stops)
         if safe > s.emitted:
-            req.emit("piece", (s.text[s.emitted:safe], len(s.out), s.out[s.sent:]))
+            req.emit("piece", (s.text[s.emitted:safe], len(s.out), s.out[s.sent:], s.probs[s.sent:]))
             s.emitted, s.sent = safe, len(s.out)
         if len(s.out) >= s.budget:
             return self._finish(s, reason=("length", "limit"))
@@ -347,11 +356,12 @@ class Scheduler:
         if reason[1] == "limit" and s.decoder is not None:
             s.text += s.decoder.flush()
         if len(s.text) > s.emitted:
-            req.emit("piece", (s.text[s.emitted:], len(s.out), s.out[s.sent:]))
+            req.emit("piece", (s.text[s.emitted:], len(s.out), s.out[s.sent:], s.probs[s.sent:]))
         t_end = time.perf_counter()
         t_first = s.t_first or t_end
         req.emit("done", Result(
             text=s.text, tokens=list(s.out), prompt_n=len(req.prompt), cached_n=s.cached_n,
             finish_reason=reason[0], stop_type=reason[1], stopping_word=word,
             prompt_ms=(t_first - s.t_start) * 1e3, predicted_ms=(t_end - t_first) * 1e3, slot=s.index,
+            probs=list(s.probs),
         ))

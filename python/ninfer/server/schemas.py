@@ -46,7 +46,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt]
     n_predict: StrictInt = -1
     stream: bool = False
-    n_probs: StrictInt = Field(0, ge=0)
+    n_probs: StrictInt = Field(0, ge=0, le=100)
     # [[token, bias], ...] (bias false bans the token) or {"token id": bias}.
     logit_bias: list[tuple[StrictInt, Number | bool]] | dict[str, Number | bool] | None = None
     model: str | None = None
@@ -70,6 +70,7 @@ class OpenAIBase(_Sampling):
 class OpenAICompletionRequest(OpenAIBase):
     prompt: str | list[StrictInt]
     echo: Literal[False] = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
 
 class ContentPart(BaseModel):
@@ -93,6 +94,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
 
 class TokenizeRequest(BaseModel):

@@ -14,7 +14,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::errors::to_py;
 use crate::gguf::PyGgufFile;
-use crate::sampler::{PySampler, PySamplerThread};
+use crate::sampler::{PySampler, PySamplerThread, SampledPy};
 
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
     d.get_item(key)?.ok_or_else(|| PyValueError::new_err(format!("model spec lacks '{key}'")))
@@ -185,7 +185,13 @@ impl PyEngine {
 
     /// One decode step of several sequences as one batch: append token t to sequence s for each (s, t), run the
     /// model once, and sample each sequence's next token on the sampler thread (its slot = the sequence id).
-    fn decode(&mut self, py: Python<'_>, batch: Vec<(u32, u32)>, sampler: &PySamplerThread) -> PyResult<Vec<u32>> {
+    /// Returns (token, None or (logprob, top logprobs)) per sequence, in the batch's order.
+    fn decode(
+        &mut self,
+        py: Python<'_>,
+        batch: Vec<(u32, u32)>,
+        sampler: &PySamplerThread,
+    ) -> PyResult<Vec<SampledPy>> {
         let mut seen: Vec<u32> = batch.iter().map(|b| b.0).collect();
         seen.sort_unstable();
         seen.dedup();
@@ -203,6 +209,7 @@ impl PyEngine {
             laps.lap(Work::Sampling);
             next
         })
+        .map(|draws| draws.into_iter().map(|s| (s.token, s.probs)).collect())
         .map_err(to_py)
     }
 

@@ -85,6 +85,9 @@ impl PySampler {
     }
 }
 
+/// (token, None or (the token's log-probability, [(token, log-probability)] most likely first)).
+pub type SampledPy = (u32, Option<(f32, Vec<(u32, f32)>)>);
+
 #[pyclass(name = "SamplerThread", module = "ninfer._core", frozen)]
 pub struct PySamplerThread {
     pub inner: SamplerThread,
@@ -105,9 +108,11 @@ impl PySamplerThread {
         self.inner.warnings.clone()
     }
 
-    /// A fresh sampler for `slot` (same parameters as `Sampler`).
+    /// A fresh sampler for `slot` (same parameters as `Sampler`); n_probs > 0: each draw also reports the
+    /// token's log-probability and the n_probs most likely tokens with theirs.
     #[pyo3(signature = (slot, *, temperature, top_k, top_p, min_p, seed, typical_p=1.0, repeat_penalty=1.0,
-                        repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=Vec::new()))]
+                        repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=Vec::new(),
+                        n_probs=0))]
     #[allow(clippy::too_many_arguments)]
     fn configure(
         &self,
@@ -123,12 +128,13 @@ impl PySamplerThread {
         presence_penalty: f32,
         frequency_penalty: f32,
         logit_bias: Vec<(u32, f32)>,
+        n_probs: usize,
     ) -> PyResult<()> {
         let p = params(
             temperature, top_k, top_p, min_p, seed, typical_p, repeat_penalty, repeat_last_n, presence_penalty,
             frequency_penalty, logit_bias,
         );
-        self.inner.configure(slot, p).map_err(to_py)
+        self.inner.configure(slot, p, n_probs).map_err(to_py)
     }
 
     fn accept(&self, slot: u32, tokens: Vec<u32>) -> PyResult<()> {
@@ -139,12 +145,13 @@ impl PySamplerThread {
         self.inner.remove(slot).map_err(to_py)
     }
 
-    /// Sample one token for `slot` from a logits row (the first token after a prompt).
-    fn sample(&self, py: Python<'_>, slot: u32, logits: PyReadonlyArray1<'_, f32>) -> PyResult<u32> {
+    /// Sample for `slot` from a logits row (the first token after a prompt): (token, None or (logprob, top)).
+    fn sample(&self, py: Python<'_>, slot: u32, logits: PyReadonlyArray1<'_, f32>) -> PyResult<SampledPy> {
         let row = logits.as_slice()?.to_vec();
         let t = &self.inner;
-        let out = py.detach(|| t.sample(vec![slot], row)).map_err(to_py)?;
-        Ok(out[0])
+        let mut out = py.detach(|| t.sample(vec![slot], row)).map_err(to_py)?;
+        let s = out.pop().expect("one row gives one draw");
+        Ok((s.token, s.probs))
     }
 }
 

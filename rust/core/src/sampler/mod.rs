@@ -133,6 +133,25 @@ pub struct Sampler {
     cand: Vec<(u32, f32)>,
 }
 
+/// The `n` most likely tokens under the softmax of the raw logits, as (token, log-probability), most likely first
+/// (ties by token id), and the log-probability of `chosen`. What llama-server reports for `n_probs`.
+pub fn top_logprobs(logits: &[f32], n: usize, chosen: u32) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().filter(|v| !v.is_nan()).map(|&v| ((v - max) as f64).exp()).sum();
+    let log_z = max + (sum.ln() as f32);
+    let lp = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v - log_z };
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_desc = |a: &u32, b: &u32| lp(logits[*b as usize]).total_cmp(&lp(logits[*a as usize])).then(a.cmp(b));
+    let n = n.min(idx.len());
+    if n > 0 && n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, by_desc);
+    }
+    idx.truncate(n);
+    idx.sort_unstable_by(by_desc);
+    let chosen_lp = logits.get(chosen as usize).map_or(f32::NEG_INFINITY, |&v| lp(v));
+    (chosen_lp, idx.into_iter().map(|t| (t, lp(logits[t as usize]))).collect())
+}
+
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in logits.iter().enumerate() {
@@ -355,6 +374,16 @@ mod tests {
         // Without penalties or bias, greedy stays the plain argmax.
         assert!(Sampler::new(params(0.0)).unwrap().is_plain_argmax());
         assert!(!Sampler::new(SamplerParams { repeat_penalty: 1.1, ..params(0.0) }).unwrap().is_plain_argmax());
+    }
+
+    #[test]
+    fn top_logprobs_are_the_log_softmax() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let (chosen, top) = top_logprobs(&logits, 3, 2);
+        let z = logits.iter().map(|v| v.exp()).sum::<f32>().ln();
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert!((top[0].1 - (3.0 - z)).abs() < 1e-6 && (chosen - (2.0 - z)).abs() < 1e-6);
+        assert_eq!(top_logprobs(&logits, 10, 0).1.len(), 4);
     }
 
     #[test]

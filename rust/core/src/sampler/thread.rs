@@ -11,7 +11,7 @@ use std::sync::mpsc::{channel, sync_channel, Sender, SyncSender};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 
-use super::{Sampler, SamplerParams};
+use super::{top_logprobs, Sampler, SamplerParams};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -22,12 +22,25 @@ pub struct ThreadOptions {
     pub realtime: bool,
 }
 
+/// One slot's draw: the token, and when the slot asked for `n_probs`, the token's log-probability and the
+/// `n_probs` most likely tokens with theirs (from the raw logits).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub probs: Option<(f32, Vec<(u32, f32)>)>,
+}
+
+struct Slot {
+    sampler: Sampler,
+    n_probs: usize,
+}
+
 enum Job {
-    Configure { slot: u32, sampler: Box<Sampler> },
+    Configure { slot: u32, sampler: Box<Slot> },
     Accept { slot: u32, tokens: Vec<u32> },
     Remove { slot: u32 },
     /// logits: [slots.len(), n_vocab], row i for slots[i].
-    Sample { slots: Vec<u32>, logits: Vec<f32>, reply: SyncSender<Result<Vec<u32>>> },
+    Sample { slots: Vec<u32>, logits: Vec<f32>, reply: SyncSender<Result<Vec<Sampled>>> },
 }
 
 pub struct SamplerThread {
@@ -47,7 +60,7 @@ impl SamplerThread {
         let (ready_tx, ready_rx) = sync_channel::<Vec<String>>(1);
         let handle = std::thread::Builder::new().name("ninfer-sampler".into()).spawn(move || {
             let _ = ready_tx.send(apply_options(opts));
-            let mut samplers: HashMap<u32, Box<Sampler>> = HashMap::new();
+            let mut samplers: HashMap<u32, Box<Slot>> = HashMap::new();
             for job in rx {
                 match job {
                     Job::Configure { slot, sampler } => {
@@ -55,7 +68,7 @@ impl SamplerThread {
                     }
                     Job::Accept { slot, tokens } => {
                         if let Some(s) = samplers.get_mut(&slot) {
-                            s.accept(&tokens);
+                            s.sampler.accept(&tokens);
                         }
                     }
                     Job::Remove { slot } => {
@@ -76,9 +89,9 @@ impl SamplerThread {
         tx.as_ref().ok_or_else(gone)?.send(job).map_err(|_| gone())
     }
 
-    /// Give `slot` a fresh sampler (new seed, empty penalty window).
-    pub fn configure(&self, slot: u32, params: SamplerParams) -> Result<()> {
-        let sampler = Box::new(Sampler::new(params)?);
+    /// Give `slot` a fresh sampler (new seed, empty penalty window); `n_probs` > 0 also reports probabilities.
+    pub fn configure(&self, slot: u32, params: SamplerParams, n_probs: usize) -> Result<()> {
+        let sampler = Box::new(Slot { sampler: Sampler::new(params)?, n_probs });
         self.send(Job::Configure { slot, sampler })
     }
 
@@ -91,8 +104,8 @@ impl SamplerThread {
         self.send(Job::Remove { slot })
     }
 
-    /// One token per slot from logits [slots.len(), n_vocab].
-    pub fn sample(&self, slots: Vec<u32>, logits: Vec<f32>) -> Result<Vec<u32>> {
+    /// One draw per slot from logits [slots.len(), n_vocab].
+    pub fn sample(&self, slots: Vec<u32>, logits: Vec<f32>) -> Result<Vec<Sampled>> {
         if slots.is_empty() || logits.is_empty() || !logits.len().is_multiple_of(slots.len()) {
             return Err(Error::InvalidArgument(format!(
                 "{} logits do not split into rows for {} slots",
@@ -117,14 +130,16 @@ impl Drop for SamplerThread {
     }
 }
 
-fn sample_rows(samplers: &mut HashMap<u32, Box<Sampler>>, slots: &[u32], logits: &[f32]) -> Result<Vec<u32>> {
+fn sample_rows(samplers: &mut HashMap<u32, Box<Slot>>, slots: &[u32], logits: &[f32]) -> Result<Vec<Sampled>> {
     let n_vocab = logits.len() / slots.len();
     let mut out = Vec::with_capacity(slots.len());
     for (&slot, row) in slots.iter().zip(logits.chunks_exact(n_vocab)) {
         let s = samplers
             .get_mut(&slot)
             .ok_or_else(|| Error::InvalidArgument(format!("slot {slot} has no sampler configured")))?;
-        out.push(s.sample(row)?);
+        let token = s.sampler.sample(row)?;
+        let probs = (s.n_probs > 0).then(|| top_logprobs(row, s.n_probs, token));
+        out.push(Sampled { token, probs });
     }
     Ok(out)
 }
@@ -185,14 +200,21 @@ mod tests {
     fn samples_a_batch_per_slot() {
         let t = SamplerThread::spawn(ThreadOptions::default()).unwrap();
         assert!(t.warnings.is_empty());
-        t.configure(0, greedy()).unwrap();
-        t.configure(5, SamplerParams { logit_bias: vec![(2, 10.0)], ..greedy() }).unwrap();
+        let tokens = |v: Vec<Sampled>| v.into_iter().map(|s| s.token).collect::<Vec<_>>();
+        t.configure(0, greedy(), 0).unwrap();
+        t.configure(5, SamplerParams { logit_bias: vec![(2, 10.0)], ..greedy() }, 2).unwrap();
         let logits = vec![0.0, 1.0, 0.0, 0.0, 1.0, 0.0];
-        assert_eq!(t.sample(vec![0, 5], logits.clone()).unwrap(), vec![1, 2]);
+        let out = t.sample(vec![0, 5], logits.clone()).unwrap();
+        assert_eq!(out[0].probs, None);
+        // Slot 5 reports the raw logits' top 2 (token 1 first) and its biased draw's log-probability.
+        let (lp, top) = out[1].probs.clone().unwrap();
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 0]);
+        assert!(lp < top[0].1);
+        assert_eq!(tokens(out), vec![1, 2]);
         // Penalties see the accepted prompt.
-        t.configure(0, SamplerParams { repeat_penalty: 100.0, ..greedy() }).unwrap();
+        t.configure(0, SamplerParams { repeat_penalty: 100.0, ..greedy() }, 0).unwrap();
         t.accept(0, vec![1]).unwrap();
-        assert_eq!(t.sample(vec![0], vec![0.5, 1.0, 0.0]).unwrap(), vec![0]);
+        assert_eq!(tokens(t.sample(vec![0], vec![0.5, 1.0, 0.0]).unwrap()), vec![0]);
         t.remove(5).unwrap();
         assert!(t.sample(vec![5], vec![0.0, 1.0, 0.0]).is_err());
         assert!(t.sample(vec![0, 5], vec![0.0; 5]).is_err());
@@ -206,7 +228,7 @@ mod tests {
         assert!(t.warnings.len() <= 2);
         let t = SamplerThread::spawn(ThreadOptions { core: Some(100_000), realtime: false }).unwrap();
         assert_eq!(t.warnings.len(), 1, "{:?}", t.warnings);
-        t.configure(1, greedy()).unwrap();
-        assert_eq!(t.sample(vec![1], vec![0.0, 2.0]).unwrap(), vec![1]);
+        t.configure(1, greedy(), 0).unwrap();
+        assert_eq!(t.sample(vec![1], vec![0.0, 2.0]).unwrap()[0].token, 1);
     }
 }
