@@ -77,11 +77,26 @@ def test_disconnect_mid_stream_stops_generation_and_frees_kv(server: InProcessSe
     assert after["ninfer:kv_cache_blocks"] == before["ninfer:kv_cache_blocks"]
     assert after["ninfer:kv_cache_usage_ratio"] == before["ninfer:kv_cache_usage_ratio"]
     assert after["ninfer:requests_cancelled_total"] == before["ninfer:requests_cancelled_total"] + 1
+    # From the moment the server saw the hang-up, at most the step already running produced a token.
+    assert after["ninfer:tokens_after_cancel_total"] - before["ninfer:tokens_after_cancel_total"] <= 1
     # Tokens generated beyond what the client read: the steps run while /metrics was read and the hang-up
     # travelled, plus at most the one in flight; nowhere near the 400 asked for.
     extra = after["ninfer:tokens_predicted_total"] - before["ninfer:tokens_predicted_total"] - received
     assert 0 <= extra <= 6, extra
     _still_serving(server.base)
+
+
+def test_t_max_predict_ms_is_a_deadline(server: InProcessServer) -> None:
+    before = _wait_idle(server.base)
+    t0 = time.monotonic()
+    r = httpx.post(f"{server.base}/completion", headers=AUTH, timeout=60, json={
+        "prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "temperature": 0,
+        "t_max_predict_ms": 300}).json()
+    elapsed = time.monotonic() - t0
+    assert r["stop_type"] == "limit" and 1 <= r["tokens_predicted"] < 400
+    assert r["timings"]["predicted_ms"] >= 300 and elapsed < 5.0
+    after = metrics(server.base)
+    assert after["ninfer:requests_timed_out_total"] == before["ninfer:requests_timed_out_total"] + 1
 
 
 def test_queue_full_gives_503_with_retry_after(server: InProcessServer) -> None:

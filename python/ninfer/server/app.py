@@ -163,6 +163,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=None if body.seed in (None, -1) else body.seed, logit_bias=bias, stop=body.stop or [],
             ignore_eos=body.ignore_eos, cache_prompt=body.cache_prompt, n_probs=n_probs,
+            t_max_predict_ms=getattr(body, "t_max_predict_ms", 0.0),
         )
 
     def parse_bias(raw: Any) -> list[tuple[int, float]]:

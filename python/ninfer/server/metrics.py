@@ -23,6 +23,10 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("ninfer:requests_finished", "Requests that left a slot", value=st["requests_done"])
         yield CounterMetricFamily("ninfer:requests_cancelled", "Requests cancelled (client gone)",
                                   value=st["cancelled"])
+        yield CounterMetricFamily("ninfer:tokens_after_cancel", "Tokens generated after a cancellation arrived",
+                                  value=st["tokens_after_cancel"])
+        yield CounterMetricFamily("ninfer:requests_timed_out", "Requests stopped by their deadline",
+                                  value=st["timed_out"])
         yield CounterMetricFamily("ninfer:requests_rejected", "Requests refused with 503 (queue full)",
                                   value=st["rejected"])
         yield CounterMetricFamily("ninfer:decode_steps", "Batched decode steps run", value=st["decode_steps"])

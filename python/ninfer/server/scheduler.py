@@ -66,6 +66,7 @@ class GenParams:
     ignore_eos: bool = False
     cache_prompt: bool = True
     n_probs: int = 0  # > 0: report each token's log-probability and the n_probs most likely tokens
+    t_max_predict_ms: float = 0.0  # > 0: stop generating this long after the first token (llama.cpp's field)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Request:
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.deadline = deadline
         self.cancelled = False  # set from the asyncio side; the engine loop reads it once per step
+        self.tokens_at_cancel = -1  # how many tokens it had when cancelled (-1: not cancelled)
 
     def emit(self, kind: str, value: Any) -> None:
         """("piece", (text, tokens so far, new token ids, their Probs)) | ("done", Result) | ("error", Exception),
@@ -120,6 +122,7 @@ class _Slot:
         self.decoder: IncrementalDecoder | None = None
         self.cached_n = 0
         self.t_start = self.t_first = 0.0
+        self.predict_deadline = 0.0  # monotonic time after which generation stops (0: none)
 
 
 class Scheduler:
@@ -161,6 +164,8 @@ class Scheduler:
     def cancel(self, req: Request) -> None:
         with self.cv:
             req.cancelled = True
+            slot = next((s for s in self.slots if s.req is req), None)
+            req.tokens_at_cancel = len(slot.out) if slot is not None else 0
             self.cv.notify()
 
     def processing(self) -> int:
@@ -262,6 +267,7 @@ class Scheduler:
         limit = self.llm.n_ctx - len(req.prompt)
         slot.budget = limit if p.max_tokens < 0 else min(p.max_tokens, limit)
         slot.t_start = time.perf_counter()
+        slot.t_first = slot.predict_deadline = 0.0
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
         try:
             self.sampler.configure(
@@ -281,8 +287,10 @@ class Scheduler:
                 continue
             if s.req.cancelled:
                 self.stats["cancelled"] += 1
+                # Tokens generated after the cancel arrived: at most the step that was running then.
+                self.stats["tokens_after_cancel"] += len(s.out) - max(s.req.tokens_at_cancel, 0)
                 self._finish(s, cancelled=True)
-            elif now > s.req.deadline:
+            elif now > s.req.deadline or (s.predict_deadline and now > s.predict_deadline):
                 self.stats["timed_out"] += 1
                 self._finish(s, reason=("length", "limit"))
 
@@ -295,6 +303,8 @@ class Scheduler:
             return
         s.t_first = time.perf_counter()
         assert s.req is not None
+        ms = s.req.params.t_max_predict_ms
+        s.predict_deadline = time.monotonic() + ms / 1e3 if ms > 0 else 0.0
         self.stats["prompt_tokens"] += len(s.req.prompt) - s.cached_n
         self.stats["prompt_s"] += s.t_first - s.t_start
         self._on_token(s, *self.sampler.sample(s.index, logits))

@@ -47,6 +47,7 @@ class CompletionRequest(_Sampling):
     n_predict: StrictInt = -1
     stream: bool = False
     n_probs: StrictInt = Field(0, ge=0, le=100)
+    t_max_predict_ms: Number = Field(0.0, ge=0.0)
     # [[token, bias], ...] (bias false bans the token) or {"token id": bias}.
     logit_bias: list[tuple[StrictInt, Number | bool]] | dict[str, Number | bool] | None = None
     model: str | None = None
