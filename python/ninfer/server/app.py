@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import threading
 import time
@@ -120,7 +121,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             return
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
-        if given != key:
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(401, "Invalid API Key" if given else "no API key given (Authorization: Bearer KEY)",
                            type="authentication_error", code="invalid_api_key")
 

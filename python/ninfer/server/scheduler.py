@@ -198,13 +198,17 @@ class Scheduler:
                 if self._stop:
                     break
                 admitted = self._admit()
-            for slot, req in admitted:
-                self._start(slot, req)
             try:
+                for slot, req in admitted:
+                    self._start(slot, req)
                 self._retire_cancelled()
                 prefilling = next((s for s in self.slots if s.req is not None and s.pending), None)
                 if prefilling is not None:
-                    self._prefill_chunk(prefilling)
+                    try:
+                        self._prefill_chunk(prefilling)
+                    except Exception as e:  # this prompt's failure is this request's alone
+                        log.warning("prompt evaluation failed: %s", e)
+                        self._finish(prefilling, error=e)
                 self._decode_step([s for s in self.slots if s.req is not None and not s.pending])
                 self._note_kv()
             except Exception as e:  # an engine error fails the requests in flight, never the loop
@@ -212,6 +216,7 @@ class Scheduler:
                 for s in self.slots:
                     if s.req is not None:
                         self._finish(s, error=e)
+                self._note_kv()
         for s in self.slots:
             if s.req is not None:
                 self._finish(s, error=RuntimeError("the server is shutting down"))
