@@ -136,6 +136,9 @@ def test_queue_full_gives_503_with_retry_after(server: InProcessServer) -> None:
     (b'{"prompt": "Hi", "n_predict": -5}', 400, "n_predict"),
     (b'{"prompt": "Hi", "n_predict": 1000000000000}', 400, "n_predict"),
     (b'{"prompt": "Hi", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "Hi", "n_predict": 2, "stop": [123]}', 400, "stop"),
+    (b'{"prompt": "Hi", "temperature": NaN}', 400, "temperature"),
+    (b'{"prompt": [-1]}', 400, "token id -1"),
     (b'{"prompt": [1, 99999999]}', 400, "token id 99999999"),
     (b'{"prompt": "Hi", "logit_bias": [[99999999, 1.0]]}', 400, "logit_bias"),
     (b'{"prompt": ""}', 400, "empty"),
@@ -246,3 +249,11 @@ def test_health_is_503_while_loading(smollm2_path: Path) -> None:
         gate.set()
         srv.should_exit = True
         t.join(30)
+
+
+def test_harmless_large_values_are_clamped_not_refused(server: InProcessServer) -> None:
+    body = {"prompt": "Hi", "n_predict": 2, "temperature": 0}
+    plain = httpx.post(f"{server.base}/completion", headers=AUTH, json=body, timeout=60).json()
+    big = httpx.post(f"{server.base}/completion", headers=AUTH, timeout=60,
+                     json={**body, "top_k": 10**21, "repeat_last_n": 10**8, "seed": 2**64 - 1}).json()
+    assert big["tokens"] == plain["tokens"]

@@ -158,9 +158,10 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         fields = body.model_fields_set
         return GenParams(
             max_tokens=n, temperature=body.temperature if "temperature" in fields else state.settings.temperature,
-            top_k=body.top_k, top_p=body.top_p, min_p=body.min_p, typical_p=body.typical_p,
+            # top_k past the vocabulary keeps everything, a window past the context sees all of it: clamp both.
+            top_k=min(body.top_k, llm.n_vocab), top_p=body.top_p, min_p=body.min_p, typical_p=body.typical_p,
             repeat_penalty=body.repeat_penalty,
-            repeat_last_n=llm.n_ctx if body.repeat_last_n == -1 else body.repeat_last_n,
+            repeat_last_n=llm.n_ctx if body.repeat_last_n == -1 else min(body.repeat_last_n, llm.n_ctx),
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=None if body.seed in (None, -1) else body.seed, logit_bias=bias, stop=body.stop or [],
             ignore_eos=body.ignore_eos, cache_prompt=body.cache_prompt, n_probs=n_probs,
