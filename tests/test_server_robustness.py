@@ -257,3 +257,29 @@ def test_harmless_large_values_are_clamped_not_refused(server: InProcessServer) 
     big = httpx.post(f"{server.base}/completion", headers=AUTH, timeout=60,
                      json={**body, "top_k": 10**21, "repeat_last_n": 10**8, "seed": 2**64 - 1}).json()
     assert big["tokens"] == plain["tokens"]
+
+
+def test_a_failed_load_is_reported_and_signalled() -> None:
+    import uvicorn
+
+    def broken() -> ninfer.LLM:
+        return ninfer.LLM("/nonexistent/model.gguf")
+
+    seen: list[Exception] = []
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(load=broken, on_load_error=seen.append), host="127.0.0.1",
+                                       port=port, log_level="critical"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    try:
+        for _ in range(200):
+            if seen:
+                break
+            time.sleep(0.05)
+        assert len(seen) == 1 and isinstance(seen[0], ninfer.ModelFileError)
+        r = httpx.get(f"http://127.0.0.1:{port}/health")
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
+        assert "/nonexistent/model.gguf" in r.json()["error"]["message"]
+    finally:
+        srv.should_exit = True
+        t.join(30)

@@ -91,9 +91,11 @@ class _JSONBodies:
 
 
 def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
-               settings: ServerSettings | None = None) -> FastAPI:
+               settings: ServerSettings | None = None,
+               on_load_error: Callable[[Exception], None] | None = None) -> FastAPI:
     """The server as an ASGI app. Pass a loaded `llm` (load it with n_seq_max >= n_parallel for parallel
-    slots), or `load`, called on a thread at startup while /health answers 503."""
+    slots), or `load`, called on a thread at startup while /health answers 503 (if it raises, /health says why
+    and `on_load_error` is called)."""
     if (llm is None) == (load is None):
         raise ValueError("create_app needs exactly one of llm= or load=")
     state = _State(settings or ServerSettings())
@@ -110,6 +112,8 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
                 except Exception as e:  # reported by /health and every endpoint
                     log.error("model failed to load: %s", e)
                     state.load_error = str(e)
+                    if on_load_error is not None:
+                        on_load_error(e)
             threading.Thread(target=work, name="ninfer-load", daemon=True).start()
         yield
         if state.scheduler is not None:

@@ -3,7 +3,7 @@
     ninfer-cli --model M --ctx-size 160000 --n-gpu-layers 45 --threads 8 --batch-size 512 --port 8080 --host 0.0.0.0
 
 An unknown or malformed flag ends with argparse's one line naming it and exit code 2. The model loads on a thread
-after the socket is open, so /health answers 503 until it is ready.
+after the socket is open, so /health answers 503 until it is ready; if loading fails the server stops (exit 2).
 """
 
 from __future__ import annotations
@@ -127,12 +127,22 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         alias=args.alias, n_predict=args.n_predict, temperature=args.temp, metrics=args.metrics,
         sampler_core=args.sampler_core, sampler_rt=args.sampler_rt,
     )
-    app = create_app(load=load, settings=settings)
+    failed: list[Exception] = []
+
+    def stop_on_load_error(e: Exception) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    app = create_app(load=load, settings=settings, on_load_error=stop_on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+        server.run()
     except KeyboardInterrupt:
         return 130
+    if failed:
+        print(f"ninfer: error: the model failed to load: {failed[0]}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 
