@@ -1,4 +1,4 @@
-"""The `ninfer` command line: run, inspect, perplexity, bench.
+"""The `ninfer` command line: run, inspect, perplexity, bench, serve (ninfer/server/cli.py).
 
 stdout carries only what was asked for (the generated text, the inspect table, the perplexity); banners, logs and
 timings go to stderr. A bad model file, flag or argument ends with one line naming it and exit code 2.
@@ -258,10 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
     cv = sub.add_parser("convert", help="convert a GGUF model to GSQ-RCO 3-bit (the same as `gsq-rco convert`)")
     add_convert_args(cv)
     cv.set_defaults(func=run_convert)
+
+    # Parsed by ninfer.server.cli (llama-server's flags); listed here for `ninfer --help`.
+    sub.add_parser("serve", help="HTTP server: llama.cpp's /completion and the OpenAI API (`ninfer serve --help`)",
+                   add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from ninfer.server.cli import main as serve_main
+
+        return serve_main(argv[1:], prog="ninfer serve")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

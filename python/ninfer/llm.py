@@ -92,10 +92,12 @@ class LLM:
         n_gpu_layers: int = -1,
         gpu_mem_budget: int | str | None = None,
         log: Any = None,
+        n_seq_max: int = 1,
     ):
         """device: "cpu", "cuda" or "auto" (cuda when CuPy sees a GPU). On cuda, n_gpu_layers puts the first N
         layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
-        `log` receives the memory plan printed at load."""
+        `log` receives the memory plan printed at load. n_seq_max: sequences the KV cache holds at once, each up
+        to n_ctx tokens (the server's slots; the LLM methods use one)."""
         if model is None:
             from ninfer.default_model import default_model_path
 
@@ -127,7 +129,10 @@ class LLM:
                 block_size=self.config.kv_block_size,
                 k_type=CACHE_TYPES[self.config.cache_type_k][0],
                 v_type=CACHE_TYPES[self.config.cache_type_v][0],
+                n_seq_max=n_seq_max,
             )
+        self.n_seq_max = n_seq_max if self.device != "cuda" else 1
+        self._n_vocab = int(self._engine.n_vocab)  # read once: the server reads it while its thread runs a step
         self._seq_tokens: list[int] = []  # what the KV cache holds for _SEQ, for prompt-prefix reuse
         self._chat_template: ChatTemplate | None = None
 
@@ -138,7 +143,7 @@ class LLM:
 
     @property
     def n_vocab(self) -> int:
-        return int(self._engine.n_vocab)
+        return self._n_vocab
 
     @property
     def architecture(self) -> str:

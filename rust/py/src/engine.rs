@@ -14,7 +14,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::errors::to_py;
 use crate::gguf::PyGgufFile;
-use crate::sampler::PySampler;
+use crate::sampler::{PySampler, PySamplerThread, SampledPy};
 
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
     d.get_item(key)?.ok_or_else(|| PyValueError::new_err(format!("model spec lacks '{key}'")))
@@ -180,6 +180,36 @@ impl PyEngine {
             laps.lap(Work::Sampling);
             next
         })
+        .map_err(to_py)
+    }
+
+    /// One decode step of several sequences as one batch: append token t to sequence s for each (s, t), run the
+    /// model once, and sample each sequence's next token on the sampler thread (its slot = the sequence id).
+    /// Returns (token, None or (logprob, top logprobs)) per sequence, in the batch's order.
+    fn decode(
+        &mut self,
+        py: Python<'_>,
+        batch: Vec<(u32, u32)>,
+        sampler: &PySamplerThread,
+    ) -> PyResult<Vec<SampledPy>> {
+        let mut seen: Vec<u32> = batch.iter().map(|b| b.0).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        if batch.is_empty() || seen.len() != batch.len() {
+            return Err(PyValueError::new_err("decode needs one token for each of one or more distinct sequences"));
+        }
+        let (model, kv, thread) = (&self.model, &mut self.kv, &sampler.inner);
+        py.detach(|| {
+            let seqs: Vec<SeqTokens> =
+                batch.iter().map(|(s, t)| SeqTokens { seq: *s, tokens: std::slice::from_ref(t) }).collect();
+            let rows: Vec<usize> = (0..batch.len()).collect();
+            let logits = model.forward(kv, &seqs, &rows)?;
+            let mut laps = model.profile.laps();
+            let next = thread.sample(batch.iter().map(|b| b.0).collect(), logits);
+            laps.lap(Work::Sampling);
+            next
+        })
+        .map(|draws| draws.into_iter().map(|s| (s.token, s.probs)).collect())
         .map_err(to_py)
     }
 

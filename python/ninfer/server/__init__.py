@@ -1,0 +1,20 @@
+"""ninfer's HTTP server: llama.cpp- and OpenAI-compatible, continuous batching over `--parallel` slots.
+
+    from ninfer.server import create_app, ServerSettings
+    app = create_app(ninfer.LLM("model.gguf", n_seq_max=4), settings=ServerSettings(n_parallel=4))
+
+`ninfer serve` (also `ninfer-cli`) runs it on uvicorn; see ninfer/server/cli.py for the flags.
+"""
+
+from typing import Any
+
+__all__ = ["ServerSettings", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so ninfer.server.scheduler (AsyncLLM) works without the web stack installed.
+    if name in __all__:
+        from ninfer.server import app
+
+        return getattr(app, name)
+    raise AttributeError(name)

@@ -1,0 +1,381 @@
+"""The ASGI app: llama.cpp's /completion, OpenAI's /v1/completions and /v1/chat/completions, and the rest of
+llama-server's surface (/health, /v1/models, /tokenize, /detokenize, /props, /metrics).
+
+    app = ninfer.server.create_app(ninfer.LLM("model.gguf", n_seq_max=4), settings=ServerSettings(n_parallel=4))
+
+The handlers validate, tokenize and hand a `Request` to the scheduler's engine loop; they never run the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ninfer.errors import NinferError
+from ninfer.llm import LLM
+from ninfer.server import formats, metrics
+from ninfer.server.errors import APIError, from_ninfer, install, sse
+from ninfer.server.scheduler import DeadlineError, GenParams, QueueFullError, Scheduler
+from ninfer.server.scheduler import Request as GenRequest
+from ninfer.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAICompletionRequest,
+    TokenizeRequest,
+)
+
+log = logging.getLogger("ninfer.server")
+
+
+@dataclass
+class ServerSettings:
+    n_parallel: int = 1
+    queue_size: int = 64
+    timeout_s: float = 600.0  # per request, queue wait included
+    api_key: str | None = None
+    alias: str | None = None  # the model id clients name; default: the file name
+    n_predict: int = -1  # default when a request gives none (-1: until the context is full)
+    temperature: float = 0.8
+    metrics: bool = True
+    sampler_core: int | None = None
+    sampler_rt: bool = False
+    retry_after_s: int = 1
+
+
+class _State:
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.llm: LLM | None = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+
+    def attach(self, llm: LLM) -> None:
+        s = self.settings
+        self.scheduler = Scheduler(llm, n_parallel=s.n_parallel, queue_size=s.queue_size, timeout_s=s.timeout_s,
+                                   sampler_core=s.sampler_core, sampler_rt=s.sampler_rt)
+        self.model_id = s.alias or llm.model_file.path.name
+        self.llm = llm
+
+    def ready(self) -> tuple[LLM, Scheduler]:
+        if self.load_error is not None:
+            raise APIError(503, f"the model failed to load: {self.load_error}", type="unavailable_error")
+        if self.llm is None or self.scheduler is None:
+            raise APIError(503, "Loading model", type="unavailable_error")
+        return self.llm, self.scheduler
+
+
+class _JSONBodies:
+    """Every POST body here is JSON: read it as JSON whatever Content-Type says (curl -d sends a form type;
+    llama-server accepts that too)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
+def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
+               settings: ServerSettings | None = None,
+               on_load_error: Callable[[Exception], None] | None = None) -> FastAPI:
+    """The server as an ASGI app. Pass a loaded `llm` (load it with n_seq_max >= n_parallel for parallel
+    slots), or `load`, called on a thread at startup while /health answers 503 (if it raises, /health says why
+    and `on_load_error` is called)."""
+    if (llm is None) == (load is None):
+        raise ValueError("create_app needs exactly one of llm= or load=")
+    state = _State(settings or ServerSettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if llm is not None:
+            state.attach(llm)
+        else:
+            def work() -> None:
+                try:
+                    state.attach(load())  # type: ignore[misc]
+                    log.info("model loaded; serving")
+                except Exception as e:  # reported by /health and every endpoint
+                    log.error("model failed to load: %s", e)
+                    state.load_error = str(e)
+                    if on_load_error is not None:
+                        on_load_error(e)
+            threading.Thread(target=work, name="ninfer-load", daemon=True).start()
+        yield
+        if state.scheduler is not None:
+            state.scheduler.close()
+
+    async def auth(request: Request) -> None:
+        key = state.settings.api_key
+        if key is None or request.url.path in ("/health", "/metrics"):
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "Invalid API Key" if given else "no API key given (Authorization: Bearer KEY)",
+                           type="authentication_error", code="invalid_api_key")
+
+    app = FastAPI(title="ninfer", lifespan=lifespan, dependencies=[Depends(auth)])
+    app.state.ninfer = state
+    app.add_middleware(_JSONBodies)
+    install(app)
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (state.model_id, state.llm.model_file.path.stem):  # type: ignore[union-attr]
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.model_id}'",
+                           param="model", code="model_not_found")
+
+    async def prompt_ids(llm: LLM, prompt: str | list[int], add_special: bool = True) -> list[int]:
+        try:
+            return await asyncio.to_thread(llm._prompt_ids, prompt, add_special)
+        except NinferError as e:
+            raise from_ninfer(e) from None
+
+    def gen_params(llm: LLM, body: Any, max_tokens: int | None, name: str, bias: list[tuple[int, float]],
+                   n_probs: int = 0) -> GenParams:
+        n = state.settings.n_predict if max_tokens is None else max_tokens
+        if n == 0 or n < -1:
+            raise APIError(400, f"{name} must be -1 (until the context is full) or a positive integer, got {n}",
+                           param=name)
+        if n > llm.n_ctx:
+            raise APIError(400, f"{name}={n} is more than the context holds (n_ctx={llm.n_ctx} per slot)",
+                           param=name)
+        for tok, _ in bias:
+            if not 0 <= tok < llm.n_vocab:
+                raise APIError(400, f"logit_bias: token id {tok} is out of range for a vocabulary of {llm.n_vocab}",
+                               param="logit_bias")
+        fields = body.model_fields_set
+        return GenParams(
+            max_tokens=n, temperature=body.temperature if "temperature" in fields else state.settings.temperature,
+            # top_k past the vocabulary keeps everything, a window past the context sees all of it: clamp both.
+            top_k=min(body.top_k, llm.n_vocab), top_p=body.top_p, min_p=body.min_p, typical_p=body.typical_p,
+            repeat_penalty=body.repeat_penalty,
+            repeat_last_n=llm.n_ctx if body.repeat_last_n == -1 else min(body.repeat_last_n, llm.n_ctx),
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            seed=None if body.seed in (None, -1) else body.seed, logit_bias=bias, stop=body.stop or [],
+            ignore_eos=body.ignore_eos, cache_prompt=body.cache_prompt, n_probs=n_probs,
+            t_max_predict_ms=getattr(body, "t_max_predict_ms", 0.0),
+        )
+
+    def parse_bias(raw: Any) -> list[tuple[int, float]]:
+        if not raw:
+            return []
+        items = raw.items() if isinstance(raw, dict) else raw
+        out = []
+        for tok, b in items:
+            try:
+                tok = int(tok)
+            except ValueError:
+                raise APIError(400, f"logit_bias: '{tok}' is not a token id", param="logit_bias") from None
+            out.append((tok, float("-inf") if b is False else float(b)))
+        return out
+
+    def submit(sched: Scheduler, prompt: list[int], params: GenParams) -> GenRequest:
+        req = GenRequest(prompt, params, asyncio.get_running_loop(), time.monotonic() + state.settings.timeout_s)
+        try:
+            sched.submit(req)
+        except QueueFullError as e:
+            raise APIError(503, f"the server is busy: {e}; retry later", type="unavailable_error",
+                           code="queue_full", headers={"Retry-After": str(state.settings.retry_after_s)}) from None
+        return req
+
+    def failure(e: Exception) -> APIError:
+        if isinstance(e, DeadlineError):
+            return APIError(503, str(e), type="unavailable_error", code="timeout",
+                            headers={"Retry-After": str(state.settings.retry_after_s)})
+        if isinstance(e, NinferError):
+            return from_ninfer(e)
+        return APIError(500, f"generation failed: {e}", type="server_error")
+
+    async def collect(http: Request, sched: Scheduler, req: GenRequest) -> Any:
+        """Wait for the result of a non-streamed request; a client that hangs up cancels it."""
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(req.events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        sched.cancel(req)
+                        raise APIError(499, "client closed the request") from None
+                    continue
+                if kind == "done":
+                    return value
+                if kind == "error":
+                    raise failure(value)
+        except asyncio.CancelledError:
+            sched.cancel(req)
+            raise
+
+    async def events(sched: Scheduler, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
+        """The request's events until done; closing the iterator early (client gone) cancels the request."""
+        finished = False
+        try:
+            while True:
+                kind, value = await req.events.get()
+                finished = kind in ("done", "error")
+                yield kind, value
+                if finished:
+                    return
+        finally:
+            if not finished:
+                sched.cancel(req)
+
+    def stream(body: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- llama.cpp --------------------------------------------------------------------------------------------
+    @app.post("/completion")
+    @app.post("/completions")
+    async def completion(body: CompletionRequest, http: Request) -> Any:
+        llm, sched = state.ready()
+        check_model(body.model)
+        ids = await prompt_ids(llm, body.prompt)
+        params = gen_params(llm, body, body.n_predict, "n_predict", parse_bias(body.logit_bias), body.n_probs)
+        piece = llm.tokenizer.token_to_piece
+        req = submit(sched, ids, params)
+        prompt_text = body.prompt if isinstance(body.prompt, str) else ""
+        if not body.stream:
+            return formats.llama_final(await collect(http, sched, req), state.model_id, params, prompt_text, piece)
+
+        async def gen() -> AsyncIterator[str]:
+            async for kind, value in events(sched, req):
+                if kind == "piece":
+                    chunk = {"index": 0, "content": value[0], "tokens": value[2], "stop": False, "id_slot": -1,
+                             "tokens_predicted": value[1]}
+                    if params.n_probs:
+                        chunk["completion_probabilities"] = formats.llama_probs(piece, value[2], value[3])
+                    yield sse(chunk)
+                elif kind == "done":  # the text went out in the pieces: the closing object's content is empty
+                    final = formats.llama_final(value, state.model_id, params, prompt_text, piece)
+                    final.pop("completion_probabilities", None)
+                    yield sse({**final, "content": "", "tokens": []})
+                else:
+                    yield sse(failure(value).body())
+        return stream(gen())
+
+    # ---- OpenAI -----------------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def v1_completions(body: OpenAICompletionRequest, http: Request) -> Any:
+        llm, sched = state.ready()
+        check_model(body.model)
+        ids = await prompt_ids(llm, body.prompt)
+        k = body.logprobs
+        params = gen_params(llm, body, body.max_tokens, "max_tokens", parse_bias(body.logit_bias),
+                            0 if k is None else max(k, 1))
+        return await openai_run(http, llm, sched, ids, params, body, chat=False, logprobs=k)
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def v1_chat(body: ChatRequest, http: Request) -> Any:
+        llm, sched = state.ready()
+        check_model(body.model)
+        try:
+            text = llm.apply_chat_template([m.as_template_input() for m in body.messages])
+        except NinferError as e:
+            raise from_ninfer(e) from None
+        ids = await prompt_ids(llm, text, add_special=False)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = gen_params(llm, body, limit, "max_tokens", parse_bias(body.logit_bias), 0 if k is None else max(k, 1))
+        return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k)
+
+    async def openai_run(http: Request, llm: LLM, sched: Scheduler, ids: list[int], params: GenParams, body: Any,
+                         chat: bool, logprobs: int | None) -> Any:
+        req = submit(sched, ids, params)
+        fmt = formats.OpenAI(state.model_id, chat, llm.tokenizer.token_to_piece, logprobs)
+        if not body.stream:
+            return fmt.final(await collect(http, sched, req))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        async def gen() -> AsyncIterator[str]:
+            if chat:
+                yield sse(fmt.chunk({"role": "assistant", "content": ""}, None))
+            async for kind, value in events(sched, req):
+                if kind == "piece":
+                    yield sse(fmt.chunk(value[0], None, value[2], value[3]))
+                elif kind == "done":
+                    yield sse(fmt.chunk(None, value.finish_reason))
+                    if usage:
+                        yield sse(fmt.usage_chunk(value))
+                else:
+                    yield sse(failure(value).body())
+            yield "data: [DONE]\n\n"
+        return stream(gen())
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models() -> Any:
+        llm, _ = state.ready()
+        return {"object": "list", "data": [{
+            "id": state.model_id, "object": "model", "created": state.created, "owned_by": "ninfer",
+            "meta": {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab, "architecture": llm.architecture,
+                     "size": llm.model_file.gguf.file_size, "n_params": llm.model_file.n_params()},
+        }]}
+
+    # ---- llama-server's utilities ----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Any:
+        state.ready()
+        return {"status": "ok"}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Any:
+        llm, _ = state.ready()
+        ids = await asyncio.to_thread(llm.tokenize, body.content, body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": t, "piece": llm.detokenize([t])} for t in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        llm, _ = state.ready()
+        bad = [t for t in body.tokens if not 0 <= t < llm.n_vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range for a vocabulary of {llm.n_vocab}",
+                           param="tokens")
+        return {"content": llm.detokenize(body.tokens)}
+
+    @app.get("/props")
+    async def props() -> Any:
+        llm, sched = state.ready()
+        try:
+            template = llm.chat_template.source
+        except (NinferError, AttributeError):
+            template = ""
+        return {
+            "default_generation_settings": {"n_ctx": llm.n_ctx, "n_predict": state.settings.n_predict,
+                                            "temperature": state.settings.temperature, "model": state.model_id},
+            "total_slots": sched.n_parallel, "model_path": str(llm.model_file.path), "chat_template": template,
+            "build_info": f"ninfer {__import__('ninfer').__version__}",
+        }
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        if not state.settings.metrics:
+            raise APIError(501, "metrics are off: start the server with --metrics", type="not_supported_error")
+        _, sched = state.ready()
+        body, content_type = metrics.render(sched)
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+__all__ = ["JSONResponse", "ServerSettings", "create_app"]

@@ -1,0 +1,150 @@
+"""`ninfer serve` / `ninfer-cli`: the HTTP server, with llama-server's flag spellings.
+
+    ninfer-cli --model M --ctx-size 160000 --n-gpu-layers 45 --threads 8 --batch-size 512 --port 8080 --host 0.0.0.0
+
+An unknown or malformed flag ends with argparse's one line naming it and exit code 2. The model loads on a thread
+after the socket is open, so /health answers 503 until it is ready; if loading fails the server stops (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ninfer.config import CACHE_TYPES
+
+EXIT_USAGE = 2
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="Serve a GGUF model over HTTP: llama.cpp's /completion and the OpenAI API (/v1/...).")
+    p.add_argument("-m", "--model", help="GGUF file (default: the embedded Gemma-3-270M, `ninfer[demo]`)")
+    p.add_argument("-a", "--alias", default=None, help="model name clients use (default: the file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096,
+                   help="context size shared by the slots, as llama-server: each slot gets ctx-size / parallel")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="accepted for llama-server compatibility; the server runs every layer on the CPU for now "
+                        "(a warning says so when this asks for GPU layers)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="worker threads (default: all cores)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
+    p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests generated at once (default 1)")
+    p.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="tokens to generate when a request says nothing (default -1: until the context is full)")
+    p.add_argument("--temp", type=float, default=0.8, help="default temperature (default 0.8)")
+    p.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type")
+    p.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type")
+    p.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"], default="auto",
+                   help="accepted for compatibility: attention is always fused here (one pass, online softmax)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    p.add_argument("--metrics", action="store_true", help="serve /metrics (Prometheus text format)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument("--queue-size", type=int, default=64,
+                   help="requests that may wait for a slot; more get 503 with Retry-After (default 64)")
+    p.add_argument("-to", "--timeout", type=float, default=600.0,
+                   help="per-request deadline in seconds, queue wait included (default 600)")
+    p.add_argument("--sampler-core", type=int, default=None, metavar="N",
+                   help="pin the sampler thread to CPU core N")
+    p.add_argument("--sampler-rt", action="store_true",
+                   help="run the sampler thread under SCHED_FIFO (needs CAP_SYS_NICE; else one warning)")
+    return p
+
+
+def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    for flag, value, low in (("--port", args.port, 0), ("--ctx-size", args.ctx_size, 1),
+                             ("--batch-size", args.batch_size, 1), ("--parallel", args.parallel, 1),
+                             ("--threads", args.threads, 0), ("--queue-size", args.queue_size, 0)):
+        if value < low:
+            p.error(f"argument {flag}: must be >= {low}, got {value}")
+    if args.port > 65535:
+        p.error(f"argument --port: must be <= 65535, got {args.port}")
+    if args.ctx_size // args.parallel < 2:
+        p.error(f"argument --ctx-size: {args.ctx_size} leaves fewer than 2 tokens per slot for {args.parallel} slots")
+    if args.timeout <= 0:
+        p.error(f"argument --timeout: must be > 0, got {args.timeout}")
+    if args.sampler_core is not None and args.sampler_core < 0:
+        p.error(f"argument --sampler-core: must be >= 0, got {args.sampler_core}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    logging.basicConfig(level=args.log_level.upper(), format="ninfer: %(levelname)s: %(message)s", stream=sys.stderr)
+    log = logging.getLogger("ninfer.server")
+
+    import uvicorn
+
+    from ninfer.backends import cuda_unavailable_reason
+    from ninfer.errors import NinferError
+    from ninfer.llm import LLM
+    from ninfer.model_file import ModelFile
+    from ninfer.server import ServerSettings, create_app
+
+    model = args.model
+    if model is None:
+        from ninfer.default_model import default_model_path
+
+        model = default_model_path()
+    try:
+        mf = ModelFile(model)
+        spec = mf.spec
+    except NinferError as e:
+        print(f"ninfer: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.n_gpu_layers != 0:
+        reason = cuda_unavailable_reason()
+        why = f"no GPU ({reason})" if reason else "the server's batched engine loop runs on the CPU backend"
+        log.warning("--n-gpu-layers %d ignored: %s; all %d layers run on the CPU", args.n_gpu_layers, why,
+                    len(spec["layers"]))
+    n_ctx = args.ctx_size // args.parallel
+    kv = mf.kv_bytes_per_token(CACHE_TYPES[args.cache_type_k][1], CACHE_TYPES[args.cache_type_v][1])
+    weights = mf.weight_bytes()
+    print(f"ninfer serve: model {mf.path} ({mf.architecture}, {mf.n_params() / 1e6:.0f} M parameters)\n"
+          f"ninfer serve: memory budget {_gib(weights + kv * n_ctx * args.parallel)} = weights {_gib(weights)} "
+          f"(memory-mapped) + KV cache up to {_gib(kv * n_ctx * args.parallel)} ({args.parallel} slots x {n_ctx} "
+          f"tokens, {args.cache_type_k}/{args.cache_type_v}, allocated as used)\n"
+          f"ninfer serve: listening on http://{args.host}:{args.port} (/health is 503 until the model is loaded)",
+          file=sys.stderr, flush=True)
+
+    def load() -> LLM:
+        return LLM(model, n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size,
+                   cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device="cpu",
+                   n_seq_max=args.parallel)
+
+    settings = ServerSettings(
+        n_parallel=args.parallel, queue_size=args.queue_size, timeout_s=args.timeout, api_key=args.api_key,
+        alias=args.alias, n_predict=args.n_predict, temperature=args.temp, metrics=args.metrics,
+        sampler_core=args.sampler_core, sampler_rt=args.sampler_rt,
+    )
+    failed: list[Exception] = []
+
+    def stop_on_load_error(e: Exception) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    app = create_app(load=load, settings=settings, on_load_error=stop_on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        return 130
+    if failed:
+        print(f"ninfer: error: the model failed to load: {failed[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

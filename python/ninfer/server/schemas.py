@@ -1,0 +1,109 @@
+"""Request bodies, validated by pydantic: llama.cpp's /completion fields and OpenAI's completions and chat.
+
+Unknown fields are ignored (as llama-server and OpenAI-compatible servers do); known fields of the wrong type or
+out of range are a 400 naming the field. Checks that need the model (context size, vocabulary) live in app.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# A token id or a count: no bool, no float, no numeric string.
+StrictInt = Annotated[int, Field(strict=True)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    temperature: Number = Field(0.8, ge=0.0)
+    top_k: StrictInt = Field(40, ge=0)
+    top_p: Number = Field(0.95, gt=0.0, le=1.0)
+    min_p: Number = Field(0.05, ge=0.0, le=1.0)
+    typical_p: Number = Field(1.0, gt=0.0, le=1.0)
+    repeat_penalty: Number = Field(1.0, gt=0.0)
+    repeat_last_n: StrictInt = Field(64, ge=-1)
+    presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(None, ge=-1, le=2**64 - 1)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str]:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+
+class CompletionRequest(_Sampling):
+    """llama.cpp's POST /completion."""
+
+    prompt: str | list[StrictInt]
+    n_predict: StrictInt = -1
+    stream: bool = False
+    n_probs: StrictInt = Field(0, ge=0, le=100)
+    t_max_predict_ms: Number = Field(0.0, ge=0.0)
+    # [[token, bias], ...] (bias false bans the token) or {"token id": bias}.
+    logit_bias: list[tuple[StrictInt, Number | bool]] | dict[str, Number | bool] | None = None
+    model: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIBase(_Sampling):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    n: StrictInt = Field(1, ge=1, le=1)
+    logit_bias: dict[str, Number] | None = None
+    # OpenAI's default is 1.0; llama-server keeps its own 0.8, and so do we (send it explicitly to choose).
+    user: str | None = None
+
+
+class OpenAICompletionRequest(OpenAIBase):
+    prompt: str | list[StrictInt]
+    echo: Literal[False] = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatRequest(OpenAIBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+
+class TokenizeRequest(BaseModel):
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[StrictInt]
