@@ -373,3 +373,27 @@ def test_prefill_logits_gpu_equal_cpu(ty: str, tol: float, tmp_path: Path) -> No
     cpu = ninfer.LLM(path, n_ctx=256, threads=8).eval_logits(tokens, rows=rows)
     gpu = ninfer.LLM(path, n_ctx=256, device="cuda").eval_logits(tokens, rows=rows)
     assert nmse(gpu, cpu) < tol
+
+
+@needs_cuda
+def test_decode_of_two_sequences_equals_each_sequence_generated_alone(tmp_path: Path) -> None:
+    """The server's engine protocol on the GPU: CudaEngine.decode with the Rust sampler thread, two slots."""
+    path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=2, seed=4)
+    prompts = [[5, 50, 500], [7, 70, 700, 7000]]
+    alone = [_greedy(path, "cuda", p, 16) for p in prompts]
+    llm = ninfer.LLM(path, n_ctx=128, device="cuda", n_seq_max=2)
+    eng = llm._engine
+    thread = _core.SamplerThread()
+    got: list[list[int]] = []
+    for seq, p in enumerate(prompts):
+        thread.configure(seq, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
+        got.append([thread.sample(seq, eng.prefill(seq, p, 512))[0]])
+    for _ in range(15):
+        draws = eng.decode([(0, got[0][-1]), (1, got[1][-1])], thread)
+        for seq, (tok, probs) in enumerate(draws):
+            assert probs is None
+            got[seq].append(tok)
+    assert got == alone
+    assert eng.seq_len(0) == 3 + 15 and eng.seq_len(1) == 4 + 15
+    with pytest.raises(ninfer.errors.InvalidArgumentError, match="distinct sequences"):
+        eng.decode([(0, 1), (0, 2)], thread)

@@ -119,6 +119,7 @@ class LLM:
             self._engine: Any = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
+                n_seq_max=n_seq_max,
             )
         else:
             self._engine = _core.Engine(
@@ -131,7 +132,7 @@ class LLM:
                 v_type=CACHE_TYPES[self.config.cache_type_v][0],
                 n_seq_max=n_seq_max,
             )
-        self.n_seq_max = n_seq_max if self.device != "cuda" else 1
+        self.n_seq_max = n_seq_max
         self._n_vocab = int(self._engine.n_vocab)  # read once: the server reads it while its thread runs a step
         self._seq_tokens: list[int] = []  # what the KV cache holds for _SEQ, for prompt-prefix reuse
         self._chat_template: ChatTemplate | None = None

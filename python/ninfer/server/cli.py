@@ -30,8 +30,10 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size shared by the slots, as llama-server: each slot gets ctx-size / parallel")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="accepted for llama-server compatibility; the server runs every layer on the CPU for now "
-                        "(a warning says so when this asks for GPU layers)")
+                   help="layers on the GPU (-1: all); 0 (the default, as llama-server) serves from the CPU. "
+                        "Without CuPy or a GPU a warning says so and every layer runs on the CPU")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto (default): the GPU when -ngl asks for layers and CuPy sees one; cpu: never")
     p.add_argument("-t", "--threads", type=int, default=0, help="worker threads (default: all cores)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests generated at once (default 1)")
@@ -102,11 +104,17 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     except NinferError as e:
         print(f"ninfer: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if args.n_gpu_layers != 0:
+    device = "cpu"
+    if args.n_gpu_layers != 0 and args.device != "cpu":
         reason = cuda_unavailable_reason()
-        why = f"no GPU ({reason})" if reason else "the server's batched engine loop runs on the CPU backend"
-        log.warning("--n-gpu-layers %d ignored: %s; all %d layers run on the CPU", args.n_gpu_layers, why,
-                    len(spec["layers"]))
+        if reason is None:
+            device = "cuda"
+        elif args.device == "cuda":
+            print(f"ninfer: error: device 'cuda' is not available: {reason}", file=sys.stderr)
+            return EXIT_USAGE
+        else:
+            log.warning("--n-gpu-layers %d ignored: no GPU (%s); all %d layers run on the CPU", args.n_gpu_layers,
+                        reason, len(spec["layers"]))
     n_ctx = args.ctx_size // args.parallel
     kv = mf.kv_bytes_per_token(CACHE_TYPES[args.cache_type_k][1], CACHE_TYPES[args.cache_type_v][1])
     weights = mf.weight_bytes()
@@ -114,13 +122,16 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
           f"ninfer serve: memory budget {_gib(weights + kv * n_ctx * args.parallel)} = weights {_gib(weights)} "
           f"(memory-mapped) + KV cache up to {_gib(kv * n_ctx * args.parallel)} ({args.parallel} slots x {n_ctx} "
           f"tokens, {args.cache_type_k}/{args.cache_type_v}, allocated as used)\n"
-          f"ninfer serve: listening on http://{args.host}:{args.port} (/health is 503 until the model is loaded)",
+          + (f"ninfer serve: device cuda, -ngl {args.n_gpu_layers} (the GPU memory plan follows at load)\n"
+             if device == "cuda" else "")
+          + f"ninfer serve: listening on http://{args.host}:{args.port} (/health is 503 until the model is loaded)",
           file=sys.stderr, flush=True)
 
     def load() -> LLM:
         return LLM(model, n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size,
-                   cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device="cpu",
-                   n_seq_max=args.parallel)
+                   cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device=device,
+                   n_gpu_layers=args.n_gpu_layers, n_seq_max=args.parallel,
+                   log=lambda line: print(line, file=sys.stderr, flush=True))
 
     settings = ServerSettings(
         n_parallel=args.parallel, queue_size=args.queue_size, timeout_s=args.timeout, api_key=args.api_key,

@@ -128,8 +128,6 @@ class _Slot:
 class Scheduler:
     def __init__(self, llm: LLM, *, n_parallel: int, queue_size: int, timeout_s: float,
                  sampler_core: int | None = None, sampler_rt: bool = False):
-        if llm.device != "cpu":
-            raise ValueError("the server's engine loop drives the CPU engine; load the model with device='cpu'")
         self.llm = llm
         self.engine = llm._engine
         self.n_parallel = max(1, min(n_parallel, llm.n_seq_max))
