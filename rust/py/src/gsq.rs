@@ -14,10 +14,11 @@ fn layout(group: usize, slots: usize) -> PyResult<Layout> {
     Layout::new(group, slots).map_err(to_py)
 }
 
-/// gsq_quantize(w[rows, cols] f32, h[cols] f32, group, slots, steps, threads) -> (records[rows, row_bytes] u8,
-/// stats dict: weight, err_rtn, err, zeros, sparse_groups, slots_used).
+/// gsq_quantize(w[rows, cols] f32, h[cols] f32, group, slots, steps, threads, sparsity=True) ->
+/// (records[rows, row_bytes] u8, stats dict: weight, err_rtn, err, zeros, sparse_groups, slots_used).
 #[pyfunction]
-#[pyo3(signature = (w, h, *, group, slots, steps, threads))]
+#[pyo3(signature = (w, h, *, group, slots, steps, threads, sparsity = true))]
+#[allow(clippy::too_many_arguments)]
 fn gsq_quantize<'py>(
     py: Python<'py>,
     w: PyReadonlyArray2<'py, f32>,
@@ -26,13 +27,14 @@ fn gsq_quantize<'py>(
     slots: usize,
     steps: usize,
     threads: usize,
+    sparsity: bool,
 ) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyDict>)> {
     let l = layout(group, slots)?;
     let (rows, cols) = (w.shape()[0], w.shape()[1]);
     let w: Vec<f32> = w.as_array().iter().copied().collect();
     let h: Vec<f32> = h.as_array().iter().copied().collect();
     let (data, stats) = py
-        .detach(|| gsq::quantize_matrix(l, &w, cols, &h, steps, threads))
+        .detach(|| gsq::quantize_matrix(l, &w, cols, &h, &gsq::Options { steps, sparsity }, threads))
         .map_err(to_py)?;
     let row_bytes = data.len().checked_div(rows).unwrap_or(0);
     let d = PyDict::new(py);
