@@ -130,13 +130,23 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     });
 }
 
-/// A GSQ-RCO matrix times f32 activations (its `ty` is F32, so `acts` hold them as raw f32): each task
-/// dequantizes its weight rows one at a time into a buffer and dots each with every token.
+/// A GSQ-RCO matrix times f32 activations (its `ty` is F32, so `acts` hold them as raw f32). One token (decode):
+/// the GSQ-RCO dot-product kernel per row, reading each record once. Several (prefill): each task dequantizes its
+/// weight rows one at a time into a buffer and dots each with every token.
 fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, acts: &QuantizedActs, out: &mut [f32]) {
     let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
     let (data, rb) = (w.data(), w.row_bytes());
     let xs: Vec<&[f32]> = acts.bytes.chunks_exact(acts.row_bytes).map(|b| bytemuck_f32(&b[..4 * k])).collect();
     debug_assert_eq!(xs.len(), n);
+    if n == 1 {
+        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                let r = c * ROWS_PER_TASK + i;
+                *o = crate::quant::simd::gsq_dot(layout, &data[r * rb..(r + 1) * rb], xs[0]);
+            }
+        });
+        return;
+    }
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..m.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
         let out_ptr = &out_ptr;
