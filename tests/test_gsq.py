@@ -178,3 +178,19 @@ def test_calibration_collects_each_matrix_inputs_mean_square(source: Path, tmp_p
     assert verify(out) == (True, "ok")
     with pytest.raises(InvalidArgumentError, match="cannot read the calibration text"):
         convert(source, tmp_path / "x.gguf", steps=1, calib_file=tmp_path / "missing.txt")
+
+
+def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tmp_path: Path) -> None:
+    from ninfer.llm import LLM
+    from ninfer.perplexity import perplexity
+
+    text = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 3
+    base = tmp_path / "base.npy"
+    ref = perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base_out=base)
+    assert np.load(base, mmap_mode="r").shape == (2 * 7, 151936)
+    same = perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base=base)
+    assert same.ppl == ref.ppl and same.kl == pytest.approx(0.0, abs=1e-6) and same.top1_agreement == 1.0
+    q = perplexity(LLM(converted, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base=base)
+    assert q.kl is not None and q.kl > 1e-6 and 0.0 <= q.top1_agreement <= 1.0
+    with pytest.raises(InvalidArgumentError, match="reference log-probabilities of shape"):
+        perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=1, kl_base=base)
