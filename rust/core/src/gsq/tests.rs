@@ -203,3 +203,32 @@ fn simd_dot_matches_the_scalar_reference() {
         assert!((part - dot_row(l, &rec[..2 * rb], &x[..2 * group])).abs() <= 1e-5 * mag);
     }
 }
+
+/// Throughput of the picked GSQ-RCO kernel against the Q4_K one on one 8960 x 1536 matrix's worth of rows
+/// (single thread): `cargo test --release -p ninfer-core --lib gsq_kernel_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn gsq_kernel_speed() {
+    use crate::quant::{quantize_act, vec_dot, GgmlType};
+    let (n, rows) = (1536, 2048);
+    let l = Layout::new(128, 4).unwrap();
+    let w = gaussian(7, n, 0.02);
+    let mut rec = vec![0u8; l.row_bytes(n).unwrap()];
+    quantize_row(l, &w, &vec![1.0; n], &steps(5), &mut rec);
+    let recs: Vec<u8> = (0..rows).flat_map(|_| rec.iter().copied()).collect();
+    let x = gaussian(8, n, 1.0);
+    let q4 = vec![0x55u8; GgmlType::Q4_K.row_bytes(n).unwrap() * rows];
+    let mut xq = vec![0u8; GgmlType::Q8_K.row_bytes(n).unwrap()];
+    quantize_act(GgmlType::Q8_K, &x, &mut xq);
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let rb = l.row_bytes(n).unwrap();
+        let s: f32 = (0..rows).map(|r| crate::quant::simd::gsq_dot(l, &recs[r * rb..(r + 1) * rb], &x)).sum();
+        let tg = t.elapsed();
+        let t = std::time::Instant::now();
+        let qb = GgmlType::Q4_K.row_bytes(n).unwrap();
+        let s2: f32 = (0..rows).map(|r| vec_dot(GgmlType::Q4_K, n, &q4[r * qb..(r + 1) * qb], &xq)).sum();
+        let tq = t.elapsed();
+        println!("GSQ-RCO {:?} ({s}), Q4_K {:?} ({s2})", tg, tq);
+    }
+}
