@@ -31,10 +31,25 @@ fn gsq_quantize<'py>(
 ) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyDict>)> {
     let l = layout(group, slots)?;
     let (rows, cols) = (w.shape()[0], w.shape()[1]);
-    let w: Vec<f32> = w.as_array().iter().copied().collect();
-    let h: Vec<f32> = h.as_array().iter().copied().collect();
+    // Zero-copy for the contiguous arrays the converter passes (a copy only for a strided view): the largest
+    // tensor's f32 copy is what bounds the converter's memory.
+    let (w_owned, h_owned);
+    let w: &[f32] = match w.as_slice() {
+        Ok(s) => s,
+        Err(_) => {
+            w_owned = w.as_array().iter().copied().collect::<Vec<f32>>();
+            &w_owned
+        }
+    };
+    let h: &[f32] = match h.as_slice() {
+        Ok(s) => s,
+        Err(_) => {
+            h_owned = h.as_array().iter().copied().collect::<Vec<f32>>();
+            &h_owned
+        }
+    };
     let (data, stats) = py
-        .detach(|| gsq::quantize_matrix(l, &w, cols, &h, &gsq::Options { steps, sparsity }, threads))
+        .detach(|| gsq::quantize_matrix(l, w, cols, h, &gsq::Options { steps, sparsity }, threads))
         .map_err(to_py)?;
     let row_bytes = data.len().checked_div(rows).unwrap_or(0);
     let d = PyDict::new(py);
