@@ -103,6 +103,19 @@ def test_verify_ok_then_names_a_flipped_byte_and_a_cut_file(converted: Path, tmp
     assert r.returncode == 1 and r.stdout.strip() == "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)"
 
 
+def test_no_sparsity_stores_no_sparse_group(source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dense.gguf"
+    convert(source, out, steps=2, threads=2, sparsity=False, tensor_types=[r"blk\..*=gsq:0"])
+    mf, infos = tensor_infos(out)
+    assert mf.metadata["gsq.sparsity"] is False
+    gsq_infos = [i for i in infos.values() if i["type"] == "GSQ-RCO"]
+    assert len(gsq_infos) == 7 and all(i["sparsity"] == 0 and i["slots"] == 0 for i in gsq_infos)
+    r = gguf.GGUFReader(out)
+    q = {t.name: t for t in r.tensors}["blk.0.attn_q.weight"]
+    recs = np.asarray(q.data).view(np.uint8).reshape(-1, 4 + 48)
+    assert not (recs[:, 1] & 0x80).any()  # no scale carries the sparse mark
+
+
 def test_conversion_is_deterministic(source: Path, converted: Path, tmp_path: Path) -> None:
     again = tmp_path / "again.gguf"
     convert(source, again, steps=4, threads=1)
@@ -172,9 +185,34 @@ def test_calibration_collects_each_matrix_inputs_mean_square(source: Path, tmp_p
     out = tmp_path / "calibrated.gguf"
     calib = tmp_path / "calib.txt"
     calib.write_text(text)
-    convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2)
+    saved = tmp_path / "imp.npz"
+    convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2, save_importances=saved)
     mf, infos = tensor_infos(out)
     assert mf.metadata["gsq.calibration"] == "calib.txt, 1024 tokens"
     assert verify(out) == (True, "ok")
+    # Saved importances reproduce the calibrated conversion without running the model: the same tensor bytes.
+    again = tmp_path / "again.gguf"
+    convert(source, again, steps=2, threads=2, importances_file=saved)
+    assert tensor_infos(again)[0].metadata["gsq.calibration"] == "importances from imp.npz"
+    a, b = tensor_infos(out)[1], tensor_infos(again)[1]
+    assert all(a[n]["blake2b"] == b[n]["blake2b"] for n in a)
+    with pytest.raises(InvalidArgumentError, match="cannot read importances"):
+        convert(source, tmp_path / "y.gguf", steps=1, importances_file=calib)
     with pytest.raises(InvalidArgumentError, match="cannot read the calibration text"):
         convert(source, tmp_path / "x.gguf", steps=1, calib_file=tmp_path / "missing.txt")
+
+
+def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tmp_path: Path) -> None:
+    from ninfer.llm import LLM
+    from ninfer.perplexity import perplexity
+
+    text = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 3
+    base = tmp_path / "base.npy"
+    ref = perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base_out=base)
+    assert np.load(base, mmap_mode="r").shape == (2 * 7, 151936)
+    same = perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base=base)
+    assert same.ppl == ref.ppl and same.kl == pytest.approx(0.0, abs=1e-6) and same.top1_agreement == 1.0
+    q = perplexity(LLM(converted, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base=base)
+    assert q.kl is not None and q.kl > 1e-6 and 0.0 <= q.top1_agreement <= 1.0
+    with pytest.raises(InvalidArgumentError, match="reference log-probabilities of shape"):
+        perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=1, kl_base=base)

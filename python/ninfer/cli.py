@@ -145,8 +145,12 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     def progress(i: int, n: int, ppl: float) -> None:
         _log(f"[{i}/{n}] {ppl:.4f}")
 
-    r = perplexity(llm, text, n_ctx=args.ctx_size, n_chunks=args.chunks, progress=progress)
+    r = perplexity(llm, text, n_ctx=args.ctx_size, n_chunks=args.chunks, progress=progress,
+                   kl_base_out=args.kl_divergence_base, kl_base=args.kl_divergence)
     print(f"Final estimate: PPL = {r.ppl:.4f} +/- {r.uncertainty:.5f}")
+    if r.kl is not None:
+        print(f"Mean KLD: {r.kl:.6f} +/- {r.kl_uncertainty:.6f}")
+        print(f"Same top: {100 * r.top1_agreement:.3f} %")
     return 0
 
 
@@ -220,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("-m", "--model", required=True, help="GGUF file")
     ppl.add_argument("-f", "--file", required=True, help="text file")
     ppl.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
+    ppl.add_argument("--kl-divergence-base", default=None, metavar="NPY",
+                     help="save the scored tokens' log-probabilities here (the reference for --kl-divergence)")
+    ppl.add_argument("--kl-divergence", default=None, metavar="NPY",
+                     help="KL divergence and top-1 agreement against a --kl-divergence-base file of this text")
     _add_engine_args(ppl, 512)
     ppl.set_defaults(func=cmd_perplexity)
 

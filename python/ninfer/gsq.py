@@ -107,10 +107,13 @@ def _placeholder(i: int) -> str:
 def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: int = 128, residual_bits: int = 8,
             steps: int = 100, threads: int = 0, seed: int = 0, tensor_types: list[str] = (),
             calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
+            importances_file: str | os.PathLike[str] | None = None,
+            save_importances: str | os.PathLike[str] | None = None, sparsity: bool = True,
             log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
-    mean squared activation over that text (run through the source model); else all weights count alike.
-    Returns totals (bytes, bpw, weighted errors, seconds)."""
+    mean squared activation over that text (run through the source model; `save_importances` keeps them in an
+    .npz that `importances_file` reads back instead of running the model again); else all weights count alike.
+    `sparsity=False` forbids sparse groups (an ablation). Returns totals (bytes, bpw, weighted errors, seconds)."""
     import gguf
 
     from ninfer.model_file import ModelFile
@@ -140,6 +143,15 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         except OSError as e:
             raise InvalidArgumentError(f"{calib_file}: cannot read the calibration text: {e.strerror}") from None
         importances, calib_tokens = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log)
+        if save_importances is not None:
+            np.savez(save_importances, **importances)
+    elif importances_file is not None:
+        try:
+            with np.load(importances_file) as z:
+                importances = {k: np.asarray(z[k], np.float32) for k in z.files}
+        except (OSError, ValueError) as e:
+            raise InvalidArgumentError(f"{importances_file}: cannot read importances: {e}") from None
+        calib_file = importances_file
 
     plans = []
     for t in mf.tensors:
@@ -159,7 +171,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     w.add_uint32("gsq.residual_bits", residual_bits)
     w.add_uint32("gsq.calibration_steps", steps)
     w.add_uint32("gsq.seed", seed)
-    w.add_string("gsq.calibration", f"{Path(calib_file).name}, {calib_tokens} tokens" if calib_file else "none")
+    w.add_string("gsq.calibration", "none" if calib_file is None else f"{Path(calib_file).name}, {calib_tokens} tokens"
+                 if calib_tokens else f"importances from {Path(calib_file).name}")
+    w.add_bool("gsq.sparsity", sparsity)
     for i, (t, _) in enumerate(plans):
         w.add_string(f"gsq.tensor.{t.name}", _placeholder(i))
     for t, pol in plans:
@@ -190,7 +204,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
-                data, st = _core.gsq_quantize(wf, h, group=group, slots=pol.slots, steps=steps, threads=threads)
+                data, st = _core.gsq_quantize(wf, h, group=group, slots=pol.slots, steps=steps, threads=threads,
+                                              sparsity=sparsity)
                 del wf
                 bpw = 8 * data.size / (rows * cols)
                 info.update(type="GSQ-RCO", group=group, slots=pol.slots, bpw=round(bpw, 4),
@@ -321,6 +336,10 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--calib-file", default=None, metavar="TEXT",
                    help="calibration text: weigh errors by each input's mean squared activation over it (imatrix)")
     p.add_argument("--calib-chunks", type=int, default=32, help="at most this many 512-token chunks of it (32)")
+    p.add_argument("--save-importances", default=None, metavar="NPZ", help="keep --calib-file's importances here")
+    p.add_argument("--importances", default=None, metavar="NPZ",
+                   help="importances saved by --save-importances, instead of --calib-file")
+    p.add_argument("--no-sparsity", action="store_true", help="no sparse groups (an ablation)")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -330,7 +349,8 @@ def run_convert(args: Any) -> int:
 
     r = convert(args.input, args.output, group=args.group_size, residual_bits=args.residual_bits,
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
-                calib_file=args.calib_file, calib_chunks=args.calib_chunks, log=log, verbose=args.verbose)
+                calib_file=args.calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
+                save_importances=args.save_importances, sparsity=not args.no_sparsity, log=log, verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
     log(f"gsq-rco: wrote {args.output}: {r['bytes'] / 2**20:.1f} MiB, {r['bpw']:.3f} bits per weight, "

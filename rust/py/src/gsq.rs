@@ -14,10 +14,11 @@ fn layout(group: usize, slots: usize) -> PyResult<Layout> {
     Layout::new(group, slots).map_err(to_py)
 }
 
-/// gsq_quantize(w[rows, cols] f32, h[cols] f32, group, slots, steps, threads) -> (records[rows, row_bytes] u8,
-/// stats dict: weight, err_rtn, err, zeros, sparse_groups, slots_used).
+/// gsq_quantize(w[rows, cols] f32, h[cols] f32, group, slots, steps, threads, sparsity=True) ->
+/// (records[rows, row_bytes] u8, stats dict: weight, err_rtn, err, zeros, sparse_groups, slots_used).
 #[pyfunction]
-#[pyo3(signature = (w, h, *, group, slots, steps, threads))]
+#[pyo3(signature = (w, h, *, group, slots, steps, threads, sparsity = true))]
+#[allow(clippy::too_many_arguments)]
 fn gsq_quantize<'py>(
     py: Python<'py>,
     w: PyReadonlyArray2<'py, f32>,
@@ -26,13 +27,29 @@ fn gsq_quantize<'py>(
     slots: usize,
     steps: usize,
     threads: usize,
+    sparsity: bool,
 ) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyDict>)> {
     let l = layout(group, slots)?;
     let (rows, cols) = (w.shape()[0], w.shape()[1]);
-    let w: Vec<f32> = w.as_array().iter().copied().collect();
-    let h: Vec<f32> = h.as_array().iter().copied().collect();
+    // Zero-copy for the contiguous arrays the converter passes (a copy only for a strided view): the largest
+    // tensor's f32 copy is what bounds the converter's memory.
+    let (w_owned, h_owned);
+    let w: &[f32] = match w.as_slice() {
+        Ok(s) => s,
+        Err(_) => {
+            w_owned = w.as_array().iter().copied().collect::<Vec<f32>>();
+            &w_owned
+        }
+    };
+    let h: &[f32] = match h.as_slice() {
+        Ok(s) => s,
+        Err(_) => {
+            h_owned = h.as_array().iter().copied().collect::<Vec<f32>>();
+            &h_owned
+        }
+    };
     let (data, stats) = py
-        .detach(|| gsq::quantize_matrix(l, &w, cols, &h, steps, threads))
+        .detach(|| gsq::quantize_matrix(l, w, cols, h, &gsq::Options { steps, sparsity }, threads))
         .map_err(to_py)?;
     let row_bytes = data.len().checked_div(rows).unwrap_or(0);
     let d = PyDict::new(py);

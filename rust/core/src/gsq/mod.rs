@@ -16,7 +16,7 @@
 
 mod quantize;
 
-pub use quantize::{quantize_row, RowStats};
+pub use quantize::{quantize_row, Options, RowStats};
 
 use crate::error::{Error, Result};
 use half::f16;
@@ -76,7 +76,7 @@ pub fn quantize_matrix(
     w: &[f32],
     cols: usize,
     h: &[f32],
-    steps: usize,
+    opts: &Options,
     threads: usize,
 ) -> Result<(Vec<u8>, RowStats)> {
     use rayon::prelude::*;
@@ -97,7 +97,7 @@ pub fn quantize_matrix(
     let per_row: Vec<RowStats> = pool.install(|| {
         out.par_chunks_mut(row_bytes)
             .zip(w.par_chunks(cols))
-            .map(|(dst, row)| quantize_row(layout, row, h, steps, dst))
+            .map(|(dst, row)| quantize_row(layout, row, h, opts, dst))
             .collect()
     });
     // Summed in row order, so the totals (written to the file's metadata) do not depend on the thread count.

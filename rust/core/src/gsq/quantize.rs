@@ -7,10 +7,30 @@
 //! residual; refit scale and min by weighted least squares on the weights left to the grid (outliers that got a
 //! slot no longer stretch it). The grid is rounded to f16 before codes are assigned, so the error measured is the
 //! error stored. Steps stop early once codes and slots stop changing; the best step of each mode is kept.
+//!
+//! The optimiser does not weigh a weight's error by its column's importance h_j alone but by
+//! `h_j * sqrt(sigma2 + w_j^2)`, sigma2 = 2 * mean(w^2) over the row (llama.cpp's regularization of imatrix
+//! weights in its k-quants): raw mean squares span orders of magnitude between columns, and unregularized they
+//! let a few outlier columns decide a group's grid. The reported errors stay weighted by h alone.
 
 use half::f16;
 
 use super::{level, pack_codes, Layout, RESIDUAL_UNIT};
+
+/// What the quantizer may do besides the layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// RCO refinement steps per group and mode (0: the min/max grid only).
+    pub steps: usize,
+    /// Whether a group may choose sparse mode (code 0 = exact zero).
+    pub sparsity: bool,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options { steps: 100, sparsity: true }
+    }
+}
 
 /// Importance-weighted squared errors of a row (or a sum of rows).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -123,6 +143,16 @@ fn evaluate(w: &[f32], h: &[f32], scale: f32, min: f32, sparse: bool, n_slots: u
     }
 }
 
+/// sum_j h_j (w_j - stored_j)^2 of a candidate.
+fn stored_error(w: &[f32], h: &[f32], c: &Candidate) -> f64 {
+    let unit = c.scale * RESIDUAL_UNIT;
+    let mut e: Vec<f32> = w.iter().zip(&c.codes).map(|(&x, &q)| x - level(q, c.scale, c.min, c.sparse)).collect();
+    for &(j, v) in &c.slots {
+        e[j as usize] -= v as f32 * unit;
+    }
+    e.iter().zip(h).map(|(&d, &hj)| hj as f64 * (d as f64).powi(2)).sum()
+}
+
 /// Weighted least-squares (min, scale) for the weights on the grid (not zero-coded, not given a slot).
 fn refit(w: &[f32], h: &[f32], c: &Candidate) -> Option<(f32, f32)> {
     let in_slot = |j: usize| c.slots.iter().any(|&(p, _)| p as usize == j);
@@ -183,45 +213,35 @@ fn optimise(w: &[f32], h: &[f32], sparse: bool, n_slots: usize, steps: usize) ->
 }
 
 /// Quantize one row `w` (a whole number of groups) with per-column importances `h` (same length) into `out`
-/// (`layout.row_bytes(w.len())` bytes), refining each group for at most `steps` RCO steps.
+/// (`layout.row_bytes(w.len())` bytes), refining each group for at most `opts.steps` RCO steps.
 ///
 /// # Panics
 /// If the lengths do not match the layout (the caller checks them).
-pub fn quantize_row(
-    layout: Layout,
-    w: &[f32],
-    h: &[f32],
-    steps: usize,
-    out: &mut [u8],
-) -> RowStats {
+pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
     assert_eq!(w.len(), h.len(), "weights and importances differ in length");
-    assert_eq!(
-        Some(out.len()),
-        layout.row_bytes(w.len()).ok(),
-        "output is not the row's size"
-    );
+    assert_eq!(Some(out.len()), layout.row_bytes(w.len()).ok(), "output is not the row's size");
     let g = layout.group;
     let code_bytes = 3 * g / 8;
+    let sigma2 = 2.0 * w.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / w.len().max(1) as f64;
+    // The optimiser's per-weight weights (see the module documentation).
+    let e: Vec<f32> = w.iter().zip(h).map(|(&x, &hj)| hj * (sigma2 + (x as f64).powi(2)).sqrt() as f32).collect();
     let mut stats = RowStats::default();
-    for ((wg, hg), rec) in w
+    for (((wg, hg), eg), rec) in w
         .chunks_exact(g)
         .zip(h.chunks_exact(g))
+        .zip(e.chunks_exact(g))
         .zip(out.chunks_exact_mut(layout.record_bytes()))
     {
-        stats.weight += wg
-            .iter()
-            .zip(hg)
-            .map(|(&x, &hj)| hj as f64 * (x as f64).powi(2))
-            .sum::<f64>();
+        stats.weight += wg.iter().zip(hg).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum::<f64>();
         stats.err_rtn += optimise(wg, hg, false, 0, 0).err;
-        let dense = optimise(wg, hg, false, layout.slots, steps);
-        let sparse = optimise(wg, hg, true, layout.slots, steps);
-        let c = if sparse.err < dense.err {
-            sparse
+        let dense = optimise(wg, eg, false, layout.slots, opts.steps);
+        let c = if opts.sparsity {
+            let sparse = optimise(wg, eg, true, layout.slots, opts.steps);
+            if sparse.err < dense.err { sparse } else { dense }
         } else {
             dense
         };
-        stats.err += c.err;
+        stats.err += stored_error(wg, hg, &c);
         if c.sparse {
             stats.sparse_groups += 1;
             stats.zeros += c.codes.iter().filter(|&&q| q == 0).count();

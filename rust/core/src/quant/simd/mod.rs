@@ -57,6 +57,9 @@ pub(super) type QuantizeFn = fn(&[f32], &mut [u8]);
 /// Dequantization kernel: writes the whole blocks that fit both `src` and `dst`.
 pub(super) type DequantizeFn = fn(&[u8], &mut [f32]);
 
+/// GSQ-RCO dot product: one row's records (whole records only) with as many f32 activations (`gsq::dot_row`).
+pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], &[f32]) -> f32;
+
 /// Table slots: GGML type ids run up to 30 (BF16).
 const SLOTS: usize = 31;
 
@@ -83,6 +86,8 @@ pub(super) struct Kernels {
     vec_dot_tile_tiled: Slots<TileFn>,
     quantize: Slots<QuantizeFn>,
     dequantize: Slots<DequantizeFn>,
+    /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md).
+    gsq_dot: Option<GsqDotFn>,
 }
 
 impl Kernels {
@@ -99,6 +104,7 @@ impl Kernels {
         vec_dot_tile_tiled: [None; SLOTS],
         quantize: [None; SLOTS],
         dequantize: [None; SLOTS],
+        gsq_dot: None,
     };
 
     #[inline]
@@ -328,6 +334,16 @@ impl TileKernel {
 /// [`vec_dot_matmul`] per product).
 pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
     kernels().vec_dot_tile_at(ty, pos).map(|f| TileKernel { f, block_size: ty.block_size() })
+}
+
+/// Dot product of one GSQ-RCO row's records with f32 activations `x` (`x.len()` weights): the SIMD kernel of
+/// this CPU, or the scalar reference [`crate::gsq::dot_row`]. The caller checks that the sizes match.
+#[inline]
+pub fn gsq_dot(layout: crate::gsq::Layout, row: &[u8], x: &[f32]) -> f32 {
+    match kernels().gsq_dot {
+        Some(f) => f(layout, row, x),
+        None => crate::gsq::dot_row(layout, row, x),
+    }
 }
 
 /// Name of the kernel set the quant entry points use on this machine: `"avx2+avx512vnni"`, `"avx2"` or

@@ -20,6 +20,7 @@ use crate::quant::legacy::{BlockFormat, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
 use crate::quant::{GgmlType, QK_K, QK_LEGACY};
 
 mod float;
+mod gsq;
 mod kquants;
 mod legacy;
 mod orders;
@@ -111,6 +112,7 @@ pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
     k.quantize[GgmlType::Q8_K as usize] = Some(quantize_q8_k);
     k.quantize[GgmlType::F16 as usize] = Some(quantize_f16);
     k.dequantize[GgmlType::F16 as usize] = Some(dequantize_f16);
+    k.gsq_dot = Some(gsq_dot);
     Some(k)
 }
 
@@ -190,6 +192,13 @@ dot_wrapper!(vec_dot_q3_k_tiled, orders::vec_dot_q3_k_q8_k_tiled, Q3_K_BYTES, Q8
 dot_wrapper!(vec_dot_q4_k_tiled, orders::vec_dot_q4_k_q8_k_tiled, Q4_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q5_k_tiled, orders::vec_dot_q5_k_q8_k_tiled, Q5_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES);
+
+fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], x: &[f32]) -> f32 {
+    let nr = (w.len() / layout.record_bytes()).min(x.len() / layout.group);
+    // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C; `nr` whole records and
+    // their activations are in bounds.
+    unsafe { gsq::dot_row(layout, nr, w.as_ptr(), x.as_ptr()) }
+}
 
 /// Whether a tile of `nr` weight rows (`ws` bytes apart) and `nc` activation rows (`as_` apart) of `nb` blocks
 /// lies within its slices.
