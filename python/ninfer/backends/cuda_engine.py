@@ -172,7 +172,6 @@ class CudaEngine:
         self.ad = cp.zeros(T * width // 32, f32)
         self.as_ = cp.zeros(2 * T * width // 32, f32)
         self.ah = cp.zeros(T * width, cp.uint16)
-        self.af = cp.zeros(T * width, f32)
         biggest = max(m.rows * m.cols for lw in self.layers for m in lw.values() if isinstance(m, _Matrix)) \
             if self.layers else 0
         self.w16 = cp.zeros(max(biggest, 1 << 20), cp.uint16)

@@ -70,7 +70,7 @@ def mat_descs(entries: list[tuple[int, int, int, int, int, int]]):
 
 
 def gemv_smem(act: int, n: int) -> int:
-    """Shared memory of a GEMV block's activation (kernels/gemv.cu act_smem_bytes)."""
+    """Shared memory of a GEMV block's activation (the prologue's layout in kernels/gemv.cu)."""
     return 4 * n if act in (ACT_F32, ACT_F16, ACT_BF16) else n + 12 * (n // 32)
 
 

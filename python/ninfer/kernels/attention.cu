@@ -71,7 +71,8 @@ __device__ void attend(const AttnParams& P) {
     const int n_used = (kend - kbeg + per - 1) / per;
     if (split >= n_used) return;
     if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
-        for (int i = tid; i < ng * HD; i += blockDim.x) out[((long long)row * n_head + g * ng) * HD + i] = __int_as_float(0x7fc00000);
+        for (int i = tid; i < ng * HD; i += blockDim.x)
+            out[((long long)row * n_head + g * ng) * HD + i] = __int_as_float(0x7fc00000);
         return;
     }
     const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
@@ -159,7 +160,6 @@ __device__ void attend(const AttnParams& P) {
         // they move to local memory.
 #pragma unroll
         for (int h = 0; h < NG; ++h) {
-            {
             float s = valid ? sc[h] * scale : -INFINITY;
             float m_new = fmaxf(m[h], warp_max(s));
             float pr = valid ? expf(s - m_new) : 0.0f;
@@ -169,7 +169,6 @@ __device__ void attend(const AttnParams& P) {
             for (int c = 0; c < VPL; ++c) acc[h][c] *= corr;
             m[h] = m_new;
             pt[(warp * MAX_GROUP + h) * 32 + lane] = pr;
-            }
         }
         __syncwarp();
         // V: all 32 keys of the tile (probability 0 for keys past the share), in batches of VB keys whose row
@@ -199,11 +198,9 @@ __device__ void attend(const AttnParams& P) {
             for (int k = 0; k < VB; ++k) {
 #pragma unroll
                 for (int h = 0; h < NG; ++h) {
-                    {
-                        const float pj = pt[(warp * MAX_GROUP + h) * 32 + j0 + k];
+                    const float pj = pt[(warp * MAX_GROUP + h) * 32 + j0 + k];
 #pragma unroll
-                        for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[k][c], acc[h][c]);
-                    }
+                    for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[k][c], acc[h][c]);
                 }
             }
         }

@@ -7,8 +7,8 @@
 // and the inner loop then reads the activation from shared memory. Blocks are persistent (the grid is what fits
 // on the GPU at once) and walk the rows, R rows per warp (GEMV_R), so the prologue is paid a few hundred times,
 // not once per row. Long rows are split over ks warps of a block (K-split: their lanes interleave over the row's
-// units and add up through shared memory), so a row's loads are spread over more warps in flight. Before the prologue each warp asks L2 to prefetch its first rows, so their
-// first weight loads overlap it.
+// units and add up through shared memory), so a row's loads are spread over more warps in flight. Before the
+// prologue each warp asks L2 to prefetch its first rows, so their first weight loads overlap it.
 //
 // One launch can cover several matrices that read the same activation (q, k and v; gate and up): their
 // descriptors sit in a small device array, rows numbered across them in order. Weight types may differ between
@@ -53,8 +53,8 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, c
 }
 
 // Dots of R rows of one type with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K): this lane's units u_first,
-// u_first + u_step, ... (the lanes of the warps sharing a row interleave), U units per lane unrolled: R * U units' loads are in flight together, and the activation is loaded once per unit
-// for all R rows.
+// u_first + u_step, ... (the lanes of the warps sharing a row interleave), U units per lane unrolled: R * U
+// units' loads are in flight together, and the activation is loaded once per unit for all R rows.
 template <int T, int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot_q(const u8* const* w, int u_first, int u_step, int n_units, const int* aq,
                                            const float* ad, const float2* as, float* acc) {
@@ -172,11 +172,6 @@ __device__ __forceinline__ void block_argmax(u64 key, u64* best) {
     }
 }
 
-// Bytes of shared memory the prologue needs for an n-element activation (cuda_ops.gemv_smem mirrors it).
-__host__ __device__ __forceinline__ int act_smem_bytes(int act, int n) {
-    return (act == ACT_F32 || act == ACT_F16 || act == ACT_BF16) ? 4 * n : n + 12 * (n >> 5);
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // The rows of group g (R rows per warp; for MODE_GLU R/2 output rows, each a gate row and an up row,
@@ -225,7 +220,8 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
     }
 
     // The activation: quantized codes, unit scales and sums (or f32 values) in shared memory, unless a previous
-    // launch quantized it (pre_q: a long vector, where every block repeating the work would cost more).
+    // launch quantized it (pre_q: a long vector, where every block repeating the work would cost more). Layout:
+    // n int8 codes, n/32 float scales, n/32 float2 sums (or n floats); cuda_ops.gemv_smem sizes it.
     const bool quant = !(ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16);
     const void* act_q = pre_q;
     const float* sd = pre_d;
