@@ -397,3 +397,26 @@ def test_decode_of_two_sequences_equals_each_sequence_generated_alone(tmp_path: 
     assert eng.seq_len(0) == 3 + 15 and eng.seq_len(1) == 4 + 15
     with pytest.raises(ninfer.errors.InvalidArgumentError, match="distinct sequences"):
         eng.decode([(0, 1), (0, 2)], thread)
+
+
+@needs_cuda
+def test_decode_with_programmatic_dependent_launches_equals_plain_launches(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels that start before their predecessor finishes (backends/launch.py) must wait for its results: a
+    kernel reading too early would change the chaotic greedy sequence of a quantized model."""
+    import cupy as cp
+
+    path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-1.5b", "Q4_K_M", n_layer=4, seed=3)
+    prompt = [100 + 7 * i for i in range(300)]  # 300 keys: the step's attention merges two key splits
+    runs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("NINFER_CUDA_PDL", pdl)
+        eng = ninfer.LLM(path, n_ctx=2048, device="cuda")._engine
+        assert eng.pdl == (pdl == "1" and int(cp.cuda.Device().compute_capability) >= 90)
+        greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
+        toks = [int(np.argmax(eng.prefill(0, prompt, 512)))]
+        for _ in range(32):
+            toks.append(eng.step(0, toks[-1], greedy))
+        runs[pdl] = toks
+        eng.close()
+    assert runs["1"] == runs["0"]

@@ -26,6 +26,7 @@ import numpy as np
 from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
+from ninfer.backends import launch
 from ninfer.backends.layouts import LAYOUTS, QUANTIZED_ACTS, gpu_row_bytes, to_gpu
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
@@ -187,6 +188,7 @@ class CudaEngine:
         self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
         group = s["n_head"] // s["n_head_kv"]
+        self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)
         self.n_split = max(1, min(-(-self.n_ctx // 256), (2 * n_sm) // s["n_head_kv"],
                                   K.attention_max_split(s["head_dim"], group)))
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
@@ -424,7 +426,7 @@ class CudaEngine:
             for _, _, fn in ops:  # run once uncaptured: compiles and loads every kernel first
                 fn()
         self.stream.synchronize()
-        with self.stream:
+        with self.stream, launch.dependent_launches(self.pdl):
             self.stream.begin_capture()
             try:
                 for _, _, fn in ops:
@@ -470,7 +472,7 @@ class CudaEngine:
         """The launches of one decode step: per layer the q/k/v GEMV, attention (RoPE and the KV write inside),
         the output projection + residual, gate/up + GLU, down + residual (five launches; gemma's post-norms add
         two). Each GEMV norms and quantizes its own input."""
-        cp, s = self.cp, self.spec
+        s = self.spec
         e = s["n_embd"]
         x, o, act, att, qkv = (self.x.data.ptr, self.o.data.ptr, self.act.data.ptr, self.att.data.ptr,
                                self.qkv.data.ptr)
@@ -479,10 +481,8 @@ class CudaEngine:
         def add(kind: str, layer: int, fns: list[Callable[[], None]]) -> None:
             ops.extend((kind, layer, f) for f in fns)
 
-        stream_ptr = self.stream.ptr
-        add("other", -1, [
-            lambda: cp.cuda.runtime.memcpyAsync(x, self.in_x.host_ptr, 4 * e, _H2D, stream_ptr),
-            lambda: cp.cuda.runtime.memcpyAsync(self.pos.data.ptr, self.in_pos.host_ptr, 4, _H2D, stream_ptr)])
+        add("other", -1, [lambda: launch.copy(x, self.in_x.host_ptr, 4 * e, _H2D),
+                          lambda: launch.copy(self.pos.data.ptr, self.in_pos.host_ptr, 4, _H2D)])
         table = self.tables.data.ptr + 4 * self.max_pages * seq
         glu_act = 0 if s["activation"] == "silu" else 1
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
@@ -521,7 +521,7 @@ class CudaEngine:
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:
-            add("other", -1, [lambda: cp.cuda.runtime.memcpyAsync(self.out_x.host_ptr, x, 4 * e, _D2H, stream_ptr)])
+            add("other", -1, [lambda: launch.copy(self.out_x.host_ptr, x, 4 * e, _D2H)])
             return ops
         norm = self.output_norm.data.ptr
         best = self.best.data.ptr

@@ -1,6 +1,7 @@
 """Typed launchers for the kernels in kernels/: one Python function per kernel, taking device pointers (ints) and
-sizes, so the engine never packs kernel arguments by hand. Every launch goes to CuPy's current stream (the engine
-enters its own stream, which is what a CUDA graph captures).
+sizes, so the engine never packs kernel arguments by hand. Every launch goes through launch.kernel to CuPy's current
+stream (the engine enters its own stream, which is what a CUDA graph captures); the kernels that wait for their
+predecessor themselves (grid_dep_wait) say `dependent=True`, so a decode step can overlap them (launch.py).
 
 CuPy passes a Python int as a 64-bit integer and a float as a double, so every scalar is wrapped in the numpy
 type of the kernel's parameter here."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer.backends import launch
 from ninfer.backends.kernels import function
 from ninfer.backends.layouts import ACT_BF16, ACT_F16, ACT_F32, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K
 
@@ -16,7 +18,7 @@ MODE_STORE, MODE_ADD, MODE_GLU, MODE_ARGMAX = range(4)
 GEMV_WARPS = 8
 GEMV_ROWS_PER_WARP = 2  # kernels/gemv.cu GEMV_R
 WARP_LANES = 32
-ATT_WARPS, MAX_GROUP = 4, 8  # kernels/attention.cu
+ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
                 ACT_Q8_0: "gemv_q8_0", ACT_Q8_1: "gemv_q8_1", ACT_Q8_K: "gemv_q8_k"}
@@ -99,33 +101,37 @@ def resident_blocks(fn, threads: int, smem: int) -> int:
 
 def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int,
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
-         rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = GEMV_WARPS) -> None:
+         rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = GEMV_WARPS, k_split: int = 0) -> None:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then). kernel (a
-    compiled function), rows_per_warp, warps_per_block: another instantiation of the template, for
-    scripts/gemv-bench."""
+    compiled function), rows_per_warp, warps_per_block: another instantiation of the template, k_split: warps
+    per row instead of gemv_k_split's choice (for scripts/gemv-bench)."""
     fn = kernel or function(_GEMV_KERNEL[act])
     smem = 0 if pre else gemv_smem(act, n_cols)
     if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     threads = 32 * warps_per_block
-    ks = gemv_k_split(n_cols, warps_per_block)
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
+    ks = k_split or gemv_k_split(n_cols, warps_per_block)
     steps = -(-groups // (warps_per_block // ks))
     grid = min(steps, resident_blocks(fn, threads, smem))
     pq, pd, ps = pre or (0, 0, 0)
-    fn((grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps), I(mode),
-                             I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)), shared_mem=smem)
+    launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
+                                            I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
+                  shared_mem=smem, dependent=True)
 
 
 def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_f: int = 0) -> None:
     """Quantize a long vector without a norm, 2048 elements per block (kernels/norm.cu quant_act)."""
-    function("quant_act")((-(-n // 2048),), (256,), (P(x), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_f)))
+    launch.kernel(function("quant_act"), (-(-n // 2048),), (256,),
+                  (P(x), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_f)), dependent=True)
 
 
 def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS) -> int:
-    """Warps sharing one row group: about two units (64 elements) per lane, a power of two up to the block."""
+    """Warps sharing one row group: about two units (64 elements) per lane, a power of two up to the block. (More
+    warps for launches with few rows, down to one unit per lane, measured slower on the H200: the 1.5B shape's
+    q/k/v 8.0 -> 9.0 us and o 5.4 -> 6.6 us with two warps per 1,536-wide row.)"""
     ks = 1
     while ks < warps_per_block and n_cols // 32 >= 2 * WARP_LANES * 2 * ks:
         ks *= 2
@@ -134,12 +140,13 @@ def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS) -> int:
 
 def norm_quant(rows: int, x: int, w: int, eps: float, n: int, act: int, out_q: int = 0, out_d: int = 0,
                out_s: int = 0, out_h: int = 0, out_f: int = 0) -> None:
-    function("norm_quant")((rows,), (256,), (
+    launch.kernel(function("norm_quant"), (rows,), (256,), (
         P(x), P(w), F(eps), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_h), P(out_f)))
 
 
 def rms_norm_rows(rows: int, x: int, w: int, eps: float, n: int, out: int, add: bool) -> None:
-    function("rms_norm_rows")((rows,), (256,), (P(x), P(w), F(eps), I(n), P(out), I(int(add))))
+    launch.kernel(function("rms_norm_rows"), (rows,), (256,), (P(x), P(w), F(eps), I(n), P(out), I(int(add))),
+                  dependent=True)
 
 
 def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict, q_out: int, k_pool: int,
@@ -147,7 +154,7 @@ def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict
     warps = 4
     heads = s["n_head"] + s["n_head_kv"]
     hd = max(s["head_dim"], s["head_dim_v"])
-    function("rope_kv")((rows, (heads + warps - 1) // warps), (32 * warps,), (
+    launch.kernel(function("rope_kv"), (rows, (heads + warps - 1) // warps), (32 * warps,), (
         P(qkv), I(qkv_stride), P(pos), I(s["n_head"]), I(s["n_head_kv"]), I(s["head_dim"]), I(s["head_dim_v"]),
         P(layer["bq"]), P(layer["bk"]), P(layer["bv"]), P(layer["q_norm"]), P(layer["k_norm"]), F(s["rms_eps"]),
         I(s["rope_dims"]), F(theta_scale), F(layer["rope_freq_scale"]), I(int(s["rope_neox"])), F(s["q_scale"]),
@@ -184,33 +191,38 @@ def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bo
     """TinyFlash over `rows` query rows; step=True is the decode form (RoPE + KV write fused); group: query heads
     per KV head (1..MAX_GROUP, a kernel each)."""
     name = f"attention_step_hd{hd}_g{group}" if step else f"attention_hd{hd}_g{group}"
-    function(name)((n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,), shared_mem=attention_smem(hd))
+    fn, smem = function(name), attention_smem(hd)
+    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # head dim 256: 82 KB
+        fn.max_dynamic_shared_size_bytes = smem
+    launch.kernel(fn, (n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,), shared_mem=smem, dependent=True)
 
 
 def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int) -> None:
     units = n // 32
-    function("embed")(((units + 127) // 128, rows), (128,), (
+    launch.kernel(function("embed"), ((units + 127) // 128, rows), (128,), (
         I(type_id), P(table), np.int64(row_bytes), P(tokens), I(n), F(scale), P(out)))
 
 
 def dequant_f16(type_id: int, w: int, row_bytes: int, rows: int, cols: int, out: int) -> None:
     total = rows * (cols // 32)
-    function("dequant_f16")(((total + 255) // 256,), (256,), (
+    launch.kernel(function("dequant_f16"), ((total + 255) // 256,), (256,), (
         I(type_id), P(w), np.int64(row_bytes), I(rows), I(cols), P(out)))
 
 
 def glu_rows(gu: int, n: int, rows: int, act: int, out: int) -> None:
     total = n * rows
-    function("glu_rows")(((total + 255) // 256,), (256,), (P(gu), I(n), I(rows), I(act), P(out)))
+    launch.kernel(function("glu_rows"), ((total + 255) // 256,), (256,), (P(gu), I(n), I(rows), I(act), P(out)),
+                  dependent=True)
 
 
 def gather_rows(x: int, rows_idx: int, n_rows: int, n: int, out: int) -> None:
-    function("gather_rows")((max(1, min(64, (n + 255) // 256)), n_rows), (256,), (P(x), P(rows_idx), I(n), P(out)))
+    launch.kernel(function("gather_rows"), (max(1, min(64, (n + 255) // 256)), n_rows), (256,),
+                  (P(x), P(rows_idx), I(n), P(out)))
 
 
 def argmax_reset(best: int) -> None:
-    function("argmax_reset")((1,), (1,), (P(best),))
+    launch.kernel(function("argmax_reset"), (1,), (1,), (P(best),), dependent=True)
 
 
 def argmax_finish(best: int, token: int) -> None:
-    function("argmax_finish")((1,), (1,), (P(best), P(token)))
+    launch.kernel(function("argmax_finish"), (1,), (1,), (P(best), P(token)), dependent=True)

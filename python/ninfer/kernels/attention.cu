@@ -2,9 +2,10 @@
 // (flash-decoding) and GQA-aware: a block serves every query head of one KV head, so each K and V row is read
 // once per group, not once per query head.
 //
-// Grid (n_split, n_head_kv, rows), 128 threads. Each block takes an equal share of its row's keys (a multiple of
-// 32; lengths are read from device memory, so a captured decode step serves any length), runs an online softmax
-// over tiles of 32 keys per warp, and merges its 4 warps. With n_split > 1 each block writes its partial
+// Grid (n_split, n_head_kv, rows), ATT_WARPS warps a block. Each block takes an equal share of its row's keys (a
+// multiple of 32; lengths are read from device memory, so a captured decode step serves any length), runs an online
+// softmax over tiles of 32 keys per warp, and merges its warps. Eight warps rather than four: at long contexts
+// twice the loads are in flight per SM and each warp walks half the tiles. With n_split > 1 each block writes its partial
 // (max, sum, unnormalized output); the last block of a (row, KV head) to finish, found with an atomic ticket,
 // merges the partials and resets the ticket for the next launch. Rows are queries (decode: one per sequence;
 // prefill: one per prompt token), each with its own position, page table and sliding window.
@@ -39,7 +40,7 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
     int pad;
 };
 
-#define ATT_WARPS 4
+#define ATT_WARPS 8
 #define MAX_GROUP 8
 
 template <int HD, int NG, bool STEP>
@@ -71,11 +72,24 @@ __device__ void attend(const AttnParams& P) {
     const int n_used = (kend - kbeg + per - 1) / per;
     if (split >= n_used) return;
     if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
+        grid_dep_wait();
         for (int i = tid; i < ng * HD; i += blockDim.x)
             out[((long long)row * n_head + g * ng) * HD + i] = __int_as_float(0x7fc00000);
         return;
     }
     const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
+    // Before the previous kernel's results are needed (programmatic dependent launch, common.cuh): ask L2 for this
+    // share's K and V rows, one contiguous range per page (the new token's row, written below, included).
+    {
+        const int pg0 = s0 / page_size, n_pg = (s1 - 1) / page_size - pg0 + 1;
+        for (int i = tid; i < 2 * n_pg; i += blockDim.x) {
+            const int pg = pg0 + (i >> 1), a = max(s0, pg * page_size), b = min(s1, (pg + 1) * page_size);
+            const long long cell = ((long long)table[pg] * n_head_kv + g) * page_size + a % page_size;
+            prefetch_l2_range(((i & 1) ? v_pool : k_pool) + cell * HD, (u32)((b - a) * HD * 2));
+        }
+    }
+    grid_dep_launch();
+    grid_dep_wait();
 
     if (STEP) {
         // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
@@ -290,11 +304,11 @@ __device__ void attend(const AttnParams& P) {
 // Qwen2.5-1.5B. Each is small: decode kernels run once per token, so their code is fetched cold on every SM each
 // launch, and loops unrolled for every possible group size cost more in instruction fetch than they save.
 #define ATTN_KERNEL(HD, NG)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128) attention_hd##HD##_g##NG(const AttnParams* p) {           \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_hd##HD##_g##NG(const AttnParams* p) {           \
         const AttnParams P = *p;                                                                               \
         attend<HD, NG, false>(P);                                                                              \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attention_step_hd##HD##_g##NG(const AttnParams* p) {      \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_step_hd##HD##_g##NG(const AttnParams* p) {      \
         const AttnParams P = *p;                                                                               \
         attend<HD, NG, true>(P);                                                                               \
     }

@@ -39,6 +39,38 @@ __device__ __forceinline__ u16 f2bf(float f) {  // round to nearest even; NaN st
 
 __device__ __forceinline__ float bf16_round(float f) { return bf2f(f2bf(f)); }
 
+// Programmatic dependent launch (sm_90): the decode step's kernels are launched so that each may start while the
+// previous one is still finishing (backends/cuda_ops.py, `dependent_launches`). A kernel does what does not read the
+// previous kernels' results first (descriptors, L2 prefetches of weights and of earlier tokens' KV), then
+// grid_dep_wait(), which returns once every earlier kernel of the stream has finished and its writes are visible;
+// it must come before any read or write of activations. grid_dep_launch() lets the next kernel's blocks start as
+// this one's retire. Launched the ordinary way, both are no-ops.
+__device__ __forceinline__ void grid_dep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Ask L2 for the 128-byte line holding p (a hint: the thread does not wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Ask L2 for [p, p + bytes), widened to 16-byte boundaries, without waiting: one bulk request on sm_90 (the copy
+// engine walks the range), 128-byte line hints from this thread otherwise. The range must lie in one allocation.
+__device__ __forceinline__ void prefetch_l2_range(const void* p, u32 bytes) {
+    const u64 a = (u64)p, a0 = a & ~15ull, a1 = (a + bytes + 15) & ~15ull;
+#if __CUDA_ARCH__ >= 900
+    if (a1 > a0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a0), "r"((u32)(a1 - a0)) : "memory");
+#else
+    for (u64 q = a0 & ~127ull; q < a1; q += 128) prefetch_l2((const void*)q);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

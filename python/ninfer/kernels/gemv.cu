@@ -25,6 +25,8 @@
 #define MODE_GLU 2
 #define MODE_ARGMAX 3
 
+#define GEMV_PREFETCH 32768  // bytes of weights a block asks L2 for before it waits for the previous kernel
+
 struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_plan.py
     const u8* w;
     const float* bias;  // may be null
@@ -172,8 +174,6 @@ __device__ __forceinline__ void block_argmax(u64 key, u64* best) {
     }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // The rows of group g (R rows per warp; for MODE_GLU R/2 output rows, each a gate row and an up row,
 // interleaved): row pointers, types and descriptor indices. Rows past the end repeat the last row (their
 // results are not stored).
@@ -208,16 +208,23 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
     const u8* w[R];
     int ty[R], row[R], mi[R];
 
-    if (blockIdx.x < n_steps) {  // ask L2 for this warp's slice of its first rows while the prologue runs
-        const int g0 = blockIdx.x * per_step + warp / ks;
-        if (g0 < n_groups) {
+    // Before the previous kernel's results are needed: ask L2 for this warp's rows of its first steps (up to
+    // GEMV_PREFETCH bytes per block), so their loads overlap the previous kernel's tail and this one's prologue.
+    if (sub == 0) {
+        long long budget = GEMV_PREFETCH / per_step;
+        for (int st = blockIdx.x; st < n_steps && budget > 0; st += gridDim.x) {
+            const int g0 = st * per_step + warp / ks;
+            if (g0 >= n_groups) break;
             group_rows<R>(mats, n_mats, total_rows, is_glu, g0 * per_group, w, ty, row, mi);
             const long long rb = mats[mi[0]].row_bytes;
 #pragma unroll
             for (int r = 0; r < R; ++r)
-                for (long long off = 128LL * first_unit; off < rb; off += 128LL * unit_step) prefetch_l2(w[r] + off);
+                if (lane == r) prefetch_l2_range(w[r], (u32)rb);
+            budget -= R * rb;
         }
     }
+    grid_dep_launch();
+    grid_dep_wait();
 
     // The activation: quantized codes, unit scales and sums (or f32 values) in shared memory, unless a previous
     // launch quantized it (pre_q: a long vector, where every block repeating the work would cost more). Layout:
@@ -311,7 +318,13 @@ GEMV_KERNEL(gemv_q8_1, ACT_Q8_1, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_q8_k, ACT_Q8_K, GEMV_R, GEMV_U)
 
 // Reset the argmax accumulator (first node of a greedy decode step).
-extern "C" __global__ void argmax_reset(u64* best) { *best = 0ull; }
+extern "C" __global__ void argmax_reset(u64* best) {
+    grid_dep_wait();
+    *best = 0ull;
+}
 
 // The token id from a packed argmax key.
-extern "C" __global__ void argmax_finish(const u64* best, int* token) { *token = (int)(~(u32)(*best & 0xffffffffu)); }
+extern "C" __global__ void argmax_finish(const u64* best, int* token) {
+    grid_dep_wait();
+    *token = (int)(~(u32)(*best & 0xffffffffu));
+}

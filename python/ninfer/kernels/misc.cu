@@ -53,6 +53,8 @@ extern "C" __global__ void dequant_f16(int type, const u8* w, long long row_byte
 
 // gu: [rows, 2 * n] with gate in the first half of a row and up in the second; out[r, i] = glu(gate, up).
 extern "C" __global__ void glu_rows(const float* gu, int n, int rows, int act, float* out) {
+    grid_dep_launch();
+    grid_dep_wait();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * n) return;
     const long long r = i / n, c = i % n;

@@ -121,6 +121,8 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float eps,
 // feed-forward activation before the down projection) is quantized by many blocks at once, 2048 elements each.
 extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, float* out_d, float2* out_s,
                                      float* out_f) {
+    grid_dep_launch();
+    grid_dep_wait();
     const int off = blockIdx.x * 2048, len = min(2048, n - off);
     norm_quant_cta(x + off, 0, 0.0f, len, act, out_q ? out_q + off : 0, out_d + off / 32, out_s + off / 32, 0,
                    out_f ? out_f + off : 0);
@@ -140,6 +142,8 @@ __device__ void head_rms_norm(float* v, const float* w, int dim, float eps) {
 
 // out = RMSNorm(x) * w, f32 in and out (gemma's post-attention / post-FFN norms, the output norm of a split).
 extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float eps, int n, float* out, int add) {
+    grid_dep_launch();
+    grid_dep_wait();
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* xr = x + (long long)row * n;
     float* o = out + (long long)row * n;
