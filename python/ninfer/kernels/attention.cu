@@ -147,12 +147,14 @@ __device__ void attend(const AttnParams& P) {
         const long long row_off = ((long long)table[(valid ? key : t0) / page_size] * n_head_kv + g) * head_stride +
                                   (long long)((valid ? key : t0) % page_size) * HD;
         if (valid) {
-            // The key row in quarters, each quarter's loads issued together before any use; the loop over quarters
-            // stays rolled to keep the kernel's code small (see ATTN_KERNEL).
+            // The key row in KP parts (halves up to head dim 128, quarters above), each part's loads issued
+            // together before any use; the loop over parts stays rolled to keep the kernel's code small (see
+            // ATTN_KERNEL).
             const uint4* kr = (const uint4*)(k_pool + row_off);
-            constexpr int NC = HD / 32;  // 16-byte chunks per quarter
+            constexpr int KP = HD <= 128 ? 2 : 4;
+            constexpr int NC = HD / (8 * KP);  // 16-byte chunks per part
 #pragma unroll 1
-            for (int qt = 0; qt < 4; ++qt) {
+            for (int qt = 0; qt < KP; ++qt) {
                 uint4 kv[NC];
 #pragma unroll
                 for (int c = 0; c < NC; ++c) kv[c] = kr[qt * NC + c];
@@ -187,34 +189,38 @@ __device__ void attend(const AttnParams& P) {
         __syncwarp();
         // V: all 32 keys of the tile (probability 0 for keys past the share), in batches of VB keys whose row
         // offsets are shuffled from the lanes that looked them up and whose loads are all issued before any use
-        // (one memory round trip per batch, not per key).
-        constexpr int VB = 8;
+        // (one memory round trip per batch, not per key). The batch stays in registers as f16 pairs, converted as
+        // it is used: twice the keys per round trip for the registers of f32 values.
+        constexpr int VB = 16, VW = VPL / 2;  // keys per batch, 32-bit words (f16 pairs) per key and lane
 #pragma unroll 1
         for (int j0 = 0; j0 < 32; j0 += VB) {
-            float vv[VB][VPL];
+            u32 vv[VB][VW];
 #pragma unroll
             for (int k = 0; k < VB; ++k) {
                 const long long off = __shfl_sync(0xffffffffu, row_off, j0 + k);
-                const u16* vr = v_pool + off + lane * VPL;
-                if (VPL == 4) {
+                const u32* vr = (const u32*)(v_pool + off + lane * VPL);
+                if (VW == 2) {
                     const uint2 raw = *(const uint2*)vr;
-                    vv[k][0] = h2f(raw.x & 0xFFFF); vv[k][1] = h2f(raw.x >> 16);
-                    vv[k][2] = h2f(raw.y & 0xFFFF); vv[k][3] = h2f(raw.y >> 16);
-                } else if (VPL == 2) {
-                    const u32 raw = *(const u32*)vr;
-                    vv[k][0] = h2f(raw & 0xFFFF); vv[k][1] = h2f(raw >> 16);
+                    vv[k][0] = raw.x;
+                    vv[k][1] = raw.y;
                 } else {
 #pragma unroll
-                    for (int c = 0; c < VPL; ++c) vv[k][c] = h2f(vr[c]);
+                    for (int c = 0; c < VW; ++c) vv[k][c] = vr[c];
                 }
             }
 #pragma unroll
             for (int k = 0; k < VB; ++k) {
+                float v[VPL];
+#pragma unroll
+                for (int c = 0; c < VW; ++c) {
+                    v[2 * c] = h2f(vv[k][c] & 0xFFFF);
+                    v[2 * c + 1] = h2f(vv[k][c] >> 16);
+                }
 #pragma unroll
                 for (int h = 0; h < NG; ++h) {
                     const float pj = pt[(warp * MAX_GROUP + h) * 32 + j0 + k];
 #pragma unroll
-                    for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, vv[k][c], acc[h][c]);
+                    for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, v[c], acc[h][c]);
                 }
             }
         }

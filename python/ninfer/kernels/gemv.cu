@@ -54,19 +54,113 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, c
     return d * ((w.sc[0] * (float)s0 + w.sc[1] * (float)s1) - (w.mn[0] * bs.x + w.mn[1] * bs.y));
 }
 
+// ---- Q4_K and Q6_K: every row's bytes loaded before any is used ------------------------------------------
+// unpack<T> decodes as it loads, and the compiler interleaves the two: the first dot product waits on the first
+// row's codes before the second row's loads (and every scale byte's) are even issued, so a unit cost two or
+// three memory round trips. For the types of Q4_K_M models the loads of all R rows go first, as whole 16-byte
+// vectors (the scale bytes come out of registers), behind a compiler barrier: one round trip per unit.
+template <int T> struct RawUnit;
+template <> struct RawUnit<T_Q4_K> { int4 c0, c1, h; };             // codes of units 2p, 2p + 1; d, dmin, scales
+template <> struct RawUnit<T_Q6_K> { int4 l0, l1, h0, h1; int sc; u32 d; };  // ql, qh, the 2 scales' word, d
+
+template <int T>
+__device__ __forceinline__ void load_raw(const u8* row, int u, RawUnit<T>& r) {
+    const int j = u & 7;
+    const u8* b = row + (u >> 3) * GPU_BLOCK_BYTES(T);
+    if constexpr (T == T_Q4_K) {
+        const int4* c = (const int4*)(b + 16 + 32 * (j >> 1));
+        r.c0 = c[0];
+        r.c1 = c[1];
+        r.h = *(const int4*)b;
+    } else {
+        const int4* lo = (const int4*)(b + 64 * (j >> 2) + 32 * (j & 1));
+        const int4* hi = (const int4*)(b + 128 + 32 * (j >> 2));
+        r.l0 = lo[0];
+        r.l1 = lo[1];
+        r.h0 = hi[0];
+        r.h1 = hi[1];
+        r.sc = *(const int*)(b + 192 + 4 * (j >> 1));  // int8 scales 2j, 2j + 1
+        r.d = *(const u16*)(b + 208);
+    }
+}
+
+// Byte i (0..11) of three ints, by selects rather than by indexing a register array (local memory).
+__device__ __forceinline__ int byte_of3(int s0, int s1, int s2, int i) {
+    const int v = i < 4 ? s0 : (i < 8 ? s1 : s2);
+    return (v >> (8 * (i & 3))) & 0xFF;
+}
+
+template <int T>
+__device__ __forceinline__ float raw_dot(const RawUnit<T>& r, int u, const int* aq, const float* ad, const float2* as) {
+    const int j = u & 7;
+    const int4* xq = (const int4*)(aq + 8 * u);
+    const int4 x0 = xq[0], x1 = xq[1];
+    if constexpr (T == T_Q4_K) {
+        const int s = 4 * (j & 1);
+        const int s0 = __dp4a((r.c0.x >> s) & 0x0F0F0F0F, x0.x, __dp4a((r.c0.y >> s) & 0x0F0F0F0F, x0.y,
+                       __dp4a((r.c0.z >> s) & 0x0F0F0F0F, x0.z, __dp4a((r.c0.w >> s) & 0x0F0F0F0F, x0.w, 0))));
+        const int s1 = __dp4a((r.c1.x >> s) & 0x0F0F0F0F, x1.x, __dp4a((r.c1.y >> s) & 0x0F0F0F0F, x1.y,
+                       __dp4a((r.c1.z >> s) & 0x0F0F0F0F, x1.z, __dp4a((r.c1.w >> s) & 0x0F0F0F0F, x1.w, 0))));
+        int sc, m;  // scale_min_k4 on the scale bytes in registers
+        if (j < 4) {
+            sc = byte_of3(r.h.y, r.h.z, r.h.w, j) & 63;
+            m = byte_of3(r.h.y, r.h.z, r.h.w, j + 4) & 63;
+        } else {
+            sc = (byte_of3(r.h.y, r.h.z, r.h.w, j + 4) & 0xF) | ((byte_of3(r.h.y, r.h.z, r.h.w, j - 4) >> 6) << 4);
+            m = (byte_of3(r.h.y, r.h.z, r.h.w, j + 4) >> 4) | ((byte_of3(r.h.y, r.h.z, r.h.w, j) >> 6) << 4);
+        }
+        const float d = h2f((u16)(r.h.x & 0xFFFF)) * (float)sc, mn = h2f((u16)((u32)r.h.x >> 16)) * (float)m;
+        const float2 bs = as[u];
+        return ad[u] * ((d * (float)s0 + d * (float)s1) - (mn * bs.x + mn * bs.y));
+    } else {
+        const int t = j & 3, s = 4 * (t >> 1), hs = 2 * t;
+#define Q6(L, H) (int)__vsubss4((((L) >> s) & 0x0F0F0F0F) | ((((H) >> hs) & 0x03030303) << 4), 0x20202020)
+        const int s0 = __dp4a(Q6(r.l0.x, r.h0.x), x0.x, __dp4a(Q6(r.l0.y, r.h0.y), x0.y,
+                       __dp4a(Q6(r.l0.z, r.h0.z), x0.z, __dp4a(Q6(r.l0.w, r.h0.w), x0.w, 0))));
+        const int s1 = __dp4a(Q6(r.l1.x, r.h1.x), x1.x, __dp4a(Q6(r.l1.y, r.h1.y), x1.y,
+                       __dp4a(Q6(r.l1.z, r.h1.z), x1.z, __dp4a(Q6(r.l1.w, r.h1.w), x1.w, 0))));
+#undef Q6
+        const int wv = r.sc, sh = 16 * (j & 1);  // int8 scales 2j, 2j + 1: bytes 2 (j & 1), + 1 of the word
+        const float d = h2f((u16)r.d);
+        const float sc0 = d * (float)(int)(i8)((wv >> sh) & 0xFF), sc1 = d * (float)(int)(i8)((wv >> (sh + 8)) & 0xFF);
+        return ad[u] * (sc0 * (float)s0 + sc1 * (float)s1);
+    }
+}
+
 // Dots of R rows of one type with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K): this lane's units u_first,
 // u_first + u_step, ... (the lanes of the warps sharing a row interleave), U units per lane unrolled: R * U
 // units' loads are in flight together, and the activation is loaded once per unit for all R rows.
 template <int T, int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot_q(const u8* const* w, int u_first, int u_step, int n_units, const int* aq,
                                            const float* ad, const float2* as, float* acc) {
-    for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
+    if constexpr (ACT == ACT_Q8_K && (T == T_Q4_K || T == T_Q6_K)) {
+        for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
+            RawUnit<T> raw[U][R];
 #pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int u = u0 + u_step * k;
-            if (U == 1 || u < n_units) {
+            for (int k = 0; k < U; ++k) {
+                const int u = u0 + u_step * k;
 #pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] += unit_dot<T, ACT>(w[r], u, aq, ad, as);
+                for (int r = 0; r < R; ++r)
+                    if (U == 1 || u < n_units) load_raw<T>(w[r], u, raw[k][r]);
+            }
+            asm volatile("" ::: "memory");  // the loads above stay above: none waits behind a dot product
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int u = u0 + u_step * k;
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (U == 1 || u < n_units) acc[r] += raw_dot<T>(raw[k][r], u, aq, ad, as);
+            }
+        }
+    } else {
+        for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int u = u0 + u_step * k;
+                if (U == 1 || u < n_units) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r] += unit_dot<T, ACT>(w[r], u, aq, ad, as);
+                }
             }
         }
     }
