@@ -70,6 +70,32 @@ ACT_TYPE_ID = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 8, "Q5_0": 8, "Q8_0": 8, 
                "Q2_K": 15, "Q3_K": 15, "Q4_K": 15, "Q5_K": 15, "Q6_K": 15}
 
 
+def test_dependent_launch_arguments_keep_the_kernels_parameter_types() -> None:
+    """cuLaunchKernelEx takes pointers to each argument: the width must be the kernel parameter's, so scalars
+    arrive wrapped in their numpy type and a bare Python int is refused rather than guessed."""
+    import ctypes
+
+    from ninfer.backends import launch
+
+    for value, ctype, raw in ((np.int32(-3), ctypes.c_int32, b"\xfd\xff\xff\xff"),
+                              (np.uint64(2**40), ctypes.c_uint64, (2**40).to_bytes(8, "little")),
+                              (np.float32(1.5), ctypes.c_float, np.float32(1.5).tobytes()),
+                              (np.int64(-1), ctypes.c_int64, b"\xff" * 8)):
+        arg = launch._c_arg(value)
+        assert isinstance(arg, ctype) and bytes(arg) == raw
+    with pytest.raises(TypeError, match="wrap scalars in their numpy type"):
+        launch._c_arg(7)
+    assert ctypes.sizeof(launch._LaunchConfig) == 56 and launch._LaunchConfig.attrs.offset == 40
+    assert ctypes.sizeof(launch._LaunchAttribute) == 72 and launch._LaunchAttribute.value.offset == 8
+
+
+def test_dependent_launches_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ninfer.backends import launch
+
+    monkeypatch.setenv("NINFER_CUDA_PDL", "0")
+    assert launch.supported() is False
+
+
 def nmse(a: np.ndarray, ref: np.ndarray) -> float:
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     return float(np.sum((a - ref) ** 2) / max(np.sum(ref**2), 1e-30))
