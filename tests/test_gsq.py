@@ -249,3 +249,14 @@ def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tm
     assert q.kl is not None and q.kl > 1e-6 and 0.0 <= q.top1_agreement <= 1.0
     with pytest.raises(InvalidArgumentError, match="reference log-probabilities of shape"):
         perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=1, kl_base=base)
+
+
+def test_a_source_tensor_no_larger_than_its_layout_is_kept(tmp_path: Path) -> None:
+    # Q4_0 takes 4.5 bits per weight: under 4-bit GSQ-RCO (4.75) it stays as it is (exact and smaller); under
+    # 3-bit (3.75) it is converted.
+    src = write_synthetic(tmp_path / "q4.gguf", "qwen2.5-0.5b", "Q4_0", n_layer=1, seed=5)
+    out = tmp_path / "o.gguf"
+    convert(src, out, steps=1, threads=2, tensor_types=[r"attn_q=gsq4:0", r"blk\..*=gsq3:0"])
+    _, infos = tensor_infos(out)
+    assert infos["blk.0.attn_q.weight"]["type"] == "Q4_0"
+    assert infos["blk.0.attn_k.weight"]["type"] == "GSQ-RCO" and infos["blk.0.attn_k.weight"]["bits"] == 3

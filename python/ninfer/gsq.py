@@ -170,6 +170,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer)
         if pol.kind == "gsq" and (len(t.dims) != 2 or t.dims[0] % GROUP):
             pol = Policy("keep")  # an override cannot make a vector or a ragged row into groups
+        elif pol.kind == "gsq" and t.n_bytes <= t.n_elements // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits,
+                                                                                           slots=pol.slots):
+            pol = Policy("keep")  # the source's tensor is exact and no larger (e.g. Q4_K against 4-bit GSQ-RCO)
         plans.append((t, pol))
 
     tmp = dst.with_name(dst.name + ".partial")

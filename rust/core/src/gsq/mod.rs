@@ -6,10 +6,12 @@
 //! offset 0    f16   d        scale of the sub-block scales
 //! offset 2    f16   dmin     scale of the sub-block mins
 //! offset 4    8 B   scales   byte s: sub-block s (weights 16s..16s+15): scale sc_s (low nibble), min m_s (high)
+//! 3-bit codes, as bit planes:
 //! offset 12   32 B  plane 0  byte j, bits 2t..2t+1: code bits 0-1 of weight 32t + j
-//! offset 44   16 B  plane 1  3-bit: byte j, bit b: code bit 2 of weight 16b + j
-//!             32 B           4-bit: byte j, bits 2t..2t+1: code bits 2-3 of weight 32t + j
-//! then        R slots of 2 B: position (u8, < 128), value (i8)
+//! offset 44   16 B  plane 1  byte j, bit b: code bit 2 of weight 16b + j
+//! 4-bit codes, as nibbles:
+//! offset 12   64 B  byte j: code of weight j (low nibble), of weight 64 + j (high nibble)
+//! then        R slots of 2 B: position (u8, < 128; readers use its low 7 bits), value (i8)
 //! ```
 //!
 //! Weight i of sub-block s with code c is `d * sc_s * c - dmin * m_s`; a slot with value v != 0 adds
@@ -59,14 +61,9 @@ impl Layout {
         Ok(Layout { bits, slots })
     }
 
-    /// Bytes of plane 1 (the code bits above the low two).
-    fn plane1_bytes(&self) -> usize {
-        if self.bits == 3 { 16 } else { 32 }
-    }
-
-    /// Byte offset of the residual slots in a record.
+    /// Byte offset of the residual slots in a record (after 48 bytes of 3-bit codes or 64 of 4-bit ones).
     pub(crate) fn slots_offset(&self) -> usize {
-        OFF_PLANE1 + self.plane1_bytes()
+        OFF_PLANE0 + GROUP * self.bits / 8
     }
 
     /// Bytes of one record.
@@ -129,24 +126,22 @@ pub fn quantize_matrix(
 /// Code of weight i (0..128) of a record.
 #[inline]
 pub(crate) fn code_at(layout: Layout, rec: &[u8], i: usize) -> u8 {
+    if layout.bits == 4 {
+        return (rec[OFF_PLANE0 + i % 64] >> (4 * (i / 64))) & 15;
+    }
     let lo = (rec[OFF_PLANE0 + i % 32] >> (2 * (i / 32))) & 3;
-    let hi = if layout.bits == 3 {
-        ((rec[OFF_PLANE1 + i % 16] >> (i / 16)) & 1) << 2
-    } else {
-        ((rec[OFF_PLANE1 + i % 32] >> (2 * (i / 32))) & 3) << 2
-    };
-    lo | hi
+    lo | ((rec[OFF_PLANE1 + i % 16] >> (i / 16)) & 1) << 2
 }
 
-/// Write 128 codes (each < 2^bits) into a record's planes.
+/// Write 128 codes (each < 2^bits) into a record's code bytes.
 pub(crate) fn pack_codes(layout: Layout, codes: &[u8], rec: &mut [u8]) {
     rec[OFF_PLANE0..layout.slots_offset()].fill(0);
     for (i, &c) in codes.iter().enumerate() {
-        rec[OFF_PLANE0 + i % 32] |= (c & 3) << (2 * (i / 32));
-        if layout.bits == 3 {
-            rec[OFF_PLANE1 + i % 16] |= ((c >> 2) & 1) << (i / 16);
+        if layout.bits == 4 {
+            rec[OFF_PLANE0 + i % 64] |= (c & 15) << (4 * (i / 64));
         } else {
-            rec[OFF_PLANE1 + i % 32] |= ((c >> 2) & 3) << (2 * (i / 32));
+            rec[OFF_PLANE0 + i % 32] |= (c & 3) << (2 * (i / 32));
+            rec[OFF_PLANE1 + i % 16] |= ((c >> 2) & 1) << (i / 16);
         }
     }
 }
@@ -160,13 +155,14 @@ pub(crate) fn header(rec: &[u8]) -> (f32, f32, [(u8, u8); GROUP / SUB]) {
     (d, dmin, sm)
 }
 
-/// The residual slots of a record: (position, value), unused ones (value 0) and bad positions skipped.
+/// The residual slots of a record: (position, value), unused ones (value 0) skipped. A position's low 7 bits
+/// count (the writer stores only positions < 128), so no byte value reads outside the record's weights.
 #[inline]
 pub(crate) fn slots(layout: Layout, rec: &[u8]) -> impl Iterator<Item = (usize, i8)> + '_ {
     rec[layout.slots_offset()..layout.record_bytes()]
         .chunks_exact(2)
-        .map(|s| (s[0] as usize, s[1] as i8))
-        .filter(|&(p, v)| v != 0 && p < GROUP)
+        .map(|s| (s[0] as usize & (GROUP - 1), s[1] as i8))
+        .filter(|&(_, v)| v != 0)
 }
 
 fn check_row(layout: Layout, src: &[u8], n: usize) -> Result<()> {

@@ -243,17 +243,25 @@ fn refit(w: &[f32], e: &[f32], c: &Candidate) -> Option<Grid> {
     (g.d > 0.0).then_some(g)
 }
 
-/// The initial grid: per-sub-block fits, then d and dmin as the largest over 15.
-fn initial_grid(w: &[f32], e: &[f32], nmax: f32) -> Grid {
-    let fits: [(f32, f32); NSUB] = std::array::from_fn(|s| fit_sub(&w[s * SUB..(s + 1) * SUB], &e[s * SUB..(s + 1) * SUB], nmax));
-    let d = round_f16(fits.iter().fold(0.0f32, |a, f| a.max(f.0)) / 15.0);
+/// The initial candidate: per-sub-block fits, their scales and mins as nibbles of d and dmin. d = largest / 15
+/// gives the largest sub-block scale exactly and the small ones coarsely (a scale of 2.4 units stores as 2); a
+/// smaller d (the largest then clips at 15, and its codes refit) often stores the rest better, so a few are tried
+/// on the whole record's error.
+fn initial(w: &[f32], e: &[f32], nmax: u8, n_slots: usize) -> Candidate {
+    let fits: [(f32, f32); NSUB] = std::array::from_fn(|s| fit_sub(&w[s * SUB..(s + 1) * SUB], &e[s * SUB..(s + 1) * SUB], nmax as f32));
+    let max_sc = fits.iter().fold(0.0f32, |a, f| a.max(f.0));
     let dmin = round_f16(fits.iter().fold(0.0f32, |a, f| a.max(f.1)) / 15.0);
-    Grid {
-        d,
-        dmin,
-        sc: std::array::from_fn(|s| to_nibble(fits[s].0, d)),
-        m: std::array::from_fn(|s| to_nibble(fits[s].1, dmin)),
+    let m = std::array::from_fn(|s| to_nibble(fits[s].1, dmin));
+    let mut best: Option<Candidate> = None;
+    for div in [15.0f32, 15.5, 16.0, 17.0, 18.0] {
+        let d = round_f16(max_sc / div);
+        let g = Grid { d, dmin, sc: std::array::from_fn(|s| to_nibble(fits[s].0, d)), m };
+        let c = evaluate(w, e, &g, nmax, n_slots);
+        if best.as_ref().is_none_or(|b| c.err < b.err) {
+            best = Some(c);
+        }
     }
+    best.expect("at least one candidate")
 }
 
 /// Error of plain round-to-nearest 3-bit on the record's min/max grid (f16 step and min), weighted by h.
@@ -291,7 +299,7 @@ pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &
     {
         stats.weight += wg.iter().zip(hg).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum::<f64>();
         stats.err_rtn += rtn_error(wg, hg);
-        let mut last = evaluate(wg, eg, &initial_grid(wg, eg, nmax as f32), nmax, layout.slots);
+        let mut last = initial(wg, eg, nmax, layout.slots);
         let mut best = last.clone();
         for _ in 0..opts.steps {
             let Some(g) = refit(wg, eg, &last) else { break };
