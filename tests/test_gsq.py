@@ -260,3 +260,21 @@ def test_a_source_tensor_no_larger_than_its_layout_is_kept(tmp_path: Path) -> No
     _, infos = tensor_infos(out)
     assert infos["blk.0.attn_q.weight"]["type"] == "Q4_0"
     assert infos["blk.0.attn_k.weight"]["type"] == "GSQ-RCO" and infos["blk.0.attn_k.weight"]["bits"] == 3
+
+
+def test_terminated_conversion_leaves_no_partial_file(source: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    out = tmp_path / "t.gguf"
+    partial = tmp_path / "t.gguf.partial"
+    p = subprocess.Popen([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output", str(out),
+                          "--threads", "1", "--calibration-steps", "100"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not partial.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert partial.exists(), "the conversion never started writing"
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert not out.exists() and not partial.exists()

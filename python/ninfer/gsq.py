@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -357,6 +358,12 @@ def add_convert_args(p: Any) -> None:
 def run_convert(args: Any) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through convert(), whose cleanup removes OUT.partial
+
+    # A terminated conversion (kill, a batch system's time limit) leaves neither OUT nor OUT.partial behind.
+    signal.signal(signal.SIGTERM, stop)
 
     r = convert(args.input, args.output, group=args.group_size, residual_bits=args.residual_bits,
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
