@@ -243,10 +243,10 @@ pub fn dot_row_q8(layout: Layout, src: &[u8], x: &ActQ8) -> f32 {
         let (d, dmin, sm) = header(rec);
         let q = &x.q[r * GROUP..(r + 1) * GROUP];
         let (mut isum, mut msum, mut ssum) = (0i32, 0i32, 0i32);
-        for s in 0..GROUP / SUB {
+        for (s, &(sc, m)) in sm.iter().enumerate() {
             let sub: i32 = (s * SUB..(s + 1) * SUB).map(|i| code_at(layout, rec, i) as i32 * q[i] as i32).sum();
-            isum += sm[s].0 as i32 * sub;
-            msum += sm[s].1 as i32 * x.bsums[r * (GROUP / SUB) + s];
+            isum += sc as i32 * sub;
+            msum += m as i32 * x.bsums[r * (GROUP / SUB) + s];
         }
         for (pos, v) in slots(layout, rec) {
             ssum += v as i32 * sm[pos / SUB].0 as i32 * q[pos] as i32;
