@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Per-tensor importance-weighted relative error, sum h (w - q)^2 / sum h w^2, of (1) a llama.cpp quantization of
-the same source (REF.gguf: its tensor against the source's, dequantized), (2) GSQ-RCO layouts GROUP/SLOTS
-(30 RCO steps, the converter's quantizer), (3) a simulation of k-quant-like sub-scales for 3-bit codes: sub-blocks
+the same source (REF.gguf: its tensor against the source's, dequantized), (2) GSQ-RCO layouts BITS/SLOTS
+(format version 2, 30 RCO steps, the converter's quantizer), (3) a simulation of k-quant-like sub-scales for 3-bit codes: sub-blocks
 of S weights with their own (scale, min), fitted by weighted least squares, both rounded to B bits against the
 128-weight super-block's largest (kept in f16): SxB in the output. Importances from an .npz saved by
 `gsq-rco convert --save-importances` (columns without one count 1).
 
-Usage: scripts/gsq-tensor-errors.py SRC.gguf REF.gguf IMPORTANCES.npz NAME[,NAME...] [GROUP/SLOTS,...]
+Usage: scripts/gsq-tensor-errors.py SRC.gguf REF.gguf IMPORTANCES.npz NAME[,NAME...] [BITS/SLOTS,...]
 """
 import sys
 
@@ -58,16 +58,16 @@ def sim(w, h, S, B, iters=6):
 
 def main() -> None:
     src, ref, imp = ModelFile(sys.argv[1]), ModelFile(sys.argv[2]), np.load(sys.argv[3])
-    layouts = [tuple(map(int, s.split("/"))) for s in (sys.argv[5] if len(sys.argv) > 5 else "128/2,128/4,64/2").split(",")]
+    layouts = [tuple(map(int, s.split("/"))) for s in (sys.argv[5] if len(sys.argv) > 5 else "3/0,3/2,3/6,4/2").split(",")]
     for n in sys.argv[4].split(","):
         t, w = load(src, n)
         r, q = load(ref, n)
         h = (imp[n] if n in imp.files else np.ones(w.shape[1], np.float32)).astype(np.float64)
         out = [f"{r.type_name} {8 * r.n_bytes / w.size:.2f}b {float((h * (q - w) ** 2).sum() / (h * w * w).sum()):.2e}"]
-        for g, s in layouts:
-            d, st = _core.gsq_quantize(w, h.astype(np.float32), group=g, slots=s, steps=30, threads=1)
-            out.append(f"{g}/{s} {8 * d.size / w.size:.2f}b {st['err'] / st['weight']:.2e}")
-        for S, B in [(32, 4), (32, 6), (16, 4), (16, 6)]:
+        for b, s in layouts:
+            d, st = _core.gsq_quantize(w, h.astype(np.float32), bits=b, slots=s, steps=30, threads=2)
+            out.append(f"{b}/{s} {8 * d.size / w.size:.2f}b {st['err'] / st['weight']:.2e}")
+        for S, B in [(16, 4)] if "--sim" in sys.argv else []:
             bpw, err = sim(w, h, S, B)
             out.append(f"{S}x{B} {bpw:.2f}b {err:.2e}")
         print(n, t.type_name, " | ".join(out), flush=True)

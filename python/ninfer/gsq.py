@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -27,32 +28,37 @@ import numpy as np
 from ninfer import _core
 from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+GROUP = 128  # weights per record (format version 2)
 _INFO_WIDTH = 320  # bytes reserved for each tensor's JSON in the header
 _CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What happens to one tensor: 'gsq' with `slots` residual slots per group, or 'keep' the source type."""
+    """What happens to one tensor: 'gsq' with `bits`-bit codes and `slots` residual slots per record, or 'keep'
+    the source type."""
 
     kind: str
+    bits: int = 3
     slots: int = 0
 
 
-def default_policy(name: str, dims: tuple[int, ...], n_layer: int, group: int) -> Policy:
-    """Token embedding, output head and vectors keep their source type; matrices whose rows are whole groups
-    become GSQ-RCO, with more residual slots where errors cost most (attn_v, ffn_down, the first and last layers)."""
-    if len(dims) < 2 or name in ("token_embd.weight", "output.weight") or dims[0] % group:
+def default_policy(name: str, dims: tuple[int, ...], n_layer: int) -> Policy:
+    """Token embedding, output head and vectors keep their source type; matrices whose rows are whole records
+    become GSQ-RCO, 3-bit with two slots, with more where errors cost most (attn_v, ffn_down, the first and last
+    layers; docs/gsq-rco.md has the measurements behind it)."""
+    if len(dims) < 2 or name in ("token_embd.weight", "output.weight") or dims[0] % GROUP:
         return Policy("keep")
     m = re.match(r"blk\.(\d+)\.", name)
     layer = int(m.group(1)) if m else -1
     costly = name.endswith(("attn_v.weight", "ffn_down.weight")) or layer in (0, n_layer - 1)
-    return Policy("gsq", 4 if costly else 2)
+    return Policy("gsq", 3, 6 if costly else 2)
 
 
 def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]:
-    """--tensor-type REGEX=TYPE overrides, TYPE one of keep, gsq, gsq:SLOTS (first match wins)."""
+    """--tensor-type REGEX=TYPE overrides, TYPE one of keep, gsq[3|4][:SLOTS] (first match wins; gsq is 3-bit,
+    two slots by default)."""
     out = []
     for spec in specs:
         if "=" not in spec:
@@ -62,10 +68,16 @@ def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]
             rx = re.compile(pattern)
         except re.error as e:
             raise InvalidArgumentError(f"--tensor-type {spec!r}: bad regular expression: {e}") from None
-        m = re.fullmatch(r"(keep|gsq)(?::(\d+))?", ty.lower())
-        if not m or (m.group(1) == "keep" and m.group(2)):
-            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep, gsq or gsq:SLOTS")
-        out.append((rx, Policy(m.group(1), int(m.group(2)) if m.group(2) else 2)))
+        m = re.fullmatch(r"keep|gsq([34]?)(?::(\d+))?", ty.lower())
+        if not m:
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep or gsq[3|4][:SLOTS]")
+        if ty.lower() == "keep":
+            out.append((rx, Policy("keep")))
+            continue
+        slots = int(m.group(2)) if m.group(2) else 2
+        if slots > 16 or slots % 2:
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: slots must be even and at most 16")
+        out.append((rx, Policy("gsq", int(m.group(1) or 3), slots)))
     return out
 
 
@@ -108,20 +120,21 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             steps: int = 100, threads: int = 0, seed: int = 0, tensor_types: list[str] = (),
             calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
             importances_file: str | os.PathLike[str] | None = None,
-            save_importances: str | os.PathLike[str] | None = None, sparsity: bool = True,
+            save_importances: str | os.PathLike[str] | None = None,
             log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
     mean squared activation over that text (run through the source model; `save_importances` keeps them in an
     .npz that `importances_file` reads back instead of running the model again); else all weights count alike.
-    `sparsity=False` forbids sparse groups (an ablation). Returns totals (bytes, bpw, weighted errors, seconds)."""
+    Returns totals (bytes, bpw, weighted errors, seconds)."""
     import gguf
 
     from ninfer.model_file import ModelFile
 
     if residual_bits != 8:
-        raise InvalidArgumentError(f"--residual-bits {residual_bits} is not supported (format version 1 stores 8)")
-    if group not in (32, 64, 128, 256):
-        raise InvalidArgumentError(f"--group-size must be 32, 64, 128 or 256, got {group}")
+        raise InvalidArgumentError(f"--residual-bits {residual_bits} is not supported (format version 2 stores 8)")
+    if group != GROUP:
+        raise InvalidArgumentError(f"--group-size {group}: format version 2 has {GROUP}-weight records "
+                                   "(16-weight sub-blocks inside)")
     if steps < 0:
         raise InvalidArgumentError(f"--calibration-steps must be >= 0, got {steps}")
     src, dst = Path(inp), Path(out)
@@ -155,9 +168,12 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
 
     plans = []
     for t in mf.tensors:
-        pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer, group)
-        if pol.kind == "gsq" and (len(t.dims) != 2 or t.dims[0] % group):
+        pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer)
+        if pol.kind == "gsq" and (len(t.dims) != 2 or t.dims[0] % GROUP):
             pol = Policy("keep")  # an override cannot make a vector or a ragged row into groups
+        elif pol.kind == "gsq" and t.n_bytes <= t.n_elements // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits,
+                                                                                           slots=pol.slots):
+            pol = Policy("keep")  # the source's tensor is exact and no larger (e.g. Q4_K against 4-bit GSQ-RCO)
         plans.append((t, pol))
 
     tmp = dst.with_name(dst.name + ".partial")
@@ -173,13 +189,12 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     w.add_uint32("gsq.seed", seed)
     w.add_string("gsq.calibration", "none" if calib_file is None else f"{Path(calib_file).name}, {calib_tokens} tokens"
                  if calib_tokens else f"importances from {Path(calib_file).name}")
-    w.add_bool("gsq.sparsity", sparsity)
     for i, (t, _) in enumerate(plans):
         w.add_string(f"gsq.tensor.{t.name}", _placeholder(i))
     for t, pol in plans:
         if pol.kind == "gsq":
             cols, rows = t.dims
-            row_bytes = _core.gsq_row_bytes(cols, group=group, slots=pol.slots)
+            row_bytes = _core.gsq_row_bytes(cols, bits=pol.bits, slots=pol.slots)
             w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8), rows * row_bytes,
                               raw_dtype=gguf.GGMLQuantizationType.I8)
         else:
@@ -204,12 +219,10 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
-                data, st = _core.gsq_quantize(wf, h, group=group, slots=pol.slots, steps=steps, threads=threads,
-                                              sparsity=sparsity)
+                data, st = _core.gsq_quantize(wf, h, bits=pol.bits, slots=pol.slots, steps=steps, threads=threads)
                 del wf
                 bpw = 8 * data.size / (rows * cols)
-                info.update(type="GSQ-RCO", group=group, slots=pol.slots, bpw=round(bpw, 4),
-                            sparsity=round(st["zeros"] / (rows * cols), 4),
+                info.update(type="GSQ-RCO", bits=pol.bits, slots=pol.slots, bpw=round(bpw, 4),
                             err=st["err"] / max(st["weight"], 1e-30), err_rtn=st["err_rtn"] / max(st["weight"], 1e-30))
                 for k in ("weight", "err", "err_rtn"):
                     totals[k] += st[k]
@@ -225,7 +238,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             done_bytes += t.n_bytes
             el = time.perf_counter() - t0
             if verbose and pol.kind == "gsq":
-                log(f"{t.name:32s} {info['bpw']:.3f} bpw  sparsity {info['sparsity']:.3f}  slots {pol.slots}  "
+                log(f"{t.name:32s} {info['bpw']:.3f} bpw  {pol.bits}-bit  slots {pol.slots}  "
                     f"weighted error {info['err_rtn']:.3e} -> {info['err']:.3e}")
             elif not verbose:
                 eta = el / max(done_bytes, 1) * (all_bytes - done_bytes)
@@ -308,14 +321,14 @@ def inspect_table(path: str | os.PathLike[str]) -> str:
     md = mf.metadata
     rows = [f"GSQ-RCO v{md['gsq.version']}  group {md['gsq.group_size']}  residual bits {md['gsq.residual_bits']}  "
             f"calibration steps {md['gsq.calibration_steps']}  calibration text: {md.get('gsq.calibration', 'none')}",
-            f"{'tensor':34s} {'type':9s} {'bpw':>6s} {'sparsity':>8s} {'slots':>5s} {'w.err RTN':>10s} {'w.err':>10s}"]
+            f"{'tensor':34s} {'type':9s} {'bpw':>6s} {'bits':>4s} {'slots':>5s} {'w.err RTN':>10s} {'w.err':>10s}"]
     for t in mf.tensors:
         i = infos[t.name]
         if i.get("type") == "GSQ-RCO":
-            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['sparsity']:8.3f} {i['slots']:5d} "
+            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['bits']:4d} {i['slots']:5d} "
                         f"{i['err_rtn']:10.3e} {i['err']:10.3e}")
         else:
-            rows.append(f"{t.name:34s} {i['type']:9s} {i['bpw']:6.3f} {'':8s} {'':5s} {'':10s} {'':10s}")
+            rows.append(f"{t.name:34s} {i['type']:9s} {i['bpw']:6.3f} {'':4s} {'':5s} {'':10s} {'':10s}")
     total_bits = 8 * sum(t.n_bytes for t in mf.tensors)
     total_w = sum(int(np.prod(infos[t.name]["shape"])) for t in mf.tensors)
     rows.append(f"total {mf.gguf.file_size / 2**20:.1f} MiB, {total_bits / max(total_w, 1):.3f} bits per weight")
@@ -326,20 +339,19 @@ def inspect_table(path: str | os.PathLike[str]) -> str:
 def add_convert_args(p: Any) -> None:
     p.add_argument("--input", required=True, help="source GGUF (any supported type)")
     p.add_argument("--output", required=True, help="GSQ-RCO GGUF to write")
-    p.add_argument("--group-size", type=int, default=128, help="weights per group: 32, 64, 128 or 256 (default 128)")
-    p.add_argument("--residual-bits", type=int, default=8, help="bits of a residual value (format v1: 8)")
+    p.add_argument("--group-size", type=int, default=GROUP, help=f"weights per record (format v2: {GROUP})")
+    p.add_argument("--residual-bits", type=int, default=8, help="bits of a residual value (format v2: 8)")
     p.add_argument("--calibration-steps", type=int, default=100, help="RCO refinement steps per group (default 100)")
     p.add_argument("--threads", type=int, default=0, help="worker threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="recorded in the metadata; the quantizer is deterministic")
     p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
-                   help="override a tensor's treatment: keep, gsq or gsq:SLOTS (first match wins)")
+                   help="override a tensor's treatment: keep or gsq[3|4][:SLOTS] (first match wins)")
     p.add_argument("--calib-file", default=None, metavar="TEXT",
                    help="calibration text: weigh errors by each input's mean squared activation over it (imatrix)")
     p.add_argument("--calib-chunks", type=int, default=32, help="at most this many 512-token chunks of it (32)")
     p.add_argument("--save-importances", default=None, metavar="NPZ", help="keep --calib-file's importances here")
     p.add_argument("--importances", default=None, metavar="NPZ",
                    help="importances saved by --save-importances, instead of --calib-file")
-    p.add_argument("--no-sparsity", action="store_true", help="no sparse groups (an ablation)")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -347,10 +359,16 @@ def run_convert(args: Any) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through convert(), whose cleanup removes OUT.partial
+
+    # A terminated conversion (kill, a batch system's time limit) leaves neither OUT nor OUT.partial behind.
+    signal.signal(signal.SIGTERM, stop)
+
     r = convert(args.input, args.output, group=args.group_size, residual_bits=args.residual_bits,
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
                 calib_file=args.calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
-                save_importances=args.save_importances, sparsity=not args.no_sparsity, log=log, verbose=args.verbose)
+                save_importances=args.save_importances, log=log, verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
     log(f"gsq-rco: wrote {args.output}: {r['bytes'] / 2**20:.1f} MiB, {r['bpw']:.3f} bits per weight, "
@@ -367,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     add_convert_args(c)
     v = sub.add_parser("verify", help="recompute the checksums: 'ok' or the first mismatching tensor (exit 1)")
     v.add_argument("--model", required=True)
-    i = sub.add_parser("inspect", help="per-tensor table: type, bpw, sparsity, slots, weighted error")
+    i = sub.add_parser("inspect", help="per-tensor table: type, bpw, code bits, slots, weighted error")
     i.add_argument("model")
     args = parser.parse_args(argv)
     try:

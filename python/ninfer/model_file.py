@@ -78,8 +78,11 @@ class ModelFile:
         return infos
 
     def gsq_layouts(self) -> list[tuple[str, int, int]]:
-        """(name, group, slots) of every GSQ-RCO tensor."""
-        return [(name, int(g["group"]), int(g["slots"])) for name, g in self.gsq_infos.items()
+        """(name, code bits, slots) of every GSQ-RCO tensor (format version 2)."""
+        if self.gsq_infos and int(self.metadata.get("gsq.version", 0)) != 2:
+            raise ModelFileError(f"{self.path}: GSQ-RCO format version {self.metadata.get('gsq.version')} (this ninfer "
+                                 "reads 2; convert the source again)")
+        return [(name, int(g["bits"]), int(g["slots"])) for name, g in self.gsq_infos.items()
                 if g.get("type") == "GSQ-RCO"]
 
     @property

@@ -1,4 +1,5 @@
-//! Python access to the GSQ-RCO format (`ninfer_core::gsq`): `gsq_quantize`, `gsq_dequantize`, `gsq_dot`.
+//! Python access to the GSQ-RCO format (`ninfer_core::gsq`): `gsq_quantize`, `gsq_dequantize`, `gsq_dot`,
+//! `gsq_dot_q8`.
 
 use ninfer_core::gsq::{self, Layout};
 use numpy::{
@@ -10,26 +11,24 @@ use pyo3::types::PyDict;
 
 use crate::errors::to_py;
 
-fn layout(group: usize, slots: usize) -> PyResult<Layout> {
-    Layout::new(group, slots).map_err(to_py)
+fn layout(bits: usize, slots: usize) -> PyResult<Layout> {
+    Layout::new(bits, slots).map_err(to_py)
 }
 
-/// gsq_quantize(w[rows, cols] f32, h[cols] f32, group, slots, steps, threads, sparsity=True) ->
-/// (records[rows, row_bytes] u8, stats dict: weight, err_rtn, err, zeros, sparse_groups, slots_used).
+/// gsq_quantize(w[rows, cols] f32, h[cols] f32, bits, slots, steps, threads) ->
+/// (records[rows, row_bytes] u8, stats dict: weight, err_rtn, err, slots_used).
 #[pyfunction]
-#[pyo3(signature = (w, h, *, group, slots, steps, threads, sparsity = true))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (w, h, *, bits, slots, steps, threads))]
 fn gsq_quantize<'py>(
     py: Python<'py>,
     w: PyReadonlyArray2<'py, f32>,
     h: PyReadonlyArray1<'py, f32>,
-    group: usize,
+    bits: usize,
     slots: usize,
     steps: usize,
     threads: usize,
-    sparsity: bool,
 ) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyDict>)> {
-    let l = layout(group, slots)?;
+    let l = layout(bits, slots)?;
     let (rows, cols) = (w.shape()[0], w.shape()[1]);
     // Zero-copy for the contiguous arrays the converter passes (a copy only for a strided view): the largest
     // tensor's f32 copy is what bounds the converter's memory.
@@ -49,31 +48,29 @@ fn gsq_quantize<'py>(
         }
     };
     let (data, stats) = py
-        .detach(|| gsq::quantize_matrix(l, w, cols, h, &gsq::Options { steps, sparsity }, threads))
+        .detach(|| gsq::quantize_matrix(l, w, cols, h, &gsq::Options { steps }, threads))
         .map_err(to_py)?;
     let row_bytes = data.len().checked_div(rows).unwrap_or(0);
     let d = PyDict::new(py);
     d.set_item("weight", stats.weight)?;
     d.set_item("err_rtn", stats.err_rtn)?;
     d.set_item("err", stats.err)?;
-    d.set_item("zeros", stats.zeros)?;
-    d.set_item("sparse_groups", stats.sparse_groups)?;
     d.set_item("slots_used", stats.slots_used)?;
     Ok((data.into_pyarray(py).reshape([rows, row_bytes])?, d))
 }
 
-/// gsq_dequantize(data, rows, cols, group, slots) -> f32[rows, cols].
+/// gsq_dequantize(data, rows, cols, bits, slots) -> f32[rows, cols].
 #[pyfunction]
-#[pyo3(signature = (data, rows, cols, *, group, slots))]
+#[pyo3(signature = (data, rows, cols, *, bits, slots))]
 fn gsq_dequantize<'py>(
     py: Python<'py>,
     data: &[u8],
     rows: usize,
     cols: usize,
-    group: usize,
+    bits: usize,
     slots: usize,
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-    let l = layout(group, slots)?;
+    let l = layout(bits, slots)?;
     let row_bytes = l.row_bytes(cols).map_err(to_py)?;
     if data.len() != rows * row_bytes {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
@@ -95,25 +92,41 @@ fn gsq_dequantize<'py>(
     out.map_err(to_py)?.into_pyarray(py).reshape([rows, cols])
 }
 
-/// gsq_dot(row, x, group, slots) -> float: one row's records dotted with f32 activations (the scalar reference).
-#[pyfunction]
-#[pyo3(signature = (row, x, *, group, slots))]
-fn gsq_dot(row: &[u8], x: PyReadonlyArray1<'_, f32>, group: usize, slots: usize) -> PyResult<f32> {
-    let l = layout(group, slots)?;
+/// The row and activations of a dot product, checked against each other.
+fn dot_args<'a>(row: &[u8], x: &'a PyReadonlyArray1<'_, f32>, bits: usize, slots: usize) -> PyResult<(Layout, &'a [f32])> {
+    let l = layout(bits, slots)?;
     let x = x.as_slice()?;
     if l.row_bytes(x.len()).map_err(to_py)? != row.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(
             "row bytes do not match the activation length",
         ));
     }
-    Ok(gsq::dot_row(l, row, x))
+    Ok((l, x))
 }
 
-/// gsq_row_bytes(cols, group, slots) -> int: bytes of a row's records.
+/// gsq_dot(row, x, bits, slots) -> float: one row's records dotted with f32 activations (dequantized row).
 #[pyfunction]
-#[pyo3(signature = (cols, *, group, slots))]
-fn gsq_row_bytes(cols: usize, group: usize, slots: usize) -> PyResult<usize> {
-    layout(group, slots)?.row_bytes(cols).map_err(to_py)
+#[pyo3(signature = (row, x, *, bits, slots))]
+fn gsq_dot(row: &[u8], x: PyReadonlyArray1<'_, f32>, bits: usize, slots: usize) -> PyResult<f32> {
+    let (l, x) = dot_args(row, &x, bits, slots)?;
+    gsq::dot_row(l, row, x).map_err(to_py)
+}
+
+/// gsq_dot_q8(row, x, bits, slots, simd=True) -> float: the same with x quantized to int8 as the engine does,
+/// by this CPU's kernel (simd) or the scalar reference.
+#[pyfunction]
+#[pyo3(signature = (row, x, *, bits, slots, simd = true))]
+fn gsq_dot_q8(row: &[u8], x: PyReadonlyArray1<'_, f32>, bits: usize, slots: usize, simd: bool) -> PyResult<f32> {
+    let (l, x) = dot_args(row, &x, bits, slots)?;
+    let xq = gsq::ActQ8::from_f32(x);
+    Ok(if simd { ninfer_core::quant::simd::gsq_dot_q8(l, row, &xq) } else { gsq::dot_row_q8(l, row, &xq) })
+}
+
+/// gsq_row_bytes(cols, bits, slots) -> int: bytes of a row's records.
+#[pyfunction]
+#[pyo3(signature = (cols, *, bits, slots))]
+fn gsq_row_bytes(cols: usize, bits: usize, slots: usize) -> PyResult<usize> {
+    layout(bits, slots)?.row_bytes(cols).map_err(to_py)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -121,5 +134,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gsq_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_dot, m)?)?;
+    m.add_function(wrap_pyfunction!(gsq_dot_q8, m)?)?;
     Ok(())
 }

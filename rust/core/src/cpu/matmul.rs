@@ -130,40 +130,34 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     });
 }
 
-/// A GSQ-RCO matrix times f32 activations (its `ty` is F32, so `acts` hold them as raw f32). One token (decode):
-/// the GSQ-RCO dot-product kernel per row, reading each record once. Several (prefill): each task dequantizes its
-/// weight rows into a buffer and dots every token with them (the F32 kernel).
+/// A GSQ-RCO matrix times f32 activations (its `ty` is F32, so `acts` hold them as raw f32): each token's
+/// activations are quantized to int8 (`gsq::ActQ8`), then every row's records are dotted with them by the
+/// GSQ-RCO kernel of this CPU. In prefill, each task takes a block of rows (kept in cache) against every token.
 fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, acts: &QuantizedActs, out: &mut [f32]) {
     let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
     let (data, rb) = (w.data(), w.row_bytes());
-    let xs: Vec<&[f32]> = acts.bytes.chunks_exact(acts.row_bytes).map(|b| bytemuck_f32(&b[..4 * k])).collect();
+    let xs: Vec<crate::gsq::ActQ8> = acts
+        .bytes
+        .chunks_exact(acts.row_bytes)
+        .map(|b| crate::gsq::ActQ8::from_f32(bytemuck_f32(&b[..4 * k])))
+        .collect();
     debug_assert_eq!(xs.len(), n);
     if n == 1 {
         out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
             for (i, o) in chunk.iter_mut().enumerate() {
                 let r = c * ROWS_PER_TASK + i;
-                *o = crate::quant::simd::gsq_dot(layout, &data[r * rb..(r + 1) * rb], xs[0]);
+                *o = crate::quant::simd::gsq_dot_q8(layout, &data[r * rb..(r + 1) * rb], &xs[0]);
             }
         });
         return;
     }
-    // Prefill: each task dequantizes its rows, then takes the tokens one at a time against all of them (a token's
-    // activations stay in L1 for the task's rows), with the F32 dot-product kernel of this CPU.
     let out_ptr = OutPtr(out.as_mut_ptr());
     (0..m.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
         let out_ptr = &out_ptr;
         let rows = c * ROWS_PER_TASK..((c + 1) * ROWS_PER_TASK).min(m);
-        let mut w_f32 = vec![0f32; rows.len() * k];
-        for (r, dst) in rows.clone().zip(w_f32.chunks_exact_mut(k)) {
-            crate::gsq::dequantize_row(layout, &data[r * rb..(r + 1) * rb], dst)
-                .expect("matrix rows were size-checked at load");
-        }
-        // SAFETY: any f32 is 4 plain bytes; the view lives no longer than w_f32.
-        let w_bytes = unsafe { std::slice::from_raw_parts(w_f32.as_ptr() as *const u8, 4 * w_f32.len()) };
-        for t in 0..n {
-            let x = &acts.bytes[t * acts.row_bytes..(t + 1) * acts.row_bytes];
-            for (i, r) in rows.clone().enumerate() {
-                let d = crate::quant::vec_dot(crate::quant::GgmlType::F32, k, &w_bytes[4 * i * k..4 * (i + 1) * k], x);
+        for (t, x) in xs.iter().enumerate() {
+            for r in rows.clone() {
+                let d = crate::quant::simd::gsq_dot_q8(layout, &data[r * rb..(r + 1) * rb], x);
                 // SAFETY: element (t, r) belongs to this task alone (its rows), and lies inside out (n * m).
                 unsafe { *out_ptr.0.add(t * m + r) = d };
             }

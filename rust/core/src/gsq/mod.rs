@@ -1,18 +1,25 @@
-//! GSQ-RCO, ninfer's 3-bit weight format (docs/gsq-rco.md is the specification; format version 1).
+//! GSQ-RCO, ninfer's 3-bit weight format (docs/gsq-rco.md is the specification; format version 2).
 //!
-//! A row is cut into groups of `group` weights (32, 64, 128 or 256). Each group is one self-contained record:
+//! A row is cut into records of 128 weights (`GROUP`), each self-contained, k-quant-like:
 //!
 //! ```text
-//! offset 0   f16  scale   |scale| is the grid step; its sign bit marks a sparse group
-//! offset 2   f16  min     the grid's first level
-//! offset 4   3 * group / 8 bytes of 3-bit codes, 8 codes per 3 bytes, little-endian bit order
-//! then       `slots` residual slots of 2 bytes: position (u8), value (i8)
+//! offset 0    f16   d        scale of the sub-block scales
+//! offset 2    f16   dmin     scale of the sub-block mins
+//! offset 4    8 B   scales   byte s: sub-block s (weights 16s..16s+15): scale sc_s (low nibble), min m_s (high)
+//! 3-bit codes, as bit planes:
+//! offset 12   32 B  plane 0  byte j, bits 2t..2t+1: code bits 0-1 of weight 32t + j
+//! offset 44   16 B  plane 1  byte j, bit b: code bit 2 of weight 16b + j
+//! 4-bit codes, as nibbles:
+//! offset 12   64 B  byte j: code of weight j (low nibble), of weight 64 + j (high nibble)
+//! then        R slots of 2 B: position (u8, < 128; readers use its low 7 bits), value (i8)
 //! ```
 //!
-//! A dense group's code c in 0..=7 means `min + c * scale`; in a sparse group code 0 means exactly 0.0 and
-//! codes 1..=7 mean `min + (c - 1) * scale`. A slot adds `value * |scale| / 16` to the weight at its position
-//! (value 0: an unused slot). Records are 4-byte aligned when `slots` is even. Bits per weight:
-//! `8 * (4 + 3 * group / 8 + 2 * slots) / group` (3.25 for group 128 without slots, 3.5 with two).
+//! Weight i of sub-block s with code c is `d * sc_s * c - dmin * m_s`; a slot with value v != 0 adds
+//! `v * d * sc_s / 16` (s = its position's sub-block). A record is `60 + 2R` bytes with 3-bit codes (3.75 bits
+//! per weight without slots, 4.0 with two: 64 bytes, 16-byte aligned), `76 + 2R` with 4-bit codes.
+//!
+//! Dot products run on int8 activations (`ActQ8`: one f32 scale per 128 values, sums per 16), so a kernel
+//! multiplies bytes by bytes (`vpmaddubsw`), as for llama.cpp's k-quants and their Q8_K activations.
 
 mod quantize;
 
@@ -22,50 +29,60 @@ use crate::error::{Error, Result};
 use half::f16;
 
 /// The format version written to (and required in) a file's metadata.
-pub const FORMAT_VERSION: u32 = 1;
-/// A residual slot's value unit, as a fraction of the group's grid step.
+pub const FORMAT_VERSION: u32 = 2;
+/// Weights per record.
+pub const GROUP: usize = 128;
+/// Weights per sub-block (one 4-bit scale and one 4-bit min).
+pub const SUB: usize = 16;
+/// A residual slot's value unit, as a fraction of its sub-block's grid step.
 pub const RESIDUAL_UNIT: f32 = 1.0 / 16.0;
+/// Byte offsets of a record's fields.
+pub(crate) const OFF_SCALES: usize = 4;
+pub(crate) const OFF_PLANE0: usize = 12;
+pub(crate) const OFF_PLANE1: usize = 44;
 
-/// The shape of a tensor's records: weights per group and residual slots per group.
+/// The shape of a tensor's records: bits per code (3 or 4) and residual slots per record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
-    pub group: usize,
+    pub bits: usize,
     pub slots: usize,
 }
 
 impl Layout {
-    pub fn new(group: usize, slots: usize) -> Result<Layout> {
-        if !matches!(group, 32 | 64 | 128 | 256) {
-            return Err(Error::InvalidArgument(format!(
-                "GSQ-RCO group size must be 32, 64, 128 or 256, got {group}"
-            )));
+    pub fn new(bits: usize, slots: usize) -> Result<Layout> {
+        if !matches!(bits, 3 | 4) {
+            return Err(Error::InvalidArgument(format!("GSQ-RCO codes have 3 or 4 bits, got {bits}")));
         }
         if slots > 16 || !slots.is_multiple_of(2) {
             return Err(Error::InvalidArgument(format!(
-                "GSQ-RCO residual slots per group must be even and at most 16, got {slots}"
+                "GSQ-RCO residual slots per record must be even and at most 16, got {slots}"
             )));
         }
-        Ok(Layout { group, slots })
+        Ok(Layout { bits, slots })
     }
 
-    /// Bytes of one group's record.
+    /// Byte offset of the residual slots in a record (after 48 bytes of 3-bit codes or 64 of 4-bit ones).
+    pub(crate) fn slots_offset(&self) -> usize {
+        OFF_PLANE0 + GROUP * self.bits / 8
+    }
+
+    /// Bytes of one record.
     pub fn record_bytes(&self) -> usize {
-        4 + 3 * self.group / 8 + 2 * self.slots
+        self.slots_offset() + 2 * self.slots
     }
 
-    /// Bytes of a row of `n` weights, or an error when `n` is not a whole number of groups.
+    /// Bytes of a row of `n` weights, or an error when `n` is not a whole number of records.
     pub fn row_bytes(&self, n: usize) -> Result<usize> {
-        if !n.is_multiple_of(self.group) {
+        if !n.is_multiple_of(GROUP) {
             return Err(Error::InvalidArgument(format!(
-                "a row of {n} weights is not a whole number of {}-weight groups",
-                self.group
+                "a row of {n} weights is not a whole number of {GROUP}-weight GSQ-RCO records"
             )));
         }
-        Ok(n / self.group * self.record_bytes())
+        Ok(n / GROUP * self.record_bytes())
     }
 
     pub fn bits_per_weight(&self) -> f64 {
-        8.0 * self.record_bytes() as f64 / self.group as f64
+        8.0 * self.record_bytes() as f64 / GROUP as f64
     }
 }
 
@@ -80,7 +97,6 @@ pub fn quantize_matrix(
     threads: usize,
 ) -> Result<(Vec<u8>, RowStats)> {
     use rayon::prelude::*;
-    let row_bytes = layout.row_bytes(cols)?;
     if cols == 0 || !w.len().is_multiple_of(cols) || h.len() != cols {
         return Err(Error::InvalidArgument(format!(
             "GSQ-RCO quantization of {} weights in rows of {cols} with {} importances",
@@ -88,6 +104,7 @@ pub fn quantize_matrix(
             h.len()
         )));
     }
+    let row_bytes = layout.row_bytes(cols)?;
     let rows = w.len() / cols;
     let mut out = vec![0u8; rows * row_bytes];
     let pool = rayon::ThreadPoolBuilder::new()
@@ -106,110 +123,145 @@ pub fn quantize_matrix(
     Ok((out, stats))
 }
 
-/// Code i (0-based) of a group's packed codes.
+/// Code of weight i (0..128) of a record.
 #[inline]
-pub(crate) fn code_at(codes: &[u8], i: usize) -> u8 {
-    let word = (i / 8) * 3;
-    let bits = codes[word] as u32 | (codes[word + 1] as u32) << 8 | (codes[word + 2] as u32) << 16;
-    ((bits >> (3 * (i % 8))) & 7) as u8
+pub(crate) fn code_at(layout: Layout, rec: &[u8], i: usize) -> u8 {
+    if layout.bits == 4 {
+        return (rec[OFF_PLANE0 + i % 64] >> (4 * (i / 64))) & 15;
+    }
+    let lo = (rec[OFF_PLANE0 + i % 32] >> (2 * (i / 32))) & 3;
+    lo | ((rec[OFF_PLANE1 + i % 16] >> (i / 16)) & 1) << 2
 }
 
-/// Pack codes (each < 8) into 3 bytes per 8.
-pub(crate) fn pack_codes(codes: &[u8], out: &mut [u8]) {
-    for (chunk, dst) in codes.chunks_exact(8).zip(out.chunks_exact_mut(3)) {
-        let bits = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |b, (i, &c)| b | ((c as u32 & 7) << (3 * i)));
-        dst.copy_from_slice(&bits.to_le_bytes()[..3]);
+/// Write 128 codes (each < 2^bits) into a record's code bytes.
+pub(crate) fn pack_codes(layout: Layout, codes: &[u8], rec: &mut [u8]) {
+    rec[OFF_PLANE0..layout.slots_offset()].fill(0);
+    for (i, &c) in codes.iter().enumerate() {
+        if layout.bits == 4 {
+            rec[OFF_PLANE0 + i % 64] |= (c & 15) << (4 * (i / 64));
+        } else {
+            rec[OFF_PLANE0 + i % 32] |= (c & 3) << (2 * (i / 32));
+            rec[OFF_PLANE1 + i % 16] |= ((c >> 2) & 1) << (i / 16);
+        }
     }
 }
 
-/// The value code `c` stands for in a group with this grid.
+/// A record's grid: d, dmin, and per sub-block (scale, min) as integers.
 #[inline]
-pub(crate) fn level(c: u8, scale: f32, min: f32, sparse: bool) -> f32 {
-    match (sparse, c) {
-        (true, 0) => 0.0,
-        (true, c) => min + (c - 1) as f32 * scale,
-        (false, c) => min + c as f32 * scale,
-    }
+pub(crate) fn header(rec: &[u8]) -> (f32, f32, [(u8, u8); GROUP / SUB]) {
+    let d = f16::from_le_bytes([rec[0], rec[1]]).to_f32();
+    let dmin = f16::from_le_bytes([rec[2], rec[3]]).to_f32();
+    let sm = std::array::from_fn(|s| (rec[OFF_SCALES + s] & 15, rec[OFF_SCALES + s] >> 4));
+    (d, dmin, sm)
 }
 
-/// One group's grid: (|scale|, min, sparse).
+/// The residual slots of a record: (position, value), unused ones (value 0) skipped. A position's low 7 bits
+/// count (the writer stores only positions < 128), so no byte value reads outside the record's weights.
 #[inline]
-fn header(rec: &[u8]) -> (f32, f32, bool) {
-    let s = f16::from_le_bytes([rec[0], rec[1]]);
-    let m = f16::from_le_bytes([rec[2], rec[3]]).to_f32();
-    (s.to_f32().abs(), m, s.is_sign_negative())
+pub(crate) fn slots(layout: Layout, rec: &[u8]) -> impl Iterator<Item = (usize, i8)> + '_ {
+    rec[layout.slots_offset()..layout.record_bytes()]
+        .chunks_exact(2)
+        .map(|s| (s[0] as usize & (GROUP - 1), s[1] as i8))
+        .filter(|&(_, v)| v != 0)
+}
+
+fn check_row(layout: Layout, src: &[u8], n: usize) -> Result<()> {
+    let expected = layout.row_bytes(n)?;
+    if src.len() != expected {
+        return Err(Error::BadModel(format!(
+            "a GSQ-RCO row of {n} weights takes {expected} bytes, got {}",
+            src.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Dequantize one row (`dst.len()` weights) from its records.
 pub fn dequantize_row(layout: Layout, src: &[u8], dst: &mut [f32]) -> Result<()> {
-    let expected = layout.row_bytes(dst.len())?;
-    if src.len() != expected {
-        return Err(Error::BadModel(format!(
-            "a GSQ-RCO row of {} weights takes {expected} bytes, got {}",
-            dst.len(),
-            src.len()
-        )));
-    }
-    let g = layout.group;
-    let code_bytes = 3 * g / 8;
-    for (rec, out) in src
-        .chunks_exact(layout.record_bytes())
-        .zip(dst.chunks_exact_mut(g))
-    {
-        let (scale, min, sparse) = header(rec);
-        let codes = &rec[4..4 + code_bytes];
-        // The group's levels once; then 8 codes per 3-byte word.
-        let levels: [f32; 8] = std::array::from_fn(|c| level(c as u8, scale, min, sparse));
-        for (word, o8) in codes.chunks_exact(3).zip(out.chunks_exact_mut(8)) {
-            let bits = word[0] as u32 | (word[1] as u32) << 8 | (word[2] as u32) << 16;
-            for (i, o) in o8.iter_mut().enumerate() {
-                *o = levels[((bits >> (3 * i)) & 7) as usize];
-            }
+    check_row(layout, src, dst.len())?;
+    for (rec, out) in src.chunks_exact(layout.record_bytes()).zip(dst.chunks_exact_mut(GROUP)) {
+        let (d, dmin, sm) = header(rec);
+        for (i, o) in out.iter_mut().enumerate() {
+            let (sc, m) = sm[i / SUB];
+            *o = d * sc as f32 * code_at(layout, rec, i) as f32 - dmin * m as f32;
         }
-        for slot in rec[4 + code_bytes..].chunks_exact(2) {
-            let (pos, val) = (slot[0] as usize, slot[1] as i8);
-            if val != 0 && pos < g {
-                out[pos] += val as f32 * scale * RESIDUAL_UNIT;
-            }
+        for (pos, v) in slots(layout, rec) {
+            out[pos] += v as f32 * d * sm[pos / SUB].0 as f32 * RESIDUAL_UNIT;
         }
     }
     Ok(())
 }
 
-/// Dot product of one row's records with f32 activations `x` (the scalar reference of the GSQ-RCO kernels):
-/// per group, `|scale| * sum(c' * x) + min * sum(x over non-zero codes) + residuals`, summed in f32.
-pub fn dot_row(layout: Layout, src: &[u8], x: &[f32]) -> f32 {
-    let g = layout.group;
-    let code_bytes = 3 * g / 8;
+/// Activations quantized for GSQ-RCO dot products: per 128 values one f32 scale `d`, the int8 values `q`
+/// (x ~ d * q) and the sums of q over each 16 (for the sub-block mins).
+#[derive(Clone, Debug, Default)]
+pub struct ActQ8 {
+    pub d: Vec<f32>,
+    pub q: Vec<i8>,
+    pub bsums: Vec<i32>,
+}
+
+impl ActQ8 {
+    /// Quantize `x` (a whole number of 128-value blocks; the caller checks) into self, reusing its buffers.
+    pub fn quantize(&mut self, x: &[f32]) {
+        let nb = x.len() / GROUP;
+        self.d.clear();
+        self.q.clear();
+        self.bsums.clear();
+        for xb in x.chunks_exact(GROUP) {
+            let amax = xb.iter().fold(0.0f32, |a, &v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            self.d.push(d);
+            let start = self.q.len();
+            self.q.extend(xb.iter().map(|&v| (v * id).round().clamp(-127.0, 127.0) as i8));
+            for sub in self.q[start..].chunks_exact(SUB) {
+                self.bsums.push(sub.iter().map(|&v| v as i32).sum());
+            }
+        }
+        debug_assert_eq!(self.d.len(), nb);
+    }
+
+    pub fn from_f32(x: &[f32]) -> ActQ8 {
+        let mut a = ActQ8::default();
+        a.quantize(x);
+        a
+    }
+
+    /// Number of 128-value blocks.
+    pub fn blocks(&self) -> usize {
+        self.d.len()
+    }
+}
+
+/// Dot product of one row's records with int8 activations (the scalar reference of the GSQ-RCO kernels):
+/// per record, in integers, `sum_s sc_s * sum(c * q)`, `sum_s m_s * bsum_s` and the slots' `sum v * sc * q`,
+/// then `dx * (d * (isum + ssum / 16) - dmin * msum)` in f32.
+pub fn dot_row_q8(layout: Layout, src: &[u8], x: &ActQ8) -> f32 {
     let mut total = 0.0f32;
-    for (rec, xs) in src
-        .chunks_exact(layout.record_bytes())
-        .zip(x.chunks_exact(g))
-    {
-        let (scale, min, sparse) = header(rec);
-        let codes = &rec[4..4 + code_bytes];
-        let (mut qx, mut sx) = (0.0f32, 0.0f32);
-        for (i, &xi) in xs.iter().enumerate() {
-            let c = code_at(codes, i);
-            if sparse && c == 0 {
-                continue;
-            }
-            qx += (c - sparse as u8) as f32 * xi;
-            sx += xi;
+    for (r, rec) in src.chunks_exact(layout.record_bytes()).enumerate().take(x.blocks()) {
+        let (d, dmin, sm) = header(rec);
+        let q = &x.q[r * GROUP..(r + 1) * GROUP];
+        let (mut isum, mut msum, mut ssum) = (0i32, 0i32, 0i32);
+        for (s, &(sc, m)) in sm.iter().enumerate() {
+            let sub: i32 = (s * SUB..(s + 1) * SUB).map(|i| code_at(layout, rec, i) as i32 * q[i] as i32).sum();
+            isum += sc as i32 * sub;
+            msum += m as i32 * x.bsums[r * (GROUP / SUB) + s];
         }
-        let mut acc = scale * qx + min * sx;
-        for slot in rec[4 + code_bytes..].chunks_exact(2) {
-            let (pos, val) = (slot[0] as usize, slot[1] as i8);
-            if val != 0 && pos < g {
-                acc += val as f32 * scale * RESIDUAL_UNIT * xs[pos];
-            }
+        for (pos, v) in slots(layout, rec) {
+            ssum += v as i32 * sm[pos / SUB].0 as i32 * q[pos] as i32;
         }
-        total += acc;
+        total += x.d[r] * (d * (isum as f32 + ssum as f32 * RESIDUAL_UNIT) - dmin * msum as f32);
     }
     total
+}
+
+/// Dot product of one row's records with f32 activations, through the dequantized row (a reference for the
+/// int8 path's tests and for callers without quantized activations).
+pub fn dot_row(layout: Layout, src: &[u8], x: &[f32]) -> Result<f32> {
+    let mut w = vec![0f32; x.len()];
+    dequantize_row(layout, src, &mut w)?;
+    Ok(w.iter().zip(x).map(|(&a, &b)| a * b).sum())
 }
 
 #[cfg(test)]

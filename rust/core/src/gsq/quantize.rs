@@ -1,34 +1,39 @@
-//! The GSQ-RCO quantizer with its residual calibration optimizer (RCO), one group at a time.
+//! The GSQ-RCO quantizer with its residual calibration optimizer (RCO), one 128-weight record at a time.
 //!
-//! For a group's weights w and their importances h (mean squared activation of the input column; 1 without
-//! calibration), RCO minimises the importance-weighted error sum_j h_j (w_j - q_j - r_j)^2 over the grid (scale,
-//! min), the codes, the choice of dense or sparse mode and the residual slots. Each step: assign every weight its
-//! nearest level (in sparse mode, exactly zero when that is nearer); give the `slots` largest weighted errors a
-//! residual; refit scale and min by weighted least squares on the weights left to the grid (outliers that got a
-//! slot no longer stretch it). The grid is rounded to f16 before codes are assigned, so the error measured is the
-//! error stored. Steps stop early once codes and slots stop changing; the best step of each mode is kept.
+//! For a record's weights w and their importances h (mean squared activation of the input column; 1 without
+//! calibration), RCO minimises the weighted error sum_i e_i (w_i - q_i - r_i)^2 over the grid (d, dmin, the 4-bit
+//! sub-block scales and mins), the codes and the residual slots:
+//! 1. each 16-weight sub-block gets its own (scale, min) by a search over candidate scales, each followed by a
+//!    weighted least-squares fit (the idea of llama.cpp's `make_qkx2_quants`, written anew here);
+//! 2. d and dmin are the largest scale and min over 15, rounded to f16; the sub-block values become 4-bit
+//!    integers of them;
+//! 3. RCO steps: assign every weight its nearest level, give the `slots` largest weighted errors a residual,
+//!    then refit each sub-block's integers and (d, dmin) by weighted least squares on the weights left to the
+//!    grid (outliers that got a slot stop stretching it). Everything is rounded as stored before codes are
+//!    assigned, so the error measured is the error stored. Steps stop when codes and slots stop changing; the
+//!    best step is kept.
 //!
-//! The optimiser does not weigh a weight's error by its column's importance h_j alone but by
-//! `h_j * sqrt(sigma2 + w_j^2)`, sigma2 = 2 * mean(w^2) over the row (llama.cpp's regularization of imatrix
+//! The optimiser weighs a weight's error not by its column's importance h_i alone but by
+//! `e_i = h_i * sqrt(sigma2 + w_i^2)`, sigma2 = 2 * mean(w^2) over the row (llama.cpp's regularization of imatrix
 //! weights in its k-quants): raw mean squares span orders of magnitude between columns, and unregularized they
-//! let a few outlier columns decide a group's grid. The reported errors stay weighted by h alone.
+//! let a few outlier columns decide a grid. The reported errors stay weighted by h alone.
 
 use half::f16;
 
-use super::{level, pack_codes, Layout, RESIDUAL_UNIT};
+use super::{pack_codes, Layout, GROUP, OFF_SCALES, RESIDUAL_UNIT, SUB};
+
+const NSUB: usize = GROUP / SUB;
 
 /// What the quantizer may do besides the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Options {
-    /// RCO refinement steps per group and mode (0: the min/max grid only).
+    /// RCO refinement steps per record (0: the initial sub-block fit only).
     pub steps: usize,
-    /// Whether a group may choose sparse mode (code 0 = exact zero).
-    pub sparsity: bool,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { steps: 100, sparsity: true }
+        Options { steps: 100 }
     }
 }
 
@@ -37,13 +42,10 @@ impl Default for Options {
 pub struct RowStats {
     /// sum h w^2: the scale the errors below are relative to.
     pub weight: f64,
-    /// Plain round-to-nearest on a min/max 8-level grid, no sparsity, no residuals.
+    /// Plain round-to-nearest 3-bit on a min/max 8-level grid per 128 weights (f16 scale and min): a baseline.
     pub err_rtn: f64,
     /// What was stored.
     pub err: f64,
-    /// Weights stored as exact zeros (the codes of sparse groups that mean 0).
-    pub zeros: usize,
-    pub sparse_groups: usize,
     pub slots_used: usize,
 }
 
@@ -52,211 +54,293 @@ impl RowStats {
         self.weight += o.weight;
         self.err_rtn += o.err_rtn;
         self.err += o.err;
-        self.zeros += o.zeros;
-        self.sparse_groups += o.sparse_groups;
         self.slots_used += o.slots_used;
     }
-}
-
-#[derive(Clone)]
-struct Candidate {
-    scale: f32,
-    min: f32,
-    sparse: bool,
-    codes: Vec<u8>,
-    slots: Vec<(u8, i8)>,
-    err: f64,
 }
 
 fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
 
-/// Nearest code of `w` on the grid (dense: 8 levels; sparse: zero or 7 levels).
-fn nearest(w: f32, scale: f32, min: f32, sparse: bool) -> u8 {
-    let n_levels = if sparse { 7 } else { 8 };
-    let k = if scale > 0.0 {
-        ((w - min) / scale)
-            .round()
-            .clamp(0.0, (n_levels - 1) as f32) as u8
-    } else {
-        0
-    };
-    let c = k + sparse as u8;
-    if sparse && w.abs() < (w - level(c, scale, min, true)).abs() {
-        0
-    } else {
-        c
+/// A record's grid as stored: d, dmin (f16-rounded) and the 4-bit integers per sub-block.
+#[derive(Clone, Copy, PartialEq)]
+struct Grid {
+    d: f32,
+    dmin: f32,
+    sc: [u8; NSUB],
+    m: [u8; NSUB],
+}
+
+impl Grid {
+    fn step(&self, s: usize) -> f32 {
+        self.d * self.sc[s] as f32
+    }
+    fn offset(&self, s: usize) -> f32 {
+        self.dmin * self.m[s] as f32
     }
 }
 
-/// Codes, slots and weighted error of a group on a given (already f16-rounded) grid.
-fn evaluate(w: &[f32], h: &[f32], scale: f32, min: f32, sparse: bool, n_slots: usize) -> Candidate {
-    let codes: Vec<u8> = w.iter().map(|&x| nearest(x, scale, min, sparse)).collect();
-    let errs: Vec<f32> = w
-        .iter()
-        .zip(&codes)
-        .map(|(&x, &c)| x - level(c, scale, min, sparse))
-        .collect();
-    // The n_slots largest weighted errors, largest first, ties to the lower index (a partial insertion sort:
-    // n_slots is at most 16, a full sort of the group per step cost more than the rest of the step).
-    let key = |j: usize| h[j] as f64 * (errs[j] as f64).powi(2);
+#[derive(Clone)]
+struct Candidate {
+    grid: Grid,
+    codes: [u8; GROUP],
+    slots: Vec<(u8, i8)>,
+    err: f64,
+}
+
+/// (scale, min) of one sub-block, the level of code l being `scale * l - min` (min >= 0, as k-quants): candidate
+/// inverse scales around nmax / (max - min), each with its codes and a weighted least-squares refit; the best
+/// by weighted error.
+fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
+    let (mut lo, hi) = w.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+    lo = lo.min(0.0);
+    if hi <= lo {
+        return (0.0, -lo);
+    }
+    let uniform = e.iter().all(|&v| v <= 0.0);
+    let wt = |i: usize| if uniform { 1.0 } else { e[i] };
+    let err_of = |scale: f32, min: f32, codes: &dyn Fn(usize) -> f32| -> f32 {
+        (0..w.len()).map(|i| wt(i) * (scale * codes(i) - min - w[i]).powi(2)).sum()
+    };
+    let mut best = ((hi - lo) / nmax, -lo);
+    let mut best_err = err_of(best.0, best.1, &|i| ((w[i] - lo) / best.0).round().clamp(0.0, nmax));
+    for is in 0..=20 {
+        let iscale = (nmax - 1.0 + 0.1 * is as f32) / (hi - lo);
+        let l: Vec<f32> = w.iter().map(|&x| (iscale * (x - lo)).round().clamp(0.0, nmax)).collect();
+        let (mut s0, mut s1, mut s2, mut t0, mut t1) = (0.0f32, 0.0f32, 0.0f32, 0.0f32, 0.0f32);
+        for i in 0..w.len() {
+            let (wi, li) = (wt(i), l[i]);
+            s0 += wi;
+            s1 += wi * li;
+            s2 += wi * li * li;
+            t0 += wi * w[i];
+            t1 += wi * li * w[i];
+        }
+        let det = s0 * s2 - s1 * s1;
+        if det <= 0.0 {
+            continue;
+        }
+        let mut scale = (s0 * t1 - s1 * t0) / det;
+        let mut offset = (s2 * t0 - s1 * t1) / det;
+        if offset > 0.0 {
+            offset = 0.0;
+            scale = if s2 > 0.0 { t1 / s2 } else { 0.0 };
+        }
+        if scale <= 0.0 {
+            continue;
+        }
+        let err = err_of(scale, -offset, &|i| l[i]);
+        if err < best_err {
+            best_err = err;
+            best = (scale, -offset);
+        }
+    }
+    best
+}
+
+/// The 4-bit integer of `v` in units of `unit` (0 when the unit is 0).
+fn to_nibble(v: f32, unit: f32) -> u8 {
+    if unit > 0.0 { (v / unit).round().clamp(0.0, 15.0) as u8 } else { 0 }
+}
+
+/// Codes, slots and weighted error of a record on a given grid.
+fn evaluate(w: &[f32], e: &[f32], g: &Grid, nmax: u8, n_slots: usize) -> Candidate {
+    let mut codes = [0u8; GROUP];
+    let mut errs = [0f32; GROUP];
+    for i in 0..GROUP {
+        let s = i / SUB;
+        let (step, off) = (g.step(s), g.offset(s));
+        let c = if step > 0.0 { ((w[i] + off) / step).round().clamp(0.0, nmax as f32) as u8 } else { 0 };
+        codes[i] = c;
+        errs[i] = w[i] - (step * c as f32 - off);
+    }
+    // The n_slots largest weighted errors, largest first, ties to the lower index (a partial insertion sort).
+    let key = |j: usize| e[j] as f64 * (errs[j] as f64).powi(2);
     let mut order: Vec<usize> = Vec::with_capacity(n_slots + 1);
     if n_slots > 0 {
-        for j in 0..w.len() {
+        for j in 0..GROUP {
             let kj = key(j);
             if order.len() == n_slots && kj <= key(order[n_slots - 1]) {
-                continue; // not above the smallest kept (an equal key loses: the kept index is lower)
+                continue;
             }
             let at = order.iter().position(|&o| kj > key(o)).unwrap_or(order.len());
             order.insert(at, j);
             order.truncate(n_slots);
         }
     }
-    let unit = scale * RESIDUAL_UNIT;
     let mut slots = Vec::with_capacity(n_slots);
-    for &j in order.iter().take(n_slots) {
+    for &j in &order {
+        let unit = g.step(j / SUB) * RESIDUAL_UNIT;
         if unit <= 0.0 {
-            break;
+            continue;
         }
         let v = (errs[j] / unit).round().clamp(-127.0, 127.0) as i8;
         if v != 0 {
             slots.push((j as u8, v));
+            errs[j] -= v as f32 * unit;
         }
     }
-    let mut corrected = errs.clone();
-    for &(j, v) in &slots {
-        corrected[j as usize] -= v as f32 * unit;
-    }
-    let err = corrected
-        .iter()
-        .zip(h)
-        .map(|(&e, &hj)| hj as f64 * (e as f64).powi(2))
-        .sum();
-    Candidate {
-        scale,
-        min,
-        sparse,
-        codes,
-        slots,
-        err,
-    }
+    let err = errs.iter().zip(e).map(|(&d, &ej)| ej as f64 * (d as f64).powi(2)).sum();
+    Candidate { grid: *g, codes, slots, err }
 }
 
-/// sum_j h_j (w_j - stored_j)^2 of a candidate.
-fn stored_error(w: &[f32], h: &[f32], c: &Candidate) -> f64 {
-    let unit = c.scale * RESIDUAL_UNIT;
-    let mut e: Vec<f32> = w.iter().zip(&c.codes).map(|(&x, &q)| x - level(q, c.scale, c.min, c.sparse)).collect();
-    for &(j, v) in &c.slots {
-        e[j as usize] -= v as f32 * unit;
+/// Refit a candidate's grid by weighted least squares on the weights not in a slot: each sub-block's (scale,
+/// min) given its codes, rounded to nibbles of the current d and dmin, then (d, dmin) jointly given those.
+fn refit(w: &[f32], e: &[f32], c: &Candidate) -> Option<Grid> {
+    let mut in_slot = [false; GROUP];
+    c.slots.iter().for_each(|&(p, _)| in_slot[p as usize] = true);
+    let mut g = c.grid;
+    for s in 0..NSUB {
+        let (mut s0, mut s1, mut s2, mut t0, mut t1) = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        for i in s * SUB..(s + 1) * SUB {
+            if in_slot[i] {
+                continue;
+            }
+            let (ei, q, x) = (e[i] as f64, c.codes[i] as f64, w[i] as f64);
+            s0 += ei;
+            s1 += ei * q;
+            s2 += ei * q * q;
+            t0 += ei * x;
+            t1 += ei * q * x;
+        }
+        let det = s0 * s2 - s1 * s1;
+        if det > 1e-12 * s0 * s2 && s0 > 0.0 {
+            let scale = (s0 * t1 - s1 * t0) / det;
+            let min = -(t0 - scale * s1) / s0;
+            g.sc[s] = to_nibble(scale as f32, g.d);
+            g.m[s] = to_nibble(min.max(0.0) as f32, g.dmin);
+        }
     }
-    e.iter().zip(h).map(|(&d, &hj)| hj as f64 * (d as f64).powi(2)).sum()
-}
-
-/// Weighted least-squares (min, scale) for the weights on the grid (not zero-coded, not given a slot).
-fn refit(w: &[f32], h: &[f32], c: &Candidate) -> Option<(f32, f32)> {
-    let in_slot = |j: usize| c.slots.iter().any(|&(p, _)| p as usize == j);
-    let (mut s0, mut s1, mut s2, mut t0, mut t1) = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    for (j, (&x, &code)) in w.iter().zip(&c.codes).enumerate() {
-        if (c.sparse && code == 0) || in_slot(j) {
+    // w_i ~ d * A_i - dmin * B_i with A_i = sc_s * c_i, B_i = m_s.
+    let (mut aa, mut ab, mut bb, mut aw, mut bw) = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    for i in 0..GROUP {
+        if in_slot[i] {
             continue;
         }
-        let q = (code - c.sparse as u8) as f64;
-        let hj = h[j] as f64;
-        s0 += hj;
-        s1 += hj * q;
-        s2 += hj * q * q;
-        t0 += hj * x as f64;
-        t1 += hj * q * x as f64;
+        let s = i / SUB;
+        let (ei, a, b, x) = (e[i] as f64, (g.sc[s] as f64) * c.codes[i] as f64, g.m[s] as f64, w[i] as f64);
+        aa += ei * a * a;
+        ab += ei * a * b;
+        bb += ei * b * b;
+        aw += ei * a * x;
+        bw += ei * b * x;
     }
-    let det = s0 * s2 - s1 * s1;
-    if det <= 1e-12 * s0 * s2.max(1e-30) || s0 <= 0.0 {
+    if bb > 0.0 {
+        let det = aa * bb - ab * ab;
+        if det <= 1e-12 * aa * bb {
+            return None;
+        }
+        // minimise sum e (d A - dmin B - w)^2: normal equations in (d, -dmin).
+        let d = (aw * bb - bw * ab) / det;
+        let nd = (aa * bw - ab * aw) / det; // = -dmin
+        g.d = round_f16(d as f32);
+        g.dmin = round_f16((-nd).max(0.0) as f32);
+    } else if aa > 0.0 {
+        g.d = round_f16((aw / aa) as f32);
+    } else {
         return None;
     }
-    let scale = (s0 * t1 - s1 * t0) / det;
-    let min = (t0 - scale * s1) / s0;
-    (scale > 0.0).then_some((min as f32, scale as f32))
+    (g.d > 0.0).then_some(g)
 }
 
-/// The best candidate of one mode after up to `steps` refinements from the min/max grid.
-fn optimise(w: &[f32], h: &[f32], sparse: bool, n_slots: usize, steps: usize) -> Candidate {
-    let (lo, hi) = w
-        .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
-            (a.min(x), b.max(x))
-        });
-    let n_levels = if sparse { 7.0 } else { 8.0 };
-    let mut min = round_f16(lo);
-    let mut scale = round_f16(((hi - min) / (n_levels - 1.0)).max(0.0));
-    let mut last = evaluate(w, h, scale, min, sparse, n_slots);
-    let mut best = last.clone();
-    for _ in 0..steps {
-        let Some((m, s)) = refit(w, h, &last) else {
-            break;
-        };
-        min = round_f16(m);
-        scale = round_f16(s);
-        if scale <= 0.0 {
-            break;
-        }
-        let next = evaluate(w, h, scale, min, sparse, n_slots);
-        let settled = next.codes == last.codes && next.slots == last.slots;
-        if next.err < best.err {
-            best = next.clone();
-        }
-        last = next;
-        if settled {
-            break;
+/// The initial candidate: per-sub-block fits, their scales and mins as nibbles of d and dmin. d = largest / 15
+/// gives the largest sub-block scale exactly and the small ones coarsely (a scale of 2.4 units stores as 2); a
+/// smaller d (the largest then clips at 15, and its codes refit) often stores the rest better, so a few are tried
+/// on the whole record's error.
+fn initial(w: &[f32], e: &[f32], nmax: u8, n_slots: usize) -> Candidate {
+    let fits: [(f32, f32); NSUB] = std::array::from_fn(|s| fit_sub(&w[s * SUB..(s + 1) * SUB], &e[s * SUB..(s + 1) * SUB], nmax as f32));
+    let max_sc = fits.iter().fold(0.0f32, |a, f| a.max(f.0));
+    let dmin = round_f16(fits.iter().fold(0.0f32, |a, f| a.max(f.1)) / 15.0);
+    let m = std::array::from_fn(|s| to_nibble(fits[s].1, dmin));
+    let mut best: Option<Candidate> = None;
+    for div in [15.0f32, 15.5, 16.0, 17.0, 18.0] {
+        let d = round_f16(max_sc / div);
+        let g = Grid { d, dmin, sc: std::array::from_fn(|s| to_nibble(fits[s].0, d)), m };
+        let c = evaluate(w, e, &g, nmax, n_slots);
+        if best.as_ref().is_none_or(|b| c.err < b.err) {
+            best = Some(c);
         }
     }
-    best
+    best.expect("at least one candidate")
 }
 
-/// Quantize one row `w` (a whole number of groups) with per-column importances `h` (same length) into `out`
-/// (`layout.row_bytes(w.len())` bytes), refining each group for at most `opts.steps` RCO steps.
+/// Error of plain round-to-nearest 3-bit on the record's min/max grid (f16 step and min), weighted by h.
+fn rtn_error(w: &[f32], h: &[f32]) -> f64 {
+    let (lo, hi) = w.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+    let min = round_f16(lo);
+    let step = round_f16(((hi - min) / 7.0).max(0.0));
+    w.iter()
+        .zip(h)
+        .map(|(&x, &hj)| {
+            let c = if step > 0.0 { ((x - min) / step).round().clamp(0.0, 7.0) } else { 0.0 };
+            hj as f64 * ((x - (min + c * step)) as f64).powi(2)
+        })
+        .sum()
+}
+
+/// Quantize one row `w` (a whole number of records) with per-column importances `h` (same length) into `out`
+/// (`layout.row_bytes(w.len())` bytes), refining each record for at most `opts.steps` RCO steps.
 ///
 /// # Panics
 /// If the lengths do not match the layout (the caller checks them).
 pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
     assert_eq!(w.len(), h.len(), "weights and importances differ in length");
     assert_eq!(Some(out.len()), layout.row_bytes(w.len()).ok(), "output is not the row's size");
-    let g = layout.group;
-    let code_bytes = 3 * g / 8;
+    let nmax = ((1usize << layout.bits) - 1) as u8;
     let sigma2 = 2.0 * w.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / w.len().max(1) as f64;
     // The optimiser's per-weight weights (see the module documentation).
     let e: Vec<f32> = w.iter().zip(h).map(|(&x, &hj)| hj * (sigma2 + (x as f64).powi(2)).sqrt() as f32).collect();
     let mut stats = RowStats::default();
     for (((wg, hg), eg), rec) in w
-        .chunks_exact(g)
-        .zip(h.chunks_exact(g))
-        .zip(e.chunks_exact(g))
+        .chunks_exact(GROUP)
+        .zip(h.chunks_exact(GROUP))
+        .zip(e.chunks_exact(GROUP))
         .zip(out.chunks_exact_mut(layout.record_bytes()))
     {
         stats.weight += wg.iter().zip(hg).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum::<f64>();
-        stats.err_rtn += optimise(wg, hg, false, 0, 0).err;
-        let dense = optimise(wg, eg, false, layout.slots, opts.steps);
-        let c = if opts.sparsity {
-            let sparse = optimise(wg, eg, true, layout.slots, opts.steps);
-            if sparse.err < dense.err { sparse } else { dense }
-        } else {
-            dense
-        };
-        stats.err += stored_error(wg, hg, &c);
-        if c.sparse {
-            stats.sparse_groups += 1;
-            stats.zeros += c.codes.iter().filter(|&&q| q == 0).count();
+        stats.err_rtn += rtn_error(wg, hg);
+        let mut last = initial(wg, eg, nmax, layout.slots);
+        let mut best = last.clone();
+        for _ in 0..opts.steps {
+            let Some(g) = refit(wg, eg, &last) else { break };
+            let next = evaluate(wg, eg, &g, nmax, layout.slots);
+            let settled = next.grid == last.grid && next.codes == last.codes && next.slots == last.slots;
+            if next.err < best.err {
+                best = next.clone();
+            }
+            last = next;
+            if settled {
+                break;
+            }
         }
-        stats.slots_used += c.slots.len();
-        let scale_bits = f16::from_f32(c.scale).to_bits() | if c.sparse { 0x8000 } else { 0 };
-        rec[0..2].copy_from_slice(&scale_bits.to_le_bytes());
-        rec[2..4].copy_from_slice(&f16::from_f32(c.min).to_le_bytes());
-        pack_codes(&c.codes, &mut rec[4..4 + code_bytes]);
-        let slot_bytes = &mut rec[4 + code_bytes..];
-        slot_bytes.fill(0);
-        for (k, &(pos, val)) in c.slots.iter().enumerate() {
-            slot_bytes[2 * k] = pos;
-            slot_bytes[2 * k + 1] = val as u8;
-        }
+        write_record(layout, &best, rec);
+        stats.err += stored_error(wg, hg, &best);
+        stats.slots_used += best.slots.len();
     }
     stats
+}
+
+/// sum_i h_i (w_i - stored_i)^2 of a candidate.
+fn stored_error(w: &[f32], h: &[f32], c: &Candidate) -> f64 {
+    let g = &c.grid;
+    let mut d: Vec<f32> = (0..GROUP).map(|i| w[i] - (g.step(i / SUB) * c.codes[i] as f32 - g.offset(i / SUB))).collect();
+    for &(j, v) in &c.slots {
+        d[j as usize] -= v as f32 * g.step(j as usize / SUB) * RESIDUAL_UNIT;
+    }
+    d.iter().zip(h).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum()
+}
+
+fn write_record(layout: Layout, c: &Candidate, rec: &mut [u8]) {
+    rec[0..2].copy_from_slice(&f16::from_f32(c.grid.d).to_le_bytes());
+    rec[2..4].copy_from_slice(&f16::from_f32(c.grid.dmin).to_le_bytes());
+    for s in 0..NSUB {
+        rec[OFF_SCALES + s] = c.grid.sc[s] | (c.grid.m[s] << 4);
+    }
+    pack_codes(layout, &c.codes, rec);
+    let slot_bytes = &mut rec[layout.slots_offset()..];
+    slot_bytes.fill(0);
+    for (k, &(pos, val)) in c.slots.iter().enumerate() {
+        slot_bytes[2 * k] = pos;
+        slot_bytes[2 * k + 1] = val as u8;
+    }
 }

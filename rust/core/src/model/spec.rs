@@ -63,7 +63,7 @@ pub struct ModelSpec {
     /// Often the same tensor as token_embd (tied embeddings).
     pub output: String,
     pub layers: Vec<LayerSpec>,
-    /// GSQ-RCO matrices: (tensor name, group size, residual slots). The file stores their records as raw I8
+    /// GSQ-RCO matrices: (tensor name, code bits, residual slots per record). The file stores their records as raw I8
     /// tensors; everything else about them (role, logical shape) is as for any matrix.
     pub gsq: Vec<(String, usize, usize)>,
 }

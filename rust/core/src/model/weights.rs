@@ -127,10 +127,10 @@ impl Loader<'_> {
     }
 
     /// A GSQ-RCO matrix: its I8 records must be exactly [rows, layout.row_bytes(n_cols)].
-    fn gsq_matrix(&self, name: &str, n_cols: usize, n_rows: Option<usize>, group: usize, slots: usize) -> Result<Matrix> {
+    fn gsq_matrix(&self, name: &str, n_cols: usize, n_rows: Option<usize>, bits: usize, slots: usize) -> Result<Matrix> {
         let info = self.file.tensor(name).ok_or_else(|| self.missing(name))?;
         let path = self.file.path.display();
-        let layout = gsq::Layout::new(group, slots).map_err(|e| Error::BadModel(format!("{path}: tensor {name}: {e}")))?;
+        let layout = gsq::Layout::new(bits, slots).map_err(|e| Error::BadModel(format!("{path}: tensor {name}: {e}")))?;
         let row_bytes = layout.row_bytes(n_cols).map_err(|e| Error::BadModel(format!("{path}: tensor {name}: {e}")))?;
         let rows = info.dims[1..].iter().product::<u64>() as usize;
         if info.type_id != 24 || info.dims[0] as usize != row_bytes || n_rows.is_some_and(|r| r != rows) {
@@ -156,8 +156,8 @@ impl Loader<'_> {
 
     /// A [n_rows, n_cols] matrix with the expected shape.
     fn matrix(&self, name: &str, n_cols: usize, n_rows: Option<usize>) -> Result<Matrix> {
-        if let Some((_, group, slots)) = self.gsq.iter().find(|g| g.0 == name) {
-            return self.gsq_matrix(name, n_cols, n_rows, *group, *slots);
+        if let Some((_, bits, slots)) = self.gsq.iter().find(|g| g.0 == name) {
+            return self.gsq_matrix(name, n_cols, n_rows, *bits, *slots);
         }
         let info = self.file.tensor(name).ok_or_else(|| self.missing(name))?;
         let ty = self.compute_type(name, info.type_id)?;

@@ -57,8 +57,9 @@ pub(super) type QuantizeFn = fn(&[f32], &mut [u8]);
 /// Dequantization kernel: writes the whole blocks that fit both `src` and `dst`.
 pub(super) type DequantizeFn = fn(&[u8], &mut [f32]);
 
-/// GSQ-RCO dot product: one row's records (whole records only) with as many f32 activations (`gsq::dot_row`).
-pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], &[f32]) -> f32;
+/// GSQ-RCO dot product: one row's records with int8 activations (`gsq::dot_row_q8`; the records that both
+/// cover).
+pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], &crate::gsq::ActQ8) -> f32;
 
 /// Table slots: GGML type ids run up to 30 (BF16).
 const SLOTS: usize = 31;
@@ -336,13 +337,13 @@ pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
     kernels().vec_dot_tile_at(ty, pos).map(|f| TileKernel { f, block_size: ty.block_size() })
 }
 
-/// Dot product of one GSQ-RCO row's records with f32 activations `x` (`x.len()` weights): the SIMD kernel of
-/// this CPU, or the scalar reference [`crate::gsq::dot_row`]. The caller checks that the sizes match.
+/// Dot product of one GSQ-RCO row's records with int8 activations `x` (the records both cover): the SIMD kernel of
+/// this CPU, or the scalar reference [`crate::gsq::dot_row_q8`]. The caller checks that the sizes match.
 #[inline]
-pub fn gsq_dot(layout: crate::gsq::Layout, row: &[u8], x: &[f32]) -> f32 {
+pub fn gsq_dot_q8(layout: crate::gsq::Layout, row: &[u8], x: &crate::gsq::ActQ8) -> f32 {
     match kernels().gsq_dot {
         Some(f) => f(layout, row, x),
-        None => crate::gsq::dot_row(layout, row, x),
+        None => crate::gsq::dot_row_q8(layout, row, x),
     }
 }
 

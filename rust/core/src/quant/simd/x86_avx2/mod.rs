@@ -193,11 +193,12 @@ dot_wrapper!(vec_dot_q4_k_tiled, orders::vec_dot_q4_k_q8_k_tiled, Q4_K_BYTES, Q8
 dot_wrapper!(vec_dot_q5_k_tiled, orders::vec_dot_q5_k_q8_k_tiled, Q5_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES);
 
-fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], x: &[f32]) -> f32 {
-    let nr = (w.len() / layout.record_bytes()).min(x.len() / layout.group);
+fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], x: &crate::gsq::ActQ8) -> f32 {
+    let nr = (w.len() / layout.record_bytes()).min(x.blocks());
+    assert!(x.q.len() >= nr * crate::gsq::GROUP && x.bsums.len() >= nr * crate::gsq::GROUP / crate::gsq::SUB);
     // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C; `nr` whole records and
-    // their activations are in bounds.
-    unsafe { gsq::dot_row(layout, nr, w.as_ptr(), x.as_ptr()) }
+    // their activations are in bounds (checked above).
+    unsafe { gsq::dot_row(layout, nr, w.as_ptr(), x) }
 }
 
 /// Whether a tile of `nr` weight rows (`ws` bytes apart) and `nc` activation rows (`as_` apart) of `nb` blocks
