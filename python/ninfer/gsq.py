@@ -182,15 +182,10 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         if key.startswith(("GGUF.", "general.architecture", "gsq.")):
             continue
         _copy_kv(w, key, value)
-    w.add_uint32("gsq.version", FORMAT_VERSION)
-    w.add_uint32("gsq.group_size", group)
-    w.add_uint32("gsq.residual_bits", residual_bits)
-    w.add_uint32("gsq.calibration_steps", steps)
-    w.add_uint32("gsq.seed", seed)
-    w.add_string("gsq.calibration", "none" if calib_file is None else f"{Path(calib_file).name}, {calib_tokens} tokens"
-                 if calib_tokens else f"importances from {Path(calib_file).name}")
-    for i, (t, _) in enumerate(plans):
-        w.add_string(f"gsq.tensor.{t.name}", _placeholder(i))
+    add_container_metadata(w, [t.name for t, _ in plans], residual_bits=residual_bits, steps=steps, seed=seed,
+                           calibration="none" if calib_file is None else
+                           f"{Path(calib_file).name}, {calib_tokens} tokens" if calib_tokens else
+                           f"importances from {Path(calib_file).name}")
     for t, pol in plans:
         if pol.kind == "gsq":
             cols, rows = t.dims
@@ -244,7 +239,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                 eta = el / max(done_bytes, 1) * (all_bytes - done_bytes)
                 log(f"[{done_bytes / all_bytes:6.1%}] {t.name}  {el:.1f} s elapsed, ETA {eta:.0f} s")
         w.close()
-        _fill_placeholders(tmp, [json.dumps(i, separators=(",", ":")) for i in infos])
+        fill_tensor_infos(tmp, infos)
         os.replace(tmp, dst)
     finally:
         if tmp.exists():
@@ -270,6 +265,30 @@ def _copy_kv(w: Any, key: str, value: Any) -> None:
         w.add_array(key, list(value))
     else:
         raise ModelFileError(f"cannot copy metadata {key} of type {type(value).__name__}")
+
+
+def add_container_metadata(w: Any, names: list[str], *, residual_bits: int, steps: int, seed: int,
+                           calibration: str) -> None:
+    """The gsq.* keys of a GSQ-RCO file (docs/gsq-rco.md "In a GGUF file"), with a fixed-width placeholder for
+    each tensor's JSON, in tensor order: fill_tensor_infos writes them once the data is written and checksummed.
+    (The converter and the synthetic-model generator write files the same way.)"""
+    w.add_uint32("gsq.version", FORMAT_VERSION)
+    w.add_uint32("gsq.group_size", GROUP)
+    w.add_uint32("gsq.residual_bits", residual_bits)
+    w.add_uint32("gsq.calibration_steps", steps)
+    w.add_uint32("gsq.seed", seed)
+    w.add_string("gsq.calibration", calibration)
+    for i, name in enumerate(names):
+        w.add_string(f"gsq.tensor.{name}", _placeholder(i))
+
+
+def tensor_info(data: Any, **fields: Any) -> dict[str, Any]:
+    """A tensor's `gsq.tensor.<name>` entry: `fields` (shape, type, bpw, ...) and the checksum of its bytes."""
+    return {**fields, "blake2b": _checksum(data)}
+
+
+def fill_tensor_infos(path: Path, infos: list[dict[str, Any]]) -> None:
+    _fill_placeholders(path, [json.dumps(i, separators=(",", ":")) for i in infos])
 
 
 def _fill_placeholders(path: Path, texts: list[str]) -> None:
@@ -325,8 +344,8 @@ def inspect_table(path: str | os.PathLike[str]) -> str:
     for t in mf.tensors:
         i = infos[t.name]
         if i.get("type") == "GSQ-RCO":
-            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['bits']:4d} {i['slots']:5d} "
-                        f"{i['err_rtn']:10.3e} {i['err']:10.3e}")
+            errs = [f"{v:10.3e}" if v is not None else f"{'-':>10s}" for v in (i.get("err_rtn"), i.get("err"))]
+            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['bits']:4d} {i['slots']:5d} {' '.join(errs)}")
         else:
             rows.append(f"{t.name:34s} {i['type']:9s} {i['bpw']:6.3f} {'':4s} {'':5s} {'':10s} {'':10s}")
     total_bits = 8 * sum(t.n_bytes for t in mf.tensors)

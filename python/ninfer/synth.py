@@ -45,6 +45,12 @@ SHAPES: dict[str, Shape] = {
 TYPES: dict[str, GGMLQuantizationType] = {t.name: t for t in (
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
 
+# GSQ-RCO models (docs/gsq-rco.md): every layer matrix as version-2 records of 3- or 4-bit codes with two residual
+# slots, the token embedding Q4_K and the output head Q6_K (the converter's default policy keeps those two in their
+# source types).
+GSQ_TYPES = {"GSQ3": 3, "GSQ4": 4}
+GSQ_SLOTS = 2
+
 # llama-quantize's replacements when a row length is not a multiple of 256 (e.g. Qwen2.5-0.5B's 896).
 _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
@@ -110,6 +116,32 @@ def random_blocks(ty: GGMLQuantizationType, rows: int, cols: int, sigma: float, 
     return b.reshape(rows, cols // block * size)
 
 
+def random_gsq_records(bits: int, slots: int, rows: int, cols: int, sigma: float,
+                       rng: np.random.Generator) -> np.ndarray:
+    """[rows, row_bytes] of GSQ-RCO version-2 records (3- or 4-bit codes) whose weights are centred with a standard
+    deviation near `sigma`: random codes, sub-block scales 8..15, mins that cancel the codes' mean (dmin a fixed
+    multiple of d), random slots with small values. Built from random bytes; no quantizer runs."""
+    from ninfer import _core
+
+    n = rows * (cols // 128)
+    rb = _core.gsq_row_bytes(128, bits=bits, slots=slots)
+    rec = rng.integers(0, 256, size=(n, rb), dtype=np.uint8)
+    levels = 1 << bits
+    mean_c, std_c = (levels - 1) / 2, ((levels * levels - 1) / 12) ** 0.5
+    ratio = 4.0 if bits == 3 else 8.0  # dmin / d, so that the mins (< 16) reach sc * mean_c / ratio
+    sc = rng.integers(8, 16, size=(n, 8), dtype=np.uint8)
+    mn = np.clip(np.rint(sc * mean_c / ratio), 0, 15).astype(np.uint8)
+    d = (sigma / (11.5 * std_c) * rng.uniform(0.75, 1.25, size=n)).astype(np.float32)
+    rec[:, 0:2] = _f16(d)
+    rec[:, 2:4] = _f16(d * ratio)
+    rec[:, 4:12] = sc | (mn << 4)
+    off = rb - 2 * slots
+    if slots:
+        rec[:, off::2] = rng.integers(0, 128, size=(n, slots), dtype=np.uint8)
+        rec[:, off + 1::2] = rng.integers(-32, 33, size=(n, slots)).astype(np.int8).view(np.uint8)
+    return rec.reshape(rows, -1)
+
+
 def _byte_tokens() -> list[str]:
     """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map to U+0100 onwards."""
     keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
@@ -151,12 +183,15 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
         if shape not in SHAPES:
             raise InvalidArgumentError(f"unknown shape '{shape}' (one of {', '.join(SHAPES)})")
         shape = SHAPES[shape]
-    mix = None
+    mix, gsq_bits = None, 0
     if isinstance(ty, str):
         if ty.upper() in MIXES:
             mix, ty = ty.upper(), Q.Q4_K
+        elif ty.upper() in GSQ_TYPES:
+            gsq_bits, ty = GSQ_TYPES[ty.upper()], Q.Q4_K
         elif ty.upper() not in TYPES:
-            raise InvalidArgumentError(f"unknown type '{ty}' (one of {', '.join(list(TYPES) + list(MIXES))})")
+            raise InvalidArgumentError(
+                f"unknown type '{ty}' (one of {', '.join(list(TYPES) + list(MIXES) + list(GSQ_TYPES))})")
         else:
             ty = TYPES[ty.upper()]
     layers = shape.n_layer if n_layer is None else n_layer
@@ -180,10 +215,15 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     out = Path(path)
     tmp = out.with_name(out.name + ".partial")
     w = GGUFWriter(str(tmp), "qwen2")
-    w.add_name(f"ninfer synthetic {shape.n_embd}x{layers} {mix or ty.name}")
+    w.add_name(f"ninfer synthetic {shape.n_embd}x{layers} {mix or (f'GSQ{gsq_bits}' if gsq_bits else ty.name)}")
 
     def type_of(name: str, cols: int) -> GGMLQuantizationType:
+        if gsq_bits:
+            return tensor_type(Q.Q6_K if name == "output.weight" else Q.Q4_K, cols)
         return tensor_type(mix_type(mix, name, layers, shape.tied) if mix else ty, cols)
+
+    def is_gsq(name: str, kind: str, cols: int) -> bool:
+        return bool(gsq_bits) and kind == "w" and name.startswith("blk.") and cols % 128 == 0
 
     w.add_block_count(layers)
     w.add_context_length(n_ctx)
@@ -202,24 +242,49 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     w.add_token_merges(["a b"])
     w.add_eos_token_id(shape.n_vocab - 1)
     w.add_add_bos_token(False)
+    if gsq_bits:  # the GSQ-RCO container: its metadata and a checksummed JSON entry per tensor (ninfer/gsq.py)
+        from ninfer import gsq
+
+        gsq.add_container_metadata(w, [p[0] for p in plan], residual_bits=8, steps=0, seed=seed,
+                                   calibration="none (synthetic records)")
     for name, rows, cols, kind in plan:
+        if is_gsq(name, kind, cols):
+            from ninfer import _core
+
+            row_bytes = _core.gsq_row_bytes(cols, bits=gsq_bits, slots=GSQ_SLOTS)
+            w.add_tensor_info(name, (rows, row_bytes), np.dtype(np.int8), rows * row_bytes, Q.I8)
+            continue
         t = type_of(name, cols) if kind == "w" else Q.F32
         block, size = GGML_QUANT_SIZES[t]
         row_bytes = cols // block * size  # the writer takes byte shapes for raw types
         w.add_tensor_info(name, (rows, row_bytes) if rows > 1 else (row_bytes,), np.dtype(np.uint8), rows * row_bytes, t)
+    infos = []
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for name, rows, cols, kind in plan:
+            dims = [cols] if rows == 1 else [cols, rows]
             if kind == "norm":
                 data = (1.0 + 0.1 * rng.standard_normal(cols, dtype=np.float32)).view(np.uint8)
+                info = {"shape": dims, "type": "F32", "bpw": 32.0}
             elif kind == "bias":
                 data = (0.1 * rng.standard_normal(cols, dtype=np.float32)).view(np.uint8)
+                info = {"shape": dims, "type": "F32", "bpw": 32.0}
+            elif is_gsq(name, kind, cols):
+                data = random_gsq_records(gsq_bits, GSQ_SLOTS, rows, cols, cols ** -0.5, rng)
+                info = {"shape": dims, "type": "GSQ-RCO", "bits": gsq_bits, "slots": GSQ_SLOTS,
+                        "bpw": round(8 * data.size / (rows * cols), 4), "err": None, "err_rtn": None}
             else:
-                data = random_blocks(type_of(name, cols), rows, cols, cols ** -0.5, rng)
+                t = type_of(name, cols)
+                data = random_blocks(t, rows, cols, cols ** -0.5, rng)
+                info = {"shape": dims, "type": t.name, "bpw": round(8 * data.size / (rows * cols), 4)}
+            if gsq_bits:
+                infos.append(gsq.tensor_info(data, **info))
             w.write_tensor_data(data)
         w.close()
+        if gsq_bits:
+            gsq.fill_tensor_infos(tmp, infos)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
