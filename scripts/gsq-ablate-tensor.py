@@ -6,11 +6,10 @@ import numpy as np
 from ninfer import _core
 from ninfer.model_file import ModelFile
 mf = ModelFile(sys.argv[1]); imp = np.load(sys.argv[2])
-mm = np.memmap(mf.path, dtype=np.uint8, mode="r")
 for n in sys.argv[3].split(","):
     t = next(t for t in mf.tensors if t.name == n)
     cols, rows = t.dims
-    w = _core.dequantize(t.type_id, bytes(mm[t.offset : t.offset + t.n_bytes]), cols * rows).reshape(rows, cols)
+    w = mf.dequantized(t)
     h = imp[n].astype(np.float32)
     def err(hq, slots, steps):
         d, st = _core.gsq_quantize(w, hq, bits=3, slots=slots, steps=steps, threads=1)

@@ -6,11 +6,10 @@ import numpy as np
 from ninfer import _core
 from ninfer.model_file import ModelFile
 mf = ModelFile(sys.argv[1]); ref = np.load(sys.argv[2]); test = np.load(sys.argv[3])
-mm = np.memmap(mf.path, dtype=np.uint8, mode="r")
 for n in sys.argv[4].split(","):
     t = next(t for t in mf.tensors if t.name == n)
     cols, rows = t.dims
-    w = _core.dequantize(t.type_id, bytes(mm[t.offset : t.offset + t.n_bytes]), cols * rows).reshape(rows, cols)
+    w = mf.dequantized(t)
     h = ref[n].astype(np.float64)
     out = []
     for name, hq in (("ref", ref[n]), ("test", test[n]), ("ones", np.ones(cols, np.float32))):

@@ -18,9 +18,7 @@ from ninfer.model_file import ModelFile
 
 def load(mf, name):
     t = next(t for t in mf.tensors if t.name == name)
-    mm = np.memmap(mf.path, dtype=np.uint8, mode="r")
-    cols, rows = t.dims
-    return t, _core.dequantize(t.type_id, bytes(mm[t.offset : t.offset + t.n_bytes]), cols * rows).reshape(rows, cols)
+    return t, mf.dequantized(t)
 
 
 def sim(w, h, S, B, iters=6):

@@ -296,8 +296,7 @@ def test_synthetic_gsq_model_verifies_loads_and_decodes(tmp_path: Path, bits: in
     for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
         t = next(t for t in mf.tensors if t.name == name)
         cols, rows = t.dims
-        raw = np.memmap(path, np.uint8, mode="r")[t.offset : t.offset + t.n_bytes]
-        w = _core.gsq_dequantize(bytes(raw), rows, cols, bits=bits, slots=2)
+        w = _core.gsq_dequantize(bytes(mf.raw(t)), rows, cols, bits=bits, slots=2)
         sigma = cols ** -0.5
         assert abs(float(w.mean())) < 0.1 * sigma and 0.8 * sigma < float(w.std()) < 1.25 * sigma
     logits = ninfer.LLM(path, n_ctx=64, threads=2).eval_logits([1, 2, 3, 4], rows=[3])

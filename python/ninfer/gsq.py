@@ -146,7 +146,6 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     md = mf.metadata
     arch = md.get("general.architecture", "llama")
     n_layer = int(md.get(f"{arch}.block_count", 0))
-    mm = np.memmap(src, dtype=np.uint8, mode="r")
     log = log or (lambda s: None)
     importances: dict[str, np.ndarray] = {}
     calib_tokens = 0
@@ -206,11 +205,10 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         w.write_ti_data_to_file()
         done_bytes, all_bytes = 0, sum(t.n_bytes for t, _ in plans)
         for t, pol in plans:
-            raw = mm[t.offset : t.offset + t.n_bytes]
             info: dict[str, Any] = {"shape": list(t.dims)}
             if pol.kind == "gsq":
                 cols, rows = t.dims
-                wf = _core.dequantize(t.type_id, bytes(raw), cols * rows).reshape(rows, cols)
+                wf = mf.dequantized(t)
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
@@ -223,7 +221,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                     totals[k] += st[k]
                 totals["gsq_weights"] += rows * cols
             else:
-                data = np.asarray(raw)
+                data = np.asarray(mf.raw(t))
                 info.update(type=t.type_name, bpw=round(8 * t.n_bytes / max(t.n_elements, 1), 4))
             info["blake2b"] = _checksum(data)
             w.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
@@ -326,9 +324,8 @@ def tensor_infos(path: str | os.PathLike[str]) -> tuple[Any, dict[str, dict[str,
 def verify(path: str | os.PathLike[str]) -> tuple[bool, str]:
     """(True, 'ok') or (False, the first mismatching tensor and its layer)."""
     mf, infos = tensor_infos(path)
-    mm = np.memmap(mf.path, dtype=np.uint8, mode="r")
     for t in mf.tensors:
-        if _checksum(mm[t.offset : t.offset + t.n_bytes]) != infos[t.name]["blake2b"]:
+        if _checksum(mf.raw(t)) != infos[t.name]["blake2b"]:
             m = re.match(r"blk\.(\d+)\.", t.name)
             where = f"layer {m.group(1)}" if m else "not in a layer"
             return False, f"checksum mismatch: tensor {t.name} ({where})"

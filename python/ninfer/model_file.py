@@ -9,6 +9,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGMLQuantizationType
 
 from ninfer import _core
@@ -47,6 +48,19 @@ class ModelFile:
     @cached_property
     def metadata(self) -> dict[str, Any]:
         return self.gguf.metadata()
+
+    @cached_property
+    def map(self) -> np.ndarray:
+        """The whole file, memory-mapped read-only (bytes)."""
+        return np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def raw(self, t: TensorEntry) -> np.ndarray:
+        """A tensor's bytes as stored (a view of the map, nothing copied)."""
+        return self.map[t.offset : t.offset + t.n_bytes]
+
+    def dequantized(self, t: TensorEntry) -> np.ndarray:
+        """A GGML-typed tensor's values as f32, [rows, row length] (not for GSQ-RCO records: gsq_dequantize)."""
+        return _core.dequantize(t.type_id, bytes(self.raw(t)), t.n_elements).reshape(-1, t.dims[0])
 
     @cached_property
     def tensors(self) -> list[TensorEntry]:

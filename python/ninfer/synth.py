@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
+from ninfer import _core, gsq
 from ninfer.errors import InvalidArgumentError
 
 Q = GGMLQuantizationType
@@ -121,8 +122,6 @@ def random_gsq_records(bits: int, slots: int, rows: int, cols: int, sigma: float
     """[rows, row_bytes] of GSQ-RCO version-2 records (3- or 4-bit codes) whose weights are centred with a standard
     deviation near `sigma`: random codes, sub-block scales 8..15, mins that cancel the codes' mean (dmin a fixed
     multiple of d), random slots with small values. Built from random bytes; no quantizer runs."""
-    from ninfer import _core
-
     n = rows * (cols // 128)
     rb = _core.gsq_row_bytes(128, bits=bits, slots=slots)
     rec = rng.integers(0, 256, size=(n, rb), dtype=np.uint8)
@@ -243,14 +242,10 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     w.add_eos_token_id(shape.n_vocab - 1)
     w.add_add_bos_token(False)
     if gsq_bits:  # the GSQ-RCO container: its metadata and a checksummed JSON entry per tensor (ninfer/gsq.py)
-        from ninfer import gsq
-
         gsq.add_container_metadata(w, [p[0] for p in plan], residual_bits=8, steps=0, seed=seed,
                                    calibration="none (synthetic records)")
     for name, rows, cols, kind in plan:
         if is_gsq(name, kind, cols):
-            from ninfer import _core
-
             row_bytes = _core.gsq_row_bytes(cols, bits=gsq_bits, slots=GSQ_SLOTS)
             w.add_tensor_info(name, (rows, row_bytes), np.dtype(np.int8), rows * row_bytes, Q.I8)
             continue

@@ -91,7 +91,7 @@ class CudaEngine:
         self.n_gpu = self.plan.n_gpu_layers
         self.L = len(s["layers"])
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self._map = np.memmap(model_file.path, dtype=np.uint8, mode="r")
+        self._map = model_file.map
         with self.stream:
             self._upload()
             self._alloc()

@@ -80,10 +80,13 @@ def dependent_launches(on: bool) -> Iterator[None]:
         _state.enabled, _state.after_kernel = saved
 
 
+_C_TYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+            np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float}
+
+
 def _c_arg(a: Any) -> ctypes._SimpleCData:
     if isinstance(a, np.generic):
-        return {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
-                np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float}[a.dtype](a.item())
+        return _C_TYPES[a.dtype](a.item())
     if hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its device pointer
         return ctypes.c_uint64(a.data.ptr)
     raise TypeError(f"kernel argument of type {type(a).__name__}: wrap scalars in their numpy type")
