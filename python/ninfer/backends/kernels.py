@@ -3,7 +3,9 @@ architecture, as one module (every file sees common.cuh and quant.cuh, prepended
 on disk keyed by the source text, options and architecture, so a second process starts without compiling.
 
 The sources live in python/ninfer/kernels/ (kernels/ at the top of the repository points there), so the wheel
-ships them as package data; NINFER_KERNELS_DIR overrides (for trying a kernel edit against an installed package)."""
+ships them as package data; NINFER_KERNELS_DIR overrides (for trying a kernel edit against an installed package).
+NINFER_CUDA_DEFINES adds compiler options to every module (e.g. "-DGEMV_PREFETCH=0": A/B runs of a kernel's
+compile-time switches in one process tree, as scripts/gpu-check does)."""
 
 from __future__ import annotations
 
@@ -36,11 +38,15 @@ def source_of(*files: str) -> str:
     return "\n".join(parts)
 
 
+def _options(*extra: str) -> tuple[str, ...]:
+    return ("-std=c++17", *extra, *os.environ.get("NINFER_CUDA_DEFINES", "").split())
+
+
 @lru_cache(maxsize=None)
 def module():
     import cupy
 
-    return cupy.RawModule(code=source_of(), options=("-std=c++17",))
+    return cupy.RawModule(code=source_of(), options=_options())
 
 
 @lru_cache(maxsize=None)
@@ -49,7 +55,7 @@ def _attention_module(hd: int, group: int):
     import cupy
 
     return cupy.RawModule(code=source_of("norm.cu", "rope_kv.cu", "attention.cu"),
-                          options=("-std=c++17", f"-DATT_HD={hd}", f"-DATT_NG={group}"))
+                          options=_options(f"-DATT_HD={hd}", f"-DATT_NG={group}"))
 
 
 @lru_cache(maxsize=None)

@@ -88,6 +88,9 @@ __device__ void attend(const AttnParams& P) {
             prefetch_l2_range(((i & 1) ? v_pool : k_pool) + cell * HD, (u32)((b - a) * HD * 2));
         }
     }
+    // The rotation angles depend on the position alone: computed before the wait too.
+    RopeCS cs;
+    if (STEP) cs = rope_cs(p, P.rope_dims, P.theta_scale, P.freq_scale);
     grid_dep_launch();
     grid_dep_wait();
 
@@ -101,7 +104,7 @@ __device__ void attend(const AttnParams& P) {
             for (int i = lane; i < HD; i += WARP) v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
             __syncwarp();
             if (P.q_norm) head_rms_norm(v, P.q_norm, HD, P.eps);
-            rope_head(v, p, P.rope_dims, P.theta_scale, P.freq_scale, P.neox);
+            rope_apply(v, cs, P.rope_dims, P.neox);
             for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
             __syncwarp();
         }
@@ -113,7 +116,7 @@ __device__ void attend(const AttnParams& P) {
                 for (int i = lane; i < HD; i += WARP) v[i] = ks[i] + (P.bias_k ? P.bias_k[g * HD + i] : 0.0f);
                 __syncwarp();
                 if (P.k_norm) head_rms_norm(v, P.k_norm, HD, P.eps);
-                rope_head(v, p, P.rope_dims, P.theta_scale, P.freq_scale, P.neox);
+                rope_apply(v, cs, P.rope_dims, P.neox);
                 for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
             } else if (warp == ATT_WARPS - 2) {
                 const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
@@ -280,28 +283,55 @@ __device__ void attend(const AttnParams& P) {
         wf[i] = __ldcg(part_ml + ((long long)row * n_head + g * ng + h) * n_split + sp);
     }
     __syncthreads();
-    if (tid < ng) {
+    for (int h = warp; h < ng; h += ATT_WARPS) {  // a warp per head, its lanes over the splits
         float M = -INFINITY;
-        for (int sp = 0; sp < n_used; ++sp) M = fmaxf(M, wf[tid * n_used + sp].x);
+        for (int sp = lane; sp < n_used; sp += WARP) M = fmaxf(M, wf[h * n_used + sp].x);
+        M = warp_max(M);
         float L = 0.0f;
-        for (int sp = 0; sp < n_used; ++sp) {
-            const float2 ml = wf[tid * n_used + sp];
+        for (int sp = lane; sp < n_used; sp += WARP) {
+            const float2 ml = wf[h * n_used + sp];
             const float f = ml.x == -INFINITY ? 0.0f : expf(ml.x - M);
             L += ml.y * f;
-            wf[tid * n_used + sp].x = f;
+            wf[h * n_used + sp].x = f;
         }
-        wml[tid] = L;
+        L = warp_sum(L);
+        if (lane == 0) wml[h] = L;
     }
     __syncthreads();
-    for (int i = tid; i < ng * HD; i += blockDim.x) {
-        const int h = i / HD, d = i % HD;
-        const long long oh = (long long)row * n_head + g * ng + h;
-        const float* pa = part_acc + oh * n_split * HD + d;
-        float A = 0.0f;
-#pragma unroll 8
-        for (int sp = 0; sp < n_used; ++sp) A += __ldcg(pa + (long long)sp * HD) * wf[h * n_used + sp].x;
-        const float L = wml[h];
-        out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
+    // Then every thread sums a float4 of one head's output over a share of the splits (C4 chunks of a head, S
+    // threads a chunk): NG loads a split in flight per thread, where one thread per output dimension walking all
+    // the splits was a chain of round trips (~30 us a layer at 32K keys). The S partial sums meet in shared
+    // memory (qs and pt are free again: S * HD = 4 * blockDim floats).
+    constexpr int C4 = HD / 4, S = 32 * ATT_WARPS / C4;
+    const int c4 = tid % C4, s4 = tid / C4;
+    float4 a4[NG];
+#pragma unroll
+    for (int h = 0; h < NG; ++h) a4[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const long long oh0 = (long long)row * n_head + g * ng;
+#pragma unroll 2
+    for (int sp = s4; sp < n_used; sp += S) {
+#pragma unroll
+        for (int h = 0; h < NG; ++h) {
+            const float4 v = __ldcg((const float4*)(part_acc + ((oh0 + h) * n_split + sp) * HD) + c4);
+            const float f = wf[h * n_used + sp].x;
+            a4[h].x = fmaf(v.x, f, a4[h].x);
+            a4[h].y = fmaf(v.y, f, a4[h].y);
+            a4[h].z = fmaf(v.z, f, a4[h].z);
+            a4[h].w = fmaf(v.w, f, a4[h].w);
+        }
+    }
+    float4* red = (float4*)att_sm;  // [S][C4]
+#pragma unroll
+    for (int h = 0; h < NG; ++h) {
+        red[s4 * C4 + c4] = a4[h];
+        __syncthreads();
+        if (tid < HD) {
+            float A = 0.0f;
+            for (int j = 0; j < S; ++j) A += att_sm[j * HD + tid];
+            const float L = wml[h];
+            out[(oh0 + h) * HD + tid] = L > 0.0f ? A / L : 0.0f;
+        }
+        __syncthreads();
     }
 }
 

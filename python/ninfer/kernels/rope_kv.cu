@@ -6,21 +6,48 @@
 // captured decode step needs no new arguments. The KV pools are [page][kv_head][PAGE][head_dim] f16; the
 // sequence's page table maps position / PAGE to a page.
 
-__device__ __forceinline__ void rope_head(float* v, int pos, int rope_dims, float theta_scale, float freq_scale,
-                                          int neox) {
-    const int lane = threadIdx.x & 31;
-    const int half = rope_dims / 2;
-    for (int i = lane; i < half; i += WARP) {
-        float theta = (float)pos;
-        for (int k = 0; k < i; ++k) theta *= theta_scale;  // the CPU's running product, step by step
-        float t = freq_scale * theta;
-        float c = cosf(t), s = sinf(t);
-        int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-        float x0 = v[a], x1 = v[b];
-        v[a] = fmaf(x0, c, -__fmul_rn(x1, s));
-        v[b] = fmaf(x0, s, __fmul_rn(x1, c));
+// cos and sin of this lane's rotation angles (pair i = lane + 32k, k < 4: rope_dims <= 256, as the engine checks
+// head_dim), computed apart from the rotation so a kernel can do it before its inputs are ready.
+struct RopeCS {
+    float c[4], s[4];
+};
+
+__device__ __forceinline__ RopeCS rope_cs(int pos, int rope_dims, float theta_scale, float freq_scale) {
+    const int lane = threadIdx.x & 31, half = rope_dims / 2;
+    RopeCS r;
+    float theta = (float)pos;
+    for (int k = 0; k < lane; ++k) theta *= theta_scale;  // the CPU's running product, step by step
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        r.c[k] = r.s[k] = 0.0f;
+        if (lane + 32 * k < half) {
+            const float t = freq_scale * theta;
+            r.c[k] = cosf(t);
+            r.s[k] = sinf(t);
+            for (int j = 0; j < 32; ++j) theta *= theta_scale;  // on to pair lane + 32 (k + 1)
+        }
+    }
+    return r;
+}
+
+__device__ __forceinline__ void rope_apply(float* v, const RopeCS& r, int rope_dims, int neox) {
+    const int lane = threadIdx.x & 31, half = rope_dims / 2;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int i = lane + 32 * k;
+        if (i < half) {
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x0 = v[a], x1 = v[b];
+            v[a] = fmaf(x0, r.c[k], -__fmul_rn(x1, r.s[k]));
+            v[b] = fmaf(x0, r.s[k], __fmul_rn(x1, r.c[k]));
+        }
     }
     __syncwarp();
+}
+
+__device__ __forceinline__ void rope_head(float* v, int pos, int rope_dims, float theta_scale, float freq_scale,
+                                          int neox) {
+    rope_apply(v, rope_cs(pos, rope_dims, theta_scale, freq_scale), rope_dims, neox);
 }
 
 extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* pos, int n_head, int n_head_kv,
