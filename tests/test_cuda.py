@@ -161,6 +161,67 @@ def test_dequantize_to_f16_equals_cpu_dequantize(ty: str) -> None:
     assert (got == ref.astype(np.float16).astype(np.float32)).all(), ty
 
 
+GSQ_LAYOUTS = [(3, 0), (3, 2), (3, 6), (4, 2)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits,slots", GSQ_LAYOUTS)
+@pytest.mark.parametrize("n,norm", [(1024, False), (8960, True)])
+def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: bool) -> None:
+    """GSQ-RCO rows (random records, slots anywhere in a record) against the CPU's scalar reference with the same
+    int8 activations (gsq::ActQ8); with a norm weight the GEMV norms and quantizes its input itself and adds."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    rng = np.random.default_rng(bits + slots + n)
+    rows = 333
+    raw = random_gsq_records(bits, slots, rows, n, n**-0.5, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    y = _rms_norm_ref(x, norm_w, 1e-6) if norm else x
+    base = rng.standard_normal(rows).astype(np.float32) if norm else np.zeros(rows, np.float32)
+    ref = base + np.array([_core.gsq_dot_q8(raw[r].tobytes(), y, bits=bits, slots=slots, simd=False)
+                           for r in range(rows)], np.float32)
+    tid = gsq_type(bits, slots)
+    w = to_gpu(raw, tid, rows, n, "w")
+    x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.asarray(base)
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
+           K.MODE_ADD if norm else K.MODE_STORE)
+    assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
+    # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
+    if not norm:
+        aq, ad, as_ = cp.zeros(n, cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32)
+        K.quant_act(x_d.data.ptr, n, ACT_GSQ8, aq.data.ptr, ad.data.ptr, as_.data.ptr)
+        out[:] = 0
+        K.gemv(ACT_GSQ8, descs, 1, rows, n, 0, 0, 1e-6, K.MODE_STORE, pre=(aq.data.ptr, ad.data.ptr, as_.data.ptr))
+        assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits,slots", GSQ_LAYOUTS)
+def test_gsq_dequantize_to_f16_equals_cpu_dequantize(bits: int, slots: int) -> None:
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    rng = np.random.default_rng(bits * slots + 1)
+    rows, cols = 8, 512
+    raw = random_gsq_records(bits, slots, rows, cols, 0.05, rng)
+    ref = _core.gsq_dequantize(raw.tobytes(), rows, cols, bits=bits, slots=slots)
+    tid = gsq_type(bits, slots)
+    w = to_gpu(raw, tid, rows, cols, "w")
+    out = cp.zeros((rows, cols), cp.uint16)
+    K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, cols), rows, cols, out.data.ptr)
+    got = out.get().view(np.float16).astype(np.float32)
+    assert (got == ref.astype(np.float16).astype(np.float32)).all()
+
+
 def _rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """The CPU's RMSNorm: sum of squares in f64, y = (x * scale) * w in f32."""
     ss = float(np.sum(x.astype(np.float64) ** 2))
@@ -368,7 +429,7 @@ def _teacher_forced(path: Path, prompt: list[int], n: int, **kw) -> tuple[list[i
 
 
 @needs_cuda
-@pytest.mark.parametrize("ty", [t for t in TYPES if t not in ("F32", "F16")] + ["Q4_K_M"])
+@pytest.mark.parametrize("ty", [t for t in TYPES if t not in ("F32", "F16")] + ["Q4_K_M", "GSQ3", "GSQ4"])
 def test_synthetic_1_5b_teacher_forced_greedy_gpu_agrees_with_cpu(ty: str, tmp_path: Path) -> None:
     # Full-width Qwen2.5-1.5B layers; 4 of them keep the file small and the CPU reference quick.
     path = write_synthetic(tmp_path / f"{ty}.gguf", "qwen2.5-1.5b", ty, n_layer=4, seed=11)

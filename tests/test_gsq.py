@@ -301,3 +301,47 @@ def test_synthetic_gsq_model_verifies_loads_and_decodes(tmp_path: Path, bits: in
         assert abs(float(w.mean())) < 0.1 * sigma and 0.8 * sigma < float(w.std()) < 1.25 * sigma
     logits = ninfer.LLM(path, n_ctx=64, threads=2).eval_logits([1, 2, 3, 4], rows=[3])
     assert np.isfinite(logits).all() and float(logits.std()) > 0.1
+
+
+def _decode_gpu_records(recs: np.ndarray, bits: int, slots: int) -> np.ndarray:
+    """Weights of records in the GPU layout, read the way kernels/quant.cuh reads them (codes at 0, the header
+    at 48 or 64, slots after it), in numpy: [n_records, 128]."""
+    hdr = 16 * bits
+    d = recs[:, hdr : hdr + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+    dmin = recs[:, hdr + 2 : hdr + 4].copy().view(np.float16).astype(np.float32)[:, 0]
+    sm = recs[:, hdr + 4 : hdr + 12]
+    i = np.arange(128)
+    if bits == 3:  # unit j = i // 32: plane-0 bits 2j, 2j + 1 of byte i % 32; plane-1 bit 2j + (i % 32) // 16
+        lo = (recs[:, i % 32] >> (2 * (i // 32))) & 3
+        hi = (recs[:, 32 + i % 16] >> (i // 16)) & 1
+        codes = lo | (hi << 2)
+    else:  # unit j: nibble j // 2 of byte 32 (j % 2) + i % 32
+        j = i // 32
+        codes = (recs[:, 32 * (j % 2) + i % 32] >> (4 * (j // 2))) & 15
+    sc, mn = (sm[:, i // 16] & 15).astype(np.float32), (sm[:, i // 16] >> 4).astype(np.float32)
+    w = (d[:, None] * sc) * codes.astype(np.float32) - dmin[:, None] * mn
+    for s in range(slots):
+        pos = recs[:, hdr + 12 + 2 * s] & 127
+        val = recs[:, hdr + 13 + 2 * s].view(np.int8).astype(np.float32)
+        r = np.arange(len(recs))
+        w[r, pos] += val * d * sc[r, pos] * np.float32(1 / 16)
+    return w
+
+
+@pytest.mark.parametrize("bits,slots", [(3, 0), (3, 2), (3, 6), (4, 2), (4, 4)])
+def test_gpu_record_layout_holds_the_same_weights(bits: int, slots: int) -> None:
+    """The CUDA backend re-lays GSQ-RCO records on upload (backends/layouts.py): the re-laid bytes, decoded as the
+    kernels decode them, give the CPU dequantizer's weights; records stay 16-byte multiples."""
+    from ninfer.backends.layouts import gsq_type, layout, relayout
+    from ninfer.synth import random_gsq_records
+
+    rng = np.random.default_rng(bits * 10 + slots)
+    rows, cols = 6, 512
+    raw = random_gsq_records(bits, slots, rows, cols, 0.05, rng)
+    lay = layout(gsq_type(bits, slots), "w")
+    assert lay.gpu_bytes % 16 == 0 and lay.gpu_bytes - lay.raw_bytes < 16
+    assert lay.gpu_bytes == {(3, 0): 64, (3, 2): 64, (3, 6): 80, (4, 2): 80, (4, 4): 96}[(bits, slots)]
+    gpu = relayout(raw.reshape(-1, lay.raw_bytes), lay)
+    ref = _core.gsq_dequantize(raw.tobytes(), rows, cols, bits=bits, slots=slots)
+    got = _decode_gpu_records(gpu, bits, slots).reshape(rows, cols)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)

@@ -25,6 +25,7 @@ class TensorEntry:
     dims: tuple[int, ...]  # GGML order: row length first
     offset: int
     n_bytes: int
+    gsq: tuple[int, int] | None = None  # a GSQ-RCO matrix's (code bits, residual slots per record)
 
     @property
     def n_elements(self) -> int:
@@ -69,9 +70,10 @@ class ModelFile:
         out = []
         for n, t, tn, d, o, b in self.gguf.tensors():
             g = self.gsq_infos.get(n)
+            gsq = None
             if g is not None and g.get("type") == "GSQ-RCO":
-                tn, d = "GSQ-RCO", g["shape"]
-            out.append(TensorEntry(n, t, tn, tuple(d), o, b))
+                tn, d, gsq = "GSQ-RCO", g["shape"], (int(g["bits"]), int(g["slots"]))
+            out.append(TensorEntry(n, t, tn, tuple(d), o, b, gsq))
         return out
 
     @cached_property

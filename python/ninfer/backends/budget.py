@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ninfer.backends.layouts import gpu_row_bytes
+from ninfer.backends.layouts import gpu_row_bytes, gpu_type
 from ninfer.errors import InvalidArgumentError
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -65,7 +65,7 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
 
     def mat(name: str) -> int:
         t = tensors[name]
-        return matrix_gpu_bytes(t.dims, t.type_id)
+        return matrix_gpu_bytes(t.dims, gpu_type(t))
 
     def vec(name: str | None) -> int:
         return 4 * tensors[name].n_elements if name else 0

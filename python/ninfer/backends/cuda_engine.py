@@ -27,7 +27,7 @@ from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
 from ninfer.backends import launch
-from ninfer.backends.layouts import LAYOUTS, QUANTIZED_ACTS, gpu_row_bytes, to_gpu
+from ninfer.backends.layouts import QUANTIZED_ACTS, gpu_row_bytes, gpu_type, layout, to_gpu
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -59,12 +59,12 @@ class _Pinned:
 
 class _Matrix:
     def __init__(self, entry: Any, raw: np.ndarray):
-        self.name, self.type = entry.name, entry.type_id
+        self.name, self.type = entry.name, gpu_type(entry)
         self.cols, self.rows = entry.dims[0], (entry.dims[1] if len(entry.dims) > 1 else 1)
         self.data = to_gpu(raw, self.type, self.rows, self.cols, self.name)
         self.ptr = self.data.data.ptr
         self.row_bytes = gpu_row_bytes(self.type, self.cols)
-        self.act = LAYOUTS[self.type].act
+        self.act = layout(self.type, self.name).act
 
 
 class CudaEngine:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ninfer.backends import launch
 from ninfer.backends.kernels import function
-from ninfer.backends.layouts import ACT_BF16, ACT_F16, ACT_F32, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K
+from ninfer.backends.layouts import ACT_BF16, ACT_F16, ACT_F32, ACT_GSQ8, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K
 
 MODE_STORE, MODE_ADD, MODE_GLU, MODE_ARGMAX = range(4)
 GEMV_WARPS = 8
@@ -21,7 +21,7 @@ WARP_LANES = 32
 ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
-                ACT_Q8_0: "gemv_q8_0", ACT_Q8_1: "gemv_q8_1", ACT_Q8_K: "gemv_q8_k"}
+                ACT_Q8_0: "gemv_q8_0", ACT_Q8_1: "gemv_q8_1", ACT_Q8_K: "gemv_q8_k", ACT_GSQ8: "gemv_gsq8"}
 
 # struct MatDesc in kernels/gemv.cu (48 bytes).
 MAT_DESC = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("row_bytes", "<i8"), ("type", "<i4"),
@@ -76,6 +76,12 @@ def gemv_smem(act: int, n: int) -> int:
     return 4 * n if act in (ACT_F32, ACT_F16, ACT_BF16) else n + 12 * (n // 32)
 
 
+def _allow_smem(fn, smem: int) -> None:
+    """Dynamic shared memory past the default 48 KB must be asked for, per function."""
+    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+
+
 _resident: dict[tuple[int, int, int], int] = {}
 
 
@@ -108,8 +114,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     per row instead of gemv_k_split's choice (for scripts/gemv-bench)."""
     fn = kernel or function(_GEMV_KERNEL[act])
     smem = 0 if pre else gemv_smem(act, n_cols)
-    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
+    _allow_smem(fn, smem)
     threads = 32 * warps_per_block
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
@@ -192,8 +197,7 @@ def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bo
     per KV head (1..MAX_GROUP, a kernel each)."""
     name = f"attention_step_hd{hd}_g{group}" if step else f"attention_hd{hd}_g{group}"
     fn, smem = function(name), attention_smem(hd)
-    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:  # head dim 256: 82 KB
-        fn.max_dynamic_shared_size_bytes = smem
+    _allow_smem(fn, smem)  # head dim 256: 82 KB
     launch.kernel(fn, (n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,), shared_mem=smem, dependent=True)
 
 

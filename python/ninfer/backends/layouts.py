@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 # Activation kinds (kernels/common.cuh ACT_*).
-ACT_F32, ACT_F16, ACT_BF16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K = range(6)
+ACT_F32, ACT_F16, ACT_BF16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_GSQ8 = range(7)
+T_GSQ = 256  # GPU type ids of GSQ-RCO matrices: T_GSQ + 32 * (bits - 3) + slots (kernels/common.cuh)
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,33 @@ LAYOUTS: dict[int, Layout] = {
 }
 
 # How each activation kind is stored: bytes per element of the quants/values, and whether it has unit scales.
-QUANTIZED_ACTS = (ACT_Q8_0, ACT_Q8_1, ACT_Q8_K)
+QUANTIZED_ACTS = (ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_GSQ8)
+
+
+def gsq_type(bits: int, slots: int) -> int:
+    return T_GSQ + 32 * (bits - 3) + slots
+
+
+def _gsq_layout(type_id: int) -> Layout:
+    """A GSQ-RCO record (docs/gsq-rco.md, version 2) re-laid for the GPU (kernels/quant.cuh): codes first, then
+    d, dmin, the scale bytes and the slots, padded to 16 bytes, so the header is one aligned 16-byte vector."""
+    bits, slots = (4 if type_id - T_GSQ >= 32 else 3), (type_id - T_GSQ) % 32
+    codes = 16 * bits  # bytes of codes: 48 or 64, at offset 12 in the file's record
+    raw = 12 + codes + 2 * slots
+    moves = ((12, 0, codes), (0, codes, 12)) + (((12 + codes, 12 + codes, 2 * slots),) if slots else ())
+    return Layout(128, raw, (raw + 15) // 16 * 16, moves, ACT_GSQ8)
+
+
+def gpu_type(t) -> int:
+    """The GPU's type id of a tensor (a TensorEntry): its GGML type, or a GSQ-RCO layout's own id."""
+    return gsq_type(*t.gsq) if t.gsq else t.type_id
 
 
 def layout(type_id: int, name: str) -> Layout:
     from ninfer.errors import UnsupportedModelError
 
+    if type_id >= T_GSQ:
+        return _gsq_layout(type_id)
     try:
         return LAYOUTS[type_id]
     except KeyError:
@@ -56,8 +78,18 @@ def layout(type_id: int, name: str) -> Layout:
 
 
 def gpu_row_bytes(type_id: int, cols: int) -> int:
-    lay = LAYOUTS[type_id]
+    lay = layout(type_id, f"of type {type_id}")
     return cols // lay.block_elems * lay.gpu_bytes
+
+
+def relayout(blocks, lay: Layout, xp=np):
+    """[n_blocks, raw_bytes] file blocks -> [n_blocks, gpu_bytes] in the GPU layout (xp: numpy or cupy)."""
+    if lay.moves == ((0, 0, lay.raw_bytes),) and lay.gpu_bytes == lay.raw_bytes:
+        return blocks
+    dst = xp.zeros((blocks.shape[0], lay.gpu_bytes), dtype=xp.uint8)
+    for a, b, n in lay.moves:
+        dst[:, b : b + n] = blocks[:, a : a + n]
+    return dst
 
 
 def to_gpu(raw: np.ndarray, type_id: int, rows: int, cols: int, name: str):
@@ -68,13 +100,8 @@ def to_gpu(raw: np.ndarray, type_id: int, rows: int, cols: int, name: str):
     if cols % lay.block_elems or (lay.block_elems == 32 and cols % 32):
         from ninfer.errors import UnsupportedModelError
 
-        raise UnsupportedModelError(f"tensor {name}: {cols} columns is not a whole number of 32-element units")
+        raise UnsupportedModelError(f"tensor {name}: {cols} columns is not a whole number of "
+                                    f"{lay.block_elems}-element blocks")
     n_blocks = rows * cols // lay.block_elems
     src = cp.asarray(np.ascontiguousarray(raw).reshape(n_blocks, lay.raw_bytes))
-    if lay.moves == ((0, 0, lay.raw_bytes),) and lay.gpu_bytes == lay.raw_bytes:
-        return src.reshape(-1)
-    dst = cp.zeros((n_blocks, lay.gpu_bytes), dtype=cp.uint8)
-    for a, b, n in lay.moves:
-        dst[:, b : b + n] = src[:, a : a + n]
-    del src
-    return dst.reshape(-1)
+    return relayout(src, lay, cp).reshape(-1)

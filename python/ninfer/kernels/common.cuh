@@ -143,6 +143,7 @@ __device__ __forceinline__ float glu(float g, float u, int act) {
 #define ACT_Q8_0 3
 #define ACT_Q8_1 4
 #define ACT_Q8_K 5
+#define ACT_GSQ8 6  // GSQ-RCO's int8 activations (gsq::ActQ8): a scale per 128, rounding half away from zero
 
 // GGML type ids.
 #define T_F32 0
@@ -158,3 +159,6 @@ __device__ __forceinline__ float glu(float g, float u, int act) {
 #define T_Q5_K 13
 #define T_Q6_K 14
 #define T_BF16 30
+// GSQ-RCO matrices (docs/gsq-rco.md, format version 2) get GPU type ids of their own, outside GGML's range:
+// T_GSQ + 32 * (code bits - 3) + residual slots per record (backends/layouts.py gsq_type).
+#define T_GSQ 256

@@ -25,7 +25,9 @@
 #define MODE_GLU 2
 #define MODE_ARGMAX 3
 
+#ifndef GEMV_PREFETCH
 #define GEMV_PREFETCH 32768  // bytes of weights a block asks L2 for before it waits for the previous kernel
+#endif
 
 struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_plan.py
     const u8* w;
@@ -127,6 +129,89 @@ __device__ __forceinline__ float raw_dot(const RawUnit<T>& r, int u, const int* 
     }
 }
 
+// ---- GSQ-RCO (quant.cuh): the same loads-first structure, a record's vectors for every row before any dot -----
+template <int BITS>
+struct GsqRaw {
+    int4 c0, c1, c2, h;  // codes (3 bits: plane0 in c0, c1, plane1 in c2; 4 bits: the unit's nibbles in c0, c1), header
+};
+
+template <int BITS>
+__device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BITS>& r) {
+    const u8* b = row + (long long)(u >> 2) * rb;
+    if constexpr (BITS == 4) {
+        const int4* c = (const int4*)(b + 32 * (u & 1));
+        r.c0 = c[0];
+        r.c1 = c[1];
+        r.c2 = make_int4(0, 0, 0, 0);
+    } else {
+        const int4* c = (const int4*)b;
+        r.c0 = c[0];
+        r.c1 = c[1];
+        r.c2 = c[2];
+    }
+    r.h = *(const int4*)(b + gsq_header_offset(BITS));
+}
+
+// Unit u's dot with the int8 activation (ACT_GSQ8), as gsq::dot_row_q8 computes a record but per unit: integer
+// sums of codes, the two sub-blocks' mins against the activation's sums per 16, and the residual slots that fall
+// in this unit (the first two come with the header; rec, when the record has more, is the record to read them from).
+template <int BITS>
+__device__ __forceinline__ float gsq_dot(const GsqRaw<BITS>& r, int u, const int* aq, const float* ad,
+                                         const float2* as, const u8* rec, int slots) {
+    const int j = u & 3;
+    int q[8];
+    gsq_codes<BITS>(r.c0, r.c1, r.c2, j, q);
+    const int4* xq = (const int4*)(aq + 8 * u);
+    const int4 x0 = xq[0], x1 = xq[1];
+    const int s0 = __dp4a(q[0], x0.x, __dp4a(q[1], x0.y, __dp4a(q[2], x0.z, __dp4a(q[3], x0.w, 0))));
+    const int s1 = __dp4a(q[4], x1.x, __dp4a(q[5], x1.y, __dp4a(q[6], x1.z, __dp4a(q[7], x1.w, 0))));
+    const int sp = gsq_scale_pair(r.h, j);
+    const int sc0 = sp & 15, m0 = (sp >> 4) & 15, sc1 = (sp >> 8) & 15, m1 = (sp >> 12) & 15;
+    const i8* xb = (const i8*)aq + 32 * u;  // this unit's activation codes
+    int ssum = 0;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {  // slot t: bytes 2t (position), 2t + 1 (value) of the header's last word
+        const int pos = (r.h.w >> (16 * t)) & 127, v = (int)(i8)((r.h.w >> (16 * t + 8)) & 0xFF);
+        if ((pos >> 5) == j) ssum += v * ((pos & 16) ? sc1 : sc0) * (int)xb[pos & 31];
+    }
+    if (slots > 2) {  // unused slots (value 0) and the padding after the first two add nothing
+        const u8* sl = rec + gsq_header_offset(BITS) + 12;
+        for (int t = 2; t < slots; ++t) {
+            const int pos = sl[2 * t] & 127, v = (int)(i8)sl[2 * t + 1];
+            if ((pos >> 5) == j) ssum += v * ((pos & 16) ? sc1 : sc0) * (int)xb[pos & 31];
+        }
+    }
+    const float d = h2f((u16)(r.h.x & 0xFFFF)), dmin = h2f((u16)((u32)r.h.x >> 16));
+    const float2 bs = as[u];
+    return ad[u] * (d * ((float)(sc0 * s0 + sc1 * s1) + (float)ssum * 0.0625f) -
+                    dmin * ((float)m0 * bs.x + (float)m1 * bs.y));
+}
+
+template <int BITS, int R, int U>
+__device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u_first, int u_step, int n_units,
+                                             const int* aq, const float* ad, const float2* as, float* acc) {
+    const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
+    for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
+        GsqRaw<BITS> raw[U][R];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + u_step * k;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (U == 1 || u < n_units) load_gsq<BITS>(w[r], u, rb, raw[k][r]);
+        }
+        asm volatile("" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + u_step * k;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (U == 1 || u < n_units)
+                    acc[r] += gsq_dot<BITS>(raw[k][r], u, aq, ad, as, w[r] + (long long)(u >> 2) * rb, slots);
+        }
+    }
+}
+
 // Dots of R rows of one type with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K): this lane's units u_first,
 // u_first + u_step, ... (the lanes of the warps sharing a row interleave), U units per lane unrolled: R * U
 // units' loads are in flight together, and the activation is loaded once per unit for all R rows.
@@ -202,8 +287,12 @@ __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int
         switch (type) { DOT_CASE(T_Q4_0) DOT_CASE(T_Q5_0) DOT_CASE(T_Q8_0) }
     } else if (ACT == ACT_Q8_1) {
         switch (type) { DOT_CASE(T_Q4_1) DOT_CASE(T_Q5_1) }
-    } else {
+    } else if (ACT == ACT_Q8_K) {
         switch (type) { DOT_CASE(T_Q2_K) DOT_CASE(T_Q3_K) DOT_CASE(T_Q4_K) DOT_CASE(T_Q5_K) DOT_CASE(T_Q6_K) }
+    } else if (ACT == ACT_GSQ8 && type >= T_GSQ) {
+        if (gsq_bits(type) == 4) rows_dot_gsq<4, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc);
+        else rows_dot_gsq<3, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc);
+        return;
     }
 #undef DOT_CASE
     const float nan = __int_as_float(0x7fc00000);  // a type the launcher should not have sent here: NaN, loudly
@@ -332,7 +421,8 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         float* d = (float*)(q + n_cols);
         float2* sums = (float2*)(d + (n_cols >> 5));
         float* f = (float*)gemv_sm;
-        norm_quant_cta(x, norm_w, eps, n_cols, ACT, quant ? q : 0, d, sums, 0, quant ? 0 : f);
+        constexpr int V = ACT == ACT_Q8_K ? 8 : ACT == ACT_GSQ8 ? 4 : 1;  // norm.cu's group shape of the kind
+        norm_quant_v<V>(x, norm_w, eps, n_cols, ACT, quant ? q : 0, d, sums, 0, quant ? 0 : f);
         __syncthreads();
         act_q = quant ? (const void*)q : (const void*)f;
         sd = d;
@@ -410,6 +500,7 @@ GEMV_KERNEL(gemv_bf16act, ACT_BF16, GEMV_R, 1)
 GEMV_KERNEL(gemv_q8_0, ACT_Q8_0, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_q8_1, ACT_Q8_1, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_q8_k, ACT_Q8_K, GEMV_R, GEMV_U)
+GEMV_KERNEL(gemv_gsq8, ACT_GSQ8, GEMV_R, GEMV_U)
 
 // Reset the argmax accumulator (first node of a greedy decode step).
 extern "C" __global__ void argmax_reset(u64* best) {

@@ -3,18 +3,106 @@
 // the next matrix product wants:
 //   act Q8_0 / Q8_1 / Q8_K: int8 quants, a scale per 32-element unit, per-unit sums (the CPU's quantizers,
 //                           byte for byte: d = amax / 127 with ties-to-even codes; Q8_K's -127 / signed max);
+//   act GSQ8:               GSQ-RCO's int8 activations (gsq::ActQ8): a scale per 128, stored per unit;
 //   act F32 / F16 / BF16:   y in f32, rounded to f16 / bf16 where the CPU rounds it.
 // Outputs are optional (null pointers are skipped): out_q/out_d/out_s for the decode GEMV, out_h (f16, the
 // dequantized activation) for the prefill GEMM, out_f (f32 y) for anything else.
 
-__device__ __forceinline__ float norm_value(const float* x, const float* w, float scale, int i) {
-    return w ? (__ldcg(x + i) * scale) * w[i] : __ldcg(x + i);
+// How each kind is quantized: a warp takes groups of G = 32 V consecutive elements, V per lane (Q8_K: 256 and
+// 8; GSQ8: 128 and 4; Q8_0, Q8_1 and the float kinds: 32 and 1), groups warp, warp + n_warps, ...; this writes
+// group g's outputs from the lane's V values.
+template <int V>
+__device__ __forceinline__ void quantize_group(int act, int g, const float* y, i8* out_q, float* out_d,
+                                               float2* out_s, u16* out_h, float* out_f) {
+    const int lane = threadIdx.x & 31, i0 = 32 * V * g + V * lane;
+    if constexpr (V == 1) {
+        if (act == ACT_F32 || act == ACT_F16 || act == ACT_BF16) {
+            float v = y[0];
+            if (act == ACT_F16) v = f16_round(v);
+            if (act == ACT_BF16) v = bf16_round(v);
+            if (out_f) out_f[i0] = v;
+            if (out_h) out_h[i0] = f2h(v);
+            return;
+        }
+        // Q8_0 / Q8_1: d = amax / 127 (stored as f16), codes rounded to nearest even.
+        const float amax = warp_max(fabsf(y[0]));
+        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        const int q = nearest_int(y[0] * id);
+        const float dh = f16_round(d);
+        if (out_q) out_q[i0] = (i8)q;
+        if (out_h) out_h[i0] = f2h((float)q * dh);
+        if (out_f) out_f[i0] = y[0];
+        const int sum = warp_sum_i(q);
+        if (lane == 0 && out_d) {
+            out_d[g] = dh;
+            out_s[g] = make_float2(act == ACT_Q8_1 ? f16_round((float)sum * d) : 0.0f, 0.0f);
+        }
+    } else if constexpr (V == 4) {
+        // GSQ-RCO's ActQ8: d = amax / 127, codes round(y / d) half away from zero (the CPU's f32::round), sums
+        // per 16; each of the group's four units gets d.
+        float amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) amax = fmaxf(amax, fabsf(y[k]));
+        amax = warp_max(amax);
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum4 = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int q = (int)fminf(fmaxf(roundf(y[k] * id), -127.0f), 127.0f);
+            sum4 += q;
+            if (out_q) out_q[i0 + k] = (i8)q;
+            if (out_h) out_h[i0 + k] = f2h((float)q * d);
+            if (out_f) out_f[i0 + k] = y[k];
+        }
+        int sum16 = sum4 + __shfl_xor_sync(0xffffffffu, sum4, 1);
+        sum16 += __shfl_xor_sync(0xffffffffu, sum16, 2);  // lanes 4m .. 4m + 3 hold sub-block m
+        const int next16 = __shfl_down_sync(0xffffffffu, sum16, 4);
+        if ((lane & 7) == 0 && out_d) {
+            const int u = 4 * g + (lane >> 3);
+            out_d[u] = d;
+            out_s[u] = make_float2((float)sum16, (float)next16);
+        }
+    } else {
+        // Q8_K: the signed value of the first element (lowest index) whose magnitude is amax sets the scale.
+        float amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(y[k]));
+        amax = warp_max(amax);
+        int first = 8;
+        float mine = 0.0f;
+#pragma unroll
+        for (int k = 7; k >= 0; --k)
+            if (fabsf(y[k]) == amax) { first = k; mine = y[k]; }
+        const u32 has = __ballot_sync(0xffffffffu, first < 8);
+        const float mx = has ? __shfl_sync(0xffffffffu, mine, __ffs(has) - 1) : 0.0f;
+        const float iscale = mx != 0.0f ? -127.0f / mx : 0.0f;
+        int sum8 = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int q = mx != 0.0f ? min(nearest_int(iscale * y[k]), 127) : 0;
+            sum8 += q;
+            if (out_q) out_q[i0 + k] = (i8)q;
+            if (out_h) out_h[i0 + k] = f2h((float)q * (mx != 0.0f ? 1.0f / iscale : 0.0f));
+            if (out_f) out_f[i0 + k] = y[k];
+        }
+        const int sum16 = sum8 + __shfl_xor_sync(0xffffffffu, sum8, 1);  // lanes 2m, 2m + 1 hold group m of 16
+        const int next16 = __shfl_down_sync(0xffffffffu, sum16, 2);
+        if ((lane & 3) == 0 && out_d) {
+            const int u = 8 * g + (lane >> 2);
+            out_d[u] = mx != 0.0f ? 1.0f / iscale : 0.0f;
+            out_s[u] = make_float2((float)sum16, (float)next16);
+        }
+    }
 }
 
 // One row's norm + quantization by the whole thread block (any multiple of 32 threads), into global or shared
-// memory. x is read with __ldcg (L2, not L1): a GEMV's prologue reads a vector the previous kernel just wrote.
-__device__ void norm_quant_cta(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                               float2* out_s, u16* out_h, float* out_f) {
+// memory: a pass over x for the sum of squares, then the kind's groups. x is read with __ldcg (L2, not L1): a
+// GEMV's prologue reads a vector the previous kernel just wrote. (Staging x in shared memory with cp.async first,
+// one round trip instead of two passes, measured slower on the H200: 1.5B gate/up 15.7 -> 19.0 us, the 32B
+// shape's 27,648-wide rows lost occupancy to the staging area.)
+template <int V>
+__device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
+                             float2* out_s, u16* out_h, float* out_f) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
     __shared__ double red[32];
     __shared__ float s_scale;
@@ -23,7 +111,7 @@ __device__ void norm_quant_cta(const float* x, const float* w, float eps, int n,
         double s = 0.0;
 #pragma unroll 4
         for (int i = tid; i < n; i += blockDim.x) {
-            float v = __ldcg(x + i);
+            const float v = __ldcg(x + i);
             s += (double)(v * v);
         }
         s = warp_sum_d(s);
@@ -37,76 +125,23 @@ __device__ void norm_quant_cta(const float* x, const float* w, float eps, int n,
         __syncthreads();
         scale = s_scale;
     }
-    const int n_units = n >> 5;
-    if (act == ACT_F32 || act == ACT_F16 || act == ACT_BF16) {
-        for (int i = tid; i < n; i += blockDim.x) {
-            float y = norm_value(x, w, scale, i);
-            if (act == ACT_F16) y = f16_round(y);
-            if (act == ACT_BF16) y = bf16_round(y);
-            if (out_f) out_f[i] = y;
-            if (out_h) out_h[i] = f2h(y);
-        }
-        return;
-    }
-    if (act == ACT_Q8_0 || act == ACT_Q8_1) {
-#pragma unroll 4
-        for (int u = warp; u < n_units; u += n_warps) {
-            const int i = 32 * u + lane;
-            float y = norm_value(x, w, scale, i);
-            float amax = warp_max(fabsf(y));
-            float d = amax / 127.0f;
-            float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-            int q = nearest_int(y * id);
-            float dh = f16_round(d);
-            if (out_q) out_q[i] = (i8)q;
-            if (out_h) out_h[i] = f2h((float)q * dh);
-            if (out_f) out_f[i] = y;
-            int sum = warp_sum_i(q);
-            if (lane == 0 && out_d) {
-                out_d[u] = dh;
-                out_s[u] = make_float2(act == ACT_Q8_1 ? f16_round((float)sum * d) : 0.0f, 0.0f);
-            }
-        }
-        return;
-    }
-    // Q8_K: a warp per 256-element block, eight consecutive elements per lane.
+    const int n_groups = n / (32 * V);
 #pragma unroll 2
-    for (int blk = warp; blk < n / 256; blk += n_warps) {
-        const int i0 = 256 * blk + 8 * lane;
-        float y[8];
-        float amax = 0.0f;
+    for (int g = warp; g < n_groups; g += n_warps) {
+        const int i0 = 32 * V * g + V * lane;
+        float y[V];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            y[k] = norm_value(x, w, scale, i0 + k);
-            amax = fmaxf(amax, fabsf(y[k]));
-        }
-        amax = warp_max(amax);
-        // The signed value of the first element (lowest index) whose magnitude is amax.
-        int first = 8;
-        float mine = 0.0f;
-#pragma unroll
-        for (int k = 7; k >= 0; --k)
-            if (fabsf(y[k]) == amax) { first = k; mine = y[k]; }
-        u32 has = __ballot_sync(0xffffffffu, first < 8);
-        float mx = has ? __shfl_sync(0xffffffffu, mine, __ffs(has) - 1) : 0.0f;
-        float iscale = mx != 0.0f ? -127.0f / mx : 0.0f;
-        int sum8 = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            int q = mx != 0.0f ? min(nearest_int(iscale * y[k]), 127) : 0;
-            sum8 += q;
-            if (out_q) out_q[i0 + k] = (i8)q;
-            if (out_h) out_h[i0 + k] = f2h((float)q * (mx != 0.0f ? 1.0f / iscale : 0.0f));
-            if (out_f) out_f[i0 + k] = y[k];
-        }
-        int sum16 = sum8 + __shfl_xor_sync(0xffffffffu, sum8, 1);  // lanes 2g, 2g+1 hold group g of 16
-        int next16 = __shfl_down_sync(0xffffffffu, sum16, 2);
-        if ((lane & 3) == 0 && out_d) {
-            const int u = 8 * blk + (lane >> 2);
-            out_d[u] = mx != 0.0f ? 1.0f / iscale : 0.0f;
-            out_s[u] = make_float2((float)sum16, (float)next16);
-        }
+        for (int k = 0; k < V; ++k) y[k] = w ? (__ldcg(x + i0 + k) * scale) * w[i0 + k] : __ldcg(x + i0 + k);
+        quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
     }
+}
+
+// norm_quant_v for the kind's group shape.
+__device__ void norm_quant_cta(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
+                               float2* out_s, u16* out_h, float* out_f) {
+    if (act == ACT_Q8_K) norm_quant_v<8>(x, w, eps, n, act, out_q, out_d, out_s, out_h, out_f);
+    else if (act == ACT_GSQ8) norm_quant_v<4>(x, w, eps, n, act, out_q, out_d, out_s, out_h, out_f);
+    else norm_quant_v<1>(x, w, eps, n, act, out_q, out_d, out_s, out_h, out_f);
 }
 
 // A row per block: norm_quant_cta on rows of x (prompt batches; the first quantization of a decode step).

@@ -216,6 +216,66 @@ __device__ __forceinline__ void unpack(const u8* b, int j, Unit& u) {
     if (T == T_Q6_K) unpack_q6_k(b, j, u);
 }
 
+// ---- GSQ-RCO (docs/gsq-rco.md, version 2): 128-weight records, four units each ----------------------------
+// Re-laid on upload (layouts.py) so the codes come first and every record starts 16-byte aligned:
+//   3 bits: plane0 32 | plane1 16 | d | dmin | scales 8 | slots 2R   (60 + 2R bytes, padded to 16)
+//   4 bits: nibbles 64            | d | dmin | scales 8 | slots 2R   (76 + 2R, padded to 16)
+// The header (d, dmin, the eight scale bytes and the first two slots) is then one 16-byte vector at 48 or 64.
+// Unit j of a record, 3 bits: code bits 0-1 of weight 32j + i are bits 2j..2j+1 of plane0 byte i, bit 2 is bit
+// 2j + i / 16 of plane1 byte i % 16; 4 bits: nibble j / 2 of byte 32 (j % 2) + i. Sub-block 2j + h (16 weights):
+// scale byte 2j + h, low nibble sc, high nibble m: weight = d sc c - dmin m; slot (pos, v) adds v d sc_pos / 16.
+__host__ __device__ constexpr int gsq_bits(int type) { return (type - T_GSQ) >= 32 ? 4 : 3; }
+__host__ __device__ constexpr int gsq_slots(int type) { return (type - T_GSQ) & 31; }
+__host__ __device__ constexpr int gsq_header_offset(int bits) { return bits == 4 ? 64 : 48; }
+__host__ __device__ constexpr int gsq_record_bytes(int bits, int slots) {
+    return (gsq_header_offset(bits) + 12 + 2 * slots + 15) & ~15;
+}
+
+// The 8 code ints of unit j (weights 32j + 4k .. 4k + 3 in int k), from the record's code vectors:
+// 3 bits: c0, c1 = plane0, c2 = plane1; 4 bits: c0, c1 = the 32 nibble bytes of the unit (c2 unused).
+template <int BITS>
+__device__ __forceinline__ void gsq_codes(int4 c0, int4 c1, int4 c2, int j, int* q) {
+    const int p0[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    if constexpr (BITS == 4) {
+        const int s = 4 * (j >> 1);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) q[k] = (p0[k] >> s) & 0x0F0F0F0F;
+    } else {
+        const int p1[4] = {c2.x, c2.y, c2.z, c2.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            q[k] = ((p0[k] >> (2 * j)) & 0x03030303) | (((p1[k & 3] >> (2 * j + (k >> 2))) & 0x01010101) << 2);
+    }
+}
+
+// Unit j's two scale bytes (sub-blocks 2j, 2j + 1) from the header's scale words.
+__device__ __forceinline__ int gsq_scale_pair(int4 h, int j) { return ((j < 2 ? h.y : h.z) >> (16 * (j & 1))) & 0xFFFF; }
+
+// Dequantize unit j of a GSQ-RCO record (b: the record) into 32 floats, slots included, with the CPU
+// dequantizer's operations (rust/core/src/gsq dequantize_row).
+template <int BITS>
+__device__ __forceinline__ void gsq_dequant_unit(const u8* b, int j, int slots, float* v) {
+    const int4* c = (const int4*)b;
+    const int4 h = *(const int4*)(b + gsq_header_offset(BITS));
+    int q[8];
+    if (BITS == 4) gsq_codes<4>(c[2 * (j & 1)], c[2 * (j & 1) + 1], c[0], j, q);
+    else gsq_codes<3>(c[0], c[1], c[2], j, q);
+    const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)((u32)h.x >> 16));
+    const int sp = gsq_scale_pair(h, j);
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+        const int sm = (sp >> (8 * (e >> 4))) & 0xFF, code = (q[e >> 2] >> (8 * (e & 3))) & 0xFF;
+        v[e] = __fsub_rn(__fmul_rn(__fmul_rn(d, (float)(sm & 15)), (float)code), __fmul_rn(dmin, (float)(sm >> 4)));
+    }
+    const u8* sl = b + gsq_header_offset(BITS) + 12;
+    for (int s = 0; s < slots; ++s) {
+        const int pos = sl[2 * s] & 127, val = (int)(i8)sl[2 * s + 1];
+        if (val == 0 || (pos >> 5) != j) continue;
+        const int sc = (sp >> (8 * ((pos >> 4) & 1))) & 15;
+        v[pos & 31] = __fadd_rn(v[pos & 31], __fmul_rn(__fmul_rn(__fmul_rn((float)val, d), (float)sc), 0.0625f));
+    }
+}
+
 // Element e (< 32) of a unit as a float: scale * code - min (the CPU dequantizers' operations).
 __device__ __forceinline__ float unit_value(const Unit& u, int e) {
     int code = (int)(i8)((u.q[e >> 2] >> (8 * (e & 3))) & 0xFF);
