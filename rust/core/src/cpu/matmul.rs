@@ -144,10 +144,8 @@ fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, acts: &QuantizedActs, out:
     debug_assert_eq!(xs.len(), n);
     if n == 1 {
         out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                let r = c * ROWS_PER_TASK + i;
-                *o = crate::quant::simd::gsq_dot_q8(layout, &data[r * rb..(r + 1) * rb], &xs[0]);
-            }
+            let r0 = c * ROWS_PER_TASK;
+            crate::quant::simd::gsq_dot_rows(layout, &data[r0 * rb..(r0 + chunk.len()) * rb], rb, &xs[0], chunk);
         });
         return;
     }

@@ -57,9 +57,10 @@ pub(super) type QuantizeFn = fn(&[f32], &mut [u8]);
 /// Dequantization kernel: writes the whole blocks that fit both `src` and `dst`.
 pub(super) type DequantizeFn = fn(&[u8], &mut [f32]);
 
-/// GSQ-RCO dot product: one row's records with int8 activations (`gsq::dot_row_q8`; the records that both
-/// cover).
-pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], &crate::gsq::ActQ8) -> f32;
+/// GSQ-RCO dot products: `(layout, w, stride, x, out)`, rows `i` of `out.len()` rows (`w[i * stride..]`, whole
+/// records within `stride` bytes) with int8 activations (`gsq::dot_row_q8` each; the records that row and `x`
+/// both cover) into `out[i]`.
+pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], usize, &crate::gsq::ActQ8, &mut [f32]);
 
 /// Table slots: GGML type ids run up to 30 (BF16).
 const SLOTS: usize = 31;
@@ -341,9 +342,21 @@ pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
 /// this CPU, or the scalar reference [`crate::gsq::dot_row_q8`]. The caller checks that the sizes match.
 #[inline]
 pub fn gsq_dot_q8(layout: crate::gsq::Layout, row: &[u8], x: &crate::gsq::ActQ8) -> f32 {
+    let mut out = [0.0f32];
+    gsq_dot_rows(layout, row, row.len(), x, &mut out);
+    out[0]
+}
+
+/// [`gsq_dot_q8`] of `out.len()` rows `stride` bytes apart (row `i` at `w[i * stride..]`, `stride` bytes or, for
+/// the last one, the rest of `w`), into `out[i]`: the per-call setup of the kernel is shared by the rows.
+pub fn gsq_dot_rows(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &crate::gsq::ActQ8, out: &mut [f32]) {
     match kernels().gsq_dot {
-        Some(f) => f(layout, row, x),
-        None => crate::gsq::dot_row_q8(layout, row, x),
+        Some(f) => f(layout, w, stride, x, out),
+        None => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = crate::gsq::dot_row_q8(layout, &w[i * stride..((i + 1) * stride).min(w.len())], x);
+            }
+        }
     }
 }
 
