@@ -243,9 +243,10 @@ impl ActQ8 {
         }
     }
 
+    /// `x` quantized by this CPU's kernel (`quant::simd::gsq_quantize`; the same bytes as `quantize`).
     pub fn from_f32(x: &[f32]) -> ActQ8 {
         let mut a = ActQ8::default();
-        a.quantize(x);
+        crate::quant::simd::gsq_quantize(x, &mut a);
         a
     }
 

@@ -231,6 +231,31 @@ fn simd_dot_rows_match_the_scalar_reference_on_every_layout() {
 }
 
 #[test]
+fn simd_quantization_is_byte_exact() {
+    // Random blocks of several magnitudes, exact ties (amax 127: d = 1, values k + 1/2 on both sides), a zero
+    // block, a NaN and an infinity, a tiny block whose reciprocal scale overflows: every field as the reference.
+    let mut x = gaussian(11, 8 * GROUP, 1.0);
+    x[GROUP..2 * GROUP].iter_mut().for_each(|v| *v *= 1e-3);
+    x[2 * GROUP..3 * GROUP].iter_mut().for_each(|v| *v *= 1e4);
+    for (i, v) in x[3 * GROUP..4 * GROUP].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { (i as f32 - 64.0) * 0.5 };
+    }
+    x[4 * GROUP..5 * GROUP].fill(0.0);
+    x[5 * GROUP + 3] = f32::NAN;
+    x[6 * GROUP + 7] = f32::INFINITY;
+    x[7 * GROUP..8 * GROUP].iter_mut().enumerate().for_each(|(i, v)| *v = 1e-38 * (i as f32 - 60.0) / 64.0);
+    let mut want = ActQ8::default();
+    want.quantize(&x);
+    let mut got = ActQ8 { d: vec![9.0], q: vec![1; 5], bsums: vec![2; 3], qx: vec![3; 7] };
+    crate::quant::simd::gsq_quantize(&x, &mut got);
+    assert_eq!(got.q, want.q, "isa {}", crate::quant::simd::isa());
+    assert_eq!(got.bsums, want.bsums);
+    assert_eq!(got.qx, want.qx);
+    assert_eq!(got.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>(), want.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>());
+    assert!(want.q[3 * GROUP..4 * GROUP].iter().any(|&q| q == 3) && want.q[3 * GROUP..4 * GROUP].contains(&-3), "ties");
+}
+
+#[test]
 fn slot_lookup_tables_give_back_the_activations() {
     // qx XOR-ed over chunks 0..=k (in its layout) is chunk k of q.
     let x = ActQ8::from_f32(&gaussian(3, 2 * GROUP, 1.0));

@@ -61,6 +61,8 @@ pub(super) type DequantizeFn = fn(&[u8], &mut [f32]);
 /// records within `stride` bytes) with int8 activations (`gsq::dot_row_q8` each; the records that row and `x`
 /// both cover) into `out[i]`.
 pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], usize, &crate::gsq::ActQ8, &mut [f32]);
+/// GSQ-RCO activation quantization (`gsq::ActQ8::quantize`, byte-exact).
+pub(super) type GsqQuantizeFn = fn(&[f32], &mut crate::gsq::ActQ8);
 
 /// Table slots: GGML type ids run up to 30 (BF16).
 const SLOTS: usize = 31;
@@ -88,8 +90,9 @@ pub(super) struct Kernels {
     vec_dot_tile_tiled: Slots<TileFn>,
     quantize: Slots<QuantizeFn>,
     dequantize: Slots<DequantizeFn>,
-    /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md).
+    /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md) and their activations.
     gsq_dot: Option<GsqDotFn>,
+    gsq_quantize: Option<GsqQuantizeFn>,
 }
 
 impl Kernels {
@@ -107,6 +110,7 @@ impl Kernels {
         quantize: [None; SLOTS],
         dequantize: [None; SLOTS],
         gsq_dot: None,
+        gsq_quantize: None,
     };
 
     #[inline]
@@ -357,6 +361,15 @@ pub fn gsq_dot_rows(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &cra
                 *o = crate::gsq::dot_row_q8(layout, &w[i * stride..((i + 1) * stride).min(w.len())], x);
             }
         }
+    }
+}
+
+/// Quantize `x` (whole 128-value blocks) into `a` for GSQ-RCO products: this CPU's kernel, byte-exact with the
+/// scalar reference [`crate::gsq::ActQ8::quantize`].
+pub fn gsq_quantize(x: &[f32], a: &mut crate::gsq::ActQ8) {
+    match kernels().gsq_quantize {
+        Some(f) => f(x, a),
+        None => a.quantize(x),
     }
 }
 

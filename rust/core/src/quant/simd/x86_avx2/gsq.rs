@@ -1,5 +1,6 @@
 //! AVX2 + FMA + F16C dot products of GSQ-RCO rows (docs/gsq-rco.md, format version 2) with int8 activations
-//! (`gsq::ActQ8`), the SIMD version of `gsq::dot_row_q8`, and the activations' quantization.
+//! (`gsq::ActQ8`), the SIMD version of `gsq::dot_row_q8`, and the activations' quantization (`quantize`, byte-exact
+//! with `ActQ8::quantize`).
 //!
 //! Per record, in integers (the sums of the scalar reference, some of them times 16):
 //! - codes: 3-bit codes come from one 32-byte load of plane 0 and one 16-byte load of plane 1 (in both halves).
@@ -235,4 +236,57 @@ unsafe fn rows_of<const FOUR: bool, const SLOTS: u8>(
         let h = _mm_add_ss(h, _mm_movehdup_ps(h));
         *out.add(row) = _mm_cvtss_f32(h);
     }
+}
+
+/// `ActQ8::quantize` of the whole 128-value blocks of `x` into `a`, byte for byte: the same amax (NaNs ignored,
+/// as `f32::max` does), scale and reciprocal, the same f32 products, rounded half away from zero (truncation,
+/// plus one away from zero where the exact remainder is at least 1/2), clamped to +-127, NaN to 0.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn quantize(x: &[f32], a: &mut ActQ8) {
+    let nb = x.len() / GROUP;
+    a.d.clear();
+    a.q.clear();
+    a.q.resize(nb * GROUP, 0);
+    a.bsums.clear();
+    a.bsums.resize(nb * (GROUP / SUB), 0);
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let sign = _mm256_set1_ps(-0.0);
+    let (half, one, lim) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0), _mm256_set1_ps(127.0));
+    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, xb) in x.chunks_exact(GROUP).enumerate() {
+        let xp = xb.as_ptr();
+        let mut m = _mm256_setzero_ps();
+        for i in 0..GROUP / 8 {
+            // max_ps returns its second operand when either is NaN: a NaN value leaves the running max.
+            m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xp.add(8 * i)), abs_mask), m);
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        a.d.push(d);
+        let qb = a.q.as_mut_ptr().add(b * GROUP);
+        for j in 0..GROUP / 32 {
+            let v: [__m256i; 4] = std::array::from_fn(|k| {
+                let y = _mm256_mul_ps(_mm256_loadu_ps(xp.add(32 * j + 8 * k)), id);
+                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let frac = _mm256_and_ps(_mm256_sub_ps(y, t), abs_mask);
+                let away = _mm256_or_ps(_mm256_and_ps(y, sign), one);
+                let r = _mm256_add_ps(t, _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), away));
+                let r = _mm256_min_ps(_mm256_max_ps(r, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+                // NaN (a NaN or infinite input) becomes 0, as `NaN as i8` does.
+                _mm256_cvttps_epi32(_mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(y, y)))
+            });
+            let p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_storeu_si256(qb.add(32 * j) as *mut __m256i, _mm256_permutevar8x32_epi32(p, perm));
+        }
+    }
+    for (q, s) in a.q.chunks_exact(SUB).zip(a.bsums.iter_mut()) {
+        *s = q.iter().map(|&v| v as i16).sum();
+    }
+    a.fill_qx();
 }

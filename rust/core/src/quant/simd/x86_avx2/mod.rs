@@ -113,6 +113,7 @@ pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
     k.quantize[GgmlType::F16 as usize] = Some(quantize_f16);
     k.dequantize[GgmlType::F16 as usize] = Some(dequantize_f16);
     k.gsq_dot = Some(gsq_dot);
+    k.gsq_quantize = Some(gsq_quantize);
     Some(k)
 }
 
@@ -205,6 +206,11 @@ fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &crate::gsq::
     // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C; `rows` rows of `nr`
     // whole records, their activations and the outputs are in bounds (checked above).
     unsafe { gsq::dot_rows(layout, nr, rows, w.as_ptr(), stride, x, out.as_mut_ptr()) }
+}
+
+fn gsq_quantize(x: &[f32], a: &mut crate::gsq::ActQ8) {
+    // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C.
+    unsafe { gsq::quantize(x, a) }
 }
 
 /// Whether a tile of `nr` weight rows (`ws` bytes apart) and `nc` activation rows (`as_` apart) of `nb` blocks
