@@ -291,7 +291,7 @@ fn gsq_kernel_speed() {
         (b, s)
     };
     let mut line = String::new();
-    for (bits, slots) in [(3, 0), (3, 2), (4, 0), (4, 4), (4, 12)] {
+    for (bits, slots) in [(3, 0), (3, 2), (4, 0), (4, 4), (4, 8), (4, 12)] {
         let l = Layout::new(bits, slots).unwrap();
         let w = gaussian(7, n, 0.02);
         let mut rec = vec![0u8; l.row_bytes(n).unwrap()];

@@ -14,8 +14,8 @@
 //!   times 16; else times 1).
 //! - mins: one 128-bit `vpmaddwd` of the eight 4-bit mins with the eight 16-bit activation sums.
 //! - residual slots (`v * sc[pos / 16] * q[pos]`, the 16ths of a step): up to four by a scalar loop (it runs on
-//!   the integer units beside the vector work: cheaper than a vector pass for so few), more by vector passes of up
-//!   to eight: q[pos] by a 128-byte table lookup (`ActQ8::qx`, eight XOR-differenced 16-byte chunks: four `vpshufb`
+//!   the integer units beside the vector work: cheaper than a vector pass for so few), more by one vector pass
+//!   (up to eight: 128-bit, two halves of four steps; up to sixteen: 256-bit, eight steps): q[pos] by a 128-byte table lookup (`ActQ8::qx`, eight XOR-differenced 16-byte chunks: four `vpshufb`
 //!   per 128-bit half, each lookup index lowered by 16 per step, so a chunk contributes only up to the position's
 //!   own and the XORs telescope to it), sc by one `vpshufb` of the scale bytes, then `vpmaddubsw` (sc * q) and
 //!   `vpmaddwd` with the sign-extended values; added to the 16-times code sum, so a record's integer is
@@ -106,6 +106,24 @@ unsafe fn chunk_sum(c: __m256i, xq: *const i8, scales: __m256i, mask: __m256i) -
     _mm256_madd_epi16(p, _mm256_shuffle_epi8(scales, mask))
 }
 
+/// The residual-slot sum of 9..16 slots (`s`: their byte pairs, zero pairs for none) in eight 32-bit lanes: as
+/// `slot_pass`, but each half looks up its eight slots through all eight chunks (`qx`: the record's table).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn slot_pass16(s: __m256i, qx: *const u8, scb: __m128i) -> __m256i {
+    let mut ix = _mm256_and_si256(s, _mm256_set1_epi8(0x7f));
+    let step = _mm256_set1_epi8(16);
+    let tab = |k: usize| _mm256_broadcastsi128_si256(_mm_loadu_si128(qx.add(32 * (k % 4) + 16 * (k / 4)) as *const __m128i));
+    let mut r = _mm256_shuffle_epi8(tab(0), ix);
+    for k in 1..GROUP / SUB {
+        ix = _mm256_sub_epi8(ix, step);
+        r = _mm256_xor_si256(r, _mm256_shuffle_epi8(tab(k), ix));
+    }
+    let q = _mm256_and_si256(r, _mm256_set1_epi16(0xff));
+    let sc = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(scb), _mm256_and_si256(_mm256_srli_epi16::<4>(s), _mm256_set1_epi8(7)));
+    _mm256_madd_epi16(_mm256_maddubs_epi16(sc, q), _mm256_srai_epi16::<8>(s))
+}
+
 /// Dot products of `rows` rows (`stride` bytes apart, from `w`) of `nr` records each with the first `nr` blocks
 /// of `x`, into `out[0..rows]`.
 ///
@@ -167,6 +185,11 @@ unsafe fn rows_of<const FOUR: bool, const SLOTS: u8>(
         let mut accm = _mm_setzero_ps();
         for r in 0..nr {
             let rec = wr.add(r * rb);
+            // The weights stream from memory (decode): prefetch the lines a record spans, 1 KiB ahead.
+            super::prefetch_ahead::<1>(rec);
+            if rb > 64 {
+                super::prefetch_ahead::<1>(rec.add(64));
+            }
             let xr = xq.add(r * GROUP);
             // Scales (times their factors, at most 240: bytes) and mins (16-bit words, for the activation sums).
             let sc8 = _mm_loadl_epi64(rec.add(OFF_SCALES) as *const __m128i);
@@ -217,13 +240,18 @@ unsafe fn rows_of<const FOUR: bool, const SLOTS: u8>(
             }
             if SLOTS == VECTOR {
                 let tb = qx.add(r * GROUP);
-                let tabs: [__m256i; 4] = std::array::from_fn(|k| _mm256_loadu_si256(tb.add(32 * k) as *const __m256i));
                 let slots = rec.add(so);
-                let mut ssum = slot_pass(load_partial(slots, slot_bytes.min(16)), &tabs, scb);
-                if slot_bytes > 16 {
-                    ssum = _mm_add_epi32(ssum, slot_pass(load_partial(slots.add(16), slot_bytes - 16), &tabs, scb));
+                if slot_bytes <= 16 {
+                    let tabs: [__m256i; 4] = std::array::from_fn(|k| _mm256_loadu_si256(tb.add(32 * k) as *const __m256i));
+                    let ssum = slot_pass(load_partial(slots, slot_bytes), &tabs, scb);
+                    isum = _mm256_add_epi32(isum, _mm256_zextsi128_si256(ssum));
+                } else {
+                    let sv = _mm256_inserti128_si256::<1>(
+                        _mm256_castsi128_si256(_mm_loadu_si128(slots as *const __m128i)),
+                        load_partial(slots.add(16), slot_bytes - 16),
+                    );
+                    isum = _mm256_add_epi32(isum, slot_pass16(sv, tb, scb));
                 }
-                isum = _mm256_add_epi32(isum, _mm256_zextsi128_si256(ssum));
             }
             // (dx * d [/ 16], dx * dmin) by one F16C conversion.
             let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((rec as *const i32).read_unaligned()));
