@@ -2,7 +2,7 @@
 //! so Python makes one call per step, not one per layer (ARCHITECTURE.md, decision 1).
 
 use crate::cpu::attention::{attention, AttnShape};
-use crate::cpu::matmul::{matmul, matmul_quantized, quantize_acts};
+use crate::cpu::matmul::{act_format, matmul, matmul_quantized, quantize_acts};
 use crate::cpu::ops;
 use crate::cpu::profile::Work;
 use crate::error::{Error, Result};
@@ -177,7 +177,7 @@ impl Model {
             self.act_stats.add(&[&lw.wq.name, &lw.wk.name, &lw.wv.name], &h, e);
             let acts = quantize_acts(&lw.wq, &h, n);
             matmul_quantized(&lw.wq, &acts, &mut q);
-            let same_fmt = |m: &crate::model::weights::Matrix| m.ty.act_type() == lw.wq.ty.act_type();
+            let same_fmt = |m: &crate::model::weights::Matrix| act_format(m) == acts.format;
             if same_fmt(&lw.wk) { matmul_quantized(&lw.wk, &acts, &mut k) } else { matmul(&lw.wk, &h, n, &mut k) }
             if same_fmt(&lw.wv) { matmul_quantized(&lw.wv, &acts, &mut v) } else { matmul(&lw.wv, &h, n, &mut v) }
             laps.lap(Work::Matmul);
@@ -255,7 +255,7 @@ impl Model {
             self.act_stats.add(&[&lw.w_gate.name, &lw.w_up.name], &h, e);
             let acts = quantize_acts(&lw.w_gate, &h, nr);
             matmul_quantized(&lw.w_gate, &acts, &mut gate);
-            if lw.w_up.ty.act_type() == lw.w_gate.ty.act_type() {
+            if act_format(&lw.w_up) == acts.format {
                 matmul_quantized(&lw.w_up, &acts, &mut up);
             } else {
                 matmul(&lw.w_up, &h, nr, &mut up);

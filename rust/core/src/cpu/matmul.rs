@@ -8,23 +8,55 @@
 
 use rayon::prelude::*;
 
+use crate::gsq::ActQ8;
 use crate::model::weights::Matrix;
-use crate::quant::quantize_act;
-use crate::quant::simd::{tile_kernel, vec_dot_matmul, MatmulPos};
+use crate::quant::simd::{gsq_dot_rows, gsq_quantize, tile_kernel, vec_dot_matmul, MatmulPos};
+use crate::quant::{quantize_act, GgmlType};
 
 /// Rows per task: large enough to amortise scheduling, small enough to balance 2..64 threads.
 const ROWS_PER_TASK: usize = 16;
 
-/// Activations of `n` tokens quantized for one weight's dot-product format.
+/// The format a matrix's products take their activations in: a GGML activation type (q8_0, q8_K, f16 ...), or
+/// GSQ-RCO's int8 blocks (`gsq::ActQ8`). Matrices of one format can share one quantization of an input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActFormat {
+    Ggml(GgmlType),
+    Gsq,
+}
+
+pub fn act_format(w: &Matrix) -> ActFormat {
+    if w.gsq.is_some() {
+        ActFormat::Gsq
+    } else {
+        ActFormat::Ggml(w.ty.act_type())
+    }
+}
+
+/// Activations of `n` tokens quantized for one weight's dot-product format: GGML activation rows in `bytes`, or
+/// (GSQ-RCO) one `ActQ8` per token in `gsq`.
 pub struct QuantizedActs {
+    pub format: ActFormat,
     pub bytes: Vec<u8>,
     pub row_bytes: usize,
+    pub gsq: Vec<ActQ8>,
     pub n: usize,
 }
 
 pub fn quantize_acts(w: &Matrix, x: &[f32], n: usize) -> QuantizedActs {
     let k = w.n_cols;
-    let act_ty = w.ty.act_type();
+    let format = act_format(w);
+    let act_ty = match format {
+        ActFormat::Gsq => {
+            let quantize = |row: &[f32]| {
+                let mut a = ActQ8::default();
+                gsq_quantize(&row[..k], &mut a);
+                a
+            };
+            let gsq = if n == 1 { vec![quantize(x)] } else { x.par_chunks(k).take(n).map(quantize).collect() };
+            return QuantizedActs { format, bytes: Vec::new(), row_bytes: 0, gsq, n };
+        }
+        ActFormat::Ggml(t) => t,
+    };
     let row_bytes = act_ty.row_bytes(k).expect("weight row length fits its activation type");
     let mut bytes = vec![0u8; row_bytes * n];
     if n == 1 {
@@ -32,7 +64,7 @@ pub fn quantize_acts(w: &Matrix, x: &[f32], n: usize) -> QuantizedActs {
     } else {
         bytes.par_chunks_mut(row_bytes).zip(x.par_chunks(k)).for_each(|(dst, src)| quantize_act(act_ty, src, dst));
     }
-    QuantizedActs { bytes, row_bytes, n }
+    QuantizedActs { format, bytes, row_bytes, gsq: Vec::new(), n }
 }
 
 /// out[t, r] = W[r, :] · x[t, :] for n tokens. x: [n, w.n_cols], out: [n, w.n_rows].
@@ -55,12 +87,14 @@ const PREFILL_MAX_ROWS_PER_TASK: usize = 64;
 /// Weight rows per tile in prefill: each activation block is loaded once for both.
 const PREFILL_ROW_TILE: usize = 2;
 
-/// As `matmul`, reusing activations already quantized for `w`'s format (q, k and v share theirs).
+/// As `matmul`, reusing activations already quantized for `w`'s format (q, k and v share theirs, gate and up
+/// theirs).
 pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
     debug_assert_eq!(out.len(), m * n);
+    assert_eq!(acts.format, act_format(w), "{}: activations quantized for another format", w.name);
     if let Some(layout) = w.gsq {
-        return matmul_gsq(w, layout, acts, out);
+        return matmul_gsq(w, layout, &acts.gsq, out);
     }
     let data = w.data();
     let rb = w.row_bytes();
@@ -130,24 +164,16 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     });
 }
 
-/// A GSQ-RCO matrix times f32 activations (its `ty` is F32, so `acts` hold them as raw f32): each token's
-/// activations are quantized to int8 (`gsq::ActQ8`), then every row's records are dotted with them by the
-/// GSQ-RCO kernel of this CPU. In prefill, each task takes a block of rows (kept in cache) against every token.
-fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, acts: &QuantizedActs, out: &mut [f32]) {
-    let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
+/// A GSQ-RCO matrix times int8 activations (one `ActQ8` per token): every row's records are dotted with them by
+/// the GSQ-RCO kernel of this CPU, 16 rows per call. In prefill, each task takes a block of rows (kept in cache)
+/// against every token.
+fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, xs: &[ActQ8], out: &mut [f32]) {
+    let (m, n) = (w.n_rows, xs.len());
     let (data, rb) = (w.data(), w.row_bytes());
-    let xs: Vec<crate::gsq::ActQ8> = acts
-        .bytes
-        .chunks_exact(acts.row_bytes)
-        .map(|b| crate::gsq::ActQ8::from_f32(bytemuck_f32(&b[..4 * k])))
-        .collect();
-    debug_assert_eq!(xs.len(), n);
     if n == 1 {
         out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                let r = c * ROWS_PER_TASK + i;
-                *o = crate::quant::simd::gsq_dot_q8(layout, &data[r * rb..(r + 1) * rb], &xs[0]);
-            }
+            let r0 = c * ROWS_PER_TASK;
+            gsq_dot_rows(layout, &data[r0 * rb..(r0 + chunk.len()) * rb], rb, &xs[0], chunk);
         });
         return;
     }
@@ -155,19 +181,14 @@ fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, acts: &QuantizedActs, out:
     (0..m.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|c| {
         let out_ptr = &out_ptr;
         let rows = c * ROWS_PER_TASK..((c + 1) * ROWS_PER_TASK).min(m);
+        let mut buf = [0.0f32; ROWS_PER_TASK];
+        let buf = &mut buf[..rows.len()];
         for (t, x) in xs.iter().enumerate() {
-            for r in rows.clone() {
-                let d = crate::quant::simd::gsq_dot_q8(layout, &data[r * rb..(r + 1) * rb], x);
+            gsq_dot_rows(layout, &data[rows.start * rb..rows.end * rb], rb, x, buf);
+            for (r, &d) in rows.clone().zip(buf.iter()) {
                 // SAFETY: element (t, r) belongs to this task alone (its rows), and lies inside out (n * m).
                 unsafe { *out_ptr.0.add(t * m + r) = d };
             }
         }
     });
-}
-
-/// f32 activations stored as raw little-endian bytes (quantize_act to F32 copies them), viewed in place.
-fn bytemuck_f32(b: &[u8]) -> &[f32] {
-    assert!(b.len().is_multiple_of(4) && (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()), "unaligned f32 activations");
-    // SAFETY: length and alignment checked above; every bit pattern is a valid f32.
-    unsafe { std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4) }
 }

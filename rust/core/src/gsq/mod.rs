@@ -193,16 +193,21 @@ pub fn dequantize_row(layout: Layout, src: &[u8], dst: &mut [f32]) -> Result<()>
 }
 
 /// Activations quantized for GSQ-RCO dot products: per 128 values one f32 scale `d`, the int8 values `q`
-/// (x ~ d * q) and the sums of q over each 16 (for the sub-block mins).
+/// (x ~ d * q, |q| <= 127), the sums of q over each 16 (for the sub-block mins; |sum| <= 2032, so i16) and, for
+/// the kernels' residual-slot lookups, each block's eight 16-byte chunks of q as XOR differences (`qx`, 128
+/// bytes per block: chunk k at offset 32 (k % 4) + 16 (k / 4), holding `q[16k..16k+16] ^ q[16k-16..16k]`, the
+/// first chunk as is), so that XOR-ing the chunks 0..=k gives chunk k (see `x86_avx2::gsq`).
 #[derive(Clone, Debug, Default)]
 pub struct ActQ8 {
     pub d: Vec<f32>,
     pub q: Vec<i8>,
-    pub bsums: Vec<i32>,
+    pub bsums: Vec<i16>,
+    pub qx: Vec<u8>,
 }
 
 impl ActQ8 {
-    /// Quantize `x` (a whole number of 128-value blocks; the caller checks) into self, reusing its buffers.
+    /// Quantize `x` (a whole number of 128-value blocks; the caller checks) into self, reusing its buffers: the
+    /// scalar reference (`quant::simd::gsq_quantize` runs this CPU's kernel, byte-exact with it).
     pub fn quantize(&mut self, x: &[f32]) {
         let nb = x.len() / GROUP;
         self.d.clear();
@@ -216,15 +221,32 @@ impl ActQ8 {
             let start = self.q.len();
             self.q.extend(xb.iter().map(|&v| (v * id).round().clamp(-127.0, 127.0) as i8));
             for sub in self.q[start..].chunks_exact(SUB) {
-                self.bsums.push(sub.iter().map(|&v| v as i32).sum());
+                self.bsums.push(sub.iter().map(|&v| v as i16).sum());
             }
         }
         debug_assert_eq!(self.d.len(), nb);
+        self.fill_qx();
     }
 
+    /// `qx` from `q` (see the struct's docs).
+    pub(crate) fn fill_qx(&mut self) {
+        self.qx.clear();
+        self.qx.resize(self.q.len(), 0);
+        for (qb, xb) in self.q.chunks_exact(GROUP).zip(self.qx.chunks_exact_mut(GROUP)) {
+            for k in 0..GROUP / SUB {
+                let dst = 32 * (k % 4) + 16 * (k / 4);
+                for j in 0..SUB {
+                    let prev = if k == 0 { 0 } else { qb[16 * k - 16 + j] as u8 };
+                    xb[dst + j] = qb[16 * k + j] as u8 ^ prev;
+                }
+            }
+        }
+    }
+
+    /// `x` quantized by this CPU's kernel (`quant::simd::gsq_quantize`; the same bytes as `quantize`).
     pub fn from_f32(x: &[f32]) -> ActQ8 {
         let mut a = ActQ8::default();
-        a.quantize(x);
+        crate::quant::simd::gsq_quantize(x, &mut a);
         a
     }
 
@@ -246,7 +268,7 @@ pub fn dot_row_q8(layout: Layout, src: &[u8], x: &ActQ8) -> f32 {
         for (s, &(sc, m)) in sm.iter().enumerate() {
             let sub: i32 = (s * SUB..(s + 1) * SUB).map(|i| code_at(layout, rec, i) as i32 * q[i] as i32).sum();
             isum += sc as i32 * sub;
-            msum += m as i32 * x.bsums[r * (GROUP / SUB) + s];
+            msum += m as i32 * x.bsums[r * (GROUP / SUB) + s] as i32;
         }
         for (pos, v) in slots(layout, rec) {
             ssum += v as i32 * sm[pos / SUB].0 as i32 * q[pos] as i32;

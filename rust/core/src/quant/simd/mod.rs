@@ -57,9 +57,12 @@ pub(super) type QuantizeFn = fn(&[f32], &mut [u8]);
 /// Dequantization kernel: writes the whole blocks that fit both `src` and `dst`.
 pub(super) type DequantizeFn = fn(&[u8], &mut [f32]);
 
-/// GSQ-RCO dot product: one row's records with int8 activations (`gsq::dot_row_q8`; the records that both
-/// cover).
-pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], &crate::gsq::ActQ8) -> f32;
+/// GSQ-RCO dot products: `(layout, w, stride, x, out)`, rows `i` of `out.len()` rows (`w[i * stride..]`, whole
+/// records within `stride` bytes) with int8 activations (`gsq::dot_row_q8` each; the records that row and `x`
+/// both cover) into `out[i]`.
+pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], usize, &crate::gsq::ActQ8, &mut [f32]);
+/// GSQ-RCO activation quantization (`gsq::ActQ8::quantize`, byte-exact).
+pub(super) type GsqQuantizeFn = fn(&[f32], &mut crate::gsq::ActQ8);
 
 /// Table slots: GGML type ids run up to 30 (BF16).
 const SLOTS: usize = 31;
@@ -87,8 +90,9 @@ pub(super) struct Kernels {
     vec_dot_tile_tiled: Slots<TileFn>,
     quantize: Slots<QuantizeFn>,
     dequantize: Slots<DequantizeFn>,
-    /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md).
+    /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md) and their activations.
     gsq_dot: Option<GsqDotFn>,
+    gsq_quantize: Option<GsqQuantizeFn>,
 }
 
 impl Kernels {
@@ -106,6 +110,7 @@ impl Kernels {
         quantize: [None; SLOTS],
         dequantize: [None; SLOTS],
         gsq_dot: None,
+        gsq_quantize: None,
     };
 
     #[inline]
@@ -341,9 +346,30 @@ pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
 /// this CPU, or the scalar reference [`crate::gsq::dot_row_q8`]. The caller checks that the sizes match.
 #[inline]
 pub fn gsq_dot_q8(layout: crate::gsq::Layout, row: &[u8], x: &crate::gsq::ActQ8) -> f32 {
+    let mut out = [0.0f32];
+    gsq_dot_rows(layout, row, row.len(), x, &mut out);
+    out[0]
+}
+
+/// [`gsq_dot_q8`] of `out.len()` rows `stride` bytes apart (row `i` at `w[i * stride..]`, `stride` bytes or, for
+/// the last one, the rest of `w`), into `out[i]`: the per-call setup of the kernel is shared by the rows.
+pub fn gsq_dot_rows(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &crate::gsq::ActQ8, out: &mut [f32]) {
     match kernels().gsq_dot {
-        Some(f) => f(layout, row, x),
-        None => crate::gsq::dot_row_q8(layout, row, x),
+        Some(f) => f(layout, w, stride, x, out),
+        None => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = crate::gsq::dot_row_q8(layout, &w[i * stride..((i + 1) * stride).min(w.len())], x);
+            }
+        }
+    }
+}
+
+/// Quantize `x` (whole 128-value blocks) into `a` for GSQ-RCO products: this CPU's kernel, byte-exact with the
+/// scalar reference [`crate::gsq::ActQ8::quantize`].
+pub fn gsq_quantize(x: &[f32], a: &mut crate::gsq::ActQ8) {
+    match kernels().gsq_quantize {
+        Some(f) => f(x, a),
+        None => a.quantize(x),
     }
 }
 

@@ -113,6 +113,7 @@ pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
     k.quantize[GgmlType::F16 as usize] = Some(quantize_f16);
     k.dequantize[GgmlType::F16 as usize] = Some(dequantize_f16);
     k.gsq_dot = Some(gsq_dot);
+    k.gsq_quantize = Some(gsq_quantize);
     Some(k)
 }
 
@@ -193,12 +194,23 @@ dot_wrapper!(vec_dot_q4_k_tiled, orders::vec_dot_q4_k_q8_k_tiled, Q4_K_BYTES, Q8
 dot_wrapper!(vec_dot_q5_k_tiled, orders::vec_dot_q5_k_q8_k_tiled, Q5_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES);
 
-fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], x: &crate::gsq::ActQ8) -> f32 {
-    let nr = (w.len() / layout.record_bytes()).min(x.blocks());
-    assert!(x.q.len() >= nr * crate::gsq::GROUP && x.bsums.len() >= nr * crate::gsq::GROUP / crate::gsq::SUB);
-    // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C; `nr` whole records and
-    // their activations are in bounds (checked above).
-    unsafe { gsq::dot_row(layout, nr, w.as_ptr(), x) }
+fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &crate::gsq::ActQ8, out: &mut [f32]) {
+    use crate::gsq::{GROUP, SUB};
+    let rows = out.len();
+    if rows == 0 {
+        return;
+    }
+    let nr = (stride.min(w.len()) / layout.record_bytes()).min(x.blocks());
+    assert!(w.len() >= (rows - 1) * stride + nr * layout.record_bytes(), "GSQ-RCO rows out of bounds");
+    assert!(x.q.len() >= nr * GROUP && x.qx.len() >= nr * GROUP && x.bsums.len() >= nr * GROUP / SUB);
+    // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C; `rows` rows of `nr`
+    // whole records, their activations and the outputs are in bounds (checked above).
+    unsafe { gsq::dot_rows(layout, nr, rows, w.as_ptr(), stride, x, out.as_mut_ptr()) }
+}
+
+fn gsq_quantize(x: &[f32], a: &mut crate::gsq::ActQ8) {
+    // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C.
+    unsafe { gsq::quantize(x, a) }
 }
 
 /// Whether a tile of `nr` weight rows (`ws` bytes apart) and `nc` activation rows (`as_` apart) of `nb` blocks
