@@ -235,6 +235,60 @@ def test_calibration_collects_each_matrix_inputs_mean_square(source: Path, tmp_p
         convert(source, tmp_path / "x.gguf", steps=1, calib_file=tmp_path / "missing.txt")
 
 
+def test_calibration_collects_each_input_gram_matrix(source: Path) -> None:
+    from ninfer.gsq import GRAM_MAX_COLS, collect_importances
+
+    text = "def f(x):\n    return x * 2 + 1\n" * 80
+    grams: dict[str, np.ndarray] = {}
+    imp, _ = collect_importances(source, text, max_chunks=1, threads=2, grams=grams)
+    # Every input up to GRAM_MAX_COLS wide (not ffn_down's 4864), one array per input (q, k and v share it).
+    assert 4864 > GRAM_MAX_COLS
+    assert set(grams) == {f"blk.0.{k}.weight" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                        "ffn_up")}
+    assert grams["blk.0.attn_q.weight"] is grams["blk.0.attn_v.weight"]
+    for name, g in grams.items():
+        assert g.shape == (896, 896) and np.array_equal(g, g.T)
+        np.testing.assert_allclose(np.diag(g), imp[name], rtol=1e-4, atol=1e-7)  # diag(X^T X) / n = mean x^2
+        assert np.linalg.eigvalsh(g.astype(np.float64)).min() > -1e-4 * np.abs(g).max()  # a Gram matrix
+
+
+def test_gptq_conversion_writes_a_valid_file_and_needs_a_calibration_text(source: Path, tmp_path: Path) -> None:
+    calib = tmp_path / "calib.txt"
+    calib.write_text("def f(x):\n    return x * 2 + 1\n" * 40)
+    out = tmp_path / "fed.gguf"
+    convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True)
+    assert verify(out) == (True, "ok")
+    plain = tmp_path / "plain.gguf"
+    convert(source, plain, steps=2, threads=2, calib_file=calib, calib_chunks=1)
+    a, b = tensor_infos(out)[1], tensor_infos(plain)[1]
+    assert a["blk.0.attn_q.weight"]["blake2b"] != b["blk.0.attn_q.weight"]["blake2b"]  # fed back
+    assert a["blk.0.ffn_down.weight"]["blake2b"] == b["blk.0.ffn_down.weight"]["blake2b"]  # too wide: as before
+    with pytest.raises(InvalidArgumentError, match="--gptq needs --calib-file"):
+        convert(source, tmp_path / "x.gguf", steps=1, feedback=True)
+
+
+def test_error_feedback_lowers_the_output_error_on_correlated_inputs() -> None:
+    """GPTQ-style feedback (gsq.quantize_with_feedback) against quantizing with the inputs' mean squares alone:
+    with correlated inputs, the later groups compensate the earlier ones' error in the layer's output."""
+    from ninfer.gsq import quantize_with_feedback
+
+    rng = np.random.default_rng(1)
+    rows, cols, n = 64, 512, 2048
+    mix = rng.standard_normal((cols, cols)).astype(np.float32) * 0.15 + np.eye(cols, dtype=np.float32)
+    x = (rng.standard_normal((n, cols)).astype(np.float32) @ mix).astype(np.float32)
+    gram = (x.T @ x / n).astype(np.float32)
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+
+    def out_err(rec: np.ndarray) -> float:
+        q = _core.gsq_dequantize(rec.tobytes(), rows, cols, bits=3, slots=2)
+        return float(np.sum(((w - q) @ x.T) ** 2) / np.sum((w @ x.T) ** 2))
+
+    plain, _ = _core.gsq_quantize(w, np.diag(gram).copy(), bits=3, slots=2, steps=8, threads=2)
+    fed, st = quantize_with_feedback(w, gram, bits=3, slots=2, steps=8, threads=2)
+    assert fed.shape == plain.shape and st["weight"] > 0
+    assert out_err(fed) < 0.8 * out_err(plain), (out_err(fed), out_err(plain))
+
+
 def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tmp_path: Path) -> None:
     from ninfer.llm import LLM
     from ninfer.perplexity import perplexity

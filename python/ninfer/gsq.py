@@ -81,10 +81,16 @@ def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]
     return out
 
 
+GRAM_MAX_COLS = 4096  # inputs up to this wide get their X^T X for error feedback (8960-wide: 321 MB each)
+
+
 def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int = 512, max_chunks: int = 32,
-                        threads: int = 0, log: Callable[[str], None] | None = None) -> tuple[dict[str, np.ndarray], int]:
+                        threads: int = 0, log: Callable[[str], None] | None = None,
+                        grams: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], int]:
     """Mean squared input of every matrix of `model` over `text` (chunks of n_ctx tokens, as llama-imatrix):
-    GSQ-RCO's importances. Returns ({tensor name: per-column means}, tokens evaluated)."""
+    GSQ-RCO's importances. Returns ({tensor name: per-column means}, tokens evaluated). With `grams` (a dict to
+    fill), also each input's X^T X / rows for inputs up to GRAM_MAX_COLS wide (matrices reading one input share
+    the array)."""
     from ninfer.llm import LLM
 
     llm = LLM(model, n_ctx=n_ctx, threads=threads)
@@ -94,14 +100,55 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
         raise InvalidArgumentError(f"the calibration text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}")
     eng = llm._engine
     eng.set_collect_act_stats(True)
+    if grams is not None:
+        eng.set_collect_grams(GRAM_MAX_COLS)
     t0 = time.perf_counter()
     for i, chunk in enumerate(chunks):
         llm.eval_logits(chunk, rows=[])
         if log:
             log(f"calibration: chunk {i + 1}/{len(chunks)}, {time.perf_counter() - t0:.1f} s")
     eng.set_collect_act_stats(False)
+    if grams is not None:
+        eng.set_collect_grams(0)
+        grams.update(eng.act_grams())
     return {name: np.asarray(means, np.float32) for name, (means, _) in eng.act_stats().items()}, \
         sum(len(c) for c in chunks)
+
+
+def quantize_with_feedback(w: np.ndarray, gram: np.ndarray, *, bits: int, slots: int, steps: int, threads: int,
+                           damp: float = 0.3) -> tuple[np.ndarray, dict[str, float]]:
+    """GSQ-RCO records of w [rows, cols] with GPTQ-style error feedback: the 128-column groups are quantized in
+    order, and each group's error, through the Cholesky factor U of the inverse input Gram matrix (H^-1 = U^T U),
+    is taken out of the columns not yet quantized (W_rest -= (W_g - Q_g) U_gg^-1 U_g,rest), so the layer's output
+    error over the calibration inputs, not each weight's own error, is what the later groups compensate. A
+    group's own quantization weighs its columns by diag((U_gg^T U_gg)^-1). Returns (records [rows, row bytes],
+    summed quantizer statistics)."""
+    rows, cols = w.shape
+    h = gram.astype(np.float64)
+    dead = np.diag(h) <= 0
+    w = np.array(w, np.float32)
+    w[:, dead] = 0.0
+    h[dead, dead] = 1.0
+    h[np.diag_indices(cols)] += damp * float(np.mean(np.diag(h)))
+    l_inv = np.linalg.inv(np.linalg.cholesky(h))
+    u = np.linalg.cholesky(l_inv.T @ l_inv).T  # H^-1 = U^T U, U upper triangular
+    rb = _core.gsq_row_bytes(GROUP, bits=bits, slots=slots)
+    out = np.empty((rows, cols // GROUP * rb), np.uint8)
+    stats = {"weight": 0.0, "err": 0.0, "err_rtn": 0.0}
+    for k, g0 in enumerate(range(0, cols, GROUP)):
+        g = slice(g0, g0 + GROUP)
+        ug_inv = np.linalg.inv(u[g, g])
+        imp = np.diag(ug_inv @ ug_inv.T).astype(np.float32)
+        wg = np.ascontiguousarray(w[:, g])
+        rec, st = _core.gsq_quantize(wg, imp, bits=bits, slots=slots, steps=steps, threads=threads)
+        out[:, k * rb : (k + 1) * rb] = rec
+        for key in stats:
+            stats[key] += st[key]
+        if g0 + GROUP < cols:
+            q = _core.gsq_dequantize(rec.tobytes(), rows, GROUP, bits=bits, slots=slots)
+            e = ((wg - q) @ ug_inv).astype(np.float32)
+            w[:, g0 + GROUP :] -= e @ u[g, g0 + GROUP :].astype(np.float32)
+    return out, stats
 
 
 def _checksum(data: Any) -> str:
@@ -120,7 +167,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             steps: int = 100, threads: int = 0, seed: int = 0, tensor_types: list[str] = (),
             calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
             importances_file: str | os.PathLike[str] | None = None,
-            save_importances: str | os.PathLike[str] | None = None,
+            save_importances: str | os.PathLike[str] | None = None, feedback: bool = False,
+            feedback_damp: float = 0.3,
             log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
     mean squared activation over that text (run through the source model; `save_importances` keeps them in an
@@ -148,13 +196,17 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     n_layer = int(md.get(f"{arch}.block_count", 0))
     log = log or (lambda s: None)
     importances: dict[str, np.ndarray] = {}
+    grams: dict[str, np.ndarray] = {}
     calib_tokens = 0
+    if feedback and calib_file is None:
+        raise InvalidArgumentError("--gptq needs --calib-file (the inputs' X^T X comes from running the model)")
     if calib_file is not None:
         try:
             text = Path(calib_file).read_text(encoding="utf-8")
         except OSError as e:
             raise InvalidArgumentError(f"{calib_file}: cannot read the calibration text: {e.strerror}") from None
-        importances, calib_tokens = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log)
+        importances, calib_tokens = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log,
+                                                        grams=grams if feedback else None)
         if save_importances is not None:
             np.savez(save_importances, **importances)
     elif importances_file is not None:
@@ -212,7 +264,12 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
-                data, st = _core.gsq_quantize(wf, h, bits=pol.bits, slots=pol.slots, steps=steps, threads=threads)
+                if t.name in grams:
+                    data, st = quantize_with_feedback(wf, grams.pop(t.name), bits=pol.bits, slots=pol.slots,
+                                                      steps=steps, threads=threads, damp=feedback_damp)
+                else:
+                    data, st = _core.gsq_quantize(wf, h, bits=pol.bits, slots=pol.slots, steps=steps,
+                                                  threads=threads)
                 del wf
                 bpw = 8 * data.size / (rows * cols)
                 info.update(type="GSQ-RCO", bits=pol.bits, slots=pol.slots, bpw=round(bpw, 4),
@@ -368,6 +425,12 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--save-importances", default=None, metavar="NPZ", help="keep --calib-file's importances here")
     p.add_argument("--importances", default=None, metavar="NPZ",
                    help="importances saved by --save-importances, instead of --calib-file")
+    p.add_argument("--gptq", action="store_true",
+                   help="GPTQ-style error feedback from each input's X^T X over --calib-file (inputs up to "
+                        f"{GRAM_MAX_COLS} wide)")
+    p.add_argument("--gptq-damp", type=float, default=0.3,
+                   help="--gptq: add this fraction of the mean diagonal to X^T X's diagonal (default 0.3: with a few "
+                        "thousand calibration tokens the Gram matrices are noisy; docs/gsq-rco.md)")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -384,7 +447,8 @@ def run_convert(args: Any) -> int:
     r = convert(args.input, args.output, group=args.group_size, residual_bits=args.residual_bits,
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
                 calib_file=args.calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
-                save_importances=args.save_importances, log=log, verbose=args.verbose)
+                save_importances=args.save_importances, feedback=args.gptq,
+                feedback_damp=args.gptq_damp, log=log, verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
     log(f"gsq-rco: wrote {args.output}: {r['bytes'] / 2**20:.1f} MiB, {r['bpw']:.3f} bits per weight, "

@@ -274,6 +274,26 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Also accumulate each matrix input's X^T X for inputs of at most `max_cols` columns (0: stop).
+    fn set_collect_grams(&self, max_cols: usize) {
+        self.model.act_stats.set_gram_max_cols(max_cols);
+    }
+
+    /// {matrix name: X^T X / rows as a float32 [cols, cols] array}; matrices that read one input (q, k, v) get the
+    /// same array object.
+    fn act_grams<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (names, mats) = py.detach(|| self.model.act_stats.grams());
+        let arrays = mats
+            .into_iter()
+            .map(|(m, cols)| m.into_pyarray(py).reshape([cols, cols]))
+            .collect::<PyResult<Vec<_>>>()?;
+        let d = PyDict::new(py);
+        for (name, i) in names {
+            d.set_item(name, &arrays[i])?;
+        }
+        Ok(d)
+    }
+
     /// Turn the per-kind timing of forward passes and sampling on or off (`ninfer bench --profile`).
     fn set_profiling(&self, on: bool) {
         self.model.profile.set_enabled(on);
