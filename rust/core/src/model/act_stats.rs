@@ -17,6 +17,9 @@ struct Grams {
     grams: Vec<(Vec<f32>, usize, u64)>,
 }
 
+/// An input's X^T X / rows, [cols * cols] row-major, and cols.
+pub type Gram = (Vec<f32>, usize);
+
 #[derive(Default)]
 pub struct ActStats {
     on: std::sync::atomic::AtomicBool,
@@ -90,9 +93,9 @@ impl ActStats {
         self.gram_max_cols.store(max_cols, Ordering::Relaxed);
     }
 
-    /// X^T X / rows (symmetric, [cols * cols] row-major) by matrix name; names sharing an input share an index
-    /// into the returned list.
-    pub fn grams(&self) -> (Vec<(String, usize)>, Vec<(Vec<f32>, usize)>) {
+    /// X^T X / rows (symmetric, [cols * cols] row-major, with cols) per input, and every matrix name with the
+    /// index of its input in that list (names sharing an input share the index).
+    pub fn grams(&self) -> (Vec<(String, usize)>, Vec<Gram>) {
         let g = self.grams.lock().unwrap_or_else(|e| e.into_inner());
         let mut names: Vec<_> = g.names.iter().map(|(k, &v)| (k.clone(), v)).collect();
         names.sort();
