@@ -129,29 +129,7 @@ __device__ __forceinline__ float raw_dot(const RawUnit<T>& r, int u, const int* 
     }
 }
 
-// ---- GSQ-RCO (quant.cuh): the same loads-first structure, a record's vectors for every row before any dot -----
-template <int BITS>
-struct GsqRaw {
-    int4 c0, c1, c2, h;  // codes (3 bits: plane0 in c0, c1, plane1 in c2; 4 bits: the unit's nibbles in c0, c1), header
-};
-
-template <int BITS>
-__device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BITS>& r) {
-    const u8* b = row + (long long)(u >> 2) * rb;
-    if constexpr (BITS == 4) {
-        const int4* c = (const int4*)(b + 32 * (u & 1));
-        r.c0 = c[0];
-        r.c1 = c[1];
-        r.c2 = make_int4(0, 0, 0, 0);
-    } else {
-        const int4* c = (const int4*)b;
-        r.c0 = c[0];
-        r.c1 = c[1];
-        r.c2 = c[2];
-    }
-    r.h = *(const int4*)(b + gsq_header_offset(BITS));
-}
-
+// ---- GSQ-RCO (quant.cuh: GsqRaw, load_gsq): loaded first as Q4_K and Q6_K are (rows_loads_first) ----------
 // Unit u's dot with the int8 activation (ACT_GSQ8), as gsq::dot_row_q8 computes a record but per unit: integer
 // sums of codes, the two sub-blocks' mins against the activation's sums per 16, and the residual slots that fall
 // in this unit (the first two come with the header; rec, when the record has more, is the record to read them from).
@@ -187,29 +165,42 @@ __device__ __forceinline__ float gsq_dot(const GsqRaw<BITS>& r, int u, const int
                     dmin * ((float)m0 * bs.x + (float)m1 * bs.y));
 }
 
+// The loads-first loop: for this lane's units u_first, u_first + u_step, ... (U at a time), load(r, u, raw) for
+// every row and unit, all issued before dot(r, u, raw) of the first (one memory round trip per step), the sums
+// into acc.
+template <class Raw, int R, int U, class Load, class Dot>
+__device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_units, Load load, Dot dot,
+                                                 float* acc) {
+    for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
+        Raw raw[U][R];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + u_step * k;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (U == 1 || u < n_units) load(r, u, raw[k][r]);
+        }
+        asm volatile("" ::: "memory");  // the loads above stay above: none waits behind a dot product
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = u0 + u_step * k;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (U == 1 || u < n_units) acc[r] += dot(r, u, raw[k][r]);
+        }
+    }
+}
+
 template <int BITS, int R, int U>
 __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u_first, int u_step, int n_units,
                                              const int* aq, const float* ad, const float2* as, float* acc) {
     const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
-    for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
-        GsqRaw<BITS> raw[U][R];
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int u = u0 + u_step * k;
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (U == 1 || u < n_units) load_gsq<BITS>(w[r], u, rb, raw[k][r]);
-        }
-        asm volatile("" ::: "memory");
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const int u = u0 + u_step * k;
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (U == 1 || u < n_units)
-                    acc[r] += gsq_dot<BITS>(raw[k][r], u, aq, ad, as, w[r] + (long long)(u >> 2) * rb, slots);
-        }
-    }
+    rows_loads_first<GsqRaw<BITS>, R, U>(
+        u_first, u_step, n_units, [&](int r, int u, GsqRaw<BITS>& raw) { load_gsq<BITS>(w[r], u, rb, raw); },
+        [&](int r, int u, const GsqRaw<BITS>& raw) {
+            return gsq_dot<BITS>(raw, u, aq, ad, as, w[r] + (long long)(u >> 2) * rb, slots);
+        },
+        acc);
 }
 
 // Dots of R rows of one type with a quantized activation (ACT = Q8_0, Q8_1 or Q8_K): this lane's units u_first,
@@ -219,24 +210,9 @@ template <int T, int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot_q(const u8* const* w, int u_first, int u_step, int n_units, const int* aq,
                                            const float* ad, const float2* as, float* acc) {
     if constexpr (ACT == ACT_Q8_K && (T == T_Q4_K || T == T_Q6_K)) {
-        for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
-            RawUnit<T> raw[U][R];
-#pragma unroll
-            for (int k = 0; k < U; ++k) {
-                const int u = u0 + u_step * k;
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-                    if (U == 1 || u < n_units) load_raw<T>(w[r], u, raw[k][r]);
-            }
-            asm volatile("" ::: "memory");  // the loads above stay above: none waits behind a dot product
-#pragma unroll
-            for (int k = 0; k < U; ++k) {
-                const int u = u0 + u_step * k;
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-                    if (U == 1 || u < n_units) acc[r] += raw_dot<T>(raw[k][r], u, aq, ad, as);
-            }
-        }
+        rows_loads_first<RawUnit<T>, R, U>(
+            u_first, u_step, n_units, [&](int r, int u, RawUnit<T>& raw) { load_raw<T>(w[r], u, raw); },
+            [&](int, int u, const RawUnit<T>& raw) { return raw_dot<T>(raw, u, aq, ad, as); }, acc);
     } else {
         for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
 #pragma unroll

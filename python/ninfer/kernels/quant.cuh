@@ -251,15 +251,39 @@ __device__ __forceinline__ void gsq_codes(int4 c0, int4 c1, int4 c2, int j, int*
 // Unit j's two scale bytes (sub-blocks 2j, 2j + 1) from the header's scale words.
 __device__ __forceinline__ int gsq_scale_pair(int4 h, int j) { return ((j < 2 ? h.y : h.z) >> (16 * (j & 1))) & 0xFFFF; }
 
+// What unit u of a row reads of its record (the record at (u / 4) * rb): the code vectors (3 bits: plane0 in c0,
+// c1, plane1 in c2; 4 bits: the unit's nibble bytes in c0, c1) and the header.
+template <int BITS>
+struct GsqRaw {
+    int4 c0, c1, c2, h;
+};
+
+template <int BITS>
+__device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BITS>& r) {
+    const u8* b = row + (long long)(u >> 2) * rb;
+    if constexpr (BITS == 4) {
+        const int4* c = (const int4*)(b + 32 * (u & 1));
+        r.c0 = c[0];
+        r.c1 = c[1];
+        r.c2 = make_int4(0, 0, 0, 0);
+    } else {
+        const int4* c = (const int4*)b;
+        r.c0 = c[0];
+        r.c1 = c[1];
+        r.c2 = c[2];
+    }
+    r.h = *(const int4*)(b + gsq_header_offset(BITS));
+}
+
 // Dequantize unit j of a GSQ-RCO record (b: the record) into 32 floats, slots included, with the CPU
 // dequantizer's operations (rust/core/src/gsq dequantize_row).
 template <int BITS>
 __device__ __forceinline__ void gsq_dequant_unit(const u8* b, int j, int slots, float* v) {
-    const int4* c = (const int4*)b;
-    const int4 h = *(const int4*)(b + gsq_header_offset(BITS));
+    GsqRaw<BITS> r;
+    load_gsq<BITS>(b, j, 0, r);  // unit j of the row that starts at this record
+    const int4 h = r.h;
     int q[8];
-    if (BITS == 4) gsq_codes<4>(c[2 * (j & 1)], c[2 * (j & 1) + 1], c[0], j, q);
-    else gsq_codes<3>(c[0], c[1], c[2], j, q);
+    gsq_codes<BITS>(r.c0, r.c1, r.c2, j, q);
     const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)((u32)h.x >> 16));
     const int sp = gsq_scale_pair(h, j);
 #pragma unroll
