@@ -239,17 +239,32 @@ def test_calibration_collects_each_input_gram_matrix(source: Path) -> None:
     from ninfer.gsq import GRAM_MAX_COLS, collect_importances
 
     text = "def f(x):\n    return x * 2 + 1\n" * 80
-    grams: dict[str, np.ndarray] = {}
+    grams: dict[str, list[np.ndarray]] = {}
     imp, _ = collect_importances(source, text, max_chunks=1, threads=2, grams=grams)
-    # Every input up to GRAM_MAX_COLS wide (not ffn_down's 4864), one array per input (q, k and v share it).
+    # Every input up to GRAM_MAX_COLS wide (not ffn_down's 4864), one list per input (q, k and v share it).
     assert 4864 > GRAM_MAX_COLS
     assert set(grams) == {f"blk.0.{k}.weight" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                         "ffn_up")}
     assert grams["blk.0.attn_q.weight"] is grams["blk.0.attn_v.weight"]
-    for name, g in grams.items():
+    for name, (g,) in grams.items():
         assert g.shape == (896, 896) and np.array_equal(g, g.T)
         np.testing.assert_allclose(np.diag(g), imp[name], rtol=1e-4, atol=1e-7)  # diag(X^T X) / n = mean x^2
         assert np.linalg.eigvalsh(g.astype(np.float64)).min() > -1e-4 * np.abs(g).max()  # a Gram matrix
+
+
+def test_wide_inputs_get_the_diagonal_blocks_of_their_gram_matrix(source: Path) -> None:
+    import ninfer.gsq as gsq
+
+    assert gsq.GRAM_BLOCK_COLS == 1792
+    text = "def f(x):\n    return x * 2 + 1\n" * 80
+    grams: dict[str, list[np.ndarray]] = {}
+    imp, _ = gsq.collect_importances(source, text, max_chunks=1, threads=2, grams=grams, wide=True)
+    # ffn_down's 4864 columns (38 groups): three blocks of 13, 13 and 12 groups, each the Gram matrix of its columns.
+    blocks = grams["blk.0.ffn_down.weight"]
+    assert [b.shape for b in blocks] == [(1664, 1664), (1664, 1664), (1536, 1536)]
+    np.testing.assert_allclose(np.concatenate([np.diag(b) for b in blocks]), imp["blk.0.ffn_down.weight"],
+                               rtol=1e-4, atol=1e-7)
+    assert all(np.array_equal(b, b.T) for b in blocks)
 
 
 def test_gptq_conversion_writes_a_valid_file_and_needs_a_calibration_text(source: Path, tmp_path: Path) -> None:
@@ -263,6 +278,12 @@ def test_gptq_conversion_writes_a_valid_file_and_needs_a_calibration_text(source
     a, b = tensor_infos(out)[1], tensor_infos(plain)[1]
     assert a["blk.0.attn_q.weight"]["blake2b"] != b["blk.0.attn_q.weight"]["blake2b"]  # fed back
     assert a["blk.0.ffn_down.weight"]["blake2b"] == b["blk.0.ffn_down.weight"]["blake2b"]  # too wide: as before
+    wide = tmp_path / "wide.gguf"
+    convert(source, wide, steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True, feedback_wide=True)
+    assert verify(wide) == (True, "ok")
+    c = tensor_infos(wide)[1]
+    assert c["blk.0.ffn_down.weight"]["blake2b"] != b["blk.0.ffn_down.weight"]["blake2b"]  # its diagonal blocks
+    assert c["blk.0.attn_q.weight"]["blake2b"] == a["blk.0.attn_q.weight"]["blake2b"]
     with pytest.raises(InvalidArgumentError, match="--gptq needs --calib-file"):
         convert(source, tmp_path / "x.gguf", steps=1, feedback=True)
 
@@ -287,6 +308,11 @@ def test_error_feedback_lowers_the_output_error_on_correlated_inputs() -> None:
     fed, st = quantize_with_feedback(w, gram, bits=3, slots=2, steps=8, threads=2)
     assert fed.shape == plain.shape and st["weight"] > 0
     assert out_err(fed) < 0.8 * out_err(plain), (out_err(fed), out_err(plain))
+    # Diagonal blocks only (two of 256 columns): feedback within each block, still below the plain error.
+    halves = [np.ascontiguousarray(gram[:256, :256]), np.ascontiguousarray(gram[256:, 256:])]
+    fed2, _ = quantize_with_feedback(w, halves, bits=3, slots=2, steps=8, threads=2)
+    assert fed2.shape == plain.shape
+    assert out_err(fed) <= out_err(fed2) < 0.9 * out_err(plain), (out_err(fed), out_err(fed2), out_err(plain))
 
 
 def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tmp_path: Path) -> None:

@@ -82,15 +82,20 @@ def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]
 
 
 GRAM_MAX_COLS = 4096  # inputs up to this wide get their X^T X for error feedback (8960-wide: 321 MB each)
+# With --gptq-wide, wider inputs get the diagonal blocks of X^T X, at most GRAM_BLOCK_COLS wide, and feedback
+# within each block (ffn_down's 8960: five blocks of 1792, 64 MB a layer instead of 321 MB).
+GRAM_BLOCK_COLS = 1792
 
 
 def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int = 512, max_chunks: int = 32,
                         threads: int = 0, log: Callable[[str], None] | None = None,
-                        grams: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], int]:
+                        grams: dict[str, list[np.ndarray]] | None = None,
+                        wide: bool = False) -> tuple[dict[str, np.ndarray], int]:
     """Mean squared input of every matrix of `model` over `text` (chunks of n_ctx tokens, as llama-imatrix):
     GSQ-RCO's importances. Returns ({tensor name: per-column means}, tokens evaluated). With `grams` (a dict to
-    fill), also each input's X^T X / rows for inputs up to GRAM_MAX_COLS wide (matrices reading one input share
-    the array)."""
+    fill), also each input's X^T X / rows as a list of its diagonal blocks (one for inputs up to GRAM_MAX_COLS
+    wide, blocks of at most GRAM_BLOCK_COLS for wider ones with `wide`; matrices reading one input share the
+    list)."""
     from ninfer.llm import LLM
 
     llm = LLM(model, n_ctx=n_ctx, threads=threads)
@@ -101,7 +106,7 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
     eng = llm._engine
     eng.set_collect_act_stats(True)
     if grams is not None:
-        eng.set_collect_grams(GRAM_MAX_COLS)
+        eng.set_collect_grams(GRAM_MAX_COLS, 1 << 30 if wide else 0, GRAM_BLOCK_COLS)
     t0 = time.perf_counter()
     for i, chunk in enumerate(chunks):
         llm.eval_logits(chunk, rows=[])
@@ -115,14 +120,26 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
         sum(len(c) for c in chunks)
 
 
-def quantize_with_feedback(w: np.ndarray, gram: np.ndarray, *, bits: int, slots: int, steps: int, threads: int,
-                           damp: float = 0.3) -> tuple[np.ndarray, dict[str, float]]:
+def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *, bits: int, slots: int, steps: int,
+                           threads: int, damp: float = 0.3) -> tuple[np.ndarray, dict[str, float]]:
     """GSQ-RCO records of w [rows, cols] with GPTQ-style error feedback: the 128-column groups are quantized in
     order, and each group's error, through the Cholesky factor U of the inverse input Gram matrix (H^-1 = U^T U),
     is taken out of the columns not yet quantized (W_rest -= (W_g - Q_g) U_gg^-1 U_g,rest), so the layer's output
     error over the calibration inputs, not each weight's own error, is what the later groups compensate. A
     group's own quantization weighs its columns by diag((U_gg^T U_gg)^-1). Returns (records [rows, row bytes],
-    summed quantizer statistics)."""
+    summed quantizer statistics). `gram` may be a list of diagonal blocks in column order (the columns of each
+    block fed back among themselves)."""
+    if isinstance(gram, list):
+        parts, stats, c0 = [], {"weight": 0.0, "err": 0.0, "err_rtn": 0.0}, 0
+        for g in gram:
+            rec, st = quantize_with_feedback(w[:, c0 : c0 + g.shape[0]], g, bits=bits, slots=slots, steps=steps,
+                                             threads=threads, damp=damp)
+            parts.append(rec)
+            stats = {k: stats[k] + st[k] for k in stats}
+            c0 += g.shape[0]
+        if c0 != w.shape[1]:
+            raise ValueError(f"Gram blocks cover {c0} of {w.shape[1]} columns")
+        return np.concatenate(parts, axis=1), stats
     rows, cols = w.shape
     h = gram.astype(np.float64)
     dead = np.diag(h) <= 0
@@ -168,7 +185,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
             importances_file: str | os.PathLike[str] | None = None,
             save_importances: str | os.PathLike[str] | None = None, feedback: bool = False,
-            feedback_damp: float = 0.3,
+            feedback_damp: float = 0.3, feedback_wide: bool = False,
             log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
     mean squared activation over that text (run through the source model; `save_importances` keeps them in an
@@ -206,7 +223,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         except OSError as e:
             raise InvalidArgumentError(f"{calib_file}: cannot read the calibration text: {e.strerror}") from None
         importances, calib_tokens = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log,
-                                                        grams=grams if feedback else None)
+                                                        grams=grams if feedback else None, wide=feedback_wide)
         if save_importances is not None:
             np.savez(save_importances, **importances)
     elif importances_file is not None:
@@ -431,6 +448,9 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--gptq-damp", type=float, default=0.3,
                    help="--gptq: add this fraction of the mean diagonal to X^T X's diagonal (default 0.3: with a few "
                         "thousand calibration tokens the Gram matrices are noisy; docs/gsq-rco.md)")
+    p.add_argument("--gptq-wide", action="store_true",
+                   help=f"--gptq also for wider inputs (ffn_down), within diagonal blocks of X^T X at most "
+                        f"{GRAM_BLOCK_COLS} columns wide")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -448,7 +468,7 @@ def run_convert(args: Any) -> int:
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
                 calib_file=args.calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
                 save_importances=args.save_importances, feedback=args.gptq,
-                feedback_damp=args.gptq_damp, log=log, verbose=args.verbose)
+                feedback_damp=args.gptq_damp, feedback_wide=args.gptq_wide, log=log, verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
     log(f"gsq-rco: wrote {args.output}: {r['bytes'] / 2**20:.1f} MiB, {r['bpw']:.3f} bits per weight, "

@@ -274,22 +274,30 @@ impl PyEngine {
         Ok(d)
     }
 
-    /// Also accumulate each matrix input's X^T X for inputs of at most `max_cols` columns (0: stop).
-    fn set_collect_grams(&self, max_cols: usize) {
-        self.model.act_stats.set_gram_max_cols(max_cols);
+    /// Also accumulate each matrix input's X^T X for inputs of at most `max_cols` columns, and its diagonal blocks
+    /// of at most `block_cols` columns for inputs up to `wide_cols` (all 0: stop).
+    #[pyo3(signature = (max_cols, wide_cols = 0, block_cols = 0))]
+    fn set_collect_grams(&self, max_cols: usize, wide_cols: usize, block_cols: usize) {
+        self.model.act_stats.set_gram_cols(max_cols, wide_cols, block_cols);
     }
 
-    /// {matrix name: X^T X / rows as a float32 [cols, cols] array}; matrices that read one input (q, k, v) get the
-    /// same array object.
+    /// {matrix name: X^T X / rows as a list of float32 [w, w] arrays, its diagonal blocks in column order},
+    /// handed over (a second call starts from nothing); matrices that read one input (q, k, v) get the same list.
     fn act_grams<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (names, mats) = py.detach(|| self.model.act_stats.grams());
-        let arrays = mats
+        let (names, mats) = py.detach(|| self.model.act_stats.take_grams());
+        let lists = mats
             .into_iter()
-            .map(|(m, cols)| m.into_pyarray(py).reshape([cols, cols]))
+            .map(|blocks| {
+                let arrays = blocks
+                    .into_iter()
+                    .map(|(m, w)| m.into_pyarray(py).reshape([w, w]))
+                    .collect::<PyResult<Vec<_>>>()?;
+                PyList::new(py, arrays)
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let d = PyDict::new(py);
         for (name, i) in names {
-            d.set_item(name, &arrays[i])?;
+            d.set_item(name, &lists[i])?;
         }
         Ok(d)
     }

@@ -1,7 +1,8 @@
 //! Activation statistics for quantization (GSQ-RCO's importances, as llama.cpp's imatrix): while collecting,
 //! every matrix product adds each input column's sum of squares, so the converter can weigh a weight's error by
-//! how large its input tends to be. Optionally it also accumulates each input's full Gram matrix X^T X (the
-//! Hessian of the layer's squared output error, for GPTQ-style error feedback in the converter).
+//! how large its input tends to be. Optionally it also accumulates each input's Gram matrix X^T X (the Hessian of
+//! the layer's squared output error, for GPTQ-style error feedback in the converter): whole for inputs up to a
+//! width, and for wider ones (ffn_down's 8960: 321 MB a layer whole) only its diagonal blocks.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,23 +11,46 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 /// Gram matrices of the inputs: `names` maps every matrix name to its input's index in `grams` (q, k and v
-/// share one), each an upper triangle of X^T X in a full row-major [cols, cols] f32 array, with the rows seen.
+/// share one), each the upper triangles of its diagonal blocks of X^T X (full row-major [w, w] f32 arrays), the
+/// input's width and the rows seen.
 #[derive(Default)]
 struct Grams {
     names: HashMap<String, usize>,
-    grams: Vec<(Vec<f32>, usize, u64)>,
+    grams: Vec<(Vec<Vec<f32>>, usize, u64)>,
 }
 
-/// An input's X^T X / rows, [cols * cols] row-major, and cols.
-pub type Gram = (Vec<f32>, usize);
+/// An input's X^T X / rows as its diagonal blocks in column order: each [w * w] row-major, with w.
+pub type Gram = Vec<(Vec<f32>, usize)>;
+
+/// Widths of the diagonal blocks kept of an input `cols` wide: one block up to `full_max` columns, else the
+/// fewest blocks of at most `block_max` columns, equal in whole 128-column groups (the last may be narrower).
+pub fn gram_block_widths(cols: usize, full_max: usize, block_max: usize) -> Vec<usize> {
+    if cols <= full_max || block_max == 0 {
+        return vec![cols];
+    }
+    let groups = cols.div_ceil(128);
+    let n = cols.div_ceil(block_max.max(128));
+    let per = groups.div_ceil(n) * 128;
+    let mut out = Vec::new();
+    let mut left = cols;
+    while left > 0 {
+        let w = per.min(left);
+        out.push(w);
+        left -= w;
+    }
+    out
+}
 
 #[derive(Default)]
 pub struct ActStats {
     on: std::sync::atomic::AtomicBool,
     /// Per matrix name: (sum of x^2 per input column, rows seen).
     sums: Mutex<HashMap<String, (Vec<f64>, u64)>>,
-    /// Inputs up to this many columns also get their Gram matrix (0: none).
+    /// Inputs up to this many columns also get their Gram matrix (0: none); wider inputs, up to
+    /// `gram_wide_cols`, its diagonal blocks of at most `gram_block_cols`.
     gram_max_cols: AtomicUsize,
+    gram_wide_cols: AtomicUsize,
+    gram_block_cols: AtomicUsize,
     grams: Mutex<Grams>,
 }
 
@@ -59,12 +83,15 @@ impl ActStats {
             e.1 += rows;
         }
         drop(sums);
-        if cols <= self.gram_max_cols.load(Ordering::Relaxed) && !names.is_empty() {
+        let full_max = self.gram_max_cols.load(Ordering::Relaxed);
+        let wide_max = self.gram_wide_cols.load(Ordering::Relaxed);
+        if (cols <= full_max || cols <= wide_max) && !names.is_empty() {
             let mut g = self.grams.lock().unwrap_or_else(|e| e.into_inner());
             let idx = match g.names.get(names[0]) {
                 Some(&i) => i,
                 None => {
-                    g.grams.push((vec![0f32; cols * cols], cols, 0));
+                    let widths = gram_block_widths(cols, full_max, self.gram_block_cols.load(Ordering::Relaxed));
+                    g.grams.push((widths.iter().map(|&w| vec![0f32; w * w]).collect(), cols, 0));
                     let i = g.grams.len() - 1;
                     names.iter().for_each(|n| {
                         g.names.insert(n.to_string(), i);
@@ -72,48 +99,64 @@ impl ActStats {
                     i
                 }
             };
-            let (gram, gcols, seen) = &mut g.grams[idx];
+            let (blocks, gcols, seen) = &mut g.grams[idx];
             if *gcols == cols {
-                // Row i of the upper triangle gathers x_i * x[i..] over the rows: each task keeps its row in cache.
-                gram.par_chunks_mut(cols).enumerate().for_each(|(i, out)| {
-                    for xr in x.chunks_exact(cols) {
-                        let xi = xr[i];
-                        if xi != 0.0 {
-                            out[i..].iter_mut().zip(&xr[i..]).for_each(|(o, &v)| *o += xi * v);
+                let mut c0 = 0;
+                for block in blocks.iter_mut() {
+                    let w = (block.len() as f64).sqrt() as usize;
+                    // Row i of the upper triangle gathers x_i * x[i..] over the rows: each task keeps its row in
+                    // cache.
+                    block.par_chunks_mut(w).enumerate().for_each(|(i, out)| {
+                        for xr in x.chunks_exact(cols) {
+                            let xb = &xr[c0..c0 + w];
+                            let xi = xb[i];
+                            if xi != 0.0 {
+                                out[i..].iter_mut().zip(&xb[i..]).for_each(|(o, &v)| *o += xi * v);
+                            }
                         }
-                    }
-                });
+                    });
+                    c0 += w;
+                }
                 *seen += rows;
             }
         }
     }
 
-    /// Also accumulate X^T X for inputs of at most `max_cols` columns (0: stop).
-    pub fn set_gram_max_cols(&self, max_cols: usize) {
+    /// Also accumulate X^T X for inputs of at most `max_cols` columns, and its diagonal blocks of at most
+    /// `block_cols` columns for inputs up to `wide_cols` (0, 0, 0: stop).
+    pub fn set_gram_cols(&self, max_cols: usize, wide_cols: usize, block_cols: usize) {
         self.gram_max_cols.store(max_cols, Ordering::Relaxed);
+        self.gram_wide_cols.store(wide_cols, Ordering::Relaxed);
+        self.gram_block_cols.store(block_cols, Ordering::Relaxed);
     }
 
-    /// X^T X / rows (symmetric, [cols * cols] row-major, with cols) per input, and every matrix name with the
-    /// index of its input in that list (names sharing an input share the index).
-    pub fn grams(&self) -> (Vec<(String, usize)>, Vec<Gram>) {
-        let g = self.grams.lock().unwrap_or_else(|e| e.into_inner());
-        let mut names: Vec<_> = g.names.iter().map(|(k, &v)| (k.clone(), v)).collect();
+    /// The Gram matrices collected so far, handed over (collection starts again from nothing): X^T X / rows per
+    /// input as its symmetric diagonal blocks, and every matrix name with the index of its input in that list
+    /// (names sharing an input share the index).
+    pub fn take_grams(&self) -> (Vec<(String, usize)>, Vec<Gram>) {
+        let g = std::mem::take(&mut *self.grams.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut names: Vec<_> = g.names.into_iter().collect();
         names.sort();
         let mats = g
             .grams
-            .iter()
-            .map(|(m, cols, seen)| {
-                let cols = *cols;
-                let inv = 1.0 / (*seen).max(1) as f32;
-                let mut full = vec![0f32; cols * cols];
-                for i in 0..cols {
-                    for j in i..cols {
-                        let v = m[i * cols + j] * inv;
-                        full[i * cols + j] = v;
-                        full[j * cols + i] = v;
-                    }
-                }
-                (full, cols)
+            .into_iter()
+            .map(|(blocks, _, seen)| {
+                let inv = 1.0 / seen.max(1) as f32;
+                blocks
+                    .into_iter()
+                    .map(|mut m| {
+                        let w = (m.len() as f64).sqrt() as usize;
+                        for i in 0..w {
+                            m[i * w + i] *= inv;
+                            for j in i + 1..w {
+                                let v = m[i * w + j] * inv;
+                                m[i * w + j] = v;
+                                m[j * w + i] = v;
+                            }
+                        }
+                        (m, w)
+                    })
+                    .collect()
             })
             .collect();
         (names, mats)
