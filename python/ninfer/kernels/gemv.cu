@@ -31,6 +31,9 @@
 #ifndef GEMV_Q6K_PAIRS
 #define GEMV_Q6K_PAIRS 64  // Q6_K the same (rows_dot_q6k_pairs)
 #endif
+#ifndef GEMV_Q4K_L2HINT
+#define GEMV_Q4K_L2HINT 1  // ld_stream16 for the unit-per-lane Q4_K loads (0: plain loads)
+#endif
 #ifndef GEMV_PREFETCH
 #define GEMV_PREFETCH 32768  // bytes of weights a block asks L2 for before it waits for the previous kernel
 #endif
@@ -71,15 +74,30 @@ template <int T> struct RawUnit;
 template <> struct RawUnit<T_Q4_K> { int4 c0, c1, h; };             // codes of units 2p, 2p + 1; d, dmin, scales
 template <> struct RawUnit<T_Q6_K> { int4 l0, l1, h0, h1; int sc; u32 d; };  // ql, qh, the 2 scales' word, d
 
+// A 16-byte vector of weights through the read-only path, without L1 allocation and with a 256-byte L2 fetch
+// (the neighbouring lanes' vectors come in whole DRAM bursts). For Q4_K rows wider than the pair path's: H200,
+// 32B shape, gate/up 84.5 -> 78.9 us (scripts/gemv-bench --pdl); Q6_K rows, whose scale words are separate small
+// loads that then miss L1, measured slower with it.
+__device__ __forceinline__ int4 ld_stream16(const void* p) {
+#if GEMV_Q4K_L2HINT
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return *(const int4*)p;
+#endif
+}
+
 template <int T>
 __device__ __forceinline__ void load_raw(const u8* row, int u, RawUnit<T>& r) {
     const int j = u & 7;
     const u8* b = row + (u >> 3) * GPU_BLOCK_BYTES(T);
     if constexpr (T == T_Q4_K) {
         const int4* c = (const int4*)(b + 16 + 32 * (j >> 1));
-        r.c0 = c[0];
-        r.c1 = c[1];
-        r.h = *(const int4*)b;
+        r.c0 = ld_stream16(c);
+        r.c1 = ld_stream16(c + 1);
+        r.h = ld_stream16(b);
     } else {
         const int4* lo = (const int4*)(b + 64 * (j >> 2) + 32 * (j & 1));
         const int4* hi = (const int4*)(b + 128 + 32 * (j >> 2));
