@@ -190,11 +190,9 @@ class CudaEngine:
         group = s["n_head"] // s["n_head_kv"]
         self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)
         # Key splits of decode attention: two blocks an SM over the KV heads (NINFER_CUDA_ATT_SPLIT overrides, for
-        # measuring other choices), no more than the context's 256-key shares, and at least the group (while the
-        # keys fill one share the kernel gives each query head a block of its own, kernels/attention.cu).
+        # measuring other choices).
         n_split = int(os.environ.get("NINFER_CUDA_ATT_SPLIT", "0")) or (2 * n_sm) // s["n_head_kv"]
-        self.n_split = max(1, min(max(-(-self.n_ctx // 256), group), n_split,
-                                  K.attention_max_split(s["head_dim"], group)))
+        self.n_split = max(1, min(-(-self.n_ctx // 256), n_split, K.attention_max_split(s["head_dim"], group)))
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)

@@ -42,9 +42,6 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 
 #define ATT_WARPS 8
 #define MAX_GROUP 8
-#ifndef ATT_HEAD_SPLIT
-#define ATT_HEAD_SPLIT 1  // short contexts: blocks per query head (0: per KV head always; for A/B)
-#endif
 
 template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P) {
@@ -73,21 +70,14 @@ __device__ void attend(const AttnParams& P) {
     // nothing to do, and with one split in use its block writes the output itself.
     const int per = max((((kend - kbeg) + n_split - 1) / n_split + 31) & ~31, 32 * ATT_WARPS);
     const int n_used = (kend - kbeg + per - 1) / per;
-    // Up to one share of keys (256), one block per KV head would leave the whole layer to two blocks' latency
-    // chains: then every query head gets a block of its own (block `split` takes head split), reading its KV
-    // head's rows from L2, and each runs 1/ng of the score and softmax work (1.5B shape at 100 keys: 9.8 -> 8.7 us
-    // a layer; with 16 shares at 4,096 keys it lost 5% of decode speed, so only for one share). Decode form only:
-    // the prompt form's rows already fill the GPU, and its code stays free of the per-head guards.
-    const bool by_head = STEP && ATT_HEAD_SPLIT && ng > 1 && n_used == 1 && ng <= n_split;
-    const int kshare = by_head ? 0 : split, h0 = by_head ? split : 0, nh = by_head ? 1 : ng;
-    if (kshare >= n_used || h0 >= ng) return;
+    if (split >= n_used) return;
     if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
         grid_dep_wait();
         for (int i = tid; i < ng * HD; i += blockDim.x)
             out[((long long)row * n_head + g * ng) * HD + i] = __int_as_float(0x7fc00000);
         return;
     }
-    const int s0 = kbeg + kshare * per, s1 = min(kend, s0 + per);
+    const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
     // Before the previous kernel's results are needed (programmatic dependent launch, common.cuh): ask L2 for this
     // share's K and V rows, one contiguous range per page (the new token's row, written below, included).
     {
@@ -108,9 +98,9 @@ __device__ void attend(const AttnParams& P) {
         // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
         // holds position p, write the new token's K and V for this KV head.
         const float* src = P.qkv + (long long)row * P.qkv_stride;
-        for (int h = warp; h < nh; h += ATT_WARPS) {
+        for (int h = warp; h < ng; h += ATT_WARPS) {
             float* v = qs + h * HD;
-            const int head = g * ng + h0 + h;
+            const int head = g * ng + h;
             for (int i = lane; i < HD; i += WARP) v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
             __syncwarp();
             if (P.q_norm) head_rms_norm(v, P.q_norm, HD, P.eps);
@@ -118,7 +108,7 @@ __device__ void attend(const AttnParams& P) {
             for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
             __syncwarp();
         }
-        if (s0 <= p && p < s1) {  // (by head: each block of the share writes the same values, then reads its own)
+        if (s0 <= p && p < s1) {
             const long long cell = ((long long)table[p / page_size] * n_head_kv + g) * page_size + p % page_size;
             if (warp == ATT_WARPS - 1) {
                 float* v = wacc;  // scratch: the warps' merge area is not in use yet
@@ -136,8 +126,8 @@ __device__ void attend(const AttnParams& P) {
         }
         __threadfence_block();
     } else {
-        for (int i = tid; i < nh * HD; i += blockDim.x)
-            qs[i] = f16_round(P.q[((long long)row * n_head + g * ng + h0) * HD + i]);
+        for (int i = tid; i < ng * HD; i += blockDim.x)
+            qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
     }
     __syncthreads();
 
@@ -178,7 +168,6 @@ __device__ void attend(const AttnParams& P) {
                                    h2f(kv[c].w & 0xFFFF), h2f(kv[c].w >> 16)};
 #pragma unroll
                     for (int h = 0; h < NG; ++h) {
-                        if (h >= nh) continue;  // (uniform over the block; the loop still unrolls)
                         const float* qh = qs + h * HD + 8 * (qt * NC + c);
 #pragma unroll
                         for (int e = 0; e < 8; ++e) sc[h] = fmaf(qh[e], k8[e], sc[h]);
@@ -190,7 +179,6 @@ __device__ void attend(const AttnParams& P) {
         // they move to local memory.
 #pragma unroll
         for (int h = 0; h < NG; ++h) {
-            if (h >= nh) continue;
             float s = valid ? sc[h] * scale : -INFINITY;
             float m_new = fmaxf(m[h], warp_max(s));
             float pr = valid ? expf(s - m_new) : 0.0f;
@@ -233,7 +221,6 @@ __device__ void attend(const AttnParams& P) {
                 }
 #pragma unroll
                 for (int h = 0; h < NG; ++h) {
-                    if (h >= nh) continue;
                     const float pj = pt[(warp * MAX_GROUP + h) * 32 + j0 + k];
 #pragma unroll
                     for (int c = 0; c < VPL; ++c) acc[h][c] = fmaf(pj, v[c], acc[h][c]);
@@ -245,7 +232,6 @@ __device__ void attend(const AttnParams& P) {
     // Merge the warps of this block.
 #pragma unroll
     for (int h = 0; h < NG; ++h) {
-        if (h >= nh) continue;
         if (lane == 0) {
             wml[(warp * MAX_GROUP + h) * 2] = m[h];
             wml[(warp * MAX_GROUP + h) * 2 + 1] = l[h];
@@ -254,7 +240,7 @@ __device__ void attend(const AttnParams& P) {
         for (int c = 0; c < VPL; ++c) wacc[(warp * MAX_GROUP + h) * HD + lane * VPL + c] = acc[h][c];
     }
     __syncthreads();
-    for (int i = tid; i < nh * HD; i += blockDim.x) {
+    for (int i = tid; i < ng * HD; i += blockDim.x) {
         const int h = i / HD, d = i % HD;
         float M = -INFINITY;
         for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wml[(w * MAX_GROUP + h) * 2]);
@@ -268,12 +254,12 @@ __device__ void attend(const AttnParams& P) {
                 A += wacc[(w * MAX_GROUP + h) * HD + d] * f;
             }
         }
-        const long long oh = (long long)row * n_head + g * ng + h0 + h;
+        const long long oh = (long long)row * n_head + g * ng + h;
         if (n_used == 1) {
             out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
         } else {
-            part_acc[(oh * n_split + kshare) * HD + d] = A;
-            if (d == 0) part_ml[oh * n_split + kshare] = make_float2(M, L);
+            part_acc[(oh * n_split + split) * HD + d] = A;
+            if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
         }
     }
     if (n_used == 1) return;
