@@ -154,7 +154,7 @@ __device__ __forceinline__ float raw_dot(const RawUnit<T>& r, int u, const int* 
 }
 
 // ---- Q4_K by code pairs --------------------------------------------------------------------------------------
-// Units 2P and 2P + 1 of a super-block share 32 code bytes (low and high nibbles). Unit per lane, two lanes load
+// Units 2P and 2P + 1 of a super-block share 32 code bytes (low and high nibbles). With a unit per lane two lanes load
 // the same bytes and each decodes the scales and does the float math for its unit; here a lane takes the pair
 // (task t: super-block t / 4, pair t % 4), so each lane's 48 loaded bytes are its own and the scale bytes are
 // decoded four at a time with word operations. The pair's integer dots meet their 6-bit scales as integers and
