@@ -11,8 +11,8 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 /// Gram matrices of the inputs: `names` maps every matrix name to its input's index in `grams` (q, k and v
-/// share one), each the upper triangles of its diagonal blocks of X^T X (full row-major [w, w] f32 arrays), the
-/// input's width and the rows seen.
+/// share one), each its diagonal blocks of X^T X (full row-major [w, w] f32 arrays), the input's width and the
+/// rows seen.
 #[derive(Default)]
 struct Grams {
     names: HashMap<String, usize>,
@@ -39,6 +39,33 @@ pub fn gram_block_widths(cols: usize, full_max: usize, block_max: usize) -> Vec<
         left -= w;
     }
     out
+}
+
+/// block[w, w] += X[:, c0..c0 + w]^T X[:, c0..c0 + w] for the rows of `x` ([rows, cols] row-major): panels of the
+/// block's rows in parallel, each one matrix product (matrixmultiply's SIMD sgemm; the row-by-row update it replaced
+/// took most of a calibration chunk's time).
+fn gram_add(block: &mut [f32], x: &[f32], cols: usize, c0: usize, w: usize) {
+    const PANEL: usize = 64;
+    let rows = x.len() / cols;
+    if rows == 0 || w == 0 {
+        return;
+    }
+    let (xp, cs) = (x.as_ptr() as usize, cols as isize);
+    block.par_chunks_mut(w * PANEL).enumerate().for_each(|(p, out)| {
+        let m = out.len() / w;
+        let x = xp as *const f32;
+        // SAFETY: A is X's columns c0 + p * PANEL .. + m (m x rows, row stride 1, column stride cols), B its columns
+        // c0 .. c0 + w (rows x w), both inside x (c0 + w <= cols); C is this panel of the block (m x w, row-major),
+        // written by this task alone.
+        unsafe {
+            matrixmultiply::sgemm(
+                m, rows, w, 1.0,
+                x.add(c0 + p * PANEL), 1, cs,
+                x.add(c0), cs, 1,
+                1.0, out.as_mut_ptr(), w as isize, 1,
+            );
+        }
+    });
 }
 
 #[derive(Default)]
@@ -104,17 +131,7 @@ impl ActStats {
                 let mut c0 = 0;
                 for block in blocks.iter_mut() {
                     let w = (block.len() as f64).sqrt() as usize;
-                    // Row i of the upper triangle gathers x_i * x[i..] over the rows: each task keeps its row in
-                    // cache.
-                    block.par_chunks_mut(w).enumerate().for_each(|(i, out)| {
-                        for xr in x.chunks_exact(cols) {
-                            let xb = &xr[c0..c0 + w];
-                            let xi = xb[i];
-                            if xi != 0.0 {
-                                out[i..].iter_mut().zip(&xb[i..]).for_each(|(o, &v)| *o += xi * v);
-                            }
-                        }
-                    });
+                    gram_add(block, x, cols, c0, w);
                     c0 += w;
                 }
                 *seen += rows;
@@ -131,7 +148,7 @@ impl ActStats {
     }
 
     /// The Gram matrices collected so far, handed over (collection starts again from nothing): X^T X / rows per
-    /// input as its symmetric diagonal blocks, and every matrix name with the index of its input in that list
+    /// input as its symmetric diagonal blocks (the upper triangle mirrored, so they are exactly symmetric), and every matrix name with the index of its input in that list
     /// (names sharing an input share the index).
     pub fn take_grams(&self) -> (Vec<(String, usize)>, Vec<Gram>) {
         let g = std::mem::take(&mut *self.grams.lock().unwrap_or_else(|e| e.into_inner()));
