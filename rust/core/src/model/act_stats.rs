@@ -42,8 +42,8 @@ pub fn gram_block_widths(cols: usize, full_max: usize, block_max: usize) -> Vec<
 }
 
 /// block[w, w] += X[:, c0..c0 + w]^T X[:, c0..c0 + w] for the rows of `x` ([rows, cols] row-major): panels of the
-/// block's rows in parallel, each one matrix product (matrixmultiply's SIMD sgemm; the row-by-row update it replaced
-/// took most of a calibration chunk's time).
+/// block's rows in parallel, each one matrix product (matrixmultiply's SIMD sgemm: a third of the time of the
+/// row-by-row update it replaced, 2.0 against 5.9 s a 512-token chunk of the 1.5B on 2 threads).
 fn gram_add(block: &mut [f32], x: &[f32], cols: usize, c0: usize, w: usize) {
     const PANEL: usize = 64;
     let rows = x.len() / cols;
