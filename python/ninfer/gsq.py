@@ -185,7 +185,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
             importances_file: str | os.PathLike[str] | None = None,
             save_importances: str | os.PathLike[str] | None = None, feedback: bool = False,
-            feedback_damp: float = 0.3, feedback_wide: bool = False,
+            feedback_damp: float = 0.1, feedback_wide: bool = False,
             log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
     mean squared activation over that text (run through the source model; `save_importances` keeps them in an
@@ -445,9 +445,9 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--gptq", action="store_true",
                    help="GPTQ-style error feedback from each input's X^T X over --calib-file (inputs up to "
                         f"{GRAM_MAX_COLS} wide)")
-    p.add_argument("--gptq-damp", type=float, default=0.3,
-                   help="--gptq: add this fraction of the mean diagonal to X^T X's diagonal (default 0.3: with a few "
-                        "thousand calibration tokens the Gram matrices are noisy; docs/gsq-rco.md)")
+    p.add_argument("--gptq-damp", type=float, default=0.1,
+                   help="--gptq: add this fraction of the mean diagonal to X^T X's diagonal (default 0.1, the best "
+                        "measured with 4 and 16 calibration chunks; docs/gsq-rco.md)")
     p.add_argument("--gptq-wide", action="store_true",
                    help=f"--gptq also for wider inputs (ffn_down), within diagonal blocks of X^T X at most "
                         f"{GRAM_BLOCK_COLS} columns wide")
