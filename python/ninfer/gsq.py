@@ -106,7 +106,7 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
     eng = llm._engine
     eng.set_collect_act_stats(True)
     if grams is not None:
-        eng.set_collect_grams(GRAM_MAX_COLS, 1 << 30 if wide else 0, GRAM_BLOCK_COLS)
+        eng.set_collect_grams(GRAM_MAX_COLS, GRAM_BLOCK_COLS if wide else 0)
     t0 = time.perf_counter()
     for i, chunk in enumerate(chunks):
         llm.eval_logits(chunk, rows=[])
@@ -121,7 +121,7 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
 
 
 def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *, bits: int, slots: int, steps: int,
-                           threads: int, damp: float = 0.3) -> tuple[np.ndarray, dict[str, float]]:
+                           threads: int, damp: float) -> tuple[np.ndarray, dict[str, float]]:
     """GSQ-RCO records of w [rows, cols] with GPTQ-style error feedback: the 128-column groups are quantized in
     order, and each group's error, through the Cholesky factor U of the inverse input Gram matrix (H^-1 = U^T U),
     is taken out of the columns not yet quantized (W_rest -= (W_g - Q_g) U_gg^-1 U_g,rest), so the layer's output
@@ -213,7 +213,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     n_layer = int(md.get(f"{arch}.block_count", 0))
     log = log or (lambda s: None)
     importances: dict[str, np.ndarray] = {}
-    grams: dict[str, np.ndarray] = {}
+    grams: dict[str, list[np.ndarray]] = {}
     calib_tokens = 0
     if feedback and calib_file is None:
         raise InvalidArgumentError("--gptq needs --calib-file (the inputs' X^T X comes from running the model)")

@@ -274,11 +274,11 @@ impl PyEngine {
         Ok(d)
     }
 
-    /// Also accumulate each matrix input's X^T X for inputs of at most `max_cols` columns, and its diagonal blocks
-    /// of at most `block_cols` columns for inputs up to `wide_cols` (all 0: stop).
-    #[pyo3(signature = (max_cols, wide_cols = 0, block_cols = 0))]
-    fn set_collect_grams(&self, max_cols: usize, wide_cols: usize, block_cols: usize) {
-        self.model.act_stats.set_gram_cols(max_cols, wide_cols, block_cols);
+    /// Also accumulate each matrix input's X^T X for inputs of at most `max_cols` columns, and for wider inputs,
+    /// with `block_cols` > 0, its diagonal blocks of at most `block_cols` columns (0: stop).
+    #[pyo3(signature = (max_cols, block_cols = 0))]
+    fn set_collect_grams(&self, max_cols: usize, block_cols: usize) {
+        self.model.act_stats.set_gram_cols(max_cols, block_cols);
     }
 
     /// {matrix name: X^T X / rows as a list of float32 [w, w] arrays, its diagonal blocks in column order},

@@ -10,17 +10,17 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
+/// An input's X^T X (/ rows once handed over) as its diagonal blocks in column order: each [w * w] row-major,
+/// with w.
+pub type Gram = Vec<(Vec<f32>, usize)>;
+
 /// Gram matrices of the inputs: `names` maps every matrix name to its input's index in `grams` (q, k and v
-/// share one), each its diagonal blocks of X^T X (full row-major [w, w] f32 arrays), the input's width and the
-/// rows seen.
+/// share one), each its blocks, the input's width and the rows seen.
 #[derive(Default)]
 struct Grams {
     names: HashMap<String, usize>,
-    grams: Vec<(Vec<Vec<f32>>, usize, u64)>,
+    grams: Vec<(Gram, usize, u64)>,
 }
-
-/// An input's X^T X / rows as its diagonal blocks in column order: each [w * w] row-major, with w.
-pub type Gram = Vec<(Vec<f32>, usize)>;
 
 /// Widths of the diagonal blocks kept of an input `cols` wide: one block up to `full_max` columns, else the
 /// fewest blocks of at most `block_max` columns, equal in whole 128-column groups (the last may be narrower).
@@ -73,10 +73,9 @@ pub struct ActStats {
     on: std::sync::atomic::AtomicBool,
     /// Per matrix name: (sum of x^2 per input column, rows seen).
     sums: Mutex<HashMap<String, (Vec<f64>, u64)>>,
-    /// Inputs up to this many columns also get their Gram matrix (0: none); wider inputs, up to
-    /// `gram_wide_cols`, its diagonal blocks of at most `gram_block_cols`.
+    /// Inputs up to this many columns also get their Gram matrix (0: none); wider inputs, with
+    /// `gram_block_cols` > 0, its diagonal blocks of at most that many columns.
     gram_max_cols: AtomicUsize,
-    gram_wide_cols: AtomicUsize,
     gram_block_cols: AtomicUsize,
     grams: Mutex<Grams>,
 }
@@ -111,14 +110,14 @@ impl ActStats {
         }
         drop(sums);
         let full_max = self.gram_max_cols.load(Ordering::Relaxed);
-        let wide_max = self.gram_wide_cols.load(Ordering::Relaxed);
-        if (cols <= full_max || cols <= wide_max) && !names.is_empty() {
+        let block_max = self.gram_block_cols.load(Ordering::Relaxed);
+        if full_max > 0 && (cols <= full_max || block_max > 0) && !names.is_empty() {
             let mut g = self.grams.lock().unwrap_or_else(|e| e.into_inner());
             let idx = match g.names.get(names[0]) {
                 Some(&i) => i,
                 None => {
-                    let widths = gram_block_widths(cols, full_max, self.gram_block_cols.load(Ordering::Relaxed));
-                    g.grams.push((widths.iter().map(|&w| vec![0f32; w * w]).collect(), cols, 0));
+                    let widths = gram_block_widths(cols, full_max, block_max);
+                    g.grams.push((widths.into_iter().map(|w| (vec![0f32; w * w], w)).collect(), cols, 0));
                     let i = g.grams.len() - 1;
                     names.iter().for_each(|n| {
                         g.names.insert(n.to_string(), i);
@@ -129,27 +128,25 @@ impl ActStats {
             let (blocks, gcols, seen) = &mut g.grams[idx];
             if *gcols == cols {
                 let mut c0 = 0;
-                for block in blocks.iter_mut() {
-                    let w = (block.len() as f64).sqrt() as usize;
-                    gram_add(block, x, cols, c0, w);
-                    c0 += w;
+                for (block, w) in blocks.iter_mut() {
+                    gram_add(block, x, cols, c0, *w);
+                    c0 += *w;
                 }
                 *seen += rows;
             }
         }
     }
 
-    /// Also accumulate X^T X for inputs of at most `max_cols` columns, and its diagonal blocks of at most
-    /// `block_cols` columns for inputs up to `wide_cols` (0, 0, 0: stop).
-    pub fn set_gram_cols(&self, max_cols: usize, wide_cols: usize, block_cols: usize) {
+    /// Also accumulate X^T X for inputs of at most `max_cols` columns, and for wider inputs, with `block_cols`
+    /// > 0, its diagonal blocks of at most `block_cols` columns (0, 0: stop).
+    pub fn set_gram_cols(&self, max_cols: usize, block_cols: usize) {
         self.gram_max_cols.store(max_cols, Ordering::Relaxed);
-        self.gram_wide_cols.store(wide_cols, Ordering::Relaxed);
         self.gram_block_cols.store(block_cols, Ordering::Relaxed);
     }
 
     /// The Gram matrices collected so far, handed over (collection starts again from nothing): X^T X / rows per
-    /// input as its symmetric diagonal blocks (the upper triangle mirrored, so they are exactly symmetric), and every matrix name with the index of its input in that list
-    /// (names sharing an input share the index).
+    /// input as its symmetric diagonal blocks (the upper triangle mirrored, so they are exactly symmetric), and
+    /// every matrix name with the index of its input in that list (names sharing an input share the index).
     pub fn take_grams(&self) -> (Vec<(String, usize)>, Vec<Gram>) {
         let g = std::mem::take(&mut *self.grams.lock().unwrap_or_else(|e| e.into_inner()));
         let mut names: Vec<_> = g.names.into_iter().collect();
@@ -161,8 +158,7 @@ impl ActStats {
                 let inv = 1.0 / seen.max(1) as f32;
                 blocks
                     .into_iter()
-                    .map(|mut m| {
-                        let w = (m.len() as f64).sqrt() as usize;
+                    .map(|(mut m, w)| {
                         for i in 0..w {
                             m[i * w + i] *= inv;
                             for j in i + 1..w {
