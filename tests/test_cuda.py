@@ -103,14 +103,15 @@ def nmse(a: np.ndarray, ref: np.ndarray) -> float:
 
 @needs_cuda
 @pytest.mark.parametrize("ty", list(TYPES))
-def test_gemv_equals_cpu_dot_products(ty: str) -> None:
+@pytest.mark.parametrize("cols", [1024, 5120])
+def test_gemv_equals_cpu_dot_products(ty: str, cols: int) -> None:
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
     from ninfer.backends.layouts import LAYOUTS, gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(7)
-    rows, cols = 96, 1024
+    rows = 96 if cols == 1024 else 38  # 5,120: five steps of a warp's lanes over a row's units
     tid = int(TYPES[ty])
     raw = random_blocks(TYPES[ty], rows, cols, cols**-0.5, rng)
     x = rng.standard_normal(cols).astype(np.float32)
@@ -259,6 +260,36 @@ def test_gemv_norms_its_input_and_adds_the_residual_like_the_cpu(ty: str) -> Non
 
 
 @needs_cuda
+def test_gemv_of_two_types_in_one_launch_equals_cpu() -> None:
+    """Q4_K and Q6_K matrices in one launch (as q/k with v), the boundary inside a warp's row group: each row
+    against the CPU's dot product."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, to_gpu
+
+    rng = np.random.default_rng(9)
+    n, shapes = 1536, [("Q4_K", 333), ("Q6_K", 70)]
+    x = rng.standard_normal(n).astype(np.float32)
+    act = _core.quantize_act(15, x)
+    out = cp.zeros(sum(r for _, r in shapes), cp.float32)
+    keep, entries, refs, off = [], [], [], 0
+    for ty, rows in shapes:
+        tid = int(TYPES[ty])
+        raw = random_blocks(TYPES[ty], rows, n, n**-0.5, rng)
+        rb = len(raw) // rows
+        refs.append([_core.vec_dot(tid, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)])
+        keep.append(to_gpu(raw, tid, rows, n, ty))
+        entries.append((keep[-1].data.ptr, 0, out.data.ptr + 4 * off, gpu_row_bytes(tid, n), tid, rows))
+        off += rows
+    descs = K.mat_descs(entries)
+    x_d = cp.asarray(x)
+    K.gemv(K.ACT_Q8_K, descs, len(shapes), off, n, x_d.data.ptr, 0, 1e-6, K.MODE_STORE)
+    ref = np.concatenate(refs)
+    assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
+
+
+@needs_cuda
 def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     """A vocabulary-sized head: persistent blocks walk many row groups; the argmax is the first maximum."""
     import cupy as cp
@@ -276,12 +307,12 @@ def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     token = cp.zeros(1, cp.int32)
     x_d = cp.asarray(x)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    act = _core.quantize_act(15, x)
+    rb = len(raw) // rows
     K.argmax_reset(best.data.ptr)
     K.gemv(K.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ARGMAX, best=best.data.ptr)
     K.argmax_finish(best.data.ptr, token.data.ptr)
     logits = out.get()
-    act = _core.quantize_act(15, x)
-    rb = len(raw) // rows
     for r in rng.integers(0, rows, 200):
         assert abs(logits[r] - _core.vec_dot(tid, n, raw[r * rb : (r + 1) * rb].tobytes(), act)) < 1e-4
     assert int(token.get()[0]) == int(np.argmax(logits))

@@ -28,9 +28,6 @@
 #ifndef GEMV_Q4K_PAIRS
 #define GEMV_Q4K_PAIRS 64  // Q4_K rows of up to this many units by code pairs (rows_dot_q4k_pairs; 0: never)
 #endif
-#ifndef GEMV_Q6K_PAIRS
-#define GEMV_Q6K_PAIRS 64  // Q6_K the same (rows_dot_q6k_pairs)
-#endif
 #ifndef GEMV_Q4K_L2HINT
 #define GEMV_Q4K_L2HINT 1  // ld_stream16 for the unit-per-lane Q4_K loads (0: plain loads)
 #endif
@@ -65,19 +62,18 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, c
     return d * ((w.sc[0] * (float)s0 + w.sc[1] * (float)s1) - (w.mn[0] * bs.x + w.mn[1] * bs.y));
 }
 
-// ---- Q4_K and Q6_K: every row's bytes loaded before any is used ------------------------------------------
+// ---- Q4_K by units: every row's bytes loaded before any is used ------------------------------------------
 // unpack<T> decodes as it loads, and the compiler interleaves the two: the first dot product waits on the first
 // row's codes before the second row's loads (and every scale byte's) are even issued, so a unit cost two or
-// three memory round trips. For the types of Q4_K_M models the loads of all R rows go first, as whole 16-byte
-// vectors (the scale bytes come out of registers), behind a compiler barrier: one round trip per unit.
-template <int T> struct RawUnit;
-template <> struct RawUnit<T_Q4_K> { int4 c0, c1, h; };             // codes of units 2p, 2p + 1; d, dmin, scales
-template <> struct RawUnit<T_Q6_K> { int4 l0, l1, h0, h1; int sc; u32 d; };  // ql, qh, the 2 scales' word, d
+// three memory round trips. For Q4_K rows wider than the pair path's the loads of all R rows go first, as whole
+// 16-byte vectors (the scale bytes come out of registers), behind a compiler barrier: one round trip per unit.
+struct RawQ4K { int4 c0, c1, h; };  // codes of units 2p, 2p + 1; d, dmin, scales
 
 // A 16-byte vector of weights through the read-only path, without L1 allocation and with a 256-byte L2 fetch
 // (the neighbouring lanes' vectors come in whole DRAM bursts). For Q4_K rows wider than the pair path's: H200,
-// 32B shape, gate/up 84.5 -> 78.9 us (scripts/gemv-bench --pdl); Q6_K rows, whose scale words are separate small
-// loads that then miss L1, measured slower with it.
+// 32B shape, gate/up 84.5 -> 78.9 us (scripts/gemv-bench --pdl); Q6_K by units, whose scale words were separate
+// small loads that then missed L1, measured slower with it, and neutral on the Q6_K slices' ql loads (1.5B tg128
+// 744 -> 736 tokens/s).
 __device__ __forceinline__ int4 ld_stream16(const void* p) {
 #if GEMV_Q4K_L2HINT
     int4 v;
@@ -89,25 +85,13 @@ __device__ __forceinline__ int4 ld_stream16(const void* p) {
 #endif
 }
 
-template <int T>
-__device__ __forceinline__ void load_raw(const u8* row, int u, RawUnit<T>& r) {
+__device__ __forceinline__ void load_q4k_unit(const u8* row, int u, RawQ4K& r) {
     const int j = u & 7;
-    const u8* b = row + (u >> 3) * GPU_BLOCK_BYTES(T);
-    if constexpr (T == T_Q4_K) {
-        const int4* c = (const int4*)(b + 16 + 32 * (j >> 1));
-        r.c0 = ld_stream16(c);
-        r.c1 = ld_stream16(c + 1);
-        r.h = ld_stream16(b);
-    } else {
-        const int4* lo = (const int4*)(b + 64 * (j >> 2) + 32 * (j & 1));
-        const int4* hi = (const int4*)(b + 128 + 32 * (j >> 2));
-        r.l0 = lo[0];
-        r.l1 = lo[1];
-        r.h0 = hi[0];
-        r.h1 = hi[1];
-        r.sc = *(const int*)(b + 192 + 4 * (j >> 1));  // int8 scales 2j, 2j + 1
-        r.d = *(const u16*)(b + 208);
-    }
+    const u8* b = row + (u >> 3) * GPU_BLOCK_BYTES(T_Q4_K);
+    const int4* c = (const int4*)(b + 16 + 32 * (j >> 1));
+    r.c0 = ld_stream16(c);
+    r.c1 = ld_stream16(c + 1);
+    r.h = ld_stream16(b);
 }
 
 // Byte i (0..11) of three ints, by selects rather than by indexing a register array (local memory).
@@ -116,41 +100,27 @@ __device__ __forceinline__ int byte_of3(int s0, int s1, int s2, int i) {
     return (v >> (8 * (i & 3))) & 0xFF;
 }
 
-template <int T>
-__device__ __forceinline__ float raw_dot(const RawUnit<T>& r, int u, const int* aq, const float* ad, const float2* as) {
+__device__ __forceinline__ float q4k_unit_dot(const RawQ4K& r, int u, const int* aq, const float* ad,
+                                              const float2* as) {
     const int j = u & 7;
     const int4* xq = (const int4*)(aq + 8 * u);
     const int4 x0 = xq[0], x1 = xq[1];
-    if constexpr (T == T_Q4_K) {
-        const int s = 4 * (j & 1);
-        const int s0 = __dp4a((r.c0.x >> s) & 0x0F0F0F0F, x0.x, __dp4a((r.c0.y >> s) & 0x0F0F0F0F, x0.y,
-                       __dp4a((r.c0.z >> s) & 0x0F0F0F0F, x0.z, __dp4a((r.c0.w >> s) & 0x0F0F0F0F, x0.w, 0))));
-        const int s1 = __dp4a((r.c1.x >> s) & 0x0F0F0F0F, x1.x, __dp4a((r.c1.y >> s) & 0x0F0F0F0F, x1.y,
-                       __dp4a((r.c1.z >> s) & 0x0F0F0F0F, x1.z, __dp4a((r.c1.w >> s) & 0x0F0F0F0F, x1.w, 0))));
-        int sc, m;  // scale_min_k4 on the scale bytes in registers
-        if (j < 4) {
-            sc = byte_of3(r.h.y, r.h.z, r.h.w, j) & 63;
-            m = byte_of3(r.h.y, r.h.z, r.h.w, j + 4) & 63;
-        } else {
-            sc = (byte_of3(r.h.y, r.h.z, r.h.w, j + 4) & 0xF) | ((byte_of3(r.h.y, r.h.z, r.h.w, j - 4) >> 6) << 4);
-            m = (byte_of3(r.h.y, r.h.z, r.h.w, j + 4) >> 4) | ((byte_of3(r.h.y, r.h.z, r.h.w, j) >> 6) << 4);
-        }
-        const float d = h2f((u16)(r.h.x & 0xFFFF)) * (float)sc, mn = h2f((u16)((u32)r.h.x >> 16)) * (float)m;
-        const float2 bs = as[u];
-        return ad[u] * ((d * (float)s0 + d * (float)s1) - (mn * bs.x + mn * bs.y));
+    const int s = 4 * (j & 1);
+    const int s0 = __dp4a((r.c0.x >> s) & 0x0F0F0F0F, x0.x, __dp4a((r.c0.y >> s) & 0x0F0F0F0F, x0.y,
+                   __dp4a((r.c0.z >> s) & 0x0F0F0F0F, x0.z, __dp4a((r.c0.w >> s) & 0x0F0F0F0F, x0.w, 0))));
+    const int s1 = __dp4a((r.c1.x >> s) & 0x0F0F0F0F, x1.x, __dp4a((r.c1.y >> s) & 0x0F0F0F0F, x1.y,
+                   __dp4a((r.c1.z >> s) & 0x0F0F0F0F, x1.z, __dp4a((r.c1.w >> s) & 0x0F0F0F0F, x1.w, 0))));
+    int sc, m;  // scale_min_k4 on the scale bytes in registers
+    if (j < 4) {
+        sc = byte_of3(r.h.y, r.h.z, r.h.w, j) & 63;
+        m = byte_of3(r.h.y, r.h.z, r.h.w, j + 4) & 63;
     } else {
-        const int t = j & 3, s = 4 * (t >> 1), hs = 2 * t;
-#define Q6(L, H) (int)__vsubss4((((L) >> s) & 0x0F0F0F0F) | ((((H) >> hs) & 0x03030303) << 4), 0x20202020)
-        const int s0 = __dp4a(Q6(r.l0.x, r.h0.x), x0.x, __dp4a(Q6(r.l0.y, r.h0.y), x0.y,
-                       __dp4a(Q6(r.l0.z, r.h0.z), x0.z, __dp4a(Q6(r.l0.w, r.h0.w), x0.w, 0))));
-        const int s1 = __dp4a(Q6(r.l1.x, r.h1.x), x1.x, __dp4a(Q6(r.l1.y, r.h1.y), x1.y,
-                       __dp4a(Q6(r.l1.z, r.h1.z), x1.z, __dp4a(Q6(r.l1.w, r.h1.w), x1.w, 0))));
-#undef Q6
-        const int wv = r.sc, sh = 16 * (j & 1);  // int8 scales 2j, 2j + 1: bytes 2 (j & 1), + 1 of the word
-        const float d = h2f((u16)r.d);
-        const float sc0 = d * (float)(int)(i8)((wv >> sh) & 0xFF), sc1 = d * (float)(int)(i8)((wv >> (sh + 8)) & 0xFF);
-        return ad[u] * (sc0 * (float)s0 + sc1 * (float)s1);
+        sc = (byte_of3(r.h.y, r.h.z, r.h.w, j + 4) & 0xF) | ((byte_of3(r.h.y, r.h.z, r.h.w, j - 4) >> 6) << 4);
+        m = (byte_of3(r.h.y, r.h.z, r.h.w, j + 4) >> 4) | ((byte_of3(r.h.y, r.h.z, r.h.w, j) >> 6) << 4);
     }
+    const float d = h2f((u16)(r.h.x & 0xFFFF)) * (float)sc, mn = h2f((u16)((u32)r.h.x >> 16)) * (float)m;
+    const float2 bs = as[u];
+    return ad[u] * ((d * (float)s0 + d * (float)s1) - (mn * bs.x + mn * bs.y));
 }
 
 // ---- Q4_K by code pairs --------------------------------------------------------------------------------------
@@ -206,60 +176,50 @@ __device__ __forceinline__ void rows_dot_q4k_pairs(const u8* const* w, int t_fir
     }
 }
 
-// ---- Q6_K by code pairs -----------------------------------------------------------------------------------
-// The same for Q6_K: units 4n + t and 4n + t + 2 (t < 2) of a super-block share 32 bytes of ql (low and high
-// nibbles) and, with the other pair of their half n, 32 bytes of qh; their four int8 scales sit in two words.
-template <int R>
-__device__ __forceinline__ void rows_dot_q6k_pairs(const u8* const* w, int t_first, int t_step, int n_units,
-                                                   const int* aq, const float* ad, const float2* as, float* acc) {
-    const int n_pairs = n_units >> 1;
-    for (int t = t_first; t < n_pairs; t += t_step) {
-        const int b = t >> 2, n = (t >> 1) & 1, tt = t & 1;  // super-block, half, pair of the half
-        int4 l0[R], l1[R], h0[R], h1[R], sc[R];
-        u32 dd[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const u8* blk = w[r] + (long long)b * GPU_BLOCK_BYTES(T_Q6_K);
-            const int4* lo = (const int4*)(blk + 64 * n + 32 * tt);
-            const int4* hi = (const int4*)(blk + 128 + 32 * n);
-            l0[r] = lo[0];
-            l1[r] = lo[1];
-            h0[r] = hi[0];
-            h1[r] = hi[1];
-            sc[r] = *(const int4*)(blk + 192);
-            dd[r] = *(const u16*)(blk + 208);
-        }
-        asm volatile("" ::: "memory");  // every row's loads issued before the first use
-        const int u0 = 8 * b + 4 * n + tt, u1 = u0 + 2;
-        const int4* xa = (const int4*)(aq + 8 * u0);
-        const int4* xb = (const int4*)(aq + 8 * u1);
-        const int4 xa0 = xa[0], xa1 = xa[1], xb0 = xb[0], xb1 = xb[1];
-        const float dx = ad[u0];
-        const int hs = 2 * tt, sh = 16 * tt;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#define QA(L, H) (int)__vsubss4(((L) & 0x0F0F0F0F) | ((((H) >> hs) & 0x03030303) << 4), 0x20202020)
-#define QB(L, H) (int)__vsubss4((((L) >> 4) & 0x0F0F0F0F) | ((((H) >> (hs + 4)) & 0x03030303) << 4), 0x20202020)
-            const int4 a = l0[r], c = l1[r], p = h0[r], q = h1[r];
-            const int sa0 = __dp4a(QA(a.x, p.x), xa0.x, __dp4a(QA(a.y, p.y), xa0.y,
-                            __dp4a(QA(a.z, p.z), xa0.z, __dp4a(QA(a.w, p.w), xa0.w, 0))));
-            const int sa1 = __dp4a(QA(c.x, q.x), xa1.x, __dp4a(QA(c.y, q.y), xa1.y,
-                            __dp4a(QA(c.z, q.z), xa1.z, __dp4a(QA(c.w, q.w), xa1.w, 0))));
-            const int sb0 = __dp4a(QB(a.x, p.x), xb0.x, __dp4a(QB(a.y, p.y), xb0.y,
-                            __dp4a(QB(a.z, p.z), xb0.z, __dp4a(QB(a.w, p.w), xb0.w, 0))));
-            const int sb1 = __dp4a(QB(c.x, q.x), xb1.x, __dp4a(QB(c.y, q.y), xb1.y,
-                            __dp4a(QB(c.z, q.z), xb1.z, __dp4a(QB(c.w, q.w), xb1.w, 0))));
-#undef QA
-#undef QB
-            const int wa = n ? sc[r].z : sc[r].x, wb = n ? sc[r].w : sc[r].y;  // scales of units u0, u1
-            const int isum = (int)(i8)(wa >> sh) * sa0 + (int)(i8)(wa >> (sh + 8)) * sa1 +
-                             (int)(i8)(wb >> sh) * sb0 + (int)(i8)(wb >> (sh + 8)) * sb1;
-            acc[r] += dx * h2f((u16)dd[r]) * (float)isum;
-        }
-    }
+// ---- Q6_K by slices ----------------------------------------------------------------------------------------
+// A lane's task is a slice: 16 consecutive bytes of a super-block's ql (slice q = 4n + 2t + h = 0..7), whose low
+// nibbles are weights 128n + 32t + 16h + i and high nibbles the same + 64 (i < 16); their two high bits are bits
+// 2t, 2t + 1 and 2t + 4, 2t + 5 of qh byte 32n + 16h + i, their scales bytes 8n + 2t + h and 8n + 4 + 2t + h.
+// Tasks are numbered as units are (eight per super-block), so a warp's lanes read 512 consecutive ql bytes of four
+// super-blocks, each byte once and whole (by units two lanes loaded the same 32 bytes and each used a nibble of
+// every byte, and the qh bytes twice as often), and since a lane's tasks are 32 apart, its q is the same at every
+// step. H200 (scripts/gemv-bench --pdl, against units and code pairs): 1.5B head 103 -> 77 us, down 7.7 -> 6.8;
+// 32B head 303 -> 218, down 48 -> 45.5. (The same for Q4_K, with plain or L2-hinted code loads, on rows past the
+// pair path's: 32B q/k/v 25.5 -> 24.3-24.8 us, o 18.5 -> 17.8-18.3, but gate/up 79.0 -> 81.3-82.4, no net gain.)
+struct SliceQ6K { int4 l, hb; int2 sc; u32 d; };  // ql bytes, qh bytes, the two scale words, d
+
+__device__ __forceinline__ void load_q6k_slice(const u8* row, int b, int q, SliceQ6K& s) {
+    const u8* blk = row + (long long)b * GPU_BLOCK_BYTES(T_Q6_K);
+    s.l = *(const int4*)(blk + 16 * q);
+    s.hb = *(const int4*)(blk + 128 + 32 * (q >> 2) + 16 * (q & 1));
+    s.sc = *(const int2*)(blk + 192 + 8 * (q >> 2));
+    s.d = *(const u16*)(blk + 208);
 }
 
-// ---- GSQ-RCO (quant.cuh: GsqRaw, load_gsq): loaded first as Q4_K and Q6_K are (rows_loads_first) ----------
+// Slice q of super-block b against the Q8_K activation (codes aq, scales ad per unit, sums as per 16).
+__device__ __forceinline__ float q6k_slice_dot(const SliceQ6K& s, int b, int q, const int* aq, const float* ad,
+                                               const float2* as) {
+    const int n = q >> 2, t = (q >> 1) & 1, h = q & 1, hs = 2 * t;
+    const int4* xq = (const int4*)(aq + 64 * b + 32 * n + 8 * t + 4 * h);  // weights 128n + 32t + 16h, + 64
+    const int4 xl = xq[0], xh = xq[4];
+    // Codes are stored plus 32: the sums start at -32 times the activation's sums (whole numbers in floats).
+    const float2 sl = as[8 * b + 4 * n + t], su = as[8 * b + 4 * n + 2 + t];
+    const int bl = (int)(h ? sl.y : sl.x), bh = (int)(h ? su.y : su.x);
+    const int4 l = s.l, u = s.hb;
+#define Q6L(L, H) (((L) & 0x0F0F0F0F) | (((H) << (4 - hs)) & 0x30303030))
+#define Q6H(L, H) ((((L) >> 4) & 0x0F0F0F0F) | (((H) >> hs) & 0x30303030))
+    const int lo = __dp4a(Q6L(l.x, u.x), xl.x, __dp4a(Q6L(l.y, u.y), xl.y,
+                   __dp4a(Q6L(l.z, u.z), xl.z, __dp4a(Q6L(l.w, u.w), xl.w, -32 * bl))));
+    const int hi = __dp4a(Q6H(l.x, u.x), xh.x, __dp4a(Q6H(l.y, u.y), xh.y,
+                   __dp4a(Q6H(l.z, u.z), xh.z, __dp4a(Q6H(l.w, u.w), xh.w, -32 * bh))));
+#undef Q6L
+#undef Q6H
+    const int sh = 8 * (2 * t + h);
+    const int isum = (int)(i8)(s.sc.x >> sh) * lo + (int)(i8)(s.sc.y >> sh) * hi;
+    return ad[8 * b] * h2f((u16)s.d) * (float)isum;
+}
+
+// ---- GSQ-RCO (quant.cuh: GsqRaw, load_gsq): loaded first as Q4_K and Q6_K are (rows_loads_first) ------------
 // Unit u's dot with the int8 activation (ACT_GSQ8), as gsq::dot_row_q8 computes a record but per unit: integer
 // sums of codes, the two sub-blocks' mins against the activation's sums per 16, and the residual slots that fall
 // in this unit (the first two come with the header; rec, when the record has more, is the record to read them from).
@@ -341,12 +301,15 @@ __device__ __forceinline__ void rows_dot_q(const u8* const* w, int u_first, int 
                                            const float* ad, const float2* as, float* acc) {
     if (ACT == ACT_Q8_K && T == T_Q4_K && GEMV_Q4K_PAIRS > 0 && n_units <= GEMV_Q4K_PAIRS) {
         rows_dot_q4k_pairs<R>(w, u_first, u_step, n_units, aq, ad, as, acc);
-    } else if (ACT == ACT_Q8_K && T == T_Q6_K && GEMV_Q6K_PAIRS > 0 && n_units <= GEMV_Q6K_PAIRS) {
-        rows_dot_q6k_pairs<R>(w, u_first, u_step, n_units, aq, ad, as, acc);
-    } else if constexpr (ACT == ACT_Q8_K && (T == T_Q4_K || T == T_Q6_K)) {
-        rows_loads_first<RawUnit<T>, R, U>(
-            u_first, u_step, n_units, [&](int r, int u, RawUnit<T>& raw) { load_raw<T>(w[r], u, raw); },
-            [&](int, int u, const RawUnit<T>& raw) { return raw_dot<T>(raw, u, aq, ad, as); }, acc);
+    } else if constexpr (ACT == ACT_Q8_K && T == T_Q4_K) {
+        rows_loads_first<RawQ4K, R, U>(
+            u_first, u_step, n_units, [&](int r, int u, RawQ4K& raw) { load_q4k_unit(w[r], u, raw); },
+            [&](int, int u, const RawQ4K& raw) { return q4k_unit_dot(raw, u, aq, ad, as); }, acc);
+    } else if constexpr (ACT == ACT_Q8_K && T == T_Q6_K) {
+        const int q = u_first & 7;  // this lane's slice of every super-block (u_step is a multiple of 8)
+        rows_loads_first<SliceQ6K, R, U>(
+            u_first, u_step, n_units, [&](int r, int t, SliceQ6K& s) { load_q6k_slice(w[r], t >> 3, q, s); },
+            [&](int, int t, const SliceQ6K& s) { return q6k_slice_dot(s, t >> 3, q, aq, ad, as); }, acc);
     } else {
         for (int u0 = u_first; u0 < n_units; u0 += u_step * U) {
 #pragma unroll
