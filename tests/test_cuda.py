@@ -290,6 +290,34 @@ def test_gemv_of_two_types_in_one_launch_equals_cpu() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("n", [1536, 5120])
+def test_gate_up_gemv_with_swiglu_equals_cpu(n: int) -> None:
+    """MODE_GLU: out = silu(gate . y) * (up . y) with y = quantize(RMSNorm(x) * w), one output per gate/up row pair
+    (5,120 columns: the row split over two warps), against the CPU's norm and dot products."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, to_gpu
+
+    rng = np.random.default_rng(13)
+    rows, tid = 333, int(TYPES["Q4_K"])  # rows: not a multiple of two outputs a warp
+    gate, up = (random_blocks(TYPES["Q4_K"], rows, n, n**-0.5, rng) for _ in range(2))
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    act = _core.quantize_act(15, _rms_norm_ref(x, norm_w, 1e-6))
+    rb = len(gate) // rows
+    g, u = (np.array([_core.vec_dot(tid, n, m[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)])
+            for m in (gate, up))
+    ref = g / (1 + np.exp(-g)) * u
+    wg, wu = to_gpu(gate, tid, rows, n, "gate"), to_gpu(up, tid, rows, n, "up")
+    out = cp.zeros(rows, cp.float32)
+    x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in (wg, wu)])
+    K.gemv(K.ACT_Q8_K, descs, 2, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_GLU)
+    assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
+
+
+@needs_cuda
 def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     """A vocabulary-sized head: persistent blocks walk many row groups; the argmax is the first maximum."""
     import cupy as cp
