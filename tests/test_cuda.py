@@ -96,6 +96,50 @@ def test_dependent_launches_off_by_environment(monkeypatch: pytest.MonkeyPatch) 
     assert launch.supported() is False
 
 
+def _plan_inputs(tied: bool, e: int = 256, n_ff: int = 512, vocab: int = 4096, n_layer: int = 2):
+    """tensors and spec of a small qwen2-like model, as budget.plan reads them (Q4_K matrices, F32 norms)."""
+    from types import SimpleNamespace
+
+    def t(*dims: int, type_id: int = 12):
+        n = int(np.prod(dims))
+        return SimpleNamespace(dims=dims, type_id=type_id, gsq=None, n_elements=n)
+
+    tensors = {"token_embd": t(e, vocab), "output_norm": t(e, type_id=0)}
+    layers = []
+    for i in range(n_layer):
+        names = {k: f"{i}.{k}" for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm",
+                                          "ffn_norm")}
+        dims = {"wq": (e, e), "wk": (e, 64), "wv": (e, 64), "wo": (e, e), "w_gate": (e, n_ff), "w_up": (e, n_ff),
+                "w_down": (n_ff, e), "attn_norm": (e,), "ffn_norm": (e,)}
+        for k, name in names.items():
+            tensors[name] = t(*dims[k], type_id=0 if k.endswith("norm") else 12)
+        layers.append(names)
+    if not tied:
+        tensors["output"] = t(e, vocab, type_id=14)
+    spec = {"layers": layers, "output": "token_embd" if tied else "output", "output_norm": "output_norm",
+            "token_embd": "token_embd", "n_head": 4, "n_head_kv": 1, "head_dim": 64, "head_dim_v": 64, "n_embd": e,
+            "n_vocab": vocab}
+    return tensors, spec
+
+
+def test_memory_plan_puts_the_embedding_table_on_the_gpu_where_it_fits() -> None:
+    """Decode steps embed their token on the GPU (chained greedy steps need it): the table is free when the output
+    head shares it, counted in the weights when it does not, and left on the host when the budget has no room."""
+    from ninfer.backends.budget import matrix_gpu_bytes, plan
+
+    tensors, spec = _plan_inputs(tied=True)
+    p = plan(tensors, spec, 1024, 64, 256, -1, None)
+    assert p.head_on_gpu and p.embd_on_gpu
+    tensors, spec = _plan_inputs(tied=False)
+    embd = matrix_gpu_bytes(tensors["token_embd"].dims, 12)
+    full = plan(tensors, spec, 1024, 64, 256, -1, None)
+    assert full.head_on_gpu and full.embd_on_gpu
+    tight = plan(tensors, spec, 1024, 64, 256, -1, full.total - 1)  # room for all but the table
+    assert tight.head_on_gpu and not tight.embd_on_gpu
+    assert full.weights - tight.weights == embd == 4096 * 256 // 256 * 144
+    assert "+ embeddings" in full.table(1024, 4) and "+ embeddings" not in tight.table(1024, 4)
+
+
 def nmse(a: np.ndarray, ref: np.ndarray) -> float:
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
     return float(np.sum((a - ref) ** 2) / max(np.sum(ref**2), 1e-30))
@@ -543,6 +587,38 @@ def test_decode_of_two_sequences_equals_each_sequence_generated_alone(tmp_path: 
     assert eng.seq_len(0) == 3 + 15 and eng.seq_len(1) == 4 + 15
     with pytest.raises(ninfer.errors.InvalidArgumentError, match="distinct sequences"):
         eng.decode([(0, 1), (0, 2)], thread)
+
+
+@needs_cuda
+def test_chained_greedy_steps_equal_unchained_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy step queues the next one to embed the token it chooses (CudaEngine.step): the tokens, with the
+    caller taking the GPU's choice or forcing another, and the cache after truncating and going on, are those of
+    steps run one at a time; an abandoned queued step gives its page back."""
+    path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-1.5b", "Q4_K_M", n_layer=4, seed=6)
+    greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
+    prompt = [100 + 3 * i for i in range(254)]
+
+    def run(chain: str) -> tuple[list[int], list[int]]:
+        monkeypatch.setenv("NINFER_CUDA_CHAIN", chain)
+        eng = ninfer.LLM(path, n_ctx=1024, device="cuda")._engine
+        assert eng.chain == (chain == "1")
+        out = [int(np.argmax(eng.prefill(0, prompt, 512)))]
+        out += [eng.step(0, out[-1], greedy) for _ in range(2)]
+        usage = [eng.seq_len(0), eng.kv_usage()[0]]  # 256 tokens: the step queued at 256 opened a page, given back
+        for i in range(38):  # from step 20 on, every fifth input is forced to something else
+            token = out[-1] if i < 20 or i % 5 else (out[-1] + 1) % 1000
+            out.append(eng.step(0, token, greedy))
+        usage += [eng.seq_len(0), eng.kv_usage()[0]]
+        eng.truncate(0, 260)
+        usage += [eng.seq_len(0), eng.kv_usage()[0]]
+        out += [eng.step(0, out[-1], greedy) for _ in range(8)]
+        eng.truncate(0, 255)  # the step queued at 268 abandoned, the second page given back
+        usage += [eng.seq_len(0), eng.kv_usage()[0]]
+        return out, usage
+
+    chained, unchained = run("1"), run("0")
+    assert chained == unchained
+    assert chained[1] == [256, 1, 294, 2, 260, 2, 255, 1]
 
 
 @needs_cuda

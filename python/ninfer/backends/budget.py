@@ -34,6 +34,9 @@ class MemoryPlan:
     kv: int
     buffers: int
     budget: int | None
+    # The token embedding table on the GPU too (the decode step embeds its token there, so steps can be queued
+    # before the previous token is read back): free when the output head shares it, else where it fits.
+    embd_on_gpu: bool = False
 
     @property
     def total(self) -> int:
@@ -42,7 +45,8 @@ class MemoryPlan:
     def table(self, n_ctx: int, threads: int) -> str:
         lines = ["GPU memory plan" + (f" (budget {gib(self.budget)})" if self.budget else "") + ":",
                  f"  weights   {self.n_gpu_layers}/{self.n_layer} layers"
-                 + (" + output head" if self.head_on_gpu else "") + f"  {gib(self.weights):>11}",
+                 + (" + output head" if self.head_on_gpu else "") + (" + embeddings" if self.embd_on_gpu else "")
+                 + f"  {gib(self.weights):>11}",
                  f"  KV cache  {self.n_gpu_layers} layers x {n_ctx} tokens, f16  {gib(self.kv):>11}",
                  f"  buffers   activations, f16 matmul scratch  {gib(self.buffers):>11}",
                  f"  total     {gib(self.total):>11}"]
@@ -98,4 +102,7 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
         n = max(k for k in range(L + 1) if k == 0 or fits(k, False))
     with_head = n == L and fits(L, True)
     weights = sum(per_layer[:n]) + (head if with_head else 0)
-    return MemoryPlan(L, n, with_head, weights, n * kv_layer, buffers, budget)
+    embd = 0 if spec["token_embd"] == spec["output"] else mat(spec["token_embd"])
+    with_embd = with_head and (budget is None or weights + embd + n * kv_layer + buffers <= budget)
+    weights += embd if with_embd else 0
+    return MemoryPlan(L, n, with_head, weights, n * kv_layer, buffers, budget, with_embd)

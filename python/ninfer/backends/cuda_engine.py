@@ -7,7 +7,9 @@ GPU, the rest on the Rust CPU engine, with only activations crossing between the
 - Decode (`step`) replays a CUDA graph of the whole token: fused norm+quantize, GEMVs reading quantized blocks,
   RoPE + KV write, TinyFlash attention, and either the argmax (greedy: only the token id comes back, through
   mapped pinned memory) or the logits written straight into mapped pinned host memory for the Rust sampler.
-  The token's embedding row and position enter through pinned memory copied by the graph's first node.
+  The graph's first nodes embed the token on the GPU (its id in mapped pinned memory; the host embeds it when the
+  table does not fit) and copy the position in. Greedy steps are chained: the next step is queued to embed the
+  token this one chooses before the host has read it (`step`).
 - Prompts (`forward`, `prefill`) run a batch per layer: weights dequantized to f16 and multiplied by cuBLAS
   with f32 accumulation, activations quantized and dequantized exactly as the CPU quantizes them.
 - With profiling on, a step runs the same launches one by one between CUDA events, per layer and per kind.
@@ -19,6 +21,7 @@ import ctypes
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -55,6 +58,18 @@ class _Pinned:
             self.array = None
             cp.cuda.runtime.freeHost(self.host_ptr)
             self.host_ptr = 0
+
+
+@dataclass
+class _Pending:
+    """A decode step already on the GPU: for `seq` at position `start`, embedding the token the step before it
+    chose (expected by the caller as `token`), slot pair `parity`, done when `event` is."""
+
+    seq: int
+    token: int
+    start: int
+    parity: int
+    event: Any
 
 
 class _Matrix:
@@ -110,7 +125,12 @@ class CudaEngine:
         self.seq_len_: dict[int, int] = {}
         self.pages: dict[int, list[int]] = {}
         self.free_pages = list(range(self.n_pages - 1, -1, -1))
-        self.graphs: dict[tuple[int, bool], Any] = {}
+        self.graphs: dict[tuple[int, bool, int], Any] = {}
+        self._parity = 0  # the slot pair of the next decode step
+        # A greedy step queued behind the one whose token step() last returned (chained: it embeds that token on
+        # the GPU), or None. NINFER_CUDA_CHAIN=0 turns chaining off (A/B runs).
+        self._pending: _Pending | None = None
+        self.chain = self.embd_gpu is not None and self.tail is None and os.environ.get("NINFER_CUDA_CHAIN") != "0"
         self.profiling = False
         self.prof: dict[str, float] = defaultdict(float)
         self.prof_layers = np.zeros(self.n_gpu + 1)
@@ -150,6 +170,10 @@ class CudaEngine:
             self.output_norm = self._vec(s["output_norm"])
         te = self.tensors[s["token_embd"]]
         self.embd_type, self.embd_row_bytes = te.type_id, te.n_bytes // te.dims[1]
+        self.embd_gpu = None  # the table the decode step embeds its token from (budget.py embd_on_gpu)
+        if self.plan.embd_on_gpu:
+            tied = s["token_embd"] == s["output"]
+            self.embd_gpu = self.output if tied else _Matrix(te, self._raw(s["token_embd"]))
         # RoPE's per-pair factor, computed as the CPU computes it (f32 powf on the host).
         self.theta_scale = [float(np.float32(ls["rope_base"]) ** (np.float32(-2.0) / np.float32(s["rope_dims"])))
                             for ls in s["layers"]]
@@ -196,17 +220,20 @@ class CudaEngine:
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)
-        # Step inputs and outputs in mapped pinned memory.
+        # Step inputs and outputs in mapped pinned memory. Decode steps alternate between two slots of position
+        # and token (parity p: position in_pos[p], token read from tok[p], greedy result written to tok[1 - p]), so
+        # a step can be queued while the previous one runs (step()).
         self.in_x = _Pinned(np.float32, e)
-        self.in_pos = _Pinned(np.int32, 1)
-        self.out_token = _Pinned(np.int32, 1)
+        self.in_pos = _Pinned(np.int32, 2)
+        self.tok = _Pinned(np.int32, 2)
         self.out_logits = _Pinned(np.float32, s["n_vocab"])
         self.out_x = _Pinned(np.float32, e)
         self._keep: list[Any] = []
-        self._op_lists: dict[tuple[int, bool], list[Any]] = {}
+        self._op_lists: dict[tuple[int, bool, int], list[Any]] = {}
 
     def close(self) -> None:
-        for p in ("in_x", "in_pos", "out_token", "out_logits", "out_x"):
+        self._drain()
+        for p in ("in_x", "in_pos", "tok", "out_logits", "out_x"):
             if getattr(self, p, None) is not None:
                 getattr(self, p).free()
                 setattr(self, p, None)
@@ -230,6 +257,7 @@ class CudaEngine:
             raise InvalidArgumentError(f"sequence id {seq} is out of range (n_seq_max = {self.n_seq_max})")
 
     def truncate(self, seq: int, n: int) -> None:
+        self._drain()
         cur = self.seq_len(seq)
         if n >= cur:
             return
@@ -248,6 +276,7 @@ class CudaEngine:
             self.tail.remove(seq)
 
     def kv_usage(self) -> tuple[int, int]:
+        self._drain()
         used = sum(len(p) for p in self.pages.values())
         return used, sum(p.nbytes for p in self.k_pools + self.v_pools)
 
@@ -283,6 +312,7 @@ class CudaEngine:
         return out
 
     def forward(self, batch: list[tuple[int, list[int]]], logit_rows: list[int]) -> np.ndarray:
+        self._drain()
         n = sum(len(t) for _, t in batch)
         if n == 0:
             raise InvalidArgumentError("forward called with no tokens")
@@ -304,6 +334,7 @@ class CudaEngine:
         return out
 
     def prefill(self, seq: int, tokens: list[int], n_batch: int) -> np.ndarray:
+        self._drain()
         if not tokens or n_batch <= 0:
             raise InvalidArgumentError("prefill needs at least one token and n_batch >= 1")
         start = self.seq_len(seq)
@@ -321,32 +352,80 @@ class CudaEngine:
             raise
         return logits[0]
 
-    def _gpu_step(self, seq: int, token: int, greedy: bool) -> int:
-        """The GPU part of one decode step of `seq` (a graph replay, or the profiled launches); returns the position
-        it wrote. The caller truncates back to it if what follows fails."""
-        start = self._reserve(seq, 1)
-        try:
-            self.in_x.array[:] = self._embed_host([token])[0]
-            self.in_pos.array[0] = start
-            if self.profiling:
-                self._run_profiled(self._ops(seq, greedy))
+    def _launch_step(self, seq: int, start: int, greedy: bool, token: int | None) -> int:
+        """Queue one decode step of `seq` at position `start` (a graph replay, or the profiled launches) and return
+        its slot parity. token: the input token, or None to embed the one the previous step chose (it is in this
+        step's token slot already)."""
+        p = self._parity
+        if token is not None:
+            if not 0 <= token < self.spec["n_vocab"]:
+                raise InvalidArgumentError(f"token id {token} is out of range for a vocabulary of "
+                                           f"{self.spec['n_vocab']}")
+            if self.embd_gpu is not None:
+                self.tok.array[p] = token
             else:
-                key = (seq, greedy)
-                if key not in self.graphs:
-                    self.graphs[key] = self._capture(seq, greedy)
-                self.graphs[key].launch(self.stream)
-                self.stream.synchronize()
-        except Exception:
-            self.truncate(seq, start)
-            raise
-        self.seq_len_[seq] = start + 1
-        self.forward_calls += 1
-        return start
+                self.in_x.array[:] = self._embed_host([token])[0]
+        self.in_pos.array[p] = start
+        if self.profiling:
+            self._run_profiled(self._ops(seq, greedy, p))
+        else:
+            key = (seq, greedy, p)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(seq, greedy, p)
+            self.graphs[key].launch(self.stream)
+        self._parity ^= 1
+        return p
+
+    def _drain(self) -> None:
+        """Wait for a queued step nobody will take and give back its position (and a page it may have opened)."""
+        pend = getattr(self, "_pending", None)
+        if pend is None:
+            return
+        self._pending = None
+        pend.event.synchronize()
+        self._release_pages(pend.seq)
+
+    def _release_pages(self, seq: int) -> None:
+        """Give back the pages past seq's length (reserved for a step that did not happen)."""
+        pages = self.pages.get(seq, [])
+        keep = -(-self.seq_len(seq) // self.page_size)
+        self.free_pages.extend(reversed(pages[keep:]))
+        self.pages[seq] = pages[:keep]
 
     def step(self, seq: int, token: int, sampler: Any) -> int:
+        """One decode step: `token` in at the next position of `seq`, the next token out. Greedy steps with the
+        head and the embeddings on the GPU are chained: before waiting for this step's token the next step is queued
+        to embed it on the GPU, so the host's work between tokens (reading the token, the caller's loop, launching)
+        overlaps the GPU's; if the next call brings that token, its step is already done or running."""
         greedy = bool(sampler.is_greedy) and not self.host_sampling and self.plan.head_on_gpu
-        start = self._gpu_step(seq, token, greedy)
+        chain = greedy and self.chain and not self.profiling
+        pend = self._pending
+        if pend is not None and not (chain and pend.seq == seq and pend.token == token):
+            self._drain()
+            pend = None
+        if pend is not None:  # the step for this token is on the GPU already
+            self._pending = None
+            start, p, done = pend.start, pend.parity, pend.event
+        else:
+            start = self._reserve(seq, 1)
+            try:
+                p = self._launch_step(seq, start, greedy, token)
+            except Exception:
+                self._release_pages(seq)
+                raise
+            done = self.stream.record()
+        self.seq_len_[seq] = start + 1
+        self.forward_calls += 1
+        if chain:
+            try:
+                nxt = self._reserve(seq, 1)
+            except ContextOverflowError:  # no room for another token: nothing to queue
+                nxt = None
+            if nxt is not None:
+                q = self._launch_step(seq, nxt, greedy, None)
+                self._pending = _Pending(seq, -1, nxt, q, self.stream.record())
         try:
+            done.synchronize()
             if self.tail is not None:
                 t0 = time.perf_counter()
                 token = int(self.tail.step_hidden(seq, self.out_x.array.reshape(1, -1), sampler))
@@ -354,9 +433,13 @@ class CudaEngine:
                     self.prof["cpu_layers"] += time.perf_counter() - t0
                 return token
             if greedy:
-                return int(self.out_token.array[0])
+                token = int(self.tok.array[1 - p])
+                if self._pending is not None:
+                    self._pending.token = token
+                return token
             return int(sampler.sample(self.out_logits.array))
         except Exception:
+            self._drain()
             self.truncate(seq, start)
             raise
 
@@ -364,11 +447,20 @@ class CudaEngine:
         """One token for each of several distinct sequences (the server's slots), each drawn by
         `sampler.sample(seq, logits)` (the Rust sampler thread). The GPU runs the sequences one after another, a
         graph replay each, with the logits going to the host through mapped pinned memory."""
+        self._drain()
         if not batch or len({s for s, _ in batch}) != len(batch):
             raise InvalidArgumentError("decode needs one token for each of one or more distinct sequences")
         out = []
         for seq, token in batch:
-            start = self._gpu_step(seq, token, False)
+            start = self._reserve(seq, 1)
+            try:
+                self._launch_step(seq, start, False, token)
+                self.stream.synchronize()
+            except Exception:
+                self._release_pages(seq)
+                raise
+            self.seq_len_[seq] = start + 1
+            self.forward_calls += 1
             try:
                 if self.tail is not None:
                     logits = self.tail.forward_hidden(seq, self.out_x.array.reshape(1, -1).copy(), [0])[0]
@@ -422,8 +514,8 @@ class CudaEngine:
             self.last_op_times.append((layer, kind, dt))
 
     # ---- decode: the captured token step -----------------------------------------------------------------
-    def _capture(self, seq: int, greedy: bool):
-        ops = self._ops(seq, greedy)
+    def _capture(self, seq: int, greedy: bool, parity: int):
+        ops = self._ops(seq, greedy, parity)
         with self.stream:
             for _, _, fn in ops:  # run once uncaptured: compiles and loads every kernel first
                 fn()
@@ -464,13 +556,13 @@ class CudaEngine:
                 kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre))
         return ops
 
-    def _ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
-        key = (seq, greedy)
+    def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
+        key = (seq, greedy, parity)
         if key not in self._op_lists:
-            self._op_lists[key] = self._decode_ops(seq, greedy)
+            self._op_lists[key] = self._decode_ops(seq, greedy, parity)
         return self._op_lists[key]
 
-    def _decode_ops(self, seq: int, greedy: bool) -> list[tuple[str, int, Callable[[], None]]]:
+    def _decode_ops(self, seq: int, greedy: bool, parity: int = 0) -> list[tuple[str, int, Callable[[], None]]]:
         """The launches of one decode step: per layer the q/k/v GEMV, attention (RoPE and the KV write inside),
         the output projection + residual, gate/up + GLU, down + residual (five launches; gemma's post-norms add
         two). Each GEMV norms and quantizes its own input."""
@@ -483,8 +575,13 @@ class CudaEngine:
         def add(kind: str, layer: int, fns: list[Callable[[], None]]) -> None:
             ops.extend((kind, layer, f) for f in fns)
 
-        add("other", -1, [lambda: launch.copy(x, self.in_x.host_ptr, 4 * e, _H2D),
-                          lambda: launch.copy(self.pos.data.ptr, self.in_pos.host_ptr, 4, _H2D)])
+        tok_in, tok_out = self.tok.dev_ptr + 4 * parity, self.tok.dev_ptr + 4 * (1 - parity)
+        if self.embd_gpu is not None:  # the token's embedding row, dequantized on the GPU
+            m = self.embd_gpu
+            add("other", -1, [lambda: K.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x)])
+        else:
+            add("other", -1, [lambda: launch.copy(x, self.in_x.host_ptr, 4 * e, _H2D)])
+        add("other", -1, [lambda: launch.copy(self.pos.data.ptr, self.in_pos.host_ptr + 4 * parity, 4, _H2D)])
         table = self.tables.data.ptr + 4 * self.max_pages * seq
         glu_act = 0 if s["activation"] == "silu" else 1
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
@@ -531,7 +628,7 @@ class CudaEngine:
             add("other", -1, [lambda: K.argmax_reset(best)])
             add("matmul", -1, self._matmul_vec([self.output], [self.logits_dev.data.ptr], x, norm, K.MODE_ARGMAX,
                                                best=best))
-            add("other", -1, [lambda: K.argmax_finish(best, self.out_token.dev_ptr)])
+            add("other", -1, [lambda: K.argmax_finish(best, tok_out)])
         else:
             add("matmul", -1, self._matmul_vec([self.output], [self.out_logits.dev_ptr], x, norm, K.MODE_STORE))
         return ops
