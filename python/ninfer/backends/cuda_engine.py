@@ -422,7 +422,12 @@ class CudaEngine:
             except ContextOverflowError:  # no room for another token: nothing to queue
                 nxt = None
             if nxt is not None:
-                q = self._launch_step(seq, nxt, greedy, None)
+                try:
+                    q = self._launch_step(seq, nxt, greedy, None)
+                except Exception:
+                    self._release_pages(seq)
+                    self.truncate(seq, start)
+                    raise
                 self._pending = _Pending(seq, -1, nxt, q, self.stream.record())
         try:
             done.synchronize()
