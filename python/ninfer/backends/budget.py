@@ -92,8 +92,8 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
     buffers = (4 * n_batch * (3 * e + qkv + 2 * spec["n_head"] * spec["head_dim"] + 3 * n_ff + 2 * width)
                + 2 * n_batch * width + 2 * biggest + 8 * spec["n_vocab"] + (64 << 20))
 
-    def fits(n: int, with_head: bool) -> bool:
-        w = sum(per_layer[:n]) + (head if with_head else 0)
+    def fits(n: int, with_head: bool, extra: int = 0) -> bool:
+        w = sum(per_layer[:n]) + (head if with_head else 0) + extra
         return budget is None or w + n * kv_layer + buffers <= budget
 
     if 0 <= n_gpu_layers <= L:
@@ -103,6 +103,6 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
     with_head = n == L and fits(L, True)
     weights = sum(per_layer[:n]) + (head if with_head else 0)
     embd = 0 if spec["token_embd"] == spec["output"] else mat(spec["token_embd"])
-    with_embd = with_head and (budget is None or weights + embd + n * kv_layer + buffers <= budget)
+    with_embd = with_head and fits(L, True, embd)
     weights += embd if with_embd else 0
     return MemoryPlan(L, n, with_head, weights, n * kv_layer, buffers, budget, with_embd)

@@ -258,14 +258,10 @@ class CudaEngine:
 
     def truncate(self, seq: int, n: int) -> None:
         self._drain()
-        cur = self.seq_len(seq)
-        if n >= cur:
+        if n >= self.seq_len(seq):
             return
-        keep = -(-n // self.page_size)
-        pages = self.pages.get(seq, [])
-        self.free_pages.extend(reversed(pages[keep:]))
-        self.pages[seq] = pages[:keep]
         self.seq_len_[seq] = n
+        self._release_pages(seq)
         if self.tail is not None:
             self.tail.truncate(seq, n)
 
@@ -386,7 +382,8 @@ class CudaEngine:
         self._release_pages(pend.seq)
 
     def _release_pages(self, seq: int) -> None:
-        """Give back the pages past seq's length (reserved for a step that did not happen)."""
+        """Give back the pages past seq's length (after a truncation, or reserved for a step that did not
+        happen)."""
         pages = self.pages.get(seq, [])
         keep = -(-self.seq_len(seq) // self.page_size)
         self.free_pages.extend(reversed(pages[keep:]))
@@ -425,8 +422,7 @@ class CudaEngine:
                 try:
                     q = self._launch_step(seq, nxt, greedy, None)
                 except Exception:
-                    self._release_pages(seq)
-                    self.truncate(seq, start)
+                    self.truncate(seq, start)  # this step's position and the pages reserved past it
                     raise
                 self._pending = _Pending(seq, -1, nxt, q, self.stream.record())
         try:
@@ -444,8 +440,7 @@ class CudaEngine:
                 return token
             return int(sampler.sample(self.out_logits.array))
         except Exception:
-            self._drain()
-            self.truncate(seq, start)
+            self.truncate(seq, start)  # (waits for the queued step first)
             raise
 
     def decode(self, batch: list[tuple[int, int]], sampler: Any) -> list[Any]:
