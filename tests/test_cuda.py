@@ -415,7 +415,9 @@ def _attention_ref(q, keys, vals, scale):
 @needs_cuda
 @pytest.mark.parametrize("hd,n_head,n_kv,length,n_split,window", [
     (64, 9, 3, 37, 1, 0), (128, 12, 2, 700, 4, 0), (128, 40, 8, 1500, 7, 0), (64, 14, 2, 300, 3, 128),
-    (256, 4, 1, 260, 2, 0), (128, 12, 2, 100, 16, 0)])
+    (256, 4, 1, 260, 2, 0), (128, 12, 2, 100, 16, 0),
+    # many tiles a warp (the online softmax across tiles), eight and one query heads per KV head
+    (128, 16, 2, 2100, 2, 0), (64, 8, 8, 600, 1, 0)])
 def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, length: int, n_split: int,
                                                window: int) -> None:
     import cupy as cp

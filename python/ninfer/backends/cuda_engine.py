@@ -210,12 +210,12 @@ class CudaEngine:
         kv_shape = (self.n_pages, s["n_head_kv"], self.page_size, s["head_dim"])
         self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
-        n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
         group = s["n_head"] // s["n_head_kv"]
         self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)
-        # Key splits of decode attention: two blocks an SM over the KV heads (NINFER_CUDA_ATT_SPLIT overrides, for
-        # measuring other choices).
-        n_split = int(os.environ.get("NINFER_CUDA_ATT_SPLIT", "0")) or (2 * n_sm) // s["n_head_kv"]
+        # Key splits of decode attention: as many blocks as the GPU holds at once, over the KV heads
+        # (NINFER_CUDA_ATT_SPLIT overrides, for measuring other choices).
+        n_split = (int(os.environ.get("NINFER_CUDA_ATT_SPLIT", "0"))
+                   or K.attention_resident(s["head_dim"], group) // s["n_head_kv"])
         self.n_split = max(1, min(-(-self.n_ctx // 256), n_split, K.attention_max_split(s["head_dim"], group)))
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)

@@ -192,6 +192,12 @@ def attention_max_split(hd: int, group: int) -> int:
     return ATT_WARPS * MAX_GROUP * hd // (2 * group)
 
 
+def attention_resident(hd: int, group: int) -> int:
+    """Blocks of the decode attention kernel the GPU holds at once (its key splits fill them)."""
+    fn = function(f"attention_step_hd{hd}_g{group}")
+    return resident_blocks(fn, 32 * ATT_WARPS, attention_smem(hd))
+
+
 def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bool, group: int) -> None:
     """TinyFlash over `rows` query rows; step=True is the decode form (RoPE + KV write fused); group: query heads
     per KV head (1..MAX_GROUP, a kernel each)."""

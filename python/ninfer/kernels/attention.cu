@@ -4,19 +4,21 @@
 //
 // Grid (n_split, n_head_kv, rows), ATT_WARPS warps a block. Each block takes an equal share of its row's keys (a
 // multiple of 32; lengths are read from device memory, so a captured decode step serves any length), runs an online
-// softmax over tiles of 32 keys per warp, and merges its warps. Eight warps rather than four: at long contexts
-// twice the loads are in flight per SM and each warp walks half the tiles. With n_split > 1 each block writes its partial
-// (max, sum, unnormalized output); the last block of a (row, KV head) to finish, found with an atomic ticket,
-// merges the partials and resets the ticket for the next launch. Rows are queries (decode: one per sequence;
-// prefill: one per prompt token), each with its own position, page table and sliding window.
-//
+// softmax over tiles of 32 keys per warp, and merges its warps. Head sizes 64 and 128 multiply on tensor cores
+// (warp_keys_mma: a tile's K and V rows all requested at once, one memory round trip a tile); other head sizes on
+// CUDA cores (warp_keys_fma). The launcher sizes n_split to the blocks the GPU holds at once. With n_split > 1 each
+// block writes its partial (max, sum, unnormalized output); the last block of a (row, KV head) to finish, found
+// with an atomic ticket, merges the partials and resets the ticket for the next launch. Rows are queries (decode:
+// one per sequence; prefill: one per prompt token), each with its own position, page table and sliding window.
+
 // The decode form (attention_step_*) also does what rope_kv.cu does for a prompt: each block ropes its own query
 // heads from the raw projections, and the block whose share holds the new position writes that token's K and V
 // to the cache before reading it, so a decode layer's attention is one launch (the output projection quantizes
 // the result itself, gemv.cu).
 //
 // Numerics as the CPU's decode path: q rounded to f16 (the cache's dot format), score = (q . k) * scale, f32
-// softmax and accumulation.
+// softmax and accumulation (on tensor cores too: f16 x f16 products are exact in f32, and the probabilities go in
+// as two f16 parts). ATT_MMA=0 (NINFER_CUDA_DEFINES) keeps every head size on CUDA cores, for A/B runs.
 
 struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARAMS
     const float* q;     // roped queries [rows][n_head][HD] (prompt form)
@@ -42,95 +44,39 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 
 #define ATT_WARPS 8
 #define MAX_GROUP 8
+#ifndef ATT_MMA
+#define ATT_MMA 1
+#endif
 
-template <int HD, int NG, bool STEP>
-__device__ void attend(const AttnParams& P) {
-    const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
-    const float scale = P.scale;
-    const u16* k_pool = P.k_pool;
-    const u16* v_pool = P.v_pool;
-    float2* part_ml = P.part_ml;
-    float* part_acc = P.part_acc;
-    float* out = P.out;
+// The keys [s0, s1) of one (split, KV head), a warp per 32-key tile in turn: each warp runs an online softmax over its
+// tiles and leaves its (max, sum) per query head in wml and its unnormalized output in wacc, for the block's merge.
+struct WarpKeys {
+    const u16* k_pool;
+    const u16* v_pool;
+    const int* table;
+    int n_head_kv, g, page_size, s0, s1;
+    float scale;
+    const float* qs;  // [NG][HD] this block's query heads, f16-rounded
+    float* pt;        // [warps][MAX_GROUP][32] scratch
+    float* wml;       // [warps][MAX_GROUP][2]
+    float* wacc;      // [warps][MAX_GROUP][HD]
+    int warp, lane;
+};
+
+// CUDA cores: a lane per key for q . k (the key row in 16-byte loads), a lane per output dimension for p . V.
+template <int HD, int NG>
+__device__ __forceinline__ void warp_keys_fma(const WarpKeys& W) {
     constexpr int VPL = HD / 32;  // output dims per lane
-    const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    constexpr int ng = NG;  // query heads per KV head: a template parameter, so loops over heads unroll exactly
-    extern __shared__ float att_sm[];
-    float* qs = att_sm;                                  // [ng][HD]
-    float* pt = qs + MAX_GROUP * HD;                 // [warps][ng][32] probabilities of the tile
-    float* wml = pt + ATT_WARPS * MAX_GROUP * 32;    // [warps][ng][2]
-    float* wacc = wml + ATT_WARPS * MAX_GROUP * 2;   // [warps][ng][HD]
-    __shared__ int last_block;
-
-    const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
-    const int p = P.pos[row];
-    const int kbeg = window > 0 ? max(0, p + 1 - window) : 0, kend = p + 1;
-    // A share is a whole number of 32-key tiles, at least one per warp; splits past the keys (n_used and up) have
-    // nothing to do, and with one split in use its block writes the output itself.
-    const int per = max((((kend - kbeg) + n_split - 1) / n_split + 31) & ~31, 32 * ATT_WARPS);
-    const int n_used = (kend - kbeg + per - 1) / per;
-    if (split >= n_used) return;
-    if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
-        grid_dep_wait();
-        for (int i = tid; i < ng * HD; i += blockDim.x)
-            out[((long long)row * n_head + g * ng) * HD + i] = __int_as_float(0x7fc00000);
-        return;
-    }
-    const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
-    // Before the previous kernel's results are needed (programmatic dependent launch, common.cuh): ask L2 for this
-    // share's K and V rows, one contiguous range per page (the new token's row, written below, included).
-    {
-        const int pg0 = s0 / page_size, n_pg = (s1 - 1) / page_size - pg0 + 1;
-        for (int i = tid; i < 2 * n_pg; i += blockDim.x) {
-            const int pg = pg0 + (i >> 1), a = max(s0, pg * page_size), b = min(s1, (pg + 1) * page_size);
-            const long long cell = ((long long)table[pg] * n_head_kv + g) * page_size + a % page_size;
-            prefetch_l2_range(((i & 1) ? v_pool : k_pool) + cell * HD, (u32)((b - a) * HD * 2));
-        }
-    }
-    // The rotation angles depend on the position alone: computed before the wait too.
-    RopeCS cs;
-    if (STEP) cs = rope_cs(p, P.rope_dims, P.theta_scale, P.freq_scale);
-    grid_dep_launch();
-    grid_dep_wait();
-
-    if (STEP) {
-        // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
-        // holds position p, write the new token's K and V for this KV head.
-        const float* src = P.qkv + (long long)row * P.qkv_stride;
-        for (int h = warp; h < ng; h += ATT_WARPS) {
-            float* v = qs + h * HD;
-            const int head = g * ng + h;
-            for (int i = lane; i < HD; i += WARP) v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
-            __syncwarp();
-            if (P.q_norm) head_rms_norm(v, P.q_norm, HD, P.eps);
-            rope_apply(v, cs, P.rope_dims, P.neox);
-            for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
-            __syncwarp();
-        }
-        if (s0 <= p && p < s1) {
-            const long long cell = ((long long)table[p / page_size] * n_head_kv + g) * page_size + p % page_size;
-            if (warp == ATT_WARPS - 1) {
-                float* v = wacc;  // scratch: the warps' merge area is not in use yet
-                const float* ks = src + n_head * HD + g * HD;
-                for (int i = lane; i < HD; i += WARP) v[i] = ks[i] + (P.bias_k ? P.bias_k[g * HD + i] : 0.0f);
-                __syncwarp();
-                if (P.k_norm) head_rms_norm(v, P.k_norm, HD, P.eps);
-                rope_apply(v, cs, P.rope_dims, P.neox);
-                for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
-            } else if (warp == ATT_WARPS - 2) {
-                const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
-                for (int i = lane; i < HD; i += WARP)
-                    P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
-            }
-        }
-        __threadfence_block();
-    } else {
-        for (int i = tid; i < ng * HD; i += blockDim.x)
-            qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
-    }
-    __syncthreads();
-
+    const int warp = W.warp, lane = W.lane, s0 = W.s0, s1 = W.s1, page_size = W.page_size, n_head_kv = W.n_head_kv,
+              g = W.g;
+    const float scale = W.scale;
+    const u16* k_pool = W.k_pool;
+    const u16* v_pool = W.v_pool;
+    const int* table = W.table;
+    const float* qs = W.qs;
+    float* pt = W.pt;
+    float* wml = W.wml;
+    float* wacc = W.wacc;
     float m[NG], l[NG], acc[NG][VPL];
 #pragma unroll
     for (int h = 0; h < NG; ++h) {
@@ -139,7 +85,7 @@ __device__ void attend(const AttnParams& P) {
 #pragma unroll
         for (int c = 0; c < VPL; ++c) acc[h][c] = 0.0f;
     }
-    const long long head_stride = (long long)page_size * HD;
+    const long long head_stride = (long long)W.page_size * HD;
     for (int t0 = s0 + 32 * warp; t0 < s1; t0 += 32 * ATT_WARPS) {
         const int key = t0 + lane;
         const bool valid = key < s1;
@@ -229,7 +175,7 @@ __device__ void attend(const AttnParams& P) {
         }
         __syncwarp();
     }
-    // Merge the warps of this block.
+    // This warp's state, for the block's merge.
 #pragma unroll
     for (int h = 0; h < NG; ++h) {
         if (lane == 0) {
@@ -239,6 +185,239 @@ __device__ void attend(const AttnParams& P) {
 #pragma unroll
         for (int c = 0; c < VPL; ++c) wacc[(warp * MAX_GROUP + h) * HD + lane * VPL + c] = acc[h][c];
     }
+}
+
+// Tensor cores (mma.sync m16n8k16, f16 inputs, f32 accumulation), a 32-key tile per warp and step with all of its
+// K and V rows requested before any is used (one memory round trip a tile; ~200 registers, so one block an SM).
+//   S = Q K^T:     M = query heads (NG of 16 rows used), N = 8 keys, K = 16 head dims: 4 x HD/16 mma a tile.
+//   O^T = V^T P^T: M = 16 output dims, N = query heads (NG of 8), K = 16 keys: HD/16 x 2 mma a tile, twice: P is
+//                  split into f16 high and low parts (p - hi), so the products keep f32's precision as the CPU's.
+// The order of a dot product's terms is free, so each lane loads whole 16-byte pieces of a row and the fragments
+// are laid out to match: lane (gq = lane / 4, t = lane % 4) loads K row gq of each 8-key group, columns
+// 32c + 8t .. +7 (k-step s takes piece s / 2, words 2 (s % 2) and 2 (s % 2) + 1), and Q's fragments take the same
+// columns; for V it loads keys 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-key step, output dims 64q + 8gq .. +7, so
+// the A fragments of V^T are its f16 pairs regrouped by byte permutes, and the lane's accumulators hold query
+// heads 2t, 2t + 1 at dims 64q + 8gq + 2w (row gq of m-tile 4q + w) and + 1 (row gq + 8).
+__device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+
+template <int HD, int NG>
+__device__ __forceinline__ void warp_keys_mma(const WarpKeys& W) {
+    constexpr int KS = HD / 16;  // k-steps of q . k; also m-tiles of V^T
+    constexpr int KC = HD / 32;  // 16-byte pieces of a K row a lane loads
+    constexpr int VC = HD / 64;  // 16-byte pieces of a V row a lane loads
+    const int lane = W.lane, gq = lane >> 2, t = lane & 3;
+    // Q's A fragments (rows gq + 8 are past MAX_GROUP: zero registers).
+    u32 qa[KS][2];
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+        const float* q = W.qs + gq * HD + 32 * (s / 2) + 8 * t + 4 * (s % 2);
+        qa[s][0] = gq < NG ? pack_f16(q[0], q[1]) : 0u;
+        qa[s][1] = gq < NG ? pack_f16(q[2], q[3]) : 0u;
+    }
+    float m = -INFINITY, l = 0.0f;  // of query head gq (the 4 lanes of a head agree)
+    float o[KS][4];                 // O^T tiles: heads 2t, 2t + 1
+#pragma unroll
+    for (int i = 0; i < KS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    const long long head_cells = (long long)W.page_size;
+    for (int t0 = W.s0 + 32 * W.warp; t0 < W.s1; t0 += 32 * ATT_WARPS) {
+        // The cache cell of key t0 + lane (an invalid key points at key t0's), shared with the lanes that load it.
+        const int key = t0 + lane, kk = key < W.s1 ? key : t0;
+        const u32 cell = (u32)((W.table[kk / W.page_size] * W.n_head_kv + W.g) * head_cells + kk % W.page_size);
+        uint4 kd[4][KC], vd[2][4][VC];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4* r = (const uint4*)(W.k_pool + (u64)__shfl_sync(0xffffffffu, cell, 8 * j + gq) * HD) + t;
+#pragma unroll
+            for (int c = 0; c < KC; ++c) kd[j][c] = r[4 * c];  // columns 32c + 8t .. +7
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int k = 16 * u + 2 * t + (e & 1) + 8 * (e >> 1);
+                const uint4* r = (const uint4*)(W.v_pool + (u64)__shfl_sync(0xffffffffu, cell, k) * HD) + gq;
+#pragma unroll
+                for (int q = 0; q < VC; ++q) vd[u][e][q] = r[8 * q];  // dims 64q + 8gq .. +7
+            }
+        // Scores of head gq against keys 8j + 2t, + 1.
+        float sc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                const uint4 w = kd[j][s / 2];
+                mma_f16(sc[j], qa[s][0], 0u, qa[s][1], 0u, s % 2 ? w.z : w.x, s % 2 ? w.w : w.y);
+            }
+        }
+        float mt = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                sc[j][e] = t0 + 8 * j + 2 * t + e < W.s1 ? sc[j][e] * W.scale : -INFINITY;
+                mt = fmaxf(mt, sc[j][e]);
+            }
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+        const float m_new = fmaxf(m, mt);
+        const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
+        m = m_new;
+        float ps = 0.0f;
+        u32 pb[2][2][2];  // [k-step][b0, b1][high, low part]
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float p0 = expf(sc[j][0] - m_new), p1 = expf(sc[j][1] - m_new);  // exp(-inf) = 0: invalid keys
+            ps += p0 + p1;
+            const u32 hi = pack_f16(p0, p1);
+            pb[j / 2][j % 2][0] = hi;
+            pb[j / 2][j % 2][1] = pack_f16(p0 - h2f(hi & 0xFFFF), p1 - h2f(hi >> 16));
+        }
+        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+        l = l * corr + ps;
+        // The accumulators hold heads 2t and 2t + 1: their corrections come from those heads' lanes.
+        const float c0 = __shfl_sync(0xffffffffu, corr, 8 * t), c1 = __shfl_sync(0xffffffffu, corr, 8 * t + 4);
+#pragma unroll
+        for (int i = 0; i < KS; ++i) {
+            o[i][0] *= c0;
+            o[i][1] *= c1;
+            o[i][2] *= c0;
+            o[i][3] *= c1;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int i = 0; i < KS; ++i) {
+                const int q = i / 4, w = i % 4;
+                const u32 r0 = (&vd[u][0][q].x)[w], r1 = (&vd[u][1][q].x)[w];  // keys 2t, 2t + 1
+                const u32 r8 = (&vd[u][2][q].x)[w], r9 = (&vd[u][3][q].x)[w];  // keys 2t + 8, 2t + 9
+                const u32 a0 = __byte_perm(r0, r1, 0x5410), a1 = __byte_perm(r0, r1, 0x7632);
+                const u32 a2 = __byte_perm(r8, r9, 0x5410), a3 = __byte_perm(r8, r9, 0x7632);
+                mma_f16(o[i], a0, a1, a2, a3, pb[u][0][0], pb[u][1][0]);
+                mma_f16(o[i], a0, a1, a2, a3, pb[u][0][1], pb[u][1][1]);
+            }
+    }
+    // This warp's state, for the block's merge.
+    const int warp = W.warp;
+    if (t == 0 && gq < NG) {
+        W.wml[(warp * MAX_GROUP + gq) * 2] = m;
+        W.wml[(warp * MAX_GROUP + gq) * 2 + 1] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < KS; ++i) {
+        const int d = 64 * (i / 4) + 8 * gq + 2 * (i % 4);
+        if (2 * t < NG) {
+            W.wacc[(warp * MAX_GROUP + 2 * t) * HD + d] = o[i][0];
+            W.wacc[(warp * MAX_GROUP + 2 * t) * HD + d + 1] = o[i][2];
+        }
+        if (2 * t + 1 < NG) {
+            W.wacc[(warp * MAX_GROUP + 2 * t + 1) * HD + d] = o[i][1];
+            W.wacc[(warp * MAX_GROUP + 2 * t + 1) * HD + d + 1] = o[i][3];
+        }
+    }
+}
+
+template <int HD, int NG, bool STEP>
+__device__ void attend(const AttnParams& P) {
+    const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
+    const float scale = P.scale;
+    const u16* k_pool = P.k_pool;
+    const u16* v_pool = P.v_pool;
+    float2* part_ml = P.part_ml;
+    float* part_acc = P.part_acc;
+    float* out = P.out;
+    const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int ng = NG;  // query heads per KV head: a template parameter, so loops over heads unroll exactly
+    extern __shared__ float att_sm[];
+    float* qs = att_sm;                                  // [ng][HD]
+    float* pt = qs + MAX_GROUP * HD;                 // [warps][ng][32] probabilities of the tile
+    float* wml = pt + ATT_WARPS * MAX_GROUP * 32;    // [warps][ng][2]
+    float* wacc = wml + ATT_WARPS * MAX_GROUP * 2;   // [warps][ng][HD]
+    __shared__ int last_block;
+
+    const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
+    const int p = P.pos[row];
+    const int kbeg = window > 0 ? max(0, p + 1 - window) : 0, kend = p + 1;
+    // A share is a whole number of 32-key tiles, at least one per warp; splits past the keys (n_used and up) have
+    // nothing to do, and with one split in use its block writes the output itself.
+    const int per = max((((kend - kbeg) + n_split - 1) / n_split + 31) & ~31, 32 * ATT_WARPS);
+    const int n_used = (kend - kbeg + per - 1) / per;
+    if (split >= n_used) return;
+    if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
+        grid_dep_wait();
+        for (int i = tid; i < ng * HD; i += blockDim.x)
+            out[((long long)row * n_head + g * ng) * HD + i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
+    // Before the previous kernel's results are needed (programmatic dependent launch, common.cuh): ask L2 for this
+    // share's K and V rows, one contiguous range per page (the new token's row, written below, included).
+    {
+        const int pg0 = s0 / page_size, n_pg = (s1 - 1) / page_size - pg0 + 1;
+        for (int i = tid; i < 2 * n_pg; i += blockDim.x) {
+            const int pg = pg0 + (i >> 1), a = max(s0, pg * page_size), b = min(s1, (pg + 1) * page_size);
+            const long long cell = ((long long)table[pg] * n_head_kv + g) * page_size + a % page_size;
+            prefetch_l2_range(((i & 1) ? v_pool : k_pool) + cell * HD, (u32)((b - a) * HD * 2));
+        }
+    }
+    // The rotation angles depend on the position alone: computed before the wait too.
+    RopeCS cs;
+    if (STEP) cs = rope_cs(p, P.rope_dims, P.theta_scale, P.freq_scale);
+    grid_dep_launch();
+    grid_dep_wait();
+
+    if (STEP) {
+        // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
+        // holds position p, write the new token's K and V for this KV head.
+        const float* src = P.qkv + (long long)row * P.qkv_stride;
+        for (int h = warp; h < ng; h += ATT_WARPS) {
+            float* v = qs + h * HD;
+            const int head = g * ng + h;
+            for (int i = lane; i < HD; i += WARP) v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
+            __syncwarp();
+            if (P.q_norm) head_rms_norm(v, P.q_norm, HD, P.eps);
+            rope_apply(v, cs, P.rope_dims, P.neox);
+            for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
+            __syncwarp();
+        }
+        if (s0 <= p && p < s1) {
+            const long long cell = ((long long)table[p / page_size] * n_head_kv + g) * page_size + p % page_size;
+            if (warp == ATT_WARPS - 1) {
+                float* v = wacc;  // scratch: the warps' merge area is not in use yet
+                const float* ks = src + n_head * HD + g * HD;
+                for (int i = lane; i < HD; i += WARP) v[i] = ks[i] + (P.bias_k ? P.bias_k[g * HD + i] : 0.0f);
+                __syncwarp();
+                if (P.k_norm) head_rms_norm(v, P.k_norm, HD, P.eps);
+                rope_apply(v, cs, P.rope_dims, P.neox);
+                for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
+            } else if (warp == ATT_WARPS - 2) {
+                const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
+                for (int i = lane; i < HD; i += WARP)
+                    P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
+            }
+        }
+        __threadfence_block();
+    } else {
+        for (int i = tid; i < ng * HD; i += blockDim.x)
+            qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
+    }
+    __syncthreads();
+    const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp, lane};
+#if ATT_MMA
+    if constexpr (HD % 64 == 0 && HD <= 128)
+        warp_keys_mma<HD, NG>(W);
+    else
+#endif
+        warp_keys_fma<HD, NG>(W);
     __syncthreads();
     for (int i = tid; i < ng * HD; i += blockDim.x) {
         const int h = i / HD, d = i % HD;
