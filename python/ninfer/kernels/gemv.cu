@@ -26,7 +26,7 @@
 #define MODE_ARGMAX 3
 
 #ifndef GEMV_Q4K_PAIRS
-#define GEMV_Q4K_PAIRS 64  // Q4_K rows of up to this many units by code pairs (rows_dot_q4k_pairs; 0: never)
+#define GEMV_Q4K_PAIRS 64  // Q4_K rows of up to this many units by code pairs (load_q4k_pair; 0: never)
 #endif
 #ifndef GEMV_Q4K_L2HINT
 #define GEMV_Q4K_L2HINT 1  // ld_stream16 for the unit-per-lane Q4_K loads (0: plain loads)
@@ -131,49 +131,42 @@ __device__ __forceinline__ float q4k_unit_dot(const RawQ4K& r, int u, const int*
 // one float expression per pair follows (the activation's scale is one per 256, the same for both units).
 // Measured on the H200 (scripts/gemv-bench --pdl): 1,536-wide rows faster (1.5B gate/up 14.7 -> 13.2 us, o 5.5
 // -> 5.2), 5,120-wide slower (32B gate/up 83 -> 88 us), so only for rows up to GEMV_Q4K_PAIRS units.
-template <int R>
-__device__ __forceinline__ void rows_dot_q4k_pairs(const u8* const* w, int t_first, int t_step, int n_units,
-                                                   const int* aq, const float* ad, const float2* as, float* acc) {
-    const int n_pairs = n_units >> 1;
-    for (int t = t_first; t < n_pairs; t += t_step) {
-        const int b = t >> 2, P = t & 3;
-        int4 c0[R], c1[R], hd[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const u8* blk = w[r] + (long long)b * GPU_BLOCK_BYTES(T_Q4_K);
-            const int4* c = (const int4*)(blk + 16 + 32 * P);
-            c0[r] = c[0];
-            c1[r] = c[1];
-            hd[r] = *(const int4*)blk;
-        }
-        asm volatile("" ::: "memory");  // every row's loads issued before the first use
-        const int u = 2 * t;
-        const int4* xq = (const int4*)(aq + 8 * u);
-        const int4 xa0 = xq[0], xa1 = xq[1], xb0 = xq[2], xb1 = xq[3];  // units u and u + 1
-        const float2 bsa = as[u], bsb = as[u + 1];
-        const float sa = bsa.x + bsa.y, sb = bsb.x + bsb.y, dx = ad[u];
-        const bool upper = P >= 2;        // units 4..7: scale and min bytes split over the 12 bytes
-        const int sh = 16 * (P & 1);      // the pair's two bytes in the four of its half
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int4 a = c0[r], e = c1[r], h = hd[r];
+struct PairQ4K { int4 c0, c1, h; };  // the pair's 32 code bytes; d, dmin, scales
+
+__device__ __forceinline__ void load_q4k_pair(const u8* row, int t, PairQ4K& r) {
+    const u8* blk = row + (long long)(t >> 2) * GPU_BLOCK_BYTES(T_Q4_K);
+    const int4* c = (const int4*)(blk + 16 + 32 * (t & 3));
+    r.c0 = c[0];
+    r.c1 = c[1];
+    r.h = *(const int4*)blk;
+}
+
+// Pair t (units 2t, 2t + 1) against the Q8_K activation.
+__device__ __forceinline__ float q4k_pair_dot(const PairQ4K& r, int t, const int* aq, const float* ad,
+                                              const float2* as) {
+    const int P = t & 3, u = 2 * t;
+    const int4* xq = (const int4*)(aq + 8 * u);
+    const int4 xa0 = xq[0], xa1 = xq[1], xb0 = xq[2], xb1 = xq[3];  // units u and u + 1
+    const float2 bsa = as[u], bsb = as[u + 1];
+    const float sa = bsa.x + bsa.y, sb = bsb.x + bsb.y;
+    const bool upper = P >= 2;    // units 4..7: scale and min bytes split over the 12 bytes
+    const int sh = 16 * (P & 1);  // the pair's two bytes in the four of its half
+    const int4 a = r.c0, e = r.c1, h = r.h;
 #define LO(v) ((v) & 0x0F0F0F0F)
 #define HI(v) (((v) >> 4) & 0x0F0F0F0F)
-            const int lo = __dp4a(LO(a.x), xa0.x, __dp4a(LO(a.y), xa0.y, __dp4a(LO(a.z), xa0.z, __dp4a(LO(a.w), xa0.w,
-                           __dp4a(LO(e.x), xa1.x, __dp4a(LO(e.y), xa1.y, __dp4a(LO(e.z), xa1.z, __dp4a(LO(e.w), xa1.w, 0))))))));
-            const int hi = __dp4a(HI(a.x), xb0.x, __dp4a(HI(a.y), xb0.y, __dp4a(HI(a.z), xb0.z, __dp4a(HI(a.w), xb0.w,
-                           __dp4a(HI(e.x), xb1.x, __dp4a(HI(e.y), xb1.y, __dp4a(HI(e.z), xb1.z, __dp4a(HI(e.w), xb1.w, 0))))))));
+    const int lo = __dp4a(LO(a.x), xa0.x, __dp4a(LO(a.y), xa0.y, __dp4a(LO(a.z), xa0.z, __dp4a(LO(a.w), xa0.w,
+                   __dp4a(LO(e.x), xa1.x, __dp4a(LO(e.y), xa1.y, __dp4a(LO(e.z), xa1.z, __dp4a(LO(e.w), xa1.w, 0))))))));
+    const int hi = __dp4a(HI(a.x), xb0.x, __dp4a(HI(a.y), xb0.y, __dp4a(HI(a.z), xb0.z, __dp4a(HI(a.w), xb0.w,
+                   __dp4a(HI(e.x), xb1.x, __dp4a(HI(e.y), xb1.y, __dp4a(HI(e.z), xb1.z, __dp4a(HI(e.w), xb1.w, 0))))))));
 #undef LO
 #undef HI
-            // scale_min_k4 for four sub-blocks at once: bytes 0-3 of sc and m are sub-blocks 4 * upper + 0..3.
-            const int scv = upper ? ((h.w & 0x0F0F0F0F) | ((h.y >> 2) & 0x30303030)) : (h.y & 0x3F3F3F3F);
-            const int mv = upper ? (((h.w >> 4) & 0x0F0F0F0F) | ((h.z >> 2) & 0x30303030)) : (h.z & 0x3F3F3F3F);
-            const int sc0 = (scv >> sh) & 0xFF, sc1 = (scv >> (sh + 8)) & 0xFF;
-            const int m0 = (mv >> sh) & 0xFF, m1 = (mv >> (sh + 8)) & 0xFF;
-            const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)((u32)h.x >> 16));
-            acc[r] += dx * (d * (float)(sc0 * lo + sc1 * hi) - dmin * ((float)m0 * sa + (float)m1 * sb));
-        }
-    }
+    // scale_min_k4 for four sub-blocks at once: bytes 0-3 of sc and m are sub-blocks 4 * upper + 0..3.
+    const int scv = upper ? ((h.w & 0x0F0F0F0F) | ((h.y >> 2) & 0x30303030)) : (h.y & 0x3F3F3F3F);
+    const int mv = upper ? (((h.w >> 4) & 0x0F0F0F0F) | ((h.z >> 2) & 0x30303030)) : (h.z & 0x3F3F3F3F);
+    const int sc0 = (scv >> sh) & 0xFF, sc1 = (scv >> (sh + 8)) & 0xFF;
+    const int m0 = (mv >> sh) & 0xFF, m1 = (mv >> (sh + 8)) & 0xFF;
+    const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)((u32)h.x >> 16));
+    return ad[u] * (d * (float)(sc0 * lo + sc1 * hi) - dmin * ((float)m0 * sa + (float)m1 * sb));
 }
 
 // ---- Q6_K by slices ----------------------------------------------------------------------------------------
@@ -300,7 +293,9 @@ template <int T, int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot_q(const u8* const* w, int u_first, int u_step, int n_units, const int* aq,
                                            const float* ad, const float2* as, float* acc) {
     if (ACT == ACT_Q8_K && T == T_Q4_K && GEMV_Q4K_PAIRS > 0 && n_units <= GEMV_Q4K_PAIRS) {
-        rows_dot_q4k_pairs<R>(w, u_first, u_step, n_units, aq, ad, as, acc);
+        rows_loads_first<PairQ4K, R, 1>(  // lanes over pairs (u_first, u_step: units numbered as pairs here)
+            u_first, u_step, n_units >> 1, [&](int r, int t, PairQ4K& raw) { load_q4k_pair(w[r], t, raw); },
+            [&](int, int t, const PairQ4K& raw) { return q4k_pair_dot(raw, t, aq, ad, as); }, acc);
     } else if constexpr (ACT == ACT_Q8_K && T == T_Q4_K) {
         rows_loads_first<RawQ4K, R, U>(
             u_first, u_step, n_units, [&](int r, int u, RawQ4K& raw) { load_q4k_unit(w[r], u, raw); },
