@@ -425,3 +425,19 @@ def test_gpu_record_layout_holds_the_same_weights(bits: int, slots: int) -> None
     ref = _core.gsq_dequantize(raw.tobytes(), rows, cols, bits=bits, slots=slots)
     got = _decode_gpu_records(gpu, bits, slots).reshape(rows, cols)
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
+EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval"
+
+
+@pytest.mark.skipif(not (EVAL_DIR / "code.txt").is_file(), reason="../shared/eval not beside the checkout")
+def test_calibration_text_shares_no_lines_with_the_evaluation_texts(tmp_path: Path) -> None:
+    out = tmp_path / "calib.txt"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make-calib-text"
+    subprocess.run(["bash", str(script), str(out)], check=True, capture_output=True)
+    calib = [line for line in out.read_text().splitlines() if len(line.strip()) > 40]
+    assert len(calib) > 1000
+    for name in ("code.txt", "prose.txt"):
+        text = (EVAL_DIR / name).read_text()
+        shared = [line for line in calib if line in text]
+        assert shared == [], (name, shared[:3])
