@@ -188,7 +188,7 @@ __device__ __forceinline__ void warp_keys_fma(const WarpKeys& W) {
 }
 
 // Tensor cores (mma.sync m16n8k16, f16 inputs, f32 accumulation), a 32-key tile per warp and step with all of its
-// K and V rows requested before any is used (one memory round trip a tile; ~200 registers, so one block an SM).
+// K and V rows requested before any is used (one memory round trip a tile; 240 registers, so one block an SM).
 //   S = Q K^T:     M = query heads (NG of 16 rows used), N = 8 keys, K = 16 head dims: 4 x HD/16 mma a tile.
 //   O^T = V^T P^T: M = 16 output dims, N = query heads (NG of 8), K = 16 keys: HD/16 x 2 mma a tile, twice: P is
 //                  split into f16 high and low parts (p - hi), so the products keep f32's precision as the CPU's.
