@@ -10,7 +10,7 @@
 // block writes its partial (max, sum, unnormalized output); the last block of a (row, KV head) to finish, found
 // with an atomic ticket, merges the partials and resets the ticket for the next launch. Rows are queries (decode:
 // one per sequence; prefill: one per prompt token), each with its own position, page table and sliding window.
-
+//
 // The decode form (attention_step_*) also does what rope_kv.cu does for a prompt: each block ropes its own query
 // heads from the raw projections, and the block whose share holds the new position writes that token's K and V
 // to the cache before reading it, so a decode layer's attention is one launch (the output projection quantizes
@@ -47,6 +47,11 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 #ifndef ATT_MMA
 #define ATT_MMA 1
 #endif
+
+// The cache cell of position `key` for KV head g: its K and V rows start at cell * HD in the pools.
+__device__ __forceinline__ long long kv_cell(const int* table, int key, int page_size, int n_head_kv, int g) {
+    return ((long long)table[key / page_size] * n_head_kv + g) * page_size + key % page_size;
+}
 
 // The keys [s0, s1) of one (split, KV head), a warp per 32-key tile in turn: each warp runs an online softmax over its
 // tiles and leaves its (max, sum) per query head in wml and its unnormalized output in wacc, for the block's merge.
@@ -85,7 +90,6 @@ __device__ __forceinline__ void warp_keys_fma(const WarpKeys& W) {
 #pragma unroll
         for (int c = 0; c < VPL; ++c) acc[h][c] = 0.0f;
     }
-    const long long head_stride = (long long)W.page_size * HD;
     for (int t0 = s0 + 32 * warp; t0 < s1; t0 += 32 * ATT_WARPS) {
         const int key = t0 + lane;
         const bool valid = key < s1;
@@ -93,8 +97,7 @@ __device__ __forceinline__ void warp_keys_fma(const WarpKeys& W) {
 #pragma unroll
         for (int h = 0; h < NG; ++h) sc[h] = 0.0f;
         // This lane's key's cache row (element offset, for K and V alike); invalid lanes point at a valid row.
-        const long long row_off = ((long long)table[(valid ? key : t0) / page_size] * n_head_kv + g) * head_stride +
-                                  (long long)((valid ? key : t0) % page_size) * HD;
+        const long long row_off = kv_cell(table, valid ? key : t0, page_size, n_head_kv, g) * HD;
         if (valid) {
             // The key row in KP parts (halves up to head dim 128, quarters above), each part's loads issued
             // together before any use; the loop over parts stays rolled to keep the kernel's code small (see
@@ -225,11 +228,10 @@ __device__ __forceinline__ void warp_keys_mma(const WarpKeys& W) {
     float o[KS][4];                 // O^T tiles: heads 2t, 2t + 1
 #pragma unroll
     for (int i = 0; i < KS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    const long long head_cells = (long long)W.page_size;
     for (int t0 = W.s0 + 32 * W.warp; t0 < W.s1; t0 += 32 * ATT_WARPS) {
         // The cache cell of key t0 + lane (an invalid key points at key t0's), shared with the lanes that load it.
         const int key = t0 + lane, kk = key < W.s1 ? key : t0;
-        const u32 cell = (u32)((W.table[kk / W.page_size] * W.n_head_kv + W.g) * head_cells + kk % W.page_size);
+        const u32 cell = (u32)kv_cell(W.table, kk, W.page_size, W.n_head_kv, W.g);  // < 2^32: 1 TB of f16 rows
         uint4 kd[4][KC], vd[2][4][VC];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -365,7 +367,7 @@ __device__ void attend(const AttnParams& P) {
         const int pg0 = s0 / page_size, n_pg = (s1 - 1) / page_size - pg0 + 1;
         for (int i = tid; i < 2 * n_pg; i += blockDim.x) {
             const int pg = pg0 + (i >> 1), a = max(s0, pg * page_size), b = min(s1, (pg + 1) * page_size);
-            const long long cell = ((long long)table[pg] * n_head_kv + g) * page_size + a % page_size;
+            const long long cell = kv_cell(table, a, page_size, n_head_kv, g);
             prefetch_l2_range(((i & 1) ? v_pool : k_pool) + cell * HD, (u32)((b - a) * HD * 2));
         }
     }
@@ -390,7 +392,7 @@ __device__ void attend(const AttnParams& P) {
             __syncwarp();
         }
         if (s0 <= p && p < s1) {
-            const long long cell = ((long long)table[p / page_size] * n_head_kv + g) * page_size + p % page_size;
+            const long long cell = kv_cell(table, p, page_size, n_head_kv, g);
             if (warp == ATT_WARPS - 1) {
                 float* v = wacc;  // scratch: the warps' merge area is not in use yet
                 const float* ks = src + n_head * HD + g * HD;
