@@ -201,6 +201,16 @@ def test_gsq_model_runs_in_the_engine_close_to_its_source(source: Path, converte
     assert llm.generate(tokens, max_tokens=4, temperature=0).completion_tokens >= 1
 
 
+def test_calibration_chunks_are_spread_over_the_whole_text() -> None:
+    from ninfer.gsq import calibration_chunks
+
+    tokens = list(range(10 * 4 + 3))  # ten whole chunks of 4 tokens and a partial one (never used)
+    assert calibration_chunks(tokens, 4, 3) == [tokens[0:4], tokens[12:16], tokens[24:28]]  # chunks 0, 3, 6
+    assert calibration_chunks(tokens, 4, 10) == calibration_chunks(tokens, 4, 50) == [
+        tokens[i : i + 4] for i in range(0, 40, 4)]
+    assert calibration_chunks(tokens[:3], 4, 5) == []
+
+
 def test_calibration_collects_each_matrix_inputs_mean_square(source: Path, tmp_path: Path) -> None:
     from ninfer.gsq import collect_importances
 
@@ -313,6 +323,36 @@ def test_error_feedback_lowers_the_output_error_on_correlated_inputs() -> None:
     fed2, _ = quantize_with_feedback(w, halves, bits=3, slots=2, steps=8, threads=2, damp=0.3)
     assert fed2.shape == plain.shape
     assert out_err(fed) <= out_err(fed2) < 0.9 * out_err(plain), (out_err(fed), out_err(fed2), out_err(plain))
+
+
+def test_act_order_feedback_quantizes_the_strongest_groups_first_and_keeps_records_in_place() -> None:
+    """order="act": the 128-column groups go through feedback by decreasing input energy (diag X^T X), each
+    record stored at its own group's place. Without correlations there is nothing to feed back, so the records
+    equal column order's byte for byte; with the energy in the last group, quantizing it first lowers the output
+    error (the weaker groups then absorb its error)."""
+    from ninfer.gsq import quantize_with_feedback
+
+    rng = np.random.default_rng(2)
+    rows, cols, n = 64, 512, 2048
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    diag = np.diag(np.repeat(np.array([1.0, 2.0, 0.5, 9.0], np.float32), 128))
+    kw = dict(bits=3, slots=0, steps=8, threads=2, damp=0.1)
+    a, _ = quantize_with_feedback(w, diag, order="act", **kw)
+    b, _ = quantize_with_feedback(w, diag, order="in", **kw)
+    assert (a == b).all()
+
+    scale = np.repeat(np.array([1.0, 1.0, 1.0, 3.0], np.float32), 128)
+    mix = rng.standard_normal((cols, cols)).astype(np.float32) * 0.15 + np.eye(cols, dtype=np.float32)
+    x = ((rng.standard_normal((n, cols)).astype(np.float32) @ mix) * scale).astype(np.float32)
+    gram = (x.T @ x / n).astype(np.float32)
+
+    def out_err(rec: np.ndarray) -> float:
+        q = _core.gsq_dequantize(rec.tobytes(), rows, cols, bits=3, slots=0)
+        return float(np.sum(((w - q) @ x.T) ** 2) / np.sum((w @ x.T) ** 2))
+
+    act, _ = quantize_with_feedback(w, gram, order="act", **kw)
+    col, _ = quantize_with_feedback(w, gram, order="in", **kw)
+    assert out_err(act) < 0.8 * out_err(col), (out_err(act), out_err(col))
 
 
 def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tmp_path: Path) -> None:

@@ -87,6 +87,15 @@ GRAM_MAX_COLS = 4096  # inputs up to this wide get their X^T X for error feedbac
 GRAM_BLOCK_COLS = 1792
 
 
+def calibration_chunks(tokens: list[int], n_ctx: int, max_chunks: int) -> list[list[int]]:
+    """The whole n_ctx-token chunks of a calibration text, at most max_chunks of them spread evenly over it: a
+    text made of several files (code, then prose) is sampled from all of them, not only from its first file."""
+    chunks = [tokens[i : i + n_ctx] for i in range(0, len(tokens) - n_ctx + 1, n_ctx)]
+    if len(chunks) <= max_chunks:
+        return chunks
+    return [chunks[i * len(chunks) // max_chunks] for i in range(max_chunks)]
+
+
 def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int = 512, max_chunks: int = 32,
                         threads: int = 0, log: Callable[[str], None] | None = None,
                         grams: dict[str, list[np.ndarray]] | None = None,
@@ -100,7 +109,7 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
 
     llm = LLM(model, n_ctx=n_ctx, threads=threads)
     tokens = llm.tokenize(text)
-    chunks = [tokens[i : i + n_ctx] for i in range(0, len(tokens) - n_ctx + 1, n_ctx)][:max_chunks]
+    chunks = calibration_chunks(tokens, n_ctx, max_chunks)
     if not chunks:
         raise InvalidArgumentError(f"the calibration text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}")
     eng = llm._engine
@@ -121,19 +130,21 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
 
 
 def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *, bits: int, slots: int, steps: int,
-                           threads: int, damp: float) -> tuple[np.ndarray, dict[str, float]]:
+                           threads: int, damp: float, order: str = "in") -> tuple[np.ndarray, dict[str, float]]:
     """GSQ-RCO records of w [rows, cols] with GPTQ-style error feedback: the 128-column groups are quantized in
     order, and each group's error, through the Cholesky factor U of the inverse input Gram matrix (H^-1 = U^T U),
     is taken out of the columns not yet quantized (W_rest -= (W_g - Q_g) U_gg^-1 U_g,rest), so the layer's output
     error over the calibration inputs, not each weight's own error, is what the later groups compensate. A
     group's own quantization weighs its columns by diag((U_gg^T U_gg)^-1). Returns (records [rows, row bytes],
     summed quantizer statistics). `gram` may be a list of diagonal blocks in column order (the columns of each
-    block fed back among themselves)."""
+    block fed back among themselves). order="act" takes the groups by decreasing input energy (X^T X's diagonal
+    summed over the group) instead of left to right: GPTQ's act-order, by whole records, so the file's layout
+    is unchanged; the strong inputs' groups are fitted first and the weak ones absorb their error."""
     if isinstance(gram, list):
         parts, stats, c0 = [], {"weight": 0.0, "err": 0.0, "err_rtn": 0.0}, 0
         for g in gram:
             rec, st = quantize_with_feedback(w[:, c0 : c0 + g.shape[0]], g, bits=bits, slots=slots, steps=steps,
-                                             threads=threads, damp=damp)
+                                             threads=threads, damp=damp, order=order)
             parts.append(rec)
             stats = {k: stats[k] + st[k] for k in stats}
             c0 += g.shape[0]
@@ -147,6 +158,13 @@ def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *
     w[:, dead] = 0.0
     h[dead, dead] = 1.0
     h[np.diag_indices(cols)] += damp * float(np.mean(np.diag(h)))
+    n_groups = cols // GROUP
+    groups = np.arange(n_groups)
+    if order == "act":  # groups with the most input energy first
+        groups = np.argsort(-np.diag(h).reshape(n_groups, GROUP).sum(1), kind="stable")
+    perm = (groups[:, None] * GROUP + np.arange(GROUP)).reshape(-1)
+    h = h[np.ix_(perm, perm)]
+    w = np.ascontiguousarray(w[:, perm])
     l_inv = np.linalg.inv(np.linalg.cholesky(h))
     u = np.linalg.cholesky(l_inv.T @ l_inv).T  # H^-1 = U^T U, U upper triangular
     rb = _core.gsq_row_bytes(GROUP, bits=bits, slots=slots)
@@ -158,7 +176,7 @@ def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *
         imp = np.diag(ug_inv @ ug_inv.T).astype(np.float32)
         wg = np.ascontiguousarray(w[:, g])
         rec, st = _core.gsq_quantize(wg, imp, bits=bits, slots=slots, steps=steps, threads=threads)
-        out[:, k * rb : (k + 1) * rb] = rec
+        out[:, groups[k] * rb : (groups[k] + 1) * rb] = rec
         for key in stats:
             stats[key] += st[key]
         if g0 + GROUP < cols:
@@ -185,7 +203,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
             importances_file: str | os.PathLike[str] | None = None,
             save_importances: str | os.PathLike[str] | None = None, feedback: bool = False,
-            feedback_damp: float = 0.1, feedback_wide: bool = False,
+            feedback_damp: float = 0.1, feedback_wide: bool = False, feedback_order: str = "in",
             log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
     mean squared activation over that text (run through the source model; `save_importances` keeps them in an
@@ -283,7 +301,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                     h = np.ones(cols, np.float32)
                 if t.name in grams:
                     data, st = quantize_with_feedback(wf, grams.pop(t.name), bits=pol.bits, slots=pol.slots,
-                                                      steps=steps, threads=threads, damp=feedback_damp)
+                                                      steps=steps, threads=threads, damp=feedback_damp,
+                                                      order=feedback_order)
                 else:
                     data, st = _core.gsq_quantize(wf, h, bits=pol.bits, slots=pol.slots, steps=steps,
                                                   threads=threads)
@@ -438,7 +457,8 @@ def add_convert_args(p: Any) -> None:
                    help="override a tensor's treatment: keep or gsq[3|4][:SLOTS] (first match wins)")
     p.add_argument("--calib-file", default=None, metavar="TEXT",
                    help="calibration text: weigh errors by each input's mean squared activation over it (imatrix)")
-    p.add_argument("--calib-chunks", type=int, default=32, help="at most this many 512-token chunks of it (32)")
+    p.add_argument("--calib-chunks", type=int, default=32,
+                   help="at most this many 512-token chunks of it, spread evenly over the text (32)")
     p.add_argument("--save-importances", default=None, metavar="NPZ", help="keep --calib-file's importances here")
     p.add_argument("--importances", default=None, metavar="NPZ",
                    help="importances saved by --save-importances, instead of --calib-file")
@@ -451,6 +471,9 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--gptq-wide", action="store_true",
                    help=f"--gptq also for wider inputs (ffn_down), within diagonal blocks of X^T X at most "
                         f"{GRAM_BLOCK_COLS} columns wide")
+    p.add_argument("--gptq-order", choices=("in", "act"), default="in",
+                   help="--gptq: the order the 128-column groups are quantized and fed back in: in (column order) or "
+                        "act (the groups with the largest X^T X diagonal first, GPTQ's act-order by whole records)")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -468,7 +491,8 @@ def run_convert(args: Any) -> int:
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
                 calib_file=args.calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
                 save_importances=args.save_importances, feedback=args.gptq,
-                feedback_damp=args.gptq_damp, feedback_wide=args.gptq_wide, log=log, verbose=args.verbose)
+                feedback_damp=args.gptq_damp, feedback_wide=args.gptq_wide, feedback_order=args.gptq_order, log=log,
+                verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
     log(f"gsq-rco: wrote {args.output}: {r['bytes'] / 2**20:.1f} MiB, {r['bpw']:.3f} bits per weight, "
