@@ -159,12 +159,12 @@ def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *
     h[dead, dead] = 1.0
     h[np.diag_indices(cols)] += damp * float(np.mean(np.diag(h)))
     n_groups = cols // GROUP
-    groups = np.arange(n_groups)
-    if order == "act":  # groups with the most input energy first
+    groups = np.arange(n_groups)  # groups[k]: the group quantized k-th
+    if order == "act":  # groups with the most input energy first: the columns permuted group by group
         groups = np.argsort(-np.diag(h).reshape(n_groups, GROUP).sum(1), kind="stable")
-    perm = (groups[:, None] * GROUP + np.arange(GROUP)).reshape(-1)
-    h = h[np.ix_(perm, perm)]
-    w = np.ascontiguousarray(w[:, perm])
+        perm = (groups[:, None] * GROUP + np.arange(GROUP)).reshape(-1)
+        h = h[np.ix_(perm, perm)]
+        w = np.ascontiguousarray(w[:, perm])
     l_inv = np.linalg.inv(np.linalg.cholesky(h))
     u = np.linalg.cholesky(l_inv.T @ l_inv).T  # H^-1 = U^T U, U upper triangular
     rb = _core.gsq_row_bytes(GROUP, bits=bits, slots=slots)
