@@ -211,18 +211,18 @@ GSQ_LAYOUTS = [(3, 0), (3, 2), (3, 6), (4, 2)]
 
 @needs_cuda
 @pytest.mark.parametrize("bits,slots", GSQ_LAYOUTS)
-@pytest.mark.parametrize("n,norm", [(1024, False), (8960, True)])
-def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: bool) -> None:
+@pytest.mark.parametrize("n,norm,rows", [(1024, False, 333), (8960, True, 333), (4096, True, 4099)])
+def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: bool, rows: int) -> None:
     """GSQ-RCO rows (random records, slots anywhere in a record) against the CPU's scalar reference with the same
-    int8 activations (gsq::ActQ8); with a norm weight the GEMV norms and quantizes its input itself and adds."""
+    int8 activations (gsq::ActQ8); with a norm weight the GEMV norms and quantizes its input itself and adds. The
+    4099 x 4096 case is big enough for 3-bit records to go by lane pairs (cuda_ops.gsq_pairs)."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
-    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_pairs_type, gsq_type, to_gpu
     from ninfer.synth import random_gsq_records
 
     rng = np.random.default_rng(bits + slots + n)
-    rows = 333
     raw = random_gsq_records(bits, slots, rows, n, n**-0.5, rng)
     x = rng.standard_normal(n).astype(np.float32)
     norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -234,9 +234,14 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
     w = to_gpu(raw, tid, rows, n, "w")
     x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.asarray(base)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
-    K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
-           K.MODE_ADD if norm else K.MODE_STORE)
-    assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
+    # Every K-split: the default one, the lane pairs' (3 bits, at most two slots), and eight warps a row.
+    pairs = gsq_pairs_type(tid) and K.gsq_pairs(n, rows)
+    assert pairs == (bits == 3 and slots <= 2 and rows > 4096)
+    for ks in sorted({K.gemv_k_split(n), K.gemv_k_split(n, gsq_pairs=pairs, groups=-(-rows // 2)), 8}):
+        out[:] = cp.asarray(base)
+        K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
+               K.MODE_ADD if norm else K.MODE_STORE, k_split=ks)
+        assert nmse(out.get(), ref) < 1e-6, (ks, nmse(out.get(), ref))
     # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
     if not norm:
         aq, ad, as_ = cp.zeros(n, cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32)

@@ -30,7 +30,7 @@ from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
 from ninfer.backends import launch
-from ninfer.backends.layouts import QUANTIZED_ACTS, gpu_row_bytes, gpu_type, layout, to_gpu
+from ninfer.backends.layouts import QUANTIZED_ACTS, gpu_row_bytes, gpu_type, gsq_pairs_type, layout, to_gpu
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -552,8 +552,11 @@ class CudaEngine:
             if prequantize and not norm and kind in QUANTIZED_ACTS:
                 pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
                 ops.append(lambda kind=kind, pre=pre: K.quant_act(x, n, kind, *pre))
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre: K.gemv(
-                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre))
+            pairs = K.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
+            groups = total if mode == K.MODE_GLU else -(-total // K.GEMV_ROWS_PER_WARP)
+            ks = K.gemv_k_split(n, gsq_pairs=True, groups=groups) if pairs else 0
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, ks=ks: K.gemv(
+                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, k_split=ks))
         return ops
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:

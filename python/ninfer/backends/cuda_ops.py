@@ -8,6 +8,8 @@ type of the kernel's parameter here."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ninfer.backends import launch
@@ -19,6 +21,22 @@ GEMV_WARPS = 8
 GEMV_ROWS_PER_WARP = 2  # kernels/gemv.cu GEMV_R
 WARP_LANES = 32
 ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
+
+# The kernels' compile-time switches given in NINFER_CUDA_DEFINES (A/B runs), where the launcher must agree.
+_DEFINES = os.environ.get("NINFER_CUDA_DEFINES", "").split()
+
+
+def _define(name: str, default: int) -> int:
+    return next((int(d.split("=")[1]) for d in _DEFINES if d.startswith(f"-D{name}=")), default)
+
+
+def gsq_pairs(n_cols: int, total_rows: int) -> bool:
+    """Whether kernels/gemv.cu takes a launch's 3-bit GSQ-RCO rows (64-byte records) by lane pairs: in launches
+    of at least GEMV_GSQ_PAIRS_MIN_UNITS units a row and GEMV_GSQ_PAIRS_MIN_ROWS rows, unless built with
+    -DGEMV_GSQ_PAIRS=0 (the kernel's rule; its compile-time switches may be overridden for A/B runs)."""
+    return bool(_define("GEMV_GSQ_PAIRS", 1)) and n_cols >= 32 * _define("GEMV_GSQ_PAIRS_MIN_UNITS", 128) \
+        and total_rows >= _define("GEMV_GSQ_PAIRS_MIN_ROWS", 4096)
+
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
                 ACT_Q8_0: "gemv_q8_0", ACT_Q8_1: "gemv_q8_1", ACT_Q8_K: "gemv_q8_k", ACT_GSQ8: "gemv_gsq8"}
@@ -133,10 +151,19 @@ def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_
                   (P(x), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_f)), dependent=True)
 
 
-def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS) -> int:
+def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS, gsq_pairs: bool = False, groups: int = 0) -> int:
     """Warps sharing one row group: about two units (64 elements) per lane, a power of two up to the block. (More
     warps for launches with few rows, down to one unit per lane, measured slower on the H200: the 1.5B shape's
-    q/k/v 8.0 -> 9.0 us and o 5.4 -> 6.6 us with two warps per 1,536-wide row.)"""
+    q/k/v 8.0 -> 9.0 us and o 5.4 -> 6.6 us with two warps per 1,536-wide row.) gsq_pairs: 3-bit GSQ-RCO
+    records by lane pairs (kernels/gemv.cu rows_dot_gsq3_pairs), where a warp's 16 pairs share the group's
+    records: at least six records a pair, or at least two while the launch's `groups` (row groups) would fill
+    fewer than 2,048 warps (the 1.5B shape's down projection, 768 groups of 70 records: 15.7 us with one warp a
+    group, 7.8 with the unit loop's four)."""
+    if gsq_pairs:
+        tasks, ks = GEMV_ROWS_PER_WARP * (n_cols // 128), 1
+        while ks < warps_per_block and (tasks >= 6 * 32 * ks or (groups * ks < 2048 and tasks >= 2 * 32 * ks)):
+            ks *= 2
+        return ks
     ks = 1
     while ks < warps_per_block and n_cols // 32 >= 2 * WARP_LANES * 2 * ks:
         ks *= 2

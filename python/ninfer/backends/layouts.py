@@ -51,6 +51,11 @@ def gsq_type(bits: int, slots: int) -> int:
     return T_GSQ + 32 * (bits - 3) + slots
 
 
+def gsq_pairs_type(type_id: int) -> bool:
+    """3-bit GSQ-RCO with at most two slots (64-byte records): the GEMV takes these by lane pairs."""
+    return T_GSQ <= type_id <= T_GSQ + 2
+
+
 def _gsq_layout(type_id: int) -> Layout:
     """A GSQ-RCO record (docs/gsq-rco.md, version 2) re-laid for the GPU (kernels/quant.cuh): codes first, then
     d, dmin, the scale bytes and the slots, padded to 16 bytes, so the header is one aligned 16-byte vector."""

@@ -274,10 +274,125 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
     }
 }
 
+// ---- GSQ-RCO 3-bit records by lane pairs -------------------------------------------------------------------
+// By units, each of a record's four lanes loads all 64 bytes of it (a unit's codes are bits 2j, 2j + 1 of every
+// plane-0 byte) and evaluates both slots. Here two lanes share a record and each loads one 32-byte sector of it:
+// lane h (0, 1) gets plane-0 bytes 16h..16h + 15 (code bits 0-1 of weights 32t + 16h + i, t = 0..3) and,
+// as its second vector, plane 1 (h = 0) or the header (h = 1); one shuffle of that vector gives each lane the
+// other. Lane h then takes sub-blocks 2t + h (t = 0..3: 64 weights) and slot h. A warp's 16 pairs take the
+// records of its R rows as one flat list (record k of the group: row k / n_rec), so narrow rows still fill the
+// warp. Sub-blocks are taken in a rotated order (t + pair) % 4, so the eight lanes of a quarter-warp read
+// eight different 16-byte bank groups of the activation.
+#ifndef GEMV_GSQ_PAIRS
+#define GEMV_GSQ_PAIRS 1  // 3-bit records with at most two slots (64 bytes) by lane pairs (0: by units)
+#endif
+// By pairs only in launches of at least MIN_UNITS 32-weight units a row and MIN_ROWS rows: every product of the
+// 32B shape, none of the 1.5B's (H200, synthetic GSQ3 tg128: 32B 86.5-87.1 by pairs against 75.9 before; 1.5B 729
+// with its products by pairs against 759 by units, though each product alone was as fast or faster by pairs).
+#ifndef GEMV_GSQ_PAIRS_MIN_UNITS
+#define GEMV_GSQ_PAIRS_MIN_UNITS 128
+#endif
+#ifndef GEMV_GSQ_PAIRS_MIN_ROWS
+#define GEMV_GSQ_PAIRS_MIN_ROWS 4096
+#endif
+#ifndef GEMV_GSQ_ROT
+#define GEMV_GSQ_ROT 1  // sub-blocks in rotated order (0: in order, shifts by constants, 4-way bank conflicts)
+#endif
+#ifndef GEMV_GSQ_PAIRS_U
+#define GEMV_GSQ_PAIRS_U 2  // records a lane loads before it computes any
+#endif
+
+__device__ __forceinline__ float gsq3_pair_dot(int4 a, int4 p1, int4 hd, int rec, int h, int rot, const int* aq,
+                                               const float* ad, const float2* as) {
+    const int4* xq = (const int4*)aq + 8 * rec + h;  // sub-block s of the record: xq[2t] (16 codes)
+    const float* bsum = (const float*)as + 8 * rec + h;  // sums per 16: bsum[2t]
+    const u64 scales = ((u64)(u32)hd.z << 32) | (u32)hd.y;  // byte s: sc (low nibble), m (high) of sub-block s
+    const int q1[4] = {p1.x >> h, p1.y >> h, p1.z >> h, p1.w >> h};  // bit 2t of a byte: code bit 2 of s = 2t + h
+    const int q0[4] = {a.x, a.y, a.z, a.w};
+    int isum = 0;
+    float msum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int t = (i + rot) & 3, s = 2 * t + h;
+        const int4 x = xq[2 * t];
+        const int xs[4] = {x.x, x.y, x.z, x.w};
+        int dot = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            dot = __dp4a(((q0[k] >> (2 * t)) & 0x03030303) + 4 * ((q1[k] >> (2 * t)) & 0x01010101), xs[k], dot);
+        const int sm = (int)(scales >> (8 * s)) & 0xFF;
+        isum += (sm & 15) * dot;
+        msum += (float)(sm >> 4) * bsum[2 * t];
+    }
+    // Slot h of the two in the header's last word: v * sc / 16 times the activation at its position.
+    const int slot = (hd.w >> (16 * h)) & 0xFFFF, pos = slot & 127, v = (int)(i8)(slot >> 8);
+    const int sc = (int)(scales >> (8 * (pos >> 4))) & 15;
+    const int ssum = v * sc * (int)((const i8*)aq)[128 * rec + pos];
+    const float d = h2f((u16)(hd.x & 0xFFFF)), dmin = h2f((u16)((u32)hd.x >> 16));
+    return ad[4 * rec] * (d * ((float)isum + (float)ssum * 0.0625f) - dmin * msum);
+}
+
+// Records of R rows (row pointers w, n_rec records each) by lane pairs; u_first, u_step as the unit loop's
+// (sub * 32 + lane, ks * 32): pair (u_first / 2) of the group's flat record list, then every (u_step / 2)-th.
+template <int R, int U>
+__device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_first, int u_step, int n_rec,
+                                                    const int* aq, const float* ad, const float2* as, float* acc) {
+    const int h = u_first & 1, lane = threadIdx.x & 31, rot = GEMV_GSQ_ROT ? (lane >> 1) & 3 : 0;
+    const int first = u_first >> 1, step = u_step >> 1, n_tasks = R * n_rec;
+    const int d_row = step / n_rec, d_rec = step - d_row * n_rec;
+    int row = first / n_rec, rec = first - row * n_rec;  // this lane's next record: (row, rec)
+    for (int base = first - (lane >> 1); base < n_tasks; base += step * U) {  // warp-uniform trip count
+        int4 a[U], b[U];
+        int rows[U], recs[U];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            rows[k] = row;
+            recs[k] = rec;
+            a[k] = b[k] = make_int4(0, 0, 0, 0);
+            if (row < R) {
+                const u8* p = w[0];
+#pragma unroll
+                for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
+                const int4* v = (const int4*)(p + 64LL * rec + 16 * h);
+                a[k] = __ldg(v);
+                b[k] = __ldg(v + 2);  // plane 1 (h = 0) or the header (h = 1)
+            }
+            rec += d_rec;
+            row += d_row;
+            if (rec >= n_rec) {
+                rec -= n_rec;
+                ++row;
+            }
+        }
+        asm volatile("" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            int4 o;  // the pair's other second vector
+            o.x = __shfl_xor_sync(0xffffffffu, b[k].x, 1);
+            o.y = __shfl_xor_sync(0xffffffffu, b[k].y, 1);
+            o.z = __shfl_xor_sync(0xffffffffu, b[k].z, 1);
+            o.w = __shfl_xor_sync(0xffffffffu, b[k].w, 1);
+            if (rows[k] < R) {
+                const int4 p1 = h ? o : b[k], hd = h ? b[k] : o;
+                const float v = gsq3_pair_dot(a[k], p1, hd, recs[k], h, rot, aq, ad, as);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] += rows[k] == r ? v : 0.0f;
+            }
+        }
+    }
+}
+
 template <int BITS, int R, int U>
 __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u_first, int u_step, int n_units,
-                                             const int* aq, const float* ad, const float2* as, float* acc) {
+                                             const int* aq, const float* ad, const float2* as, float* acc,
+                                             bool pairs) {
     const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
+    if constexpr (BITS == 3 && GEMV_GSQ_PAIRS) {
+        if (rb == 64 && pairs) {
+            rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U>(w, u_first, u_step, n_units >> 2, aq, ad, as, acc);
+            return;
+        }
+    }
     rows_loads_first<GsqRaw<BITS>, R, U>(
         u_first, u_step, n_units, [&](int r, int u, GsqRaw<BITS>& raw) { load_gsq<BITS>(w[r], u, rb, raw); },
         [&](int r, int u, const GsqRaw<BITS>& raw) {
@@ -348,7 +463,7 @@ __device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const
 // Dots of R rows of one quantized type with the activation: the type switch over rows_dot_q.
 template <int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int u_first, int u_step, int n_units,
-                                               const int* aq, const float* act_d, const float2* act_s, float* acc) {
+                                               const int* aq, const float* act_d, const float2* act_s, float* acc, bool pairs) {
 #define DOT_CASE(T) \
     case T: rows_dot_q<T, ACT, R, U>(w, u_first, u_step, n_units, aq, act_d, act_s, acc); return;
     if (ACT == ACT_Q8_0) {
@@ -358,8 +473,8 @@ __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int
     } else if (ACT == ACT_Q8_K) {
         switch (type) { DOT_CASE(T_Q2_K) DOT_CASE(T_Q3_K) DOT_CASE(T_Q4_K) DOT_CASE(T_Q5_K) DOT_CASE(T_Q6_K) }
     } else if (ACT == ACT_GSQ8 && type >= T_GSQ) {
-        if (gsq_bits(type) == 4) rows_dot_gsq<4, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc);
-        else rows_dot_gsq<3, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc);
+        if (gsq_bits(type) == 4) rows_dot_gsq<4, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc, pairs);
+        else rows_dot_gsq<3, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc, pairs);
         return;
     }
 #undef DOT_CASE
@@ -372,7 +487,7 @@ __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int
 // or float4s for float weights, first, first + step, ...).
 template <int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot(const u8* const* w, const int* ty, int n_cols, int first, int step,
-                                         const void* act_q, const float* act_d, const float2* act_s, float* acc) {
+                                         const void* act_q, const float* act_d, const float2* act_s, float* acc, bool pairs) {
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16) {
@@ -386,12 +501,13 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const int* ty, int 
 #pragma unroll
     for (int r = 1; r < R; ++r) same = same && ty[r] == ty[0];
     if (same) {
-        rows_dot_typed<ACT, R, U>(ty[0], w, first, step, n_units, aq, act_d, act_s, acc);
+        rows_dot_typed<ACT, R, U>(ty[0], w, first, step, n_units, aq, act_d, act_s, acc, pairs);
         return;
     }
     // Rows of two types (only at a boundary between matrices of a launch): one row at a time.
 #pragma unroll
-    for (int r = 0; r < R; ++r) rows_dot_typed<ACT, 1, U>(ty[r], w + r, first, step, n_units, aq, act_d, act_s, acc + r);
+    for (int r = 0; r < R; ++r)
+        rows_dot_typed<ACT, 1, U>(ty[r], w + r, first, step, n_units, aq, act_d, act_s, acc + r, pairs);
 }
 
 // Orderable key of (value, index): larger value wins, then the smaller index (the CPU sampler's first maximum).
@@ -479,7 +595,9 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
 
     // The activation: quantized codes, unit scales and sums (or f32 values) in shared memory, unless a previous
     // launch quantized it (pre_q: a long vector, where every block repeating the work would cost more). Layout:
-    // n int8 codes, n/32 float scales, n/32 float2 sums (or n floats); cuda_ops.gemv_smem sizes it.
+    // n int8 codes, n/32 float scales, n/32 float2 sums (or n floats); cuda_ops.gemv_smem sizes it. (Copying a
+    // pre-quantized input into shared memory too, for shared-memory loads in the inner loops, measured slower on
+    // the H200: 1.5B-shape Q4_K_M tg128 782 against 805 tokens/s.)
     const bool quant = !(ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16);
     const void* act_q = pre_q;
     const float* sd = pre_d;
@@ -497,6 +615,8 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         ss = sums;
     }
 
+    // 3-bit GSQ-RCO records by lane pairs (rows_dot_gsq3_pairs) in big launches only; cuda_ops.gsq_pairs agrees.
+    const bool gsq_pairs = GEMV_GSQ_PAIRS && n_cols >= 32 * GEMV_GSQ_PAIRS_MIN_UNITS && total_rows >= GEMV_GSQ_PAIRS_MIN_ROWS;
     u64 key = 0;
     for (int st = blockIdx.x; st < n_steps; st += gridDim.x) {  // every warp of the block runs every step
         const int g = st * per_step + warp / ks;
@@ -504,7 +624,7 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         float acc[R];
         if (g < n_groups) {
             group_rows<R>(mats, n_mats, total_rows, is_glu, first, w, ty, row, mi);
-            rows_dot<ACT, R, U>(w, ty, n_cols, first_unit, unit_step, act_q, sd, ss, acc);
+            rows_dot<ACT, R, U>(w, ty, n_cols, first_unit, unit_step, act_q, sd, ss, acc, gsq_pairs);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
         }

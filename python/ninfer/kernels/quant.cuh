@@ -263,16 +263,16 @@ __device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BI
     const u8* b = row + (long long)(u >> 2) * rb;
     if constexpr (BITS == 4) {
         const int4* c = (const int4*)(b + 32 * (u & 1));
-        r.c0 = c[0];
-        r.c1 = c[1];
+        r.c0 = __ldg(c);
+        r.c1 = __ldg(c + 1);
         r.c2 = make_int4(0, 0, 0, 0);
     } else {
         const int4* c = (const int4*)b;
-        r.c0 = c[0];
-        r.c1 = c[1];
-        r.c2 = c[2];
+        r.c0 = __ldg(c);
+        r.c1 = __ldg(c + 1);
+        r.c2 = __ldg(c + 2);
     }
-    r.h = *(const int4*)(b + gsq_header_offset(BITS));
+    r.h = __ldg((const int4*)(b + gsq_header_offset(BITS)));
 }
 
 // Dequantize unit j of a GSQ-RCO record (b: the record) into 32 floats, slots included, with the CPU
