@@ -90,26 +90,33 @@ struct Candidate {
 
 /// (scale, min) of one sub-block, the level of code l being `scale * l - min` (min >= 0, as k-quants): candidate
 /// inverse scales around nmax / (max - min), each with its codes and a weighted least-squares refit; the best
-/// by weighted error.
+/// by weighted error. (Fixed-size arrays and plain loops: this runs 21 times per sub-block and was most of a
+/// conversion's quantization time while it allocated and called through closures.)
 fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
+    let w: &[f32; SUB] = w.try_into().expect("a sub-block");
+    let e: &[f32; SUB] = e.try_into().expect("a sub-block");
     let (mut lo, hi) = w.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
     lo = lo.min(0.0);
     if hi <= lo {
         return (0.0, -lo);
     }
-    let uniform = e.iter().all(|&v| v <= 0.0);
-    let wt = |i: usize| if uniform { 1.0 } else { e[i] };
-    let err_of = |scale: f32, min: f32, codes: &dyn Fn(usize) -> f32| -> f32 {
-        (0..w.len()).map(|i| wt(i) * (scale * codes(i) - min - w[i]).powi(2)).sum()
+    let wt: [f32; SUB] = if e.iter().all(|&v| v <= 0.0) { [1.0; SUB] } else { *e };
+    let err_of = |scale: f32, min: f32, codes: &[f32; SUB]| -> f32 {
+        let mut err = 0.0f32;
+        for i in 0..SUB {
+            err += wt[i] * (scale * codes[i] - min - w[i]).powi(2);
+        }
+        err
     };
     let mut best = ((hi - lo) / nmax, -lo);
-    let mut best_err = err_of(best.0, best.1, &|i| ((w[i] - lo) / best.0).round().clamp(0.0, nmax));
+    let first: [f32; SUB] = std::array::from_fn(|i| ((w[i] - lo) / best.0).round().clamp(0.0, nmax));
+    let mut best_err = err_of(best.0, best.1, &first);
     for is in 0..=20 {
         let iscale = (nmax - 1.0 + 0.1 * is as f32) / (hi - lo);
-        let l: Vec<f32> = w.iter().map(|&x| (iscale * (x - lo)).round().clamp(0.0, nmax)).collect();
+        let l: [f32; SUB] = std::array::from_fn(|i| (iscale * (w[i] - lo)).round().clamp(0.0, nmax));
         let (mut s0, mut s1, mut s2, mut t0, mut t1) = (0.0f32, 0.0f32, 0.0f32, 0.0f32, 0.0f32);
-        for i in 0..w.len() {
-            let (wi, li) = (wt(i), l[i]);
+        for i in 0..SUB {
+            let (wi, li) = (wt[i], l[i]);
             s0 += wi;
             s1 += wi * li;
             s2 += wi * li * li;
@@ -129,7 +136,7 @@ fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
         if scale <= 0.0 {
             continue;
         }
-        let err = err_of(scale, -offset, &|i| l[i]);
+        let err = err_of(scale, -offset, &l);
         if err < best_err {
             best_err = err;
             best = (scale, -offset);
@@ -156,20 +163,22 @@ fn evaluate(w: &[f32], e: &[f32], g: &Grid, nmax: u8, n_slots: usize) -> Candida
     }
     // The n_slots largest weighted errors, largest first, ties to the lower index (a partial insertion sort).
     let key = |j: usize| e[j] as f64 * (errs[j] as f64).powi(2);
-    let mut order: Vec<usize> = Vec::with_capacity(n_slots + 1);
+    let mut order = [0usize; GROUP + 1]; // the first `len` entries (no allocation: this runs every RCO step)
+    let mut len = 0;
     if n_slots > 0 {
         for j in 0..GROUP {
             let kj = key(j);
-            if order.len() == n_slots && kj <= key(order[n_slots - 1]) {
+            if len == n_slots && kj <= key(order[n_slots - 1]) {
                 continue;
             }
-            let at = order.iter().position(|&o| kj > key(o)).unwrap_or(order.len());
-            order.insert(at, j);
-            order.truncate(n_slots);
+            let at = order[..len].iter().position(|&o| kj > key(o)).unwrap_or(len);
+            order.copy_within(at..len, at + 1);
+            order[at] = j;
+            len = (len + 1).min(n_slots);
         }
     }
     let mut slots = Vec::with_capacity(n_slots);
-    for &j in &order {
+    for &j in &order[..len] {
         let unit = g.step(j / SUB) * RESIDUAL_UNIT;
         if unit <= 0.0 {
             continue;
