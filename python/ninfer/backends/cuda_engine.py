@@ -553,10 +553,8 @@ class CudaEngine:
                 pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
                 ops.append(lambda kind=kind, pre=pre: K.quant_act(x, n, kind, *pre))
             pairs = K.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
-            groups = total if mode == K.MODE_GLU else -(-total // K.GEMV_ROWS_PER_WARP)
-            ks = K.gemv_k_split(n, gsq_pairs=True, groups=groups) if pairs else 0
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, ks=ks: K.gemv(
-                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, k_split=ks))
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
+                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs))
         return ops
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:

@@ -26,16 +26,18 @@ ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
 _DEFINES = os.environ.get("NINFER_CUDA_DEFINES", "").split()
 
 
-def _define(name: str, default: int) -> int:
-    return next((int(d.split("=")[1]) for d in _DEFINES if d.startswith(f"-D{name}=")), default)
-
-
-def gsq_pairs(n_cols: int, total_rows: int) -> bool:
+def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) -> bool:
     """Whether kernels/gemv.cu takes a launch's 3-bit GSQ-RCO rows (64-byte records) by lane pairs: in launches
     of at least GEMV_GSQ_PAIRS_MIN_UNITS units a row and GEMV_GSQ_PAIRS_MIN_ROWS rows, unless built with
-    -DGEMV_GSQ_PAIRS=0 (the kernel's rule; its compile-time switches may be overridden for A/B runs)."""
-    return bool(_define("GEMV_GSQ_PAIRS", 1)) and n_cols >= 32 * _define("GEMV_GSQ_PAIRS_MIN_UNITS", 128) \
-        and total_rows >= _define("GEMV_GSQ_PAIRS_MIN_ROWS", 4096)
+    -DGEMV_GSQ_PAIRS=0 (the kernel's rule, under the compile-time switches `defines`, NINFER_CUDA_DEFINES's
+    by default)."""
+    defs = _DEFINES if defines is None else defines
+
+    def define(name: str, default: int) -> int:
+        return next((int(d.split("=")[1]) for d in defs if d.startswith(f"-D{name}=")), default)
+
+    return bool(define("GEMV_GSQ_PAIRS", 1)) and n_cols >= 32 * define("GEMV_GSQ_PAIRS_MIN_UNITS", 128) \
+        and total_rows >= define("GEMV_GSQ_PAIRS_MIN_ROWS", 4096)
 
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
@@ -125,7 +127,8 @@ def resident_blocks(fn, threads: int, smem: int) -> int:
 
 def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int,
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
-         rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = GEMV_WARPS, k_split: int = 0) -> None:
+         rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = GEMV_WARPS, k_split: int = 0,
+         gsq_pairs: bool = False) -> None:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then). kernel (a
     compiled function), rows_per_warp, warps_per_block: another instantiation of the template, k_split: warps
@@ -136,7 +139,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     threads = 32 * warps_per_block
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
-    ks = k_split or gemv_k_split(n_cols, warps_per_block)
+    ks = k_split or gemv_k_split(n_cols, warps_per_block, gsq_pairs=gsq_pairs, groups=groups)
     steps = -(-groups // (warps_per_block // ks))
     grid = min(steps, resident_blocks(fn, threads, smem))
     pq, pd, ps = pre or (0, 0, 0)

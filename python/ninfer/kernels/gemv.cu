@@ -463,7 +463,8 @@ __device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const
 // Dots of R rows of one quantized type with the activation: the type switch over rows_dot_q.
 template <int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int u_first, int u_step, int n_units,
-                                               const int* aq, const float* act_d, const float2* act_s, float* acc, bool pairs) {
+                                               const int* aq, const float* act_d, const float2* act_s, float* acc,
+                                               bool pairs) {
 #define DOT_CASE(T) \
     case T: rows_dot_q<T, ACT, R, U>(w, u_first, u_step, n_units, aq, act_d, act_s, acc); return;
     if (ACT == ACT_Q8_0) {
@@ -487,7 +488,8 @@ __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int
 // or float4s for float weights, first, first + step, ...).
 template <int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot(const u8* const* w, const int* ty, int n_cols, int first, int step,
-                                         const void* act_q, const float* act_d, const float2* act_s, float* acc, bool pairs) {
+                                         const void* act_q, const float* act_d, const float2* act_s, float* acc,
+                                         bool pairs) {
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16) {
@@ -616,7 +618,8 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
     }
 
     // 3-bit GSQ-RCO records by lane pairs (rows_dot_gsq3_pairs) in big launches only; cuda_ops.gsq_pairs agrees.
-    const bool gsq_pairs = GEMV_GSQ_PAIRS && n_cols >= 32 * GEMV_GSQ_PAIRS_MIN_UNITS && total_rows >= GEMV_GSQ_PAIRS_MIN_ROWS;
+    const bool gsq_pairs =
+        GEMV_GSQ_PAIRS && n_cols >= 32 * GEMV_GSQ_PAIRS_MIN_UNITS && total_rows >= GEMV_GSQ_PAIRS_MIN_ROWS;
     u64 key = 0;
     for (int st = blockIdx.x; st < n_steps; st += gridDim.x) {  // every warp of the block runs every step
         const int g = st * per_step + warp / ks;
