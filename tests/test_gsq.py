@@ -431,9 +431,10 @@ def _decode_gpu_records(recs: np.ndarray, bits: int, slots: int) -> np.ndarray:
     dmin = recs[:, hdr + 2 : hdr + 4].copy().view(np.float16).astype(np.float32)[:, 0]
     sm = recs[:, hdr + 4 : hdr + 12]
     i = np.arange(128)
-    if bits == 3:  # unit j = i // 32: plane-0 bits 2j, 2j + 1 of byte i % 32; plane-1 bit 2j + (i % 32) // 16
-        lo = (recs[:, i % 32] >> (2 * (i // 32))) & 3
-        hi = (recs[:, 32 + i % 16] >> (i // 16)) & 1
+    if bits == 3:  # weight i = 64h + 16t + 4k + e: bits 2t, 2t + 1 of byte 16h + 4k + e, bit 4 (k % 2) + t of
+        h, t, k, e = i // 64, (i // 16) % 4, (i // 4) % 4, i % 4  # byte 32 + 8h + 4 (k // 2) + e
+        lo = (recs[:, 16 * h + 4 * k + e] >> (2 * t)) & 3
+        hi = (recs[:, 32 + 8 * h + 4 * (k // 2) + e] >> (4 * (k % 2) + t)) & 1
         codes = lo | (hi << 2)
     else:  # unit j: nibble j // 2 of byte 32 (j % 2) + i % 32
         j = i // 32

@@ -20,6 +20,7 @@ class Layout:
     gpu_bytes: int  # bytes per block on the GPU
     moves: tuple[tuple[int, int, int], ...]  # (file offset, GPU offset, length) of each span
     act: int
+    gsq3: bool = False  # 3-bit GSQ-RCO codes: their bits re-ordered too (gsq3_gpu_planes)
 
 
 def _same(elems: int, size: int, act: int) -> Layout:
@@ -58,12 +59,13 @@ def gsq_pairs_type(type_id: int) -> bool:
 
 def _gsq_layout(type_id: int) -> Layout:
     """A GSQ-RCO record (docs/gsq-rco.md, version 2) re-laid for the GPU (kernels/quant.cuh): codes first, then
-    d, dmin, the scale bytes and the slots, padded to 16 bytes, so the header is one aligned 16-byte vector."""
+    d, dmin, the scale bytes and the slots, padded to 16 bytes, so the header is one aligned 16-byte vector.
+    3-bit codes are also re-ordered bit by bit (gsq3_gpu_planes)."""
     bits, slots = (4 if type_id - T_GSQ >= 32 else 3), (type_id - T_GSQ) % 32
     codes = 16 * bits  # bytes of codes: 48 or 64, at offset 12 in the file's record
     raw = 12 + codes + 2 * slots
     moves = ((12, 0, codes), (0, codes, 12)) + (((12 + codes, 12 + codes, 2 * slots),) if slots else ())
-    return Layout(128, raw, (raw + 15) // 16 * 16, moves, ACT_GSQ8)
+    return Layout(128, raw, (raw + 15) // 16 * 16, moves, ACT_GSQ8, gsq3=bits == 3)
 
 
 def gpu_type(t) -> int:
@@ -87,6 +89,42 @@ def gpu_row_bytes(type_id: int, cols: int) -> int:
     return cols // lay.block_elems * lay.gpu_bytes
 
 
+def _gsq3_plane_indices() -> tuple[np.ndarray, np.ndarray]:
+    """Which weight of a record each bit of the GPU's 3-bit code bytes holds (kernels/quant.cuh gsq_codes): half h
+    of a record (weights 64h..64h + 63), its sub-block t (16 weights), quad k of that (4 weights), byte i of a
+    quad: weight w = 64h + 16t + 4k + i. Code bits 0-1 of w are bits 2t, 2t + 1 of byte 16h + 4k + i; bit 2 is bit
+    4 (k % 2) + t of byte 32 + 8h + 4 (k // 2) + i. So a lane that takes half h loads its 16 bytes of low bits and
+    8 bytes of high bits and nothing of the other half's."""
+    lo = np.zeros((32, 4), dtype=np.int64)  # [byte, t] -> weight
+    hi = np.zeros((16, 8), dtype=np.int64)  # [byte - 32, bit] -> weight
+    for h in range(2):
+        for t in range(4):
+            for k in range(4):
+                for i in range(4):
+                    w = 64 * h + 16 * t + 4 * k + i
+                    lo[16 * h + 4 * k + i, t] = w
+                    hi[8 * h + 4 * (k // 2) + i, 4 * (k % 2) + t] = w
+    return lo, hi
+
+
+GSQ3_LO_WEIGHTS, GSQ3_HI_WEIGHTS = _gsq3_plane_indices()
+
+
+def gsq3_gpu_planes(codes48, xp=np):
+    """[n, 48] 3-bit code bytes as the file has them (plane 0: byte j bits 2t..2t + 1 = bits 0-1 of weight 32t + j;
+    plane 1: byte j bit b = bit 2 of weight 16b + j) -> [n, 48] in the GPU's order (_gsq3_plane_indices)."""
+    w = np.arange(128)
+    p0, p1 = codes48[:, xp.asarray(w % 32)], codes48[:, xp.asarray(32 + w % 16)]
+    lo = (p0 >> xp.asarray((2 * (w // 32)).astype(np.uint8))) & np.uint8(3)  # [n, 128]: weight w's bits 0-1
+    hi = (p1 >> xp.asarray((w // 16).astype(np.uint8))) & np.uint8(1)  # bit 2
+    out = xp.zeros_like(codes48)
+    for t in range(4):
+        out[:, :32] |= lo[:, xp.asarray(GSQ3_LO_WEIGHTS[:, t])] << np.uint8(2 * t)
+    for b in range(8):
+        out[:, 32:] |= hi[:, xp.asarray(GSQ3_HI_WEIGHTS[:, b])] << np.uint8(b)
+    return out
+
+
 def relayout(blocks, lay: Layout, xp=np):
     """[n_blocks, raw_bytes] file blocks -> [n_blocks, gpu_bytes] in the GPU layout (xp: numpy or cupy)."""
     if lay.moves == ((0, 0, lay.raw_bytes),) and lay.gpu_bytes == lay.raw_bytes:
@@ -94,6 +132,10 @@ def relayout(blocks, lay: Layout, xp=np):
     dst = xp.zeros((blocks.shape[0], lay.gpu_bytes), dtype=xp.uint8)
     for a, b, n in lay.moves:
         dst[:, b : b + n] = blocks[:, a : a + n]
+    if lay.gsq3:
+        step = 1 << 18  # records at a time: the transform's temporaries stay ~100 MB
+        for r in range(0, dst.shape[0], step):
+            dst[r : r + step, :48] = gsq3_gpu_planes(dst[r : r + step, :48], xp)
     return dst
 
 

@@ -275,20 +275,20 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 }
 
 // ---- GSQ-RCO 3-bit records by lane pairs -------------------------------------------------------------------
-// By units, each of a record's four lanes loads all 64 bytes of it (a unit's codes are bits 2j, 2j + 1 of every
-// plane-0 byte) and evaluates both slots. Here two lanes share a record and each loads one 32-byte sector of it:
-// lane h (0, 1) gets plane-0 bytes 16h..16h + 15 (code bits 0-1 of weights 32t + 16h + i, t = 0..3) and,
-// as its second vector, plane 1 (h = 0) or the header (h = 1); one shuffle of that vector gives each lane the
-// other. Lane h then takes sub-blocks 2t + h (t = 0..3: 64 weights) and slot h. A warp's 16 pairs take the
-// records of its R rows as one flat list (record k of the group: row k / n_rec), so narrow rows still fill the
-// warp. Sub-blocks are taken in a rotated order (t + pair) % 4, so the eight lanes of a quarter-warp read
-// eight different 16-byte bank groups of the activation.
+// By units, each of a record's four lanes loads its codes and header and evaluates both slots. Here two lanes
+// share a record: lane h (0, 1) takes half h of it (weights 64h..64h + 63, sub-blocks 4h..4h + 3) and slot h, and
+// loads only what that needs: the half's 16 bytes of low code bits, its 8 bytes of high bits (quant.cuh: the
+// GPU's 3-bit order gives each half its own bytes) and the 16-byte header. A warp's 16 pairs take the records
+// of its R rows as one flat list (record k of the group: row k / n_rec), so narrow rows still fill the warp.
+// Sub-blocks are taken in a rotated order (t + pair) % 4, so the eight lanes of a quarter-warp read eight
+// different 16-byte bank groups of the activation.
 #ifndef GEMV_GSQ_PAIRS
 #define GEMV_GSQ_PAIRS 1  // 3-bit records with at most two slots (64 bytes) by lane pairs (0: by units)
 #endif
 // By pairs only in launches of at least MIN_UNITS 32-weight units a row and MIN_ROWS rows: every product of the
 // 32B shape, none of the 1.5B's (H200, synthetic GSQ3 tg128: 32B 86.5-87.1 by pairs against 75.9 before; 1.5B 729
-// with its products by pairs against 759 by units, though each product alone was as fast or faster by pairs).
+// with its products by pairs against 759 by units, though each product alone was as fast or faster by pairs; with
+// the GPU's bit order 724-730 against 738-740).
 #ifndef GEMV_GSQ_PAIRS_MIN_UNITS
 #define GEMV_GSQ_PAIRS_MIN_UNITS 128
 #endif
@@ -302,34 +302,43 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 #define GEMV_GSQ_PAIRS_U 2  // records a lane loads before it computes any
 #endif
 
-__device__ __forceinline__ float gsq3_pair_dot(int4 a, int4 p1, int4 hd, int rec, int h, int rot, const int* aq,
-                                               const float* ad, const float2* as) {
-    const int4* xq = (const int4*)aq + 8 * rec + h;  // sub-block s of the record: xq[2t] (16 codes)
-    const float* bsum = (const float*)as + 8 * rec + h;  // sums per 16: bsum[2t]
-    const u64 scales = ((u64)(u32)hd.z << 32) | (u32)hd.y;  // byte s: sc (low nibble), m (high) of sub-block s
-    const int q1[4] = {p1.x >> h, p1.y >> h, p1.z >> h, p1.w >> h};  // bit 2t of a byte: code bit 2 of s = 2t + h
-    const int q0[4] = {a.x, a.y, a.z, a.w};
+// What a lane of a pair loads of one record: half h's low and high code bits and the header.
+struct Gsq3Half {
+    int4 lo, hd;
+    int2 hi;
+    int row, rec;
+};
+
+// Half h of a record with the activation: the integer sums of codes, the mins against the activation's sums per
+// 16, slot h.
+__device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, int rot, const int* aq, const float* ad,
+                                               const float2* as) {
+    const int4 hd = r.hd;
+    const int4* xq = (const int4*)aq + 8 * r.rec + 4 * h;  // sub-block t of the half: xq[t] (16 codes)
+    const int sw = h ? hd.z : hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
+    const int sc4 = sw & 0x0F0F0F0F;
+    const int l[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
+    const u32 hl[2] = {(u32)r.hi.x << 2, (u32)r.hi.y << 2}, hh[2] = {(u32)r.hi.x >> 30, (u32)r.hi.y >> 30};
     int isum = 0;
-    float msum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int t = (i + rot) & 3, s = 2 * t + h;
-        const int4 x = xq[2 * t];
+        const int t = (i + rot) & 3;
+        const int4 x = xq[t];
         const int xs[4] = {x.x, x.y, x.z, x.w};
         int dot = 0;
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-            dot = __dp4a(((q0[k] >> (2 * t)) & 0x03030303) + 4 * ((q1[k] >> (2 * t)) & 0x01010101), xs[k], dot);
-        const int sm = (int)(scales >> (8 * s)) & 0xFF;
-        isum += (sm & 15) * dot;
-        msum += (float)(sm >> 4) * bsum[2 * t];
+        for (int k = 0; k < 4; ++k) dot = __dp4a(gsq3_quad(l[k], hl[k >> 1], hh[k >> 1], t, k), xs[k], dot);
+        isum += (int)__byte_perm((u32)sc4, 0u, 0x4440u | (u32)t) * dot;
     }
+    const float4 bs = ((const float4*)as)[2 * r.rec + h];  // sums per 16 of the four sub-blocks: two units' float2
+    const float msum = (float)((sw >> 4) & 15) * bs.x + (float)((sw >> 12) & 15) * bs.y +
+                       (float)((sw >> 20) & 15) * bs.z + (float)((u32)sw >> 28) * bs.w;
     // Slot h of the two in the header's last word: v * sc / 16 times the activation at its position.
     const int slot = (hd.w >> (16 * h)) & 0xFFFF, pos = slot & 127, v = (int)(i8)(slot >> 8);
-    const int sc = (int)(scales >> (8 * (pos >> 4))) & 15;
-    const int ssum = v * sc * (int)((const i8*)aq)[128 * rec + pos];
+    const int sc = ((pos & 64 ? hd.z : hd.y) >> (8 * ((pos >> 4) & 3))) & 15;
+    const int ssum = v * sc * (int)((const i8*)aq)[128 * r.rec + pos];
     const float d = h2f((u16)(hd.x & 0xFFFF)), dmin = h2f((u16)((u32)hd.x >> 16));
-    return ad[4 * rec] * (d * ((float)isum + (float)ssum * 0.0625f) - dmin * msum);
+    return ad[4 * r.rec] * (d * ((float)isum + (float)ssum * 0.0625f) - dmin * msum);
 }
 
 // Records of R rows (row pointers w, n_rec records each) by lane pairs; u_first, u_step as the unit loop's
@@ -342,20 +351,19 @@ __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_fi
     const int d_row = step / n_rec, d_rec = step - d_row * n_rec;
     int row = first / n_rec, rec = first - row * n_rec;  // this lane's next record: (row, rec)
     for (int base = first - (lane >> 1); base < n_tasks; base += step * U) {  // warp-uniform trip count
-        int4 a[U], b[U];
-        int rows[U], recs[U];
+        Gsq3Half t[U];
 #pragma unroll
         for (int k = 0; k < U; ++k) {
-            rows[k] = row;
-            recs[k] = rec;
-            a[k] = b[k] = make_int4(0, 0, 0, 0);
+            t[k].row = row;
+            t[k].rec = rec;
             if (row < R) {
                 const u8* p = w[0];
 #pragma unroll
                 for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
-                const int4* v = (const int4*)(p + 64LL * rec + 16 * h);
-                a[k] = __ldg(v);
-                b[k] = __ldg(v + 2);  // plane 1 (h = 0) or the header (h = 1)
+                p += 64LL * rec;
+                t[k].lo = __ldg((const int4*)(p + 16 * h));
+                t[k].hi = __ldg((const int2*)(p + 32 + 8 * h));
+                t[k].hd = __ldg((const int4*)(p + 48));
             }
             rec += d_rec;
             row += d_row;
@@ -364,19 +372,13 @@ __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_fi
                 ++row;
             }
         }
-        asm volatile("" ::: "memory");
+        asm volatile("" ::: "memory");  // these loads stay above the dot products
 #pragma unroll
         for (int k = 0; k < U; ++k) {
-            int4 o;  // the pair's other second vector
-            o.x = __shfl_xor_sync(0xffffffffu, b[k].x, 1);
-            o.y = __shfl_xor_sync(0xffffffffu, b[k].y, 1);
-            o.z = __shfl_xor_sync(0xffffffffu, b[k].z, 1);
-            o.w = __shfl_xor_sync(0xffffffffu, b[k].w, 1);
-            if (rows[k] < R) {
-                const int4 p1 = h ? o : b[k], hd = h ? b[k] : o;
-                const float v = gsq3_pair_dot(a[k], p1, hd, recs[k], h, rot, aq, ad, as);
+            if (t[k].row < R) {
+                const float v = gsq3_half_dot(t[k], h, rot, aq, ad, as);
 #pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] += rows[k] == r ? v : 0.0f;
+                for (int r = 0; r < R; ++r) acc[r] += t[k].row == r ? v : 0.0f;
             }
         }
     }

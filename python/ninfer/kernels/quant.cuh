@@ -218,12 +218,15 @@ __device__ __forceinline__ void unpack(const u8* b, int j, Unit& u) {
 
 // ---- GSQ-RCO (docs/gsq-rco.md, version 2): 128-weight records, four units each ----------------------------
 // Re-laid on upload (layouts.py) so the codes come first and every record starts 16-byte aligned:
-//   3 bits: plane0 32 | plane1 16 | d | dmin | scales 8 | slots 2R   (60 + 2R bytes, padded to 16)
-//   4 bits: nibbles 64            | d | dmin | scales 8 | slots 2R   (76 + 2R, padded to 16)
+//   3 bits: low bits 32 | high bits 16 | d | dmin | scales 8 | slots 2R   (60 + 2R bytes, padded to 16)
+//   4 bits: nibbles 64                 | d | dmin | scales 8 | slots 2R   (76 + 2R, padded to 16)
 // The header (d, dmin, the eight scale bytes and the first two slots) is then one 16-byte vector at 48 or 64.
-// Unit j of a record, 3 bits: code bits 0-1 of weight 32j + i are bits 2j..2j+1 of plane0 byte i, bit 2 is bit
-// 2j + i / 16 of plane1 byte i % 16; 4 bits: nibble j / 2 of byte 32 (j % 2) + i. Sub-block 2j + h (16 weights):
-// scale byte 2j + h, low nibble sc, high nibble m: weight = d sc c - dmin m; slot (pos, v) adds v d sc_pos / 16.
+// 3 bits, in an order of the GPU's own (layouts.py gsq3_gpu_planes): weight 64h + 16t + 4k + i (half h, its
+// sub-block t, quad k, byte i) has code bits 0-1 at bits 2t, 2t + 1 of byte 16h + 4k + i and bit 2 at bit
+// 4 (k % 2) + t of byte 32 + 8h + 4 (k / 2) + i, so half h's codes are 16 + 8 bytes of their own and a quad's four
+// codes come out of two words by shifts. 4 bits: nibble j / 2 of byte 32 (j % 2) + i for weight 32j + i.
+// Sub-block s (16 weights): scale byte s, low nibble sc, high nibble m: weight = d sc c - dmin m; slot (pos, v)
+// adds v d sc_pos / 16.
 __host__ __device__ constexpr int gsq_bits(int type) { return (type - T_GSQ) >= 32 ? 4 : 3; }
 __host__ __device__ constexpr int gsq_slots(int type) { return (type - T_GSQ) & 31; }
 __host__ __device__ constexpr int gsq_header_offset(int bits) { return bits == 4 ? 64 : 48; }
@@ -231,28 +234,40 @@ __host__ __device__ constexpr int gsq_record_bytes(int bits, int slots) {
     return (gsq_header_offset(bits) + 12 + 2 * slots + 15) & ~15;
 }
 
-// The 8 code ints of unit j (weights 32j + 4k .. 4k + 3 in int k), from the record's code vectors:
-// 3 bits: c0, c1 = plane0, c2 = plane1; 4 bits: c0, c1 = the 32 nibble bytes of the unit (c2 unused).
+// The four 3-bit codes of quad k of sub-block t of a half record as bytes, from the half's low-bit word for k
+// (lo) and its high-bit word for k / 2 as a 34-bit value (hi << 2: hl the low 32 bits, hh the top two), so one
+// funnel shift by 4 (k % 2) + t puts the quad's high bits at bit 2 of each byte.
+__device__ __forceinline__ int gsq3_quad(int lo, u32 hl, u32 hh, int t, int k) {
+    return ((lo >> (2 * t)) & 0x03030303) | ((int)__funnelshift_r(hl, hh, 4 * (k & 1) + t) & 0x04040404);
+}
+
+// The 8 code ints of unit j (weights 32j + 4k .. 4k + 3 in int k), from the code vectors load_gsq loads:
+// 3 bits: c0 = the low bits of half j / 2, c2.x, c2.y = its high bits (c1 unused);
+// 4 bits: c0, c1 = the 32 nibble bytes of the unit (c2 unused).
 template <int BITS>
 __device__ __forceinline__ void gsq_codes(int4 c0, int4 c1, int4 c2, int j, int* q) {
-    const int p0[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
     if constexpr (BITS == 4) {
+        const int p0[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
         const int s = 4 * (j >> 1);
 #pragma unroll
         for (int k = 0; k < 8; ++k) q[k] = (p0[k] >> s) & 0x0F0F0F0F;
     } else {
-        const int p1[4] = {c2.x, c2.y, c2.z, c2.w};
+        const int lo[4] = {c0.x, c0.y, c0.z, c0.w};
+        const u32 hl[2] = {(u32)c2.x << 2, (u32)c2.y << 2}, hh[2] = {(u32)c2.x >> 30, (u32)c2.y >> 30};
+        const int t0 = 2 * (j & 1);  // unit j: sub-blocks 2 (j % 2) and 2 (j % 2) + 1 of half j / 2
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
-            q[k] = ((p0[k] >> (2 * j)) & 0x03030303) | (((p1[k & 3] >> (2 * j + (k >> 2))) & 0x01010101) << 2);
+        for (int k = 0; k < 8; ++k) {
+            const int kk = k & 3;
+            q[k] = gsq3_quad(lo[kk], hl[kk >> 1], hh[kk >> 1], t0 + (k >> 2), kk);
+        }
     }
 }
 
 // Unit j's two scale bytes (sub-blocks 2j, 2j + 1) from the header's scale words.
 __device__ __forceinline__ int gsq_scale_pair(int4 h, int j) { return ((j < 2 ? h.y : h.z) >> (16 * (j & 1))) & 0xFFFF; }
 
-// What unit u of a row reads of its record (the record at (u / 4) * rb): the code vectors (3 bits: plane0 in c0,
-// c1, plane1 in c2; 4 bits: the unit's nibble bytes in c0, c1) and the header.
+// What unit u of a row reads of its record (the record at (u / 4) * rb): the code vectors (3 bits: its half's
+// low bits in c0, high bits in c2.x, c2.y; 4 bits: the unit's nibble bytes in c0, c1) and the header.
 template <int BITS>
 struct GsqRaw {
     int4 c0, c1, c2, h;
@@ -267,10 +282,11 @@ __device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BI
         r.c1 = __ldg(c + 1);
         r.c2 = make_int4(0, 0, 0, 0);
     } else {
-        const int4* c = (const int4*)b;
-        r.c0 = __ldg(c);
-        r.c1 = __ldg(c + 1);
-        r.c2 = __ldg(c + 2);
+        const int hf = (u >> 1) & 1;
+        r.c0 = __ldg((const int4*)(b + 16 * hf));
+        const int2 hi = __ldg((const int2*)(b + 32 + 8 * hf));
+        r.c1 = make_int4(0, 0, 0, 0);
+        r.c2 = make_int4(hi.x, hi.y, 0, 0);
     }
     r.h = __ldg((const int4*)(b + gsq_header_offset(BITS)));
 }
