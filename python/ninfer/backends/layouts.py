@@ -125,17 +125,17 @@ def gsq3_gpu_planes(codes48, xp=np):
     return out
 
 
-def relayout(blocks, lay: Layout, xp=np):
-    """[n_blocks, raw_bytes] file blocks -> [n_blocks, gpu_bytes] in the GPU layout (xp: numpy or cupy)."""
+def relayout(blocks, lay: Layout, xp=np, chunk: int = 1 << 16):
+    """[n_blocks, raw_bytes] file blocks -> [n_blocks, gpu_bytes] in the GPU layout (xp: numpy or cupy). 3-bit
+    GSQ-RCO codes are re-ordered `chunk` records at a time (temporaries under 1 KB a record: ~50 MB)."""
     if lay.moves == ((0, 0, lay.raw_bytes),) and lay.gpu_bytes == lay.raw_bytes:
         return blocks
     dst = xp.zeros((blocks.shape[0], lay.gpu_bytes), dtype=xp.uint8)
     for a, b, n in lay.moves:
         dst[:, b : b + n] = blocks[:, a : a + n]
     if lay.gsq3:
-        step = 1 << 18  # records at a time: the transform's temporaries stay ~100 MB
-        for r in range(0, dst.shape[0], step):
-            dst[r : r + step, :48] = gsq3_gpu_planes(dst[r : r + step, :48], xp)
+        for r in range(0, dst.shape[0], chunk):
+            dst[r : r + chunk, :48] = gsq3_gpu_planes(dst[r : r + chunk, :48], xp)
     return dst
 
 
