@@ -186,6 +186,26 @@ def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *
     return out, stats
 
 
+def _read_calib_text(path: str | os.PathLike[str]) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InvalidArgumentError(f"{path}: cannot read the calibration text: {e.strerror}") from None
+
+
+def _sequential_calibration(mf: Any, text: str, max_chunks: int, *, wide: bool, source_stream: bool,
+                            log: Callable[[str], None]) -> Any:
+    from ninfer.gsq_sequential import SequentialCalibration
+    from ninfer.tokenizer import Tokenizer
+
+    tokens = Tokenizer.from_metadata(mf.metadata).encode(text)
+    chunks = calibration_chunks(tokens, 512, max_chunks)
+    if not chunks:
+        raise InvalidArgumentError(f"the calibration text has {len(tokens)} tokens, fewer than one chunk of 512")
+    return SequentialCalibration(mf, chunks, gram_max_cols=GRAM_MAX_COLS, gram_block_cols=GRAM_BLOCK_COLS if wide
+                                 else 0, source_stream=source_stream, log=log)
+
+
 def _checksum(data: Any) -> str:
     h = hashlib.blake2b(digest_size=16)
     mv = memoryview(data).cast("B")
@@ -204,13 +224,19 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             importances_file: str | os.PathLike[str] | None = None,
             save_importances: str | os.PathLike[str] | None = None, feedback: bool = False,
             feedback_damp: float = 0.1, feedback_wide: bool = False, feedback_order: str = "in",
-            log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
+            sequential: bool = False, asymmetric: bool = False, log: Callable[[str], None] | None = None,
+            verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
     mean squared activation over that text (run through the source model; `save_importances` keeps them in an
     .npz that `importances_file` reads back instead of running the model again); else all weights count alike.
+    With `sequential` (and `feedback`), each matrix's statistics come from the text run through the model with
+    every matrix before it already quantized (gsq_sequential.py), and the tensors are written in that order;
+    with `asymmetric` too, each matrix is fitted to the source model's outputs from those inputs
+    (gsq_sequential.asymmetric_target).
     Returns totals (bytes, bpw, weighted errors, seconds)."""
     import gguf
 
+    from ninfer.gsq_sequential import asymmetric_target
     from ninfer.model_file import ModelFile
 
     if residual_bits != 8:
@@ -235,12 +261,17 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     calib_tokens = 0
     if feedback and calib_file is None:
         raise InvalidArgumentError("--gptq needs --calib-file (the inputs' X^T X comes from running the model)")
-    if calib_file is not None:
-        try:
-            text = Path(calib_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise InvalidArgumentError(f"{calib_file}: cannot read the calibration text: {e.strerror}") from None
-        importances, calib_tokens = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log,
+    if sequential and not feedback:
+        raise InvalidArgumentError("--gptq-sequential needs --gptq")
+    if asymmetric and not sequential:
+        raise InvalidArgumentError("--gptq-asymmetric needs --gptq-sequential")
+    seq = None
+    if sequential:
+        seq = _sequential_calibration(mf, _read_calib_text(calib_file), calib_chunks, wide=feedback_wide,
+                                      source_stream=asymmetric, log=log)
+        calib_tokens = sum(len(c) for c in seq.chunks)
+    elif calib_file is not None:
+        importances, calib_tokens = collect_importances(src, _read_calib_text(calib_file), max_chunks=calib_chunks, threads=threads, log=log,
                                                         grams=grams if feedback else None, wide=feedback_wide)
         if save_importances is not None:
             np.savez(save_importances, **importances)
@@ -261,6 +292,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                                                                                            slots=pol.slots):
             pol = Policy("keep")  # the source's tensor is exact and no larger (e.g. Q4_K against 4-bit GSQ-RCO)
         plans.append((t, pol))
+    if seq is not None:  # the order in which the forward pass makes each matrix's statistics
+        rank = {name: i for i, name in enumerate(seq.order())}
+        plans.sort(key=lambda tp: rank.get(tp[0].name, len(rank)))
 
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(str(tmp), arch)
@@ -296,17 +330,26 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             if pol.kind == "gsq":
                 cols, rows = t.dims
                 wf = mf.dequantized(t)
+                if seq is not None and seq.reads(t.name):
+                    importances[t.name], gram, cross = seq.stats(t.name)
+                    if cross is not None:  # fit W* (source outputs from quantized inputs), then quantize that
+                        wf = asymmetric_target(wf, gram, cross, feedback_damp)
+                else:
+                    gram = grams.pop(t.name, None)
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
-                if t.name in grams:
-                    data, st = quantize_with_feedback(wf, grams.pop(t.name), bits=pol.bits, slots=pol.slots,
+                if gram is not None:
+                    data, st = quantize_with_feedback(wf, gram, bits=pol.bits, slots=pol.slots,
                                                       steps=steps, threads=threads, damp=feedback_damp,
                                                       order=feedback_order)
                 else:
                     data, st = _core.gsq_quantize(wf, h, bits=pol.bits, slots=pol.slots, steps=steps,
                                                   threads=threads)
                 del wf
+                if seq is not None:
+                    seq.set_weight(t.name, _core.gsq_dequantize(data.tobytes(), rows, cols, bits=pol.bits,
+                                                                slots=pol.slots))
                 bpw = 8 * data.size / (rows * cols)
                 info.update(type="GSQ-RCO", bits=pol.bits, slots=pol.slots, bpw=round(bpw, 4),
                             err=st["err"] / max(st["weight"], 1e-30), err_rtn=st["err_rtn"] / max(st["weight"], 1e-30))
@@ -328,8 +371,11 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                     f"weighted error {info['err_rtn']:.3e} -> {info['err']:.3e}")
             elif not verbose:
                 eta = el / max(done_bytes, 1) * (all_bytes - done_bytes)
-                log(f"[{done_bytes / all_bytes:6.1%}] {t.name}  {el:.1f} s elapsed, ETA {eta:.0f} s")
+                log(f"[{done_bytes / all_bytes:6.1%}] {t.name}  {el:.1f} s elapsed, ETA {eta:.0f} s"
+                    + (f" (forward pass {seq.seconds:.1f} s)" if seq is not None else ""))
         w.close()
+        if seq is not None and save_importances is not None:
+            np.savez(save_importances, **importances)
         fill_tensor_infos(tmp, infos)
         os.replace(tmp, dst)
     finally:
@@ -474,6 +520,12 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--gptq-order", choices=("in", "act"), default="in",
                    help="--gptq: the order the 128-column groups are quantized and fed back in: in (column order) or "
                         "act (the groups with the largest X^T X diagonal first, GPTQ's act-order by whole records)")
+    p.add_argument("--gptq-sequential", action="store_true",
+                   help="--gptq: take each matrix's X^T X from the calibration text run through the model with the "
+                        "matrices before it already quantized (GPTQ's order), not from the source model")
+    p.add_argument("--gptq-asymmetric", action="store_true",
+                   help="--gptq-sequential: fit each matrix to the source model's outputs from the quantized model's "
+                        "inputs (runs the source model alongside: twice the forward work)")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -491,7 +543,8 @@ def run_convert(args: Any) -> int:
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
                 calib_file=args.calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
                 save_importances=args.save_importances, feedback=args.gptq,
-                feedback_damp=args.gptq_damp, feedback_wide=args.gptq_wide, feedback_order=args.gptq_order, log=log,
+                feedback_damp=args.gptq_damp, feedback_wide=args.gptq_wide, feedback_order=args.gptq_order,
+                sequential=args.gptq_sequential, asymmetric=args.gptq_asymmetric, log=log,
                 verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
