@@ -206,6 +206,8 @@ class SequentialCalibration:
         if il == 0:
             ids = np.concatenate(self.chunks)
             st.h = self._embedding_rows(ids, st.w).astype(np.float32) * np.float32(s["embd_scale"])
+            if st is self._q and not self._tied:  # only its rows were needed
+                self.weights.pop(s["token_embd"], None)
         else:
             self._finish_ffn(st, il - 1)
         st.x = rms_norm(st.h, st.w(s["layers"][il]["attn_norm"]), s["rms_eps"])
@@ -288,6 +290,10 @@ class SequentialCalibration:
                 y = rms_norm(y, st.w(ly["post_ffn_norm"]), s["rms_eps"])
             st.h[t0 : t0 + TOKEN_BLOCK] += y
         st.x = None
+        if st is self._q:  # layer il is behind both streams now: its quantized values (f32) go
+            for name in ly.values():
+                if isinstance(name, str):
+                    self.weights.pop(name, None)
 
     def _output_in(self, st: _Stream) -> np.ndarray:
         s = self.spec
