@@ -309,17 +309,21 @@ class SequentialCalibration:
 
 def asymmetric_target(w: np.ndarray, grams: list[np.ndarray], cross: list[np.ndarray], damp: float) -> np.ndarray:
     """The weights W* that map the quantized model's inputs X~ closest to the source's outputs W X: per diagonal
-    block, W* = W C (H~ + lambda I)^-1 with C = X^T X~ / rows, H~ = X~^T X~ / rows and lambda the feedback's damping
-    (damp times H~'s mean diagonal). Then ||W X - Q X~||^2 = ||W X - W* X~||^2 + ||(W* - Q) X~||^2, so GPTQ on W*
-    with H~ minimises the error against the source's outputs, not against W's own outputs on X~ (GPTAQ's
-    asymmetric calibration, in closed form)."""
+    block, W* = W C H~^-1 with C = X^T X~ / rows and H~ = X~^T X~ / rows. Then ||W X - Q X~||^2 = ||W X - W* X~||^2
+    + ||(W* - Q) X~||^2, so GPTQ on W* with H~ minimises the error against the source's outputs, not against W's
+    own outputs on X~ (GPTAQ's asymmetric calibration, in closed form). Written W* = W + W (C - H~) (H~ + lambda
+    I)^-1, lambda the feedback's damping (damp times H~'s mean diagonal): the damping shrinks the correction, not
+    W (damping C H~^-1 itself would scale W's weak input directions towards zero), and equal inputs give W."""
     out = np.empty_like(w, dtype=np.float32)
     c0 = 0
     for g, c in zip(grams, cross):
         n = g.shape[0]
         h = g.astype(np.float64)
+        delta = c.astype(np.float64) - h
         h[np.diag_indices(n)] += damp * float(np.mean(np.diag(h)))
-        # W_b C_b H_b^-1 = (H_b^-1 C_b^T W_b^T)^T, H symmetric: one solve.
-        out[:, c0 : c0 + n] = np.linalg.solve(h, c.astype(np.float64).T @ w[:, c0 : c0 + n].T.astype(np.float64)).T
+        # M = (C - H) (H + lambda I)^-1 = ((H + lambda I)^-1 (C - H)^T)^T, solved in f64 on the n x n block; W_b M
+        # in f32, so a tall matrix (the output head: 151,936 rows) costs no f64 copy of itself.
+        m = np.linalg.solve(h, delta.T).T.astype(np.float32)
+        out[:, c0 : c0 + n] = w[:, c0 : c0 + n] + w[:, c0 : c0 + n] @ m
         c0 += n
     return out
