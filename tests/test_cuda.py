@@ -234,21 +234,24 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
     w = to_gpu(raw, tid, rows, n, "w")
     x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.asarray(base)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
-    # Every K-split: the default one, the lane pairs' (3 bits, at most two slots), and eight warps a row.
+    # Every K-split: the default one, the lane pairs' (3 bits, at most two slots), and eight warps a row; by the
+    # unit loop's kernel and, where the launcher would pick it, the lane-pair kernel (gemv_gsq8_pairs).
     pairs = gsq_pairs_type(tid) and K.gsq_pairs(n, rows)
     assert pairs == (bits == 3 and slots <= 2 and rows > 4096)
-    for ks in sorted({K.gemv_k_split(n), K.gemv_k_split(n, gsq_pairs=pairs, groups=-(-rows // 2)), 8}):
-        out[:] = cp.asarray(base)
-        K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
-               K.MODE_ADD if norm else K.MODE_STORE, k_split=ks)
-        assert nmse(out.get(), ref) < 1e-6, (ks, nmse(out.get(), ref))
-    # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
-    if not norm:
-        aq, ad, as_ = cp.zeros(n, cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32)
-        K.quant_act(x_d.data.ptr, n, ACT_GSQ8, aq.data.ptr, ad.data.ptr, as_.data.ptr)
-        out[:] = 0
-        K.gemv(ACT_GSQ8, descs, 1, rows, n, 0, 0, 1e-6, K.MODE_STORE, pre=(aq.data.ptr, ad.data.ptr, as_.data.ptr))
-        assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
+    for by_pairs in sorted({False, pairs}):
+        for ks in sorted({K.gemv_k_split(n), K.gemv_k_split(n, gsq_pairs=by_pairs, groups=-(-rows // 2)), 8}):
+            out[:] = cp.asarray(base)
+            K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
+                   K.MODE_ADD if norm else K.MODE_STORE, k_split=ks, gsq_pairs=by_pairs)
+            assert nmse(out.get(), ref) < 1e-6, (by_pairs, ks, nmse(out.get(), ref))
+        # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
+        if not norm:
+            aq, ad, as_ = cp.zeros(n, cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32)
+            K.quant_act(x_d.data.ptr, n, ACT_GSQ8, aq.data.ptr, ad.data.ptr, as_.data.ptr)
+            out[:] = 0
+            K.gemv(ACT_GSQ8, descs, 1, rows, n, 0, 0, 1e-6, K.MODE_STORE, pre=(aq.data.ptr, ad.data.ptr, as_.data.ptr),
+                   gsq_pairs=by_pairs)
+            assert nmse(out.get(), ref) < 1e-6, (by_pairs, nmse(out.get(), ref))
 
 
 @needs_cuda

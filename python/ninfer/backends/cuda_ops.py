@@ -27,10 +27,12 @@ _DEFINES = os.environ.get("NINFER_CUDA_DEFINES", "").split()
 
 
 def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) -> bool:
-    """Whether kernels/gemv.cu takes a launch's 3-bit GSQ-RCO rows (64-byte records) by lane pairs: in launches
-    of at least GEMV_GSQ_PAIRS_MIN_UNITS units a row and GEMV_GSQ_PAIRS_MIN_ROWS rows, unless built with
-    -DGEMV_GSQ_PAIRS=0 (the kernel's rule, under the compile-time switches `defines`, NINFER_CUDA_DEFINES's
-    by default)."""
+    """Whether a launch's 3-bit GSQ-RCO rows (64-byte records) go to kernels/gemv.cu's lane-pair kernel
+    (gemv_gsq8_pairs): launches of at least GEMV_GSQ_PAIRS_MIN_UNITS 32-weight units a row and
+    GEMV_GSQ_PAIRS_MIN_ROWS rows (4,096 and 4,096: every product of the 32B shape, none of the 1.5B's; H200,
+    synthetic GSQ3 tg128: the 1.5B shape's products by pairs 724-730 against 738-740 by units), never with
+    GEMV_GSQ_PAIRS=0. The names are given like the kernels' compile-time switches (`defines`, NINFER_CUDA_DEFINES's
+    by default) so an A/B run sets them in one place, but only this rule reads them."""
     defs = _DEFINES if defines is None else defines
 
     def define(name: str, default: int) -> int:
@@ -132,8 +134,9 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then). kernel (a
     compiled function), rows_per_warp, warps_per_block: another instantiation of the template, k_split: warps
-    per row instead of gemv_k_split's choice (for scripts/gemv-bench)."""
-    fn = kernel or function(_GEMV_KERNEL[act])
+    per row instead of gemv_k_split's choice (for scripts/gemv-bench). gsq_pairs (GSQ8 activations only): the
+    lane-pair kernel for 3-bit records (gsq_pairs())."""
+    fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre else gemv_smem(act, n_cols)
     _allow_smem(fn, smem)
     threads = 32 * warps_per_block

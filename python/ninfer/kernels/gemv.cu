@@ -282,24 +282,18 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 // of its R rows as one flat list (record k of the group: row k / n_rec), so narrow rows still fill the warp.
 // Sub-blocks are taken in a rotated order (t + pair) % 4, so the eight lanes of a quarter-warp read eight
 // different 16-byte bank groups of the activation.
-#ifndef GEMV_GSQ_PAIRS
-#define GEMV_GSQ_PAIRS 1  // 3-bit records with at most two slots (64 bytes) by lane pairs (0: by units)
-#endif
-// By pairs only in launches of at least MIN_UNITS 32-weight units a row and MIN_ROWS rows: every product of the
-// 32B shape, none of the 1.5B's (H200, synthetic GSQ3 tg128: 32B 86.5-87.1 by pairs against 75.9 before; 1.5B 729
-// with its products by pairs against 759 by units, though each product alone was as fast or faster by pairs; with
-// the GPU's bit order 724-730 against 738-740).
-#ifndef GEMV_GSQ_PAIRS_MIN_UNITS
-#define GEMV_GSQ_PAIRS_MIN_UNITS 128
-#endif
-#ifndef GEMV_GSQ_PAIRS_MIN_ROWS
-#define GEMV_GSQ_PAIRS_MIN_ROWS 4096
-#endif
+// A kernel of its own (gemv_gsq8_pairs) takes records by pairs; the launcher picks it for big launches only
+// (cuda_ops.gsq_pairs: every product of the 32B shape, none of the 1.5B's), so the unit loop's kernel keeps its
+// smaller register count and occupancy.
 #ifndef GEMV_GSQ_ROT
 #define GEMV_GSQ_ROT 1  // sub-blocks in rotated order (0: in order, shifts by constants, 4-way bank conflicts)
 #endif
 #ifndef GEMV_GSQ_PAIRS_U
-#define GEMV_GSQ_PAIRS_U 2  // records a lane loads before it computes any
+// Records a lane loads before it computes any. Five: the whole share of a pair in the 32B shape's 5,120-wide
+// products (two rows of 40 records for 16 pairs) in one round of loads, at 129 registers (one block an SM). H200,
+// scripts/gemv-bench --gsq --pdl --shapes 32b, µs against two: q/k/v 21.04 / 22.07, o 13.95 / 15.15, gate/up
+// 70.87 / 78.90, down 37.95 / 36.27.
+#define GEMV_GSQ_PAIRS_U 5
 #endif
 
 // What a lane of a pair loads of one record: half h's low and high code bits and the header.
@@ -389,7 +383,7 @@ __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u
                                              const int* aq, const float* ad, const float2* as, float* acc,
                                              bool pairs) {
     const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
-    if constexpr (BITS == 3 && GEMV_GSQ_PAIRS) {
+    if constexpr (BITS == 3) {
         if (rb == 64 && pairs) {
             rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U>(w, u_first, u_step, n_units >> 2, aq, ad, as, acc);
             return;
@@ -562,7 +556,7 @@ __device__ __forceinline__ void group_rows(const MatDesc* mats, int n_mats, int 
     }
 }
 
-template <int ACT, int R, int U>
+template <int ACT, int R, int U, bool PAIRS>
 __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const float* x,
                      const float* norm_w, float eps, int mode, int glu_act, u64* best, int ks, const void* pre_q,
                      const float* pre_d, const float2* pre_s) {
@@ -619,9 +613,7 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         ss = sums;
     }
 
-    // 3-bit GSQ-RCO records by lane pairs (rows_dot_gsq3_pairs) in big launches only; cuda_ops.gsq_pairs agrees.
-    const bool gsq_pairs =
-        GEMV_GSQ_PAIRS && n_cols >= 32 * GEMV_GSQ_PAIRS_MIN_UNITS && total_rows >= GEMV_GSQ_PAIRS_MIN_ROWS;
+    constexpr bool gsq_pairs = PAIRS;  // 3-bit GSQ-RCO records by lane pairs (rows_dot_gsq3_pairs)
     u64 key = 0;
     for (int st = blockIdx.x; st < n_steps; st += gridDim.x) {  // every warp of the block runs every step
         const int g = st * per_step + warp / ks;
@@ -679,13 +671,14 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
 #define GEMV_R 2
 #define GEMV_U 1
 
-#define GEMV_KERNEL(NAME, ACT, R, U)                                                                            \
+#define GEMV_KERNEL_P(NAME, ACT, R, U, PAIRS)                                                                   \
     extern "C" __global__ void NAME(const MatDesc* mats, int n_mats, int total_rows, int n_cols, const float* x, \
                                     const float* norm_w, float eps, int mode, int glu_act, u64* best, int ks,   \
                                     const void* pre_q, const float* pre_d, const float2* pre_s) {               \
-        gemv<ACT, R, U>(mats, n_mats, total_rows, n_cols, x, norm_w, eps, mode, glu_act, best, ks, pre_q, pre_d, \
-                        pre_s);                                                                                 \
+        gemv<ACT, R, U, PAIRS>(mats, n_mats, total_rows, n_cols, x, norm_w, eps, mode, glu_act, best, ks, pre_q, \
+                               pre_d, pre_s);                                                                   \
     }
+#define GEMV_KERNEL(NAME, ACT, R, U) GEMV_KERNEL_P(NAME, ACT, R, U, false)
 
 GEMV_KERNEL(gemv_f32act, ACT_F32, GEMV_R, 1)
 GEMV_KERNEL(gemv_f16act, ACT_F16, GEMV_R, 1)
@@ -694,6 +687,7 @@ GEMV_KERNEL(gemv_q8_0, ACT_Q8_0, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_q8_1, ACT_Q8_1, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_q8_k, ACT_Q8_K, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_gsq8, ACT_GSQ8, GEMV_R, GEMV_U)
+GEMV_KERNEL_P(gemv_gsq8_pairs, ACT_GSQ8, GEMV_R, GEMV_U, true)
 
 // Reset the argmax accumulator (first node of a greedy decode step).
 extern "C" __global__ void argmax_reset(u64* best) {
