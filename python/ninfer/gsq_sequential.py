@@ -143,6 +143,9 @@ class SequentialCalibration:
             if self._next == len(self._stages):
                 raise KeyError(f"{name}: no stage of the forward pass reads this tensor")
             t0 = time.perf_counter()
+            if self._next == 0:
+                self.log(f"sequential calibration: {sum(len(c) for c in self.chunks)} tokens in {len(self.chunks)} "
+                         f"chunks{', the source model alongside' if self._src is not None else ''}")
             stage, readers = self._stages[self._next]
             self._next += 1
             x = stage(self._q)
