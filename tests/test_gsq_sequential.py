@@ -123,6 +123,11 @@ def test_sequential_conversion_writes_a_valid_file_in_forward_order(source: Path
     assert infos["blk.1.attn_q.weight"]["err"] < 2 * other["blk.1.attn_q.weight"]["err"]
     with pytest.raises(InvalidArgumentError, match="--gptq-sequential needs --gptq"):
         convert(source, tmp_path / "x.gguf", steps=1, calib_file=calib, sequential=True)
+    short = tmp_path / "short.txt"
+    short.write_text("def f(): pass\n")
+    with pytest.raises(InvalidArgumentError, match=r"the calibration text has \d+ tokens, fewer than one chunk of 512"):
+        convert(source, tmp_path / "y.gguf", steps=1, calib_file=short, feedback=True, sequential=True)
+    assert not (tmp_path / "y.gguf").exists()
 
 
 def test_asymmetric_target_is_the_least_squares_map_from_quantized_inputs_to_source_outputs() -> None:

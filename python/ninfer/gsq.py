@@ -87,6 +87,9 @@ GRAM_MAX_COLS = 4096  # inputs up to this wide get their X^T X for error feedbac
 GRAM_BLOCK_COLS = 1792
 
 
+CALIB_CTX = 512  # tokens a calibration chunk holds (llama-imatrix's default context)
+
+
 def calibration_chunks(tokens: list[int], n_ctx: int, max_chunks: int) -> list[list[int]]:
     """The whole n_ctx-token chunks of a calibration text, at most max_chunks of them spread evenly over it: a
     text made of several files (code, then prose) is sampled from all of them, not only from its first file."""
@@ -96,7 +99,15 @@ def calibration_chunks(tokens: list[int], n_ctx: int, max_chunks: int) -> list[l
     return [chunks[i * len(chunks) // max_chunks] for i in range(max_chunks)]
 
 
-def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int = 512, max_chunks: int = 32,
+def _calibration_chunks_of(tokens: list[int], n_ctx: int, max_chunks: int) -> list[list[int]]:
+    """calibration_chunks, refusing a text shorter than one chunk."""
+    chunks = calibration_chunks(tokens, n_ctx, max_chunks)
+    if not chunks:
+        raise InvalidArgumentError(f"the calibration text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}")
+    return chunks
+
+
+def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int = CALIB_CTX, max_chunks: int = 32,
                         threads: int = 0, log: Callable[[str], None] | None = None,
                         grams: dict[str, list[np.ndarray]] | None = None,
                         wide: bool = False) -> tuple[dict[str, np.ndarray], int]:
@@ -108,10 +119,7 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
     from ninfer.llm import LLM
 
     llm = LLM(model, n_ctx=n_ctx, threads=threads)
-    tokens = llm.tokenize(text)
-    chunks = calibration_chunks(tokens, n_ctx, max_chunks)
-    if not chunks:
-        raise InvalidArgumentError(f"the calibration text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}")
+    chunks = _calibration_chunks_of(llm.tokenize(text), n_ctx, max_chunks)
     eng = llm._engine
     eng.set_collect_act_stats(True)
     if grams is not None:
@@ -198,10 +206,7 @@ def _sequential_calibration(mf: Any, text: str, max_chunks: int, *, wide: bool, 
     from ninfer.gsq_sequential import SequentialCalibration
     from ninfer.tokenizer import Tokenizer
 
-    tokens = Tokenizer.from_metadata(mf.metadata).encode(text)
-    chunks = calibration_chunks(tokens, 512, max_chunks)
-    if not chunks:
-        raise InvalidArgumentError(f"the calibration text has {len(tokens)} tokens, fewer than one chunk of 512")
+    chunks = _calibration_chunks_of(Tokenizer.from_metadata(mf.metadata).encode(text), CALIB_CTX, max_chunks)
     return SequentialCalibration(mf, chunks, gram_max_cols=GRAM_MAX_COLS, gram_block_cols=GRAM_BLOCK_COLS if wide
                                  else 0, source_stream=source_stream, log=log)
 
@@ -271,8 +276,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                                       source_stream=asymmetric, log=log)
         calib_tokens = sum(len(c) for c in seq.chunks)
     elif calib_file is not None:
-        importances, calib_tokens = collect_importances(src, _read_calib_text(calib_file), max_chunks=calib_chunks, threads=threads, log=log,
-                                                        grams=grams if feedback else None, wide=feedback_wide)
+        importances, calib_tokens = collect_importances(src, _read_calib_text(calib_file), max_chunks=calib_chunks,
+                                                        threads=threads, log=log, grams=grams if feedback else None,
+                                                        wide=feedback_wide)
         if save_importances is not None:
             np.savez(save_importances, **importances)
     elif importances_file is not None:
