@@ -219,7 +219,7 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
-    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_pairs_type, gsq_type, to_gpu
+    from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_pairs_type, gsq_type, to_gpu
     from ninfer.synth import random_gsq_records
 
     rng = np.random.default_rng(bits + slots + n)
@@ -246,8 +246,10 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
             assert nmse(out.get(), ref) < 1e-6, (by_pairs, ks, nmse(out.get(), ref))
         # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
         if not norm:
-            aq, ad, as_ = cp.zeros(n, cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32)
-            K.quant_act(x_d.data.ptr, n, ACT_GSQ8, aq.data.ptr, ad.data.ptr, as_.data.ptr)
+            aq = cp.zeros(K.act_code_bytes(n, by_pairs), cp.int8)
+            ad, as_ = cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32)
+            K.quant_act(x_d.data.ptr, n, ACT_GSQ8_PAIRS if by_pairs else ACT_GSQ8, aq.data.ptr, ad.data.ptr,
+                        as_.data.ptr)
             out[:] = 0
             K.gemv(ACT_GSQ8, descs, 1, rows, n, 0, 0, 1e-6, K.MODE_STORE, pre=(aq.data.ptr, ad.data.ptr, as_.data.ptr),
                    gsq_pairs=by_pairs)

@@ -30,7 +30,8 @@ from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
 from ninfer.backends import launch
-from ninfer.backends.layouts import QUANTIZED_ACTS, gpu_row_bytes, gpu_type, gsq_pairs_type, layout, to_gpu
+from ninfer.backends.layouts import (ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type, gsq_pairs_type, layout,
+                                     to_gpu)
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -193,7 +194,7 @@ class CudaEngine:
         self.att = cp.zeros((T, self.att_dim), f32)
         self.gu = cp.zeros((T, 2 * self.n_ff), f32)
         self.act = cp.zeros((T, self.n_ff), f32)
-        self.aq = cp.zeros(T * width, cp.int8)
+        self.aq = cp.zeros(T * width + width // 8, cp.int8)  # (+: one vector's padded ACT_GSQ8_PAIRS codes)
         self.ad = cp.zeros(T * width // 32, f32)
         self.as_ = cp.zeros(2 * T * width // 32, f32)
         self.ah = cp.zeros(T * width, cp.uint16)
@@ -548,11 +549,12 @@ class CudaEngine:
             descs = K.mat_descs([(m.ptr, 0, o, m.row_bytes, m.type, m.rows) for m, o in group])
             keep.append(descs)
             total = group[0][0].rows if mode == K.MODE_GLU else sum(m.rows for m, _ in group)
+            pairs = K.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
             pre = None
             if prequantize and not norm and kind in QUANTIZED_ACTS:
                 pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
-                ops.append(lambda kind=kind, pre=pre: K.quant_act(x, n, kind, *pre))
-            pairs = K.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
+                q_kind = ACT_GSQ8_PAIRS if pairs else kind
+                ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
             ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
                 kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs))
         return ops

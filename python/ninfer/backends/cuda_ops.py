@@ -93,9 +93,15 @@ def mat_descs(entries: list[tuple[int, int, int, int, int, int]]):
     return cp.asarray(d.view(np.uint8))
 
 
-def gemv_smem(act: int, n: int) -> int:
+def act_code_bytes(n: int, gsq_pairs: bool = False) -> int:
+    """Bytes of an n-element activation's int8 codes: n, or 144 a record of 128 for the lane-pair kernel
+    (ACT_GSQ8_PAIRS, kernels/common.cuh)."""
+    return n // 8 * 9 if gsq_pairs else n
+
+
+def gemv_smem(act: int, n: int, gsq_pairs: bool = False) -> int:
     """Shared memory of a GEMV block's activation (the prologue's layout in kernels/gemv.cu)."""
-    return 4 * n if act in (ACT_F32, ACT_F16, ACT_BF16) else n + 12 * (n // 32)
+    return 4 * n if act in (ACT_F32, ACT_F16, ACT_BF16) else act_code_bytes(n, gsq_pairs) + 12 * (n // 32)
 
 
 def _allow_smem(fn, smem: int) -> None:
@@ -132,12 +138,13 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = GEMV_WARPS, k_split: int = 0,
          gsq_pairs: bool = False) -> None:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
-    inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then). kernel (a
+    inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
+    ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
     compiled function), rows_per_warp, warps_per_block: another instantiation of the template, k_split: warps
     per row instead of gemv_k_split's choice (for scripts/gemv-bench). gsq_pairs (GSQ8 activations only): the
     lane-pair kernel for 3-bit records (gsq_pairs())."""
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
-    smem = 0 if pre else gemv_smem(act, n_cols)
+    smem = 0 if pre else gemv_smem(act, n_cols, gsq_pairs)
     _allow_smem(fn, smem)
     threads = 32 * warps_per_block
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output

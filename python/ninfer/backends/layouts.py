@@ -10,6 +10,7 @@ import numpy as np
 
 # Activation kinds (kernels/common.cuh ACT_*).
 ACT_F32, ACT_F16, ACT_BF16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_GSQ8 = range(7)
+ACT_GSQ8_PAIRS = 7  # ACT_GSQ8's codes padded to 144 bytes a record, for the lane-pair kernel (common.cuh)
 T_GSQ = 256  # GPU type ids of GSQ-RCO matrices: T_GSQ + 32 * (bits - 3) + slots (kernels/common.cuh)
 
 

@@ -280,14 +280,12 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 // loads only what that needs: the half's 16 bytes of low code bits, its 8 bytes of high bits (quant.cuh: the
 // GPU's 3-bit order gives each half its own bytes) and the 16-byte header. A warp's 16 pairs take the records
 // of its R rows as one flat list (record k of the group: row k / n_rec), so narrow rows still fill the warp.
-// Sub-blocks are taken in a rotated order (t + pair) % 4, so the eight lanes of a quarter-warp read eight
-// different 16-byte bank groups of the activation.
+// The kernel's activation is ACT_GSQ8_PAIRS (common.cuh): record g's codes at byte 144 g, so the four pairs of a
+// quarter-warp, on consecutive records, read eight different 16-byte bank groups while every lane takes its
+// sub-blocks in order (constant shifts for the codes).
 // A kernel of its own (gemv_gsq8_pairs) takes records by pairs; the launcher picks it for big launches only
 // (cuda_ops.gsq_pairs: every product of the 32B shape, none of the 1.5B's), so the unit loop's kernel keeps its
 // smaller register count and occupancy.
-#ifndef GEMV_GSQ_ROT
-#define GEMV_GSQ_ROT 1  // sub-blocks in rotated order (0: in order, shifts by constants, 4-way bank conflicts)
-#endif
 #ifndef GEMV_GSQ_PAIRS_U
 // Records a lane loads before it computes any. Five: the whole share of a pair in the 32B shape's 5,120-wide
 // products (two rows of 40 records for 16 pairs) in one round of loads, at 129 registers (one block an SM). H200,
@@ -305,18 +303,17 @@ struct Gsq3Half {
 
 // Half h of a record with the activation: the integer sums of codes, the mins against the activation's sums per
 // 16, slot h.
-__device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, int rot, const int* aq, const float* ad,
+__device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const int* aq, const float* ad,
                                                const float2* as) {
     const int4 hd = r.hd;
-    const int4* xq = (const int4*)aq + 8 * r.rec + 4 * h;  // sub-block t of the half: xq[t] (16 codes)
+    const int4* xq = (const int4*)aq + 9 * r.rec + 4 * h;  // sub-block t of the half: xq[t] (16 codes)
     const int sw = h ? hd.z : hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
     const int sc4 = sw & 0x0F0F0F0F;
     const int l[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
     const u32 hl[2] = {(u32)r.hi.x << 2, (u32)r.hi.y << 2}, hh[2] = {(u32)r.hi.x >> 30, (u32)r.hi.y >> 30};
     int isum = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int t = (i + rot) & 3;
+    for (int t = 0; t < 4; ++t) {
         const int4 x = xq[t];
         const int xs[4] = {x.x, x.y, x.z, x.w};
         int dot = 0;
@@ -330,7 +327,7 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, int rot
     // Slot h of the two in the header's last word: v * sc / 16 times the activation at its position.
     const int slot = (hd.w >> (16 * h)) & 0xFFFF, pos = slot & 127, v = (int)(i8)(slot >> 8);
     const int sc = ((pos & 64 ? hd.z : hd.y) >> (8 * ((pos >> 4) & 3))) & 15;
-    const int ssum = v * sc * (int)((const i8*)aq)[128 * r.rec + pos];
+    const int ssum = v * sc * (int)((const i8*)aq)[144 * r.rec + pos];
     const float d = h2f((u16)(hd.x & 0xFFFF)), dmin = h2f((u16)((u32)hd.x >> 16));
     return ad[4 * r.rec] * (d * ((float)isum + (float)ssum * 0.0625f) - dmin * msum);
 }
@@ -340,7 +337,7 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, int rot
 template <int R, int U>
 __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_first, int u_step, int n_rec,
                                                     const int* aq, const float* ad, const float2* as, float* acc) {
-    const int h = u_first & 1, lane = threadIdx.x & 31, rot = GEMV_GSQ_ROT ? (lane >> 1) & 3 : 0;
+    const int h = u_first & 1, lane = threadIdx.x & 31;
     const int first = u_first >> 1, step = u_step >> 1, n_tasks = R * n_rec;
     const int d_row = step / n_rec, d_rec = step - d_row * n_rec;
     int row = first / n_rec, rec = first - row * n_rec;  // this lane's next record: (row, rec)
@@ -370,7 +367,7 @@ __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_fi
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             if (t[k].row < R) {
-                const float v = gsq3_half_dot(t[k], h, rot, aq, ad, as);
+                const float v = gsq3_half_dot(t[k], h, aq, ad, as);
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] += t[k].row == r ? v : 0.0f;
             }
@@ -593,20 +590,20 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
 
     // The activation: quantized codes, unit scales and sums (or f32 values) in shared memory, unless a previous
     // launch quantized it (pre_q: a long vector, where every block repeating the work would cost more). Layout:
-    // n int8 codes, n/32 float scales, n/32 float2 sums (or n floats); cuda_ops.gemv_smem sizes it. (Copying a
-    // pre-quantized input into shared memory too, for shared-memory loads in the inner loops, measured slower on
-    // the H200: 1.5B-shape Q4_K_M tg128 782 against 805 tokens/s.)
+    // n int8 codes (9n/8 for the pair kernel), n/32 float scales, n/32 float2 sums (or n floats);
+    // cuda_ops.gemv_smem sizes it. (Copying a pre-quantized input into shared memory too, for shared-memory loads
+    // in the inner loops, measured slower on the H200: 1.5B-shape Q4_K_M tg128 782 against 805 tokens/s.)
     const bool quant = !(ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16);
     const void* act_q = pre_q;
     const float* sd = pre_d;
     const float2* ss = pre_s;
     if (!pre_q) {
         i8* q = (i8*)gemv_sm;
-        float* d = (float*)(q + n_cols);
+        float* d = (float*)(q + (PAIRS ? n_cols / 8 * 9 : n_cols));  // (ACT_GSQ8_PAIRS: 144 bytes a record)
         float2* sums = (float2*)(d + (n_cols >> 5));
         float* f = (float*)gemv_sm;
         constexpr int V = ACT == ACT_Q8_K ? 8 : ACT == ACT_GSQ8 ? 4 : 1;  // norm.cu's group shape of the kind
-        norm_quant_v<V>(x, norm_w, eps, n_cols, ACT, quant ? q : 0, d, sums, 0, quant ? 0 : f);
+        norm_quant_v<V>(x, norm_w, eps, n_cols, PAIRS ? ACT_GSQ8_PAIRS : ACT, quant ? q : 0, d, sums, 0, quant ? 0 : f);
         __syncthreads();
         act_q = quant ? (const void*)q : (const void*)f;
         sd = d;

@@ -3,7 +3,8 @@
 // the next matrix product wants:
 //   act Q8_0 / Q8_1 / Q8_K: int8 quants, a scale per 32-element unit, per-unit sums (the CPU's quantizers,
 //                           byte for byte: d = amax / 127 with ties-to-even codes; Q8_K's -127 / signed max);
-//   act GSQ8:               GSQ-RCO's int8 activations (gsq::ActQ8): a scale per 128, stored per unit;
+//   act GSQ8:               GSQ-RCO's int8 activations (gsq::ActQ8): a scale per 128, stored per unit (GSQ8_PAIRS:
+//                           the codes of each 128 padded to 144 bytes for the lane-pair kernel, common.cuh);
 //   act F32 / F16 / BF16:   y in f32, rounded to f16 / bf16 where the CPU rounds it.
 // Outputs are optional (null pointers are skipped): out_q/out_d/out_s for the decode GEMV, out_h (f16, the
 // dequantized activation) for the prefill GEMM, out_f (f32 y) for anything else.
@@ -46,11 +47,12 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
         amax = warp_max(amax);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int sum4 = 0;
+        const int qi = act == ACT_GSQ8_PAIRS ? i0 + 16 * g : i0;  // (common.cuh: the pair kernel's padding)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int q = (int)fminf(fmaxf(roundf(y[k] * id), -127.0f), 127.0f);
             sum4 += q;
-            if (out_q) out_q[i0 + k] = (i8)q;
+            if (out_q) out_q[qi + k] = (i8)q;
             if (out_h) out_h[i0 + k] = f2h((float)q * d);
             if (out_f) out_f[i0 + k] = y[k];
         }
@@ -140,7 +142,8 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
 __device__ void norm_quant_cta(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
                                float2* out_s, u16* out_h, float* out_f) {
     if (act == ACT_Q8_K) norm_quant_v<8>(x, w, eps, n, act, out_q, out_d, out_s, out_h, out_f);
-    else if (act == ACT_GSQ8) norm_quant_v<4>(x, w, eps, n, act, out_q, out_d, out_s, out_h, out_f);
+    else if (act == ACT_GSQ8 || act == ACT_GSQ8_PAIRS)
+        norm_quant_v<4>(x, w, eps, n, act, out_q, out_d, out_s, out_h, out_f);
     else norm_quant_v<1>(x, w, eps, n, act, out_q, out_d, out_s, out_h, out_f);
 }
 
@@ -159,7 +162,8 @@ extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, 
     grid_dep_launch();
     grid_dep_wait();
     const int off = blockIdx.x * 2048, len = min(2048, n - off);
-    norm_quant_cta(x + off, 0, 0.0f, len, act, out_q ? out_q + off : 0, out_d + off / 32, out_s + off / 32, 0,
+    const int q_off = act == ACT_GSQ8_PAIRS ? off / 8 * 9 : off;
+    norm_quant_cta(x + off, 0, 0.0f, len, act, out_q ? out_q + q_off : 0, out_d + off / 32, out_s + off / 32, 0,
                    out_f ? out_f + off : 0);
 }
 
