@@ -375,13 +375,13 @@ __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_fi
     }
 }
 
-template <int BITS, int R, int U>
+// PAIRS: the lane-pair kernel (gemv_gsq8_pairs), which takes 3-bit records with at most two slots by lane pairs.
+template <int BITS, int R, int U, bool PAIRS>
 __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u_first, int u_step, int n_units,
-                                             const int* aq, const float* ad, const float2* as, float* acc,
-                                             bool pairs) {
+                                             const int* aq, const float* ad, const float2* as, float* acc) {
     const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
-    if constexpr (BITS == 3) {
-        if (rb == 64 && pairs) {
+    if constexpr (BITS == 3 && PAIRS) {
+        if (rb == 64) {
             rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U>(w, u_first, u_step, n_units >> 2, aq, ad, as, acc);
             return;
         }
@@ -454,10 +454,9 @@ __device__ __forceinline__ float row_dot_f(int type, const u8* row, int n, const
 }
 
 // Dots of R rows of one quantized type with the activation: the type switch over rows_dot_q.
-template <int ACT, int R, int U>
+template <int ACT, int R, int U, bool PAIRS>
 __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int u_first, int u_step, int n_units,
-                                               const int* aq, const float* act_d, const float2* act_s, float* acc,
-                                               bool pairs) {
+                                               const int* aq, const float* act_d, const float2* act_s, float* acc) {
 #define DOT_CASE(T) \
     case T: rows_dot_q<T, ACT, R, U>(w, u_first, u_step, n_units, aq, act_d, act_s, acc); return;
     if (ACT == ACT_Q8_0) {
@@ -467,8 +466,8 @@ __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int
     } else if (ACT == ACT_Q8_K) {
         switch (type) { DOT_CASE(T_Q2_K) DOT_CASE(T_Q3_K) DOT_CASE(T_Q4_K) DOT_CASE(T_Q5_K) DOT_CASE(T_Q6_K) }
     } else if (ACT == ACT_GSQ8 && type >= T_GSQ) {
-        if (gsq_bits(type) == 4) rows_dot_gsq<4, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc, pairs);
-        else rows_dot_gsq<3, R, U>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc, pairs);
+        if (gsq_bits(type) == 4) rows_dot_gsq<4, R, U, PAIRS>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc);
+        else rows_dot_gsq<3, R, U, PAIRS>(type, w, u_first, u_step, n_units, aq, act_d, act_s, acc);
         return;
     }
 #undef DOT_CASE
@@ -479,10 +478,9 @@ __device__ __forceinline__ void rows_dot_typed(int type, const u8* const* w, int
 
 // Dots of R rows (row pointers w, types ty) with the activation, into acc (this lane's partial sums over units,
 // or float4s for float weights, first, first + step, ...).
-template <int ACT, int R, int U>
+template <int ACT, int R, int U, bool PAIRS>
 __device__ __forceinline__ void rows_dot(const u8* const* w, const int* ty, int n_cols, int first, int step,
-                                         const void* act_q, const float* act_d, const float2* act_s, float* acc,
-                                         bool pairs) {
+                                         const void* act_q, const float* act_d, const float2* act_s, float* acc) {
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     if (ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16) {
@@ -496,13 +494,13 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const int* ty, int 
 #pragma unroll
     for (int r = 1; r < R; ++r) same = same && ty[r] == ty[0];
     if (same) {
-        rows_dot_typed<ACT, R, U>(ty[0], w, first, step, n_units, aq, act_d, act_s, acc, pairs);
+        rows_dot_typed<ACT, R, U, PAIRS>(ty[0], w, first, step, n_units, aq, act_d, act_s, acc);
         return;
     }
     // Rows of two types (only at a boundary between matrices of a launch): one row at a time.
 #pragma unroll
     for (int r = 0; r < R; ++r)
-        rows_dot_typed<ACT, 1, U>(ty[r], w + r, first, step, n_units, aq, act_d, act_s, acc + r, pairs);
+        rows_dot_typed<ACT, 1, U, PAIRS>(ty[r], w + r, first, step, n_units, aq, act_d, act_s, acc + r);
 }
 
 // Orderable key of (value, index): larger value wins, then the smaller index (the CPU sampler's first maximum).
@@ -610,7 +608,6 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         ss = sums;
     }
 
-    constexpr bool gsq_pairs = PAIRS;  // 3-bit GSQ-RCO records by lane pairs (rows_dot_gsq3_pairs)
     u64 key = 0;
     for (int st = blockIdx.x; st < n_steps; st += gridDim.x) {  // every warp of the block runs every step
         const int g = st * per_step + warp / ks;
@@ -618,7 +615,7 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         float acc[R];
         if (g < n_groups) {
             group_rows<R>(mats, n_mats, total_rows, is_glu, first, w, ty, row, mi);
-            rows_dot<ACT, R, U>(w, ty, n_cols, first_unit, unit_step, act_q, sd, ss, acc, gsq_pairs);
+            rows_dot<ACT, R, U, PAIRS>(w, ty, n_cols, first_unit, unit_step, act_q, sd, ss, acc);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
         }
