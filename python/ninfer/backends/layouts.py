@@ -4,6 +4,7 @@ CPU backend's act_type, so the GPU's integer dot products see the CPU's activati
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,18 +112,26 @@ def _gsq3_plane_indices() -> tuple[np.ndarray, np.ndarray]:
 GSQ3_LO_WEIGHTS, GSQ3_HI_WEIGHTS = _gsq3_plane_indices()
 
 
+@functools.cache
+def _gsq3_plane_gathers(xp) -> tuple:
+    """gsq3_gpu_planes' index arrays, made once per array module (on the device for cupy), not per chunk."""
+    w = np.arange(128)
+    return (xp.asarray(w % 32), xp.asarray(32 + w % 16), xp.asarray((2 * (w // 32)).astype(np.uint8)),
+            xp.asarray((w // 16).astype(np.uint8)), [xp.asarray(GSQ3_LO_WEIGHTS[:, t]) for t in range(4)],
+            [xp.asarray(GSQ3_HI_WEIGHTS[:, b]) for b in range(8)])
+
+
 def gsq3_gpu_planes(codes48, xp=np):
     """[n, 48] 3-bit code bytes as the file has them (plane 0: byte j bits 2t..2t + 1 = bits 0-1 of weight 32t + j;
     plane 1: byte j bit b = bit 2 of weight 16b + j) -> [n, 48] in the GPU's order (_gsq3_plane_indices)."""
-    w = np.arange(128)
-    p0, p1 = codes48[:, xp.asarray(w % 32)], codes48[:, xp.asarray(32 + w % 16)]
-    lo = (p0 >> xp.asarray((2 * (w // 32)).astype(np.uint8))) & np.uint8(3)  # [n, 128]: weight w's bits 0-1
-    hi = (p1 >> xp.asarray((w // 16).astype(np.uint8))) & np.uint8(1)  # bit 2
+    byte0, byte1, shift0, shift1, lo_of, hi_of = _gsq3_plane_gathers(xp)
+    lo = (codes48[:, byte0] >> shift0) & np.uint8(3)  # [n, 128]: weight w's bits 0-1
+    hi = (codes48[:, byte1] >> shift1) & np.uint8(1)  # bit 2
     out = xp.zeros_like(codes48)
     for t in range(4):
-        out[:, :32] |= lo[:, xp.asarray(GSQ3_LO_WEIGHTS[:, t])] << np.uint8(2 * t)
+        out[:, :32] |= lo[:, lo_of[t]] << np.uint8(2 * t)
     for b in range(8):
-        out[:, 32:] |= hi[:, xp.asarray(GSQ3_HI_WEIGHTS[:, b])] << np.uint8(b)
+        out[:, 32:] |= hi[:, hi_of[b]] << np.uint8(b)
     return out
 
 
