@@ -149,6 +149,9 @@ __device__ __forceinline__ float glu(float g, float u, int act) {
 // groups with their sub-blocks in order. Scales and sums as ACT_GSQ8. Only the quantizers write it.
 #define ACT_GSQ8_PAIRS 7
 
+// Where element i's code sits in an ACT_GSQ8_PAIRS activation (also the bytes of i codes, i a multiple of 128).
+__device__ __forceinline__ int gsq8_pairs_at(int i) { return i + 16 * (i >> 7); }
+
 // GGML type ids.
 #define T_F32 0
 #define T_F16 1

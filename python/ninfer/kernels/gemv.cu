@@ -597,7 +597,7 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
     const float2* ss = pre_s;
     if (!pre_q) {
         i8* q = (i8*)gemv_sm;
-        float* d = (float*)(q + (PAIRS ? n_cols / 8 * 9 : n_cols));  // (ACT_GSQ8_PAIRS: 144 bytes a record)
+        float* d = (float*)(q + (PAIRS ? gsq8_pairs_at(n_cols) : n_cols));  // (ACT_GSQ8_PAIRS: 144 bytes a record)
         float2* sums = (float2*)(d + (n_cols >> 5));
         float* f = (float*)gemv_sm;
         constexpr int V = ACT == ACT_Q8_K ? 8 : ACT == ACT_GSQ8 ? 4 : 1;  // norm.cu's group shape of the kind

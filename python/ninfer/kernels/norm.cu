@@ -47,7 +47,7 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
         amax = warp_max(amax);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int sum4 = 0;
-        const int qi = act == ACT_GSQ8_PAIRS ? i0 + 16 * g : i0;  // (common.cuh: the pair kernel's padding)
+        const int qi = act == ACT_GSQ8_PAIRS ? gsq8_pairs_at(i0) : i0;  // (common.cuh: the pair kernel's padding)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int q = (int)fminf(fmaxf(roundf(y[k] * id), -127.0f), 127.0f);
@@ -162,7 +162,7 @@ extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, 
     grid_dep_launch();
     grid_dep_wait();
     const int off = blockIdx.x * 2048, len = min(2048, n - off);
-    const int q_off = act == ACT_GSQ8_PAIRS ? off / 8 * 9 : off;
+    const int q_off = act == ACT_GSQ8_PAIRS ? gsq8_pairs_at(off) : off;
     norm_quant_cta(x + off, 0, 0.0f, len, act, out_q ? out_q + q_off : 0, out_d + off / 32, out_s + off / 32, 0,
                    out_f ? out_f + off : 0);
 }
