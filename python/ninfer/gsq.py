@@ -30,14 +30,16 @@ from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError
 
 FORMAT_VERSION = 2
 GROUP = 128  # weights per record (format version 2)
+Q2K_WEIGHTS, Q2K_BLOCK_BYTES, Q2K_TYPE = 256, 84, 10  # llama.cpp's block_q2_K and its GGML type id
 _INFO_WIDTH = 320  # bytes reserved for each tensor's JSON in the header
 _CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What happens to one tensor: 'gsq' with `bits`-bit codes and `slots` residual slots per record, or 'keep'
-    the source type."""
+    """What happens to one tensor: 'gsq' with `bits`-bit codes and `slots` residual slots per record, 'q2_k'
+    (llama.cpp's 2-bit k-quant, written by the same optimiser: for a token embedding that tolerates 2.625 bits),
+    or 'keep' the source type."""
 
     kind: str
     bits: int = 3
@@ -57,8 +59,8 @@ def default_policy(name: str, dims: tuple[int, ...], n_layer: int) -> Policy:
 
 
 def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]:
-    """--tensor-type REGEX=TYPE overrides, TYPE one of keep, gsq[3|4][:SLOTS] (first match wins; gsq is 3-bit,
-    two slots by default)."""
+    """--tensor-type REGEX=TYPE overrides, TYPE one of keep, q2_k, gsq[3|4][:SLOTS] (first match wins; gsq is
+    3-bit, two slots by default)."""
     out = []
     for spec in specs:
         if "=" not in spec:
@@ -68,11 +70,11 @@ def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]
             rx = re.compile(pattern)
         except re.error as e:
             raise InvalidArgumentError(f"--tensor-type {spec!r}: bad regular expression: {e}") from None
-        m = re.fullmatch(r"keep|gsq([34]?)(?::(\d+))?", ty.lower())
+        m = re.fullmatch(r"keep|q2_k|gsq([34]?)(?::(\d+))?", ty.lower())
         if not m:
-            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep or gsq[3|4][:SLOTS]")
-        if ty.lower() == "keep":
-            out.append((rx, Policy("keep")))
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep, q2_k or gsq[3|4][:SLOTS]")
+        if ty.lower() in ("keep", "q2_k"):
+            out.append((rx, Policy(ty.lower())))
             continue
         slots = int(m.group(2)) if m.group(2) else 2
         if slots > 16 or slots % 2:
@@ -292,10 +294,10 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     plans = []
     for t in mf.tensors:
         pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer)
-        if pol.kind == "gsq" and (len(t.dims) != 2 or t.dims[0] % GROUP):
+        block = Q2K_WEIGHTS if pol.kind == "q2_k" else GROUP
+        if pol.kind != "keep" and (len(t.dims) != 2 or t.dims[0] % block):
             pol = Policy("keep")  # an override cannot make a vector or a ragged row into groups
-        elif pol.kind == "gsq" and t.n_bytes <= t.n_elements // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits,
-                                                                                           slots=pol.slots):
+        elif pol.kind != "keep" and t.n_bytes <= _target_bytes(t.n_elements, pol):
             pol = Policy("keep")  # the source's tensor is exact and no larger (e.g. Q4_K against 4-bit GSQ-RCO)
         plans.append((t, pol))
     if seq is not None:  # the order in which the forward pass makes each matrix's statistics
@@ -313,11 +315,12 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                            f"{Path(calib_file).name}, {calib_tokens} tokens" if calib_tokens else
                            f"importances from {Path(calib_file).name}")
     for t, pol in plans:
-        if pol.kind == "gsq":
+        if pol.kind != "keep":
             cols, rows = t.dims
-            row_bytes = _core.gsq_row_bytes(cols, bits=pol.bits, slots=pol.slots)
-            w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8), rows * row_bytes,
-                              raw_dtype=gguf.GGMLQuantizationType.I8)
+            row_bytes = _target_bytes(cols, pol)
+            w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8 if pol.kind == "gsq" else np.uint8),
+                              rows * row_bytes, raw_dtype=gguf.GGMLQuantizationType.I8 if pol.kind == "gsq" else
+                              gguf.GGMLQuantizationType.Q2_K)
         else:
             outer = tuple(reversed(t.dims[1:]))  # the writer takes byte shapes for raw types: rows x row bytes
             shape = outer + (t.n_bytes // max(int(np.prod(outer)), 1),)
@@ -333,7 +336,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         done_bytes, all_bytes = 0, sum(t.n_bytes for t, _ in plans)
         for t, pol in plans:
             info: dict[str, Any] = {"shape": list(t.dims)}
-            if pol.kind == "gsq":
+            if pol.kind != "keep":
                 cols, rows = t.dims
                 wf = mf.dequantized(t)
                 if seq is not None and seq.reads(t.name):
@@ -345,7 +348,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
-                if gram is not None:
+                if pol.kind == "q2_k":  # importances only: the error feedback is written for GSQ-RCO records
+                    data, st = _core.q2_k_quantize(wf, h, steps=steps, threads=threads)
+                elif gram is not None:
                     data, st = quantize_with_feedback(wf, gram, bits=pol.bits, slots=pol.slots,
                                                       steps=steps, threads=threads, damp=feedback_damp,
                                                       order=feedback_order)
@@ -354,11 +359,13 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                                                   threads=threads)
                 del wf
                 if seq is not None:
-                    seq.set_weight(t.name, _core.gsq_dequantize(data.tobytes(), rows, cols, bits=pol.bits,
-                                                                slots=pol.slots))
+                    seq.set_weight(t.name, _dequantize_target(data, rows, cols, pol))
                 bpw = 8 * data.size / (rows * cols)
-                info.update(type="GSQ-RCO", bits=pol.bits, slots=pol.slots, bpw=round(bpw, 4),
-                            err=st["err"] / max(st["weight"], 1e-30), err_rtn=st["err_rtn"] / max(st["weight"], 1e-30))
+                errs = dict(err=st["err"] / max(st["weight"], 1e-30), err_rtn=st["err_rtn"] / max(st["weight"], 1e-30))
+                if pol.kind == "gsq":
+                    info.update(type="GSQ-RCO", bits=pol.bits, slots=pol.slots, bpw=round(bpw, 4), **errs)
+                else:
+                    info.update(type="Q2_K", bpw=round(bpw, 4), **errs)
                 for k in ("weight", "err", "err_rtn"):
                     totals[k] += st[k]
                 totals["gsq_weights"] += rows * cols
@@ -372,8 +379,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             infos.append(info)
             done_bytes += t.n_bytes
             el = time.perf_counter() - t0
-            if verbose and pol.kind == "gsq":
-                log(f"{t.name:32s} {info['bpw']:.3f} bpw  {pol.bits}-bit  slots {pol.slots}  "
+            if verbose and pol.kind != "keep":
+                kind = f"{pol.bits}-bit  slots {pol.slots}" if pol.kind == "gsq" else "Q2_K"
+                log(f"{t.name:32s} {info['bpw']:.3f} bpw  {kind}  "
                     f"weighted error {info['err_rtn']:.3e} -> {info['err']:.3e}")
             elif not verbose:
                 eta = el / max(done_bytes, 1) * (all_bytes - done_bytes)
@@ -390,6 +398,20 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     totals["seconds"] = time.perf_counter() - t0
     totals["bpw"] = 8 * totals["bytes"] / max(totals["weights"], 1)
     return totals
+
+
+def _target_bytes(n: int, pol: Policy) -> int:
+    """Bytes of `n` weights (whole records or blocks) under a 'gsq' or 'q2_k' policy."""
+    if pol.kind == "q2_k":
+        return n // Q2K_WEIGHTS * Q2K_BLOCK_BYTES
+    return n // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits, slots=pol.slots)
+
+
+def _dequantize_target(data: np.ndarray, rows: int, cols: int, pol: Policy) -> np.ndarray:
+    """What the engine will read back from a converted tensor, [rows, cols] f32."""
+    if pol.kind == "q2_k":
+        return _core.dequantize(Q2K_TYPE, data.tobytes(), rows * cols).reshape(rows, cols)
+    return _core.gsq_dequantize(data.tobytes(), rows, cols, bits=pol.bits, slots=pol.slots)
 
 
 def _copy_kv(w: Any, key: str, value: Any) -> None:
@@ -485,11 +507,12 @@ def inspect_table(path: str | os.PathLike[str]) -> str:
             f"{'tensor':34s} {'type':9s} {'bpw':>6s} {'bits':>4s} {'slots':>5s} {'w.err RTN':>10s} {'w.err':>10s}"]
     for t in mf.tensors:
         i = infos[t.name]
+        errs = " ".join(f"{v:10.3e}" if v is not None else f"{'-' if 'err' in i else '':>10s}"
+                        for v in (i.get("err_rtn"), i.get("err")))
         if i.get("type") == "GSQ-RCO":
-            errs = [f"{v:10.3e}" if v is not None else f"{'-':>10s}" for v in (i.get("err_rtn"), i.get("err"))]
-            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['bits']:4d} {i['slots']:5d} {' '.join(errs)}")
-        else:
-            rows.append(f"{t.name:34s} {i['type']:9s} {i['bpw']:6.3f} {'':4s} {'':5s} {'':10s} {'':10s}")
+            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['bits']:4d} {i['slots']:5d} {errs}")
+        else:  # a kept source tensor, or one the converter wrote as Q2_K (with its errors)
+            rows.append(f"{t.name:34s} {i['type']:9s} {i['bpw']:6.3f} {'':4s} {'':5s} {errs}")
     total_bits = 8 * sum(t.n_bytes for t in mf.tensors)
     total_w = sum(int(np.prod(infos[t.name]["shape"])) for t in mf.tensors)
     rows.append(f"total {mf.gguf.file_size / 2**20:.1f} MiB, {total_bits / max(total_w, 1):.3f} bits per weight")
@@ -506,7 +529,7 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--threads", type=int, default=0, help="worker threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="recorded in the metadata; the quantizer is deterministic")
     p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
-                   help="override a tensor's treatment: keep or gsq[3|4][:SLOTS] (first match wins)")
+                   help="override a tensor's treatment: keep, q2_k or gsq[3|4][:SLOTS] (first match wins)")
     p.add_argument("--calib-file", default=None, metavar="TEXT",
                    help="calibration text: weigh errors by each input's mean squared activation over it (imatrix)")
     p.add_argument("--calib-chunks", type=int, default=32,

@@ -1,5 +1,5 @@
 //! Python access to the GSQ-RCO format (`ninfer_core::gsq`): `gsq_quantize`, `gsq_dequantize`, `gsq_dot`,
-//! `gsq_dot_q8`.
+//! `gsq_dot_q8`, and `q2_k_quantize` (llama.cpp's Q2_K by the same optimiser).
 
 use ninfer_core::gsq::{self, Layout};
 use numpy::{
@@ -15,20 +15,24 @@ fn layout(bits: usize, slots: usize) -> PyResult<Layout> {
     Layout::new(bits, slots).map_err(to_py)
 }
 
-/// gsq_quantize(w[rows, cols] f32, h[cols] f32, bits, slots, steps, threads) ->
-/// (records[rows, row_bytes] u8, stats dict: weight, err_rtn, err, slots_used).
-#[pyfunction]
-#[pyo3(signature = (w, h, *, bits, slots, steps, threads))]
-fn gsq_quantize<'py>(
+/// The statistics as a dict: weight, err_rtn, err, slots_used.
+fn stats_dict<'py>(py: Python<'py>, stats: &gsq::RowStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("weight", stats.weight)?;
+    d.set_item("err_rtn", stats.err_rtn)?;
+    d.set_item("err", stats.err)?;
+    d.set_item("slots_used", stats.slots_used)?;
+    Ok(d)
+}
+
+/// Quantize `w` row by row with `quantize` (on the matrix's values and importances, without the GIL):
+/// (bytes[rows, row_bytes] u8, stats dict).
+fn quantize_with<'py>(
     py: Python<'py>,
     w: PyReadonlyArray2<'py, f32>,
     h: PyReadonlyArray1<'py, f32>,
-    bits: usize,
-    slots: usize,
-    steps: usize,
-    threads: usize,
+    quantize: impl FnOnce(&[f32], usize, &[f32]) -> ninfer_core::Result<(Vec<u8>, gsq::RowStats)> + Send,
 ) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyDict>)> {
-    let l = layout(bits, slots)?;
     let (rows, cols) = (w.shape()[0], w.shape()[1]);
     // Zero-copy for the contiguous arrays the converter passes (a copy only for a strided view): the largest
     // tensor's f32 copy is what bounds the converter's memory.
@@ -47,16 +51,40 @@ fn gsq_quantize<'py>(
             &h_owned
         }
     };
-    let (data, stats) = py
-        .detach(|| gsq::quantize_matrix(l, w, cols, h, &gsq::Options { steps }, threads))
-        .map_err(to_py)?;
+    let (data, stats) = py.detach(move || quantize(w, cols, h)).map_err(to_py)?;
     let row_bytes = data.len().checked_div(rows).unwrap_or(0);
-    let d = PyDict::new(py);
-    d.set_item("weight", stats.weight)?;
-    d.set_item("err_rtn", stats.err_rtn)?;
-    d.set_item("err", stats.err)?;
-    d.set_item("slots_used", stats.slots_used)?;
-    Ok((data.into_pyarray(py).reshape([rows, row_bytes])?, d))
+    Ok((data.into_pyarray(py).reshape([rows, row_bytes])?, stats_dict(py, &stats)?))
+}
+
+/// gsq_quantize(w[rows, cols] f32, h[cols] f32, bits, slots, steps, threads) ->
+/// (records[rows, row_bytes] u8, stats dict: weight, err_rtn, err, slots_used).
+#[pyfunction]
+#[pyo3(signature = (w, h, *, bits, slots, steps, threads))]
+fn gsq_quantize<'py>(
+    py: Python<'py>,
+    w: PyReadonlyArray2<'py, f32>,
+    h: PyReadonlyArray1<'py, f32>,
+    bits: usize,
+    slots: usize,
+    steps: usize,
+    threads: usize,
+) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyDict>)> {
+    let l = layout(bits, slots)?;
+    quantize_with(py, w, h, |w, cols, h| gsq::quantize_matrix(l, w, cols, h, &gsq::Options { steps }, threads))
+}
+
+/// q2_k_quantize(w[rows, cols] f32, h[cols] f32, steps, threads) -> (Q2_K blocks[rows, row_bytes] u8, stats dict):
+/// llama.cpp's Q2_K by the GSQ-RCO optimiser (cols a multiple of 256).
+#[pyfunction]
+#[pyo3(signature = (w, h, *, steps, threads))]
+fn q2_k_quantize<'py>(
+    py: Python<'py>,
+    w: PyReadonlyArray2<'py, f32>,
+    h: PyReadonlyArray1<'py, f32>,
+    steps: usize,
+    threads: usize,
+) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyDict>)> {
+    quantize_with(py, w, h, |w, cols, h| gsq::quantize_matrix_q2_k(w, cols, h, &gsq::Options { steps }, threads))
 }
 
 /// gsq_dequantize(data, rows, cols, bits, slots) -> f32[rows, cols].
@@ -132,6 +160,7 @@ fn gsq_row_bytes(cols: usize, bits: usize, slots: usize) -> PyResult<usize> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gsq_row_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(q2_k_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_dot, m)?)?;
     m.add_function(wrap_pyfunction!(gsq_dot_q8, m)?)?;

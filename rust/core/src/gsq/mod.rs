@@ -23,7 +23,7 @@
 
 mod quantize;
 
-pub use quantize::{quantize_row, Options, RowStats};
+pub use quantize::{quantize_row, quantize_row_q2_k, Options, RowStats, Q2K_BLOCK_BYTES};
 
 use crate::error::{Error, Result};
 use half::f16;
@@ -96,15 +96,42 @@ pub fn quantize_matrix(
     opts: &Options,
     threads: usize,
 ) -> Result<(Vec<u8>, RowStats)> {
-    use rayon::prelude::*;
+    check_matrix(w, cols, h)?;
+    let row_bytes = layout.row_bytes(cols)?;
+    quantize_rows(w, cols, row_bytes, threads, |row, dst| quantize_row(layout, row, h, opts, dst))
+}
+
+/// [`quantize_matrix`] to llama.cpp's Q2_K (rows of whole 256-weight blocks) by the same optimiser.
+pub fn quantize_matrix_q2_k(w: &[f32], cols: usize, h: &[f32], opts: &Options, threads: usize) -> Result<(Vec<u8>, RowStats)> {
+    check_matrix(w, cols, h)?;
+    if !cols.is_multiple_of(256) {
+        return Err(Error::InvalidArgument(format!("a row of {cols} weights is not a whole number of 256-weight Q2_K blocks")));
+    }
+    let row_bytes = cols / 256 * Q2K_BLOCK_BYTES;
+    quantize_rows(w, cols, row_bytes, threads, |row, dst| quantize_row_q2_k(row, h, opts, dst))
+}
+
+fn check_matrix(w: &[f32], cols: usize, h: &[f32]) -> Result<()> {
     if cols == 0 || !w.len().is_multiple_of(cols) || h.len() != cols {
         return Err(Error::InvalidArgument(format!(
-            "GSQ-RCO quantization of {} weights in rows of {cols} with {} importances",
+            "quantization of {} weights in rows of {cols} with {} importances",
             w.len(),
             h.len()
         )));
     }
-    let row_bytes = layout.row_bytes(cols)?;
+    Ok(())
+}
+
+/// Rows of `cols` weights through `quantize` into `row_bytes` each, on a pool of `threads`; the statistics summed
+/// in row order, so the totals (written to the file's metadata) do not depend on the thread count.
+fn quantize_rows(
+    w: &[f32],
+    cols: usize,
+    row_bytes: usize,
+    threads: usize,
+    quantize: impl Fn(&[f32], &mut [u8]) -> RowStats + Sync,
+) -> Result<(Vec<u8>, RowStats)> {
+    use rayon::prelude::*;
     let rows = w.len() / cols;
     let mut out = vec![0u8; rows * row_bytes];
     let pool = rayon::ThreadPoolBuilder::new()
@@ -112,12 +139,8 @@ pub fn quantize_matrix(
         .build()
         .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
     let per_row: Vec<RowStats> = pool.install(|| {
-        out.par_chunks_mut(row_bytes)
-            .zip(w.par_chunks(cols))
-            .map(|(dst, row)| quantize_row(layout, row, h, opts, dst))
-            .collect()
+        out.par_chunks_mut(row_bytes).zip(w.par_chunks(cols)).map(|(dst, row)| quantize(row, dst)).collect()
     });
-    // Summed in row order, so the totals (written to the file's metadata) do not depend on the thread count.
     let mut stats = RowStats::default();
     per_row.iter().for_each(|r| stats.add(r));
     Ok((out, stats))

@@ -22,7 +22,13 @@ use half::f16;
 
 use super::{pack_codes, Layout, GROUP, OFF_SCALES, RESIDUAL_UNIT, SUB};
 
+/// Sub-blocks of a GSQ-RCO record.
 const NSUB: usize = GROUP / SUB;
+/// A Q2_K super-block: 256 weights, 16 sub-blocks (the same (scale, min) nibbles, 2-bit codes).
+const Q2K_WEIGHTS: usize = 256;
+const Q2K_NSUB: usize = Q2K_WEIGHTS / SUB;
+/// Bytes of a Q2_K block: scales[16], qs[64], d, dmin (llama.cpp's `block_q2_K`).
+pub const Q2K_BLOCK_BYTES: usize = 84;
 
 /// What the quantizer may do besides the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,16 +68,16 @@ fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
 
-/// A record's grid as stored: d, dmin (f16-rounded) and the 4-bit integers per sub-block.
+/// A record's grid as stored: d, dmin (f16-rounded) and the 4-bit integers of its NS sub-blocks.
 #[derive(Clone, Copy, PartialEq)]
-struct Grid {
+struct Grid<const NS: usize> {
     d: f32,
     dmin: f32,
-    sc: [u8; NSUB],
-    m: [u8; NSUB],
+    sc: [u8; NS],
+    m: [u8; NS],
 }
 
-impl Grid {
+impl<const NS: usize> Grid<NS> {
     fn step(&self, s: usize) -> f32 {
         self.d * self.sc[s] as f32
     }
@@ -80,10 +86,11 @@ impl Grid {
     }
 }
 
+/// A record of G weights (NS sub-blocks of SUB; G = NS * SUB) as it would be stored, with its weighted error.
 #[derive(Clone)]
-struct Candidate {
-    grid: Grid,
-    codes: [u8; GROUP],
+struct Candidate<const NS: usize, const G: usize> {
+    grid: Grid<NS>,
+    codes: [u8; G],
     slots: Vec<(u8, i8)>,
     err: f64,
 }
@@ -151,10 +158,10 @@ fn to_nibble(v: f32, unit: f32) -> u8 {
 }
 
 /// Codes, slots and weighted error of a record on a given grid.
-fn evaluate(w: &[f32], e: &[f32], g: &Grid, nmax: u8, n_slots: usize) -> Candidate {
-    let mut codes = [0u8; GROUP];
-    let mut errs = [0f32; GROUP];
-    for i in 0..GROUP {
+fn evaluate<const NS: usize, const G: usize>(w: &[f32], e: &[f32], g: &Grid<NS>, nmax: u8, n_slots: usize) -> Candidate<NS, G> {
+    let mut codes = [0u8; G];
+    let mut errs = [0f32; G];
+    for i in 0..G {
         let s = i / SUB;
         let (step, off) = (g.step(s), g.offset(s));
         let c = if step > 0.0 { ((w[i] + off) / step).round().clamp(0.0, nmax as f32) as u8 } else { 0 };
@@ -163,10 +170,10 @@ fn evaluate(w: &[f32], e: &[f32], g: &Grid, nmax: u8, n_slots: usize) -> Candida
     }
     // The n_slots largest weighted errors, largest first, ties to the lower index (a partial insertion sort).
     let key = |j: usize| e[j] as f64 * (errs[j] as f64).powi(2);
-    let mut order = [0usize; GROUP + 1]; // the first `len` entries (no allocation: this runs every RCO step)
+    let mut order = [0usize; G]; // the first `len` entries (no allocation: this runs every RCO step; slots <= 16)
     let mut len = 0;
     if n_slots > 0 {
-        for j in 0..GROUP {
+        for j in 0..G {
             let kj = key(j);
             if len == n_slots && kj <= key(order[n_slots - 1]) {
                 continue;
@@ -195,11 +202,11 @@ fn evaluate(w: &[f32], e: &[f32], g: &Grid, nmax: u8, n_slots: usize) -> Candida
 
 /// Refit a candidate's grid by weighted least squares on the weights not in a slot: each sub-block's (scale,
 /// min) given its codes, rounded to nibbles of the current d and dmin, then (d, dmin) jointly given those.
-fn refit(w: &[f32], e: &[f32], c: &Candidate) -> Option<Grid> {
-    let mut in_slot = [false; GROUP];
+fn refit<const NS: usize, const G: usize>(w: &[f32], e: &[f32], c: &Candidate<NS, G>) -> Option<Grid<NS>> {
+    let mut in_slot = [false; G];
     c.slots.iter().for_each(|&(p, _)| in_slot[p as usize] = true);
     let mut g = c.grid;
-    for s in 0..NSUB {
+    for s in 0..NS {
         let (mut s0, mut s1, mut s2, mut t0, mut t1) = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64);
         for i in s * SUB..(s + 1) * SUB {
             if in_slot[i] {
@@ -222,7 +229,7 @@ fn refit(w: &[f32], e: &[f32], c: &Candidate) -> Option<Grid> {
     }
     // w_i ~ d * A_i - dmin * B_i with A_i = sc_s * c_i, B_i = m_s.
     let (mut aa, mut ab, mut bb, mut aw, mut bw) = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    for i in 0..GROUP {
+    for i in 0..G {
         if in_slot[i] {
             continue;
         }
@@ -256,12 +263,12 @@ fn refit(w: &[f32], e: &[f32], c: &Candidate) -> Option<Grid> {
 /// gives the largest sub-block scale exactly and the small ones coarsely (a scale of 2.4 units stores as 2); a
 /// smaller d (the largest then clips at 15, and its codes refit) often stores the rest better, so a few are tried
 /// on the whole record's error.
-fn initial(w: &[f32], e: &[f32], nmax: u8, n_slots: usize) -> Candidate {
-    let fits: [(f32, f32); NSUB] = std::array::from_fn(|s| fit_sub(&w[s * SUB..(s + 1) * SUB], &e[s * SUB..(s + 1) * SUB], nmax as f32));
+fn initial<const NS: usize, const G: usize>(w: &[f32], e: &[f32], nmax: u8, n_slots: usize) -> Candidate<NS, G> {
+    let fits: [(f32, f32); NS] = std::array::from_fn(|s| fit_sub(&w[s * SUB..(s + 1) * SUB], &e[s * SUB..(s + 1) * SUB], nmax as f32));
     let max_sc = fits.iter().fold(0.0f32, |a, f| a.max(f.0));
     let dmin = round_f16(fits.iter().fold(0.0f32, |a, f| a.max(f.1)) / 15.0);
     let m = std::array::from_fn(|s| to_nibble(fits[s].1, dmin));
-    let mut best: Option<Candidate> = None;
+    let mut best: Option<Candidate<NS, G>> = None;
     for div in [15.0f32, 15.5, 16.0, 17.0, 18.0] {
         let d = round_f16(max_sc / div);
         let g = Grid { d, dmin, sc: std::array::from_fn(|s| to_nibble(fits[s].0, d)), m };
@@ -287,6 +294,31 @@ fn rtn_error(w: &[f32], h: &[f32]) -> f64 {
         .sum()
 }
 
+/// The optimiser's per-weight weights of a row (see the module documentation).
+fn optimiser_weights(w: &[f32], h: &[f32]) -> Vec<f32> {
+    let sigma2 = 2.0 * w.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / w.len().max(1) as f64;
+    w.iter().zip(h).map(|(&x, &hj)| hj * (sigma2 + (x as f64).powi(2)).sqrt() as f32).collect()
+}
+
+/// One record's initial fit, then at most `steps` RCO steps; the best candidate seen.
+fn optimise<const NS: usize, const G: usize>(w: &[f32], e: &[f32], nmax: u8, n_slots: usize, steps: usize) -> Candidate<NS, G> {
+    let mut last = initial::<NS, G>(w, e, nmax, n_slots);
+    let mut best = last.clone();
+    for _ in 0..steps {
+        let Some(g) = refit(w, e, &last) else { break };
+        let next = evaluate::<NS, G>(w, e, &g, nmax, n_slots);
+        let settled = next.grid == last.grid && next.codes == last.codes && next.slots == last.slots;
+        if next.err < best.err {
+            best = next.clone();
+        }
+        last = next;
+        if settled {
+            break;
+        }
+    }
+    best
+}
+
 /// Quantize one row `w` (a whole number of records) with per-column importances `h` (same length) into `out`
 /// (`layout.row_bytes(w.len())` bytes), refining each record for at most `opts.steps` RCO steps.
 ///
@@ -296,9 +328,7 @@ pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &
     assert_eq!(w.len(), h.len(), "weights and importances differ in length");
     assert_eq!(Some(out.len()), layout.row_bytes(w.len()).ok(), "output is not the row's size");
     let nmax = ((1usize << layout.bits) - 1) as u8;
-    let sigma2 = 2.0 * w.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / w.len().max(1) as f64;
-    // The optimiser's per-weight weights (see the module documentation).
-    let e: Vec<f32> = w.iter().zip(h).map(|(&x, &hj)| hj * (sigma2 + (x as f64).powi(2)).sqrt() as f32).collect();
+    let e = optimiser_weights(w, h);
     let mut stats = RowStats::default();
     for (((wg, hg), eg), rec) in w
         .chunks_exact(GROUP)
@@ -306,22 +336,9 @@ pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &
         .zip(e.chunks_exact(GROUP))
         .zip(out.chunks_exact_mut(layout.record_bytes()))
     {
-        stats.weight += wg.iter().zip(hg).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum::<f64>();
+        stats.weight += weight_of(wg, hg);
         stats.err_rtn += rtn_error(wg, hg);
-        let mut last = initial(wg, eg, nmax, layout.slots);
-        let mut best = last.clone();
-        for _ in 0..opts.steps {
-            let Some(g) = refit(wg, eg, &last) else { break };
-            let next = evaluate(wg, eg, &g, nmax, layout.slots);
-            let settled = next.grid == last.grid && next.codes == last.codes && next.slots == last.slots;
-            if next.err < best.err {
-                best = next.clone();
-            }
-            last = next;
-            if settled {
-                break;
-            }
-        }
+        let best = optimise::<NSUB, GROUP>(wg, eg, nmax, layout.slots, opts.steps);
         write_record(layout, &best, rec);
         stats.err += stored_error(wg, hg, &best);
         stats.slots_used += best.slots.len();
@@ -329,17 +346,49 @@ pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &
     stats
 }
 
+/// Quantize one row (a whole number of 256-weight blocks) to llama.cpp's Q2_K by the same optimiser: Q2_K's
+/// super-block is this format's record with 2-bit codes, 16 sub-blocks and no slots (the format for a tensor that
+/// tolerates 2.625 bits, such as a token embedding; docs/gsq-rco.md). `err_rtn` is the same 3-bit baseline.
+///
+/// # Panics
+/// If `out` is not the row's size or the lengths differ (the caller checks them).
+pub fn quantize_row_q2_k(w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
+    assert_eq!(w.len(), h.len(), "weights and importances differ in length");
+    assert!(w.len().is_multiple_of(Q2K_WEIGHTS) && out.len() == w.len() / Q2K_WEIGHTS * Q2K_BLOCK_BYTES,
+            "output is not the row's size");
+    let e = optimiser_weights(w, h);
+    let mut stats = RowStats::default();
+    for (((wg, hg), eg), block) in w
+        .chunks_exact(Q2K_WEIGHTS)
+        .zip(h.chunks_exact(Q2K_WEIGHTS))
+        .zip(e.chunks_exact(Q2K_WEIGHTS))
+        .zip(out.chunks_exact_mut(Q2K_BLOCK_BYTES))
+    {
+        stats.weight += weight_of(wg, hg);
+        stats.err_rtn += wg.chunks_exact(GROUP).zip(hg.chunks_exact(GROUP)).map(|(w, h)| rtn_error(w, h)).sum::<f64>();
+        let best = optimise::<Q2K_NSUB, Q2K_WEIGHTS>(wg, eg, 3, 0, opts.steps);
+        write_q2_k_block(&best, block);
+        stats.err += stored_error(wg, hg, &best);
+    }
+    stats
+}
+
+/// sum_i h_i w_i^2.
+fn weight_of(w: &[f32], h: &[f32]) -> f64 {
+    w.iter().zip(h).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum()
+}
+
 /// sum_i h_i (w_i - stored_i)^2 of a candidate.
-fn stored_error(w: &[f32], h: &[f32], c: &Candidate) -> f64 {
+fn stored_error<const NS: usize, const G: usize>(w: &[f32], h: &[f32], c: &Candidate<NS, G>) -> f64 {
     let g = &c.grid;
-    let mut d: Vec<f32> = (0..GROUP).map(|i| w[i] - (g.step(i / SUB) * c.codes[i] as f32 - g.offset(i / SUB))).collect();
+    let mut d: Vec<f32> = (0..G).map(|i| w[i] - (g.step(i / SUB) * c.codes[i] as f32 - g.offset(i / SUB))).collect();
     for &(j, v) in &c.slots {
         d[j as usize] -= v as f32 * g.step(j as usize / SUB) * RESIDUAL_UNIT;
     }
     d.iter().zip(h).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum()
 }
 
-fn write_record(layout: Layout, c: &Candidate, rec: &mut [u8]) {
+fn write_record(layout: Layout, c: &Candidate<NSUB, GROUP>, rec: &mut [u8]) {
     rec[0..2].copy_from_slice(&f16::from_f32(c.grid.d).to_le_bytes());
     rec[2..4].copy_from_slice(&f16::from_f32(c.grid.dmin).to_le_bytes());
     for s in 0..NSUB {
@@ -352,4 +401,21 @@ fn write_record(layout: Layout, c: &Candidate, rec: &mut [u8]) {
         slot_bytes[2 * k] = pos;
         slot_bytes[2 * k + 1] = val as u8;
     }
+}
+
+/// llama.cpp's `block_q2_K`: byte s of `scales` = sub-block s's scale (low nibble) and min (high nibble); byte l of
+/// each 32-byte half of `qs` holds, from the low bits up, the codes of that half's weights l, l + 32, l + 64 and
+/// l + 96; then d and dmin (f16).
+fn write_q2_k_block(c: &Candidate<Q2K_NSUB, Q2K_WEIGHTS>, block: &mut [u8]) {
+    for ((byte, &sc), &m) in block[..Q2K_NSUB].iter_mut().zip(&c.grid.sc).zip(&c.grid.m) {
+        *byte = sc | (m << 4);
+    }
+    let qs = &mut block[Q2K_NSUB..Q2K_NSUB + Q2K_WEIGHTS / 4];
+    qs.fill(0);
+    for (i, &code) in c.codes.iter().enumerate() {
+        let (half, j, l) = (i / 128, (i % 128) / 32, i % 32);
+        qs[32 * half + l] |= code << (2 * j);
+    }
+    block[80..82].copy_from_slice(&f16::from_f32(c.grid.d).to_le_bytes());
+    block[82..84].copy_from_slice(&f16::from_f32(c.grid.dmin).to_le_bytes());
 }

@@ -133,6 +133,37 @@ fn quantization_is_deterministic_for_any_thread_count() {
     assert_eq!(sa, sb);
 }
 
+/// Q2_K written by the optimiser reads back through the engine's Q2_K dequantizer with the reported error, beats
+/// a plain min/max 2-bit grid per 16 weights by a wide margin, and does not depend on the thread count.
+#[test]
+fn q2_k_rows_read_back_as_reported() {
+    let (rows, cols) = (6, 512);
+    let w = weights_with_outliers(41, rows * cols);
+    let h = importances(42, cols);
+    let (a, sa) = quantize_matrix_q2_k(&w, cols, &h, &steps(20), 1).unwrap();
+    let (b, sb) = quantize_matrix_q2_k(&w, cols, &h, &steps(20), 3).unwrap();
+    assert_eq!((&a, sa), (&b, sb));
+    assert_eq!(a.len(), rows * cols / 256 * Q2K_BLOCK_BYTES);
+    let mut deq = vec![0f32; rows * cols];
+    crate::quant::dequantize_row(crate::quant::GgmlType::Q2_K, &a, &mut deq).unwrap();
+    let hh: Vec<f32> = h.iter().cycle().take(rows * cols).copied().collect();
+    let err = weighted_err(&w, &deq, &hh);
+    assert!((err - sa.err).abs() <= 1e-5 * sa.weight, "{err} vs {}", sa.err);
+    // the baseline: each 16 weights on their own min/max 4-level grid, in f32 (more than Q2_K stores)
+    let plain: f64 = w
+        .chunks_exact(16)
+        .zip(hh.chunks_exact(16))
+        .map(|(w, h)| {
+            let (lo, hi) = w.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+            let step = (hi - lo) / 3.0;
+            let q: Vec<f32> = w.iter().map(|&x| lo + ((x - lo) / step).round() * step).collect();
+            weighted_err(w, &q, h)
+        })
+        .sum();
+    assert!(err < 0.8 * plain, "Q2_K {err} vs plain 2-bit {plain}");
+    assert!(quantize_matrix_q2_k(&w[..384], 384, &h[..384], &steps(1), 1).is_err(), "a row of 1.5 blocks");
+}
+
 #[test]
 fn bad_sizes_are_errors() {
     let l = Layout::new(3, 2).unwrap();
