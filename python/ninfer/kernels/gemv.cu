@@ -221,7 +221,7 @@ __device__ __forceinline__ float gsq_dot(const GsqRaw<BITS>& r, int u, const int
                                          const float2* as, const u8* rec, int slots) {
     const int j = u & 3;
     int q[8];
-    gsq_codes<BITS>(r.c0, r.c1, r.c2, j, q);
+    gsq_codes<BITS>(r, j, q);
     const int4* xq = (const int4*)(aq + 8 * u);
     const int4 x0 = xq[0], x1 = xq[1];
     const int s0 = __dp4a(q[0], x0.x, __dp4a(q[1], x0.y, __dp4a(q[2], x0.z, __dp4a(q[3], x0.w, 0))));
@@ -310,7 +310,8 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
     const int sw = h ? hd.z : hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
     const int sc4 = sw & 0x0F0F0F0F;
     const int l[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
-    const u32 hl[2] = {(u32)r.hi.x << 2, (u32)r.hi.y << 2}, hh[2] = {(u32)r.hi.x >> 30, (u32)r.hi.y >> 30};
+    u32 hl[2], hh[2];
+    gsq3_hi_words(r.hi, hl, hh);
     int isum = 0;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {

@@ -241,19 +241,43 @@ __device__ __forceinline__ int gsq3_quad(int lo, u32 hl, u32 hh, int t, int k) {
     return ((lo >> (2 * t)) & 0x03030303) | ((int)__funnelshift_r(hl, hh, 4 * (k & 1) + t) & 0x04040404);
 }
 
-// The 8 code ints of unit j (weights 32j + 4k .. 4k + 3 in int k), from the code vectors load_gsq loads:
-// 3 bits: c0 = the low bits of half j / 2, c2.x, c2.y = its high bits (c1 unused);
-// 4 bits: c0, c1 = the 32 nibble bytes of the unit (c2 unused).
+// The high-bit words of a 3-bit half record as the 34-bit values gsq3_quad takes: hl[w] = hi_w << 2 (low 32 bits),
+// hh[w] = its top two bits.
+__device__ __forceinline__ void gsq3_hi_words(int2 hi, u32* hl, u32* hh) {
+    hl[0] = (u32)hi.x << 2;
+    hl[1] = (u32)hi.y << 2;
+    hh[0] = (u32)hi.x >> 30;
+    hh[1] = (u32)hi.y >> 30;
+}
+
+// What unit u of a row reads of its record (the record at (u / 4) * rb): its codes and the record's header.
+// 3 bits: the low code bits of the unit's half (lo) and that half's high bits (hi); 4 bits: the unit's 32 nibble
+// bytes (c0, c1).
 template <int BITS>
-__device__ __forceinline__ void gsq_codes(int4 c0, int4 c1, int4 c2, int j, int* q) {
+struct GsqRaw;
+template <>
+struct GsqRaw<3> {
+    int4 lo;
+    int2 hi;
+    int4 h;
+};
+template <>
+struct GsqRaw<4> {
+    int4 c0, c1, h;
+};
+
+// The 8 code ints of unit j (weights 32j + 4k .. 4k + 3 in int k).
+template <int BITS>
+__device__ __forceinline__ void gsq_codes(const GsqRaw<BITS>& r, int j, int* q) {
     if constexpr (BITS == 4) {
-        const int p0[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        const int p0[8] = {r.c0.x, r.c0.y, r.c0.z, r.c0.w, r.c1.x, r.c1.y, r.c1.z, r.c1.w};
         const int s = 4 * (j >> 1);
 #pragma unroll
         for (int k = 0; k < 8; ++k) q[k] = (p0[k] >> s) & 0x0F0F0F0F;
     } else {
-        const int lo[4] = {c0.x, c0.y, c0.z, c0.w};
-        const u32 hl[2] = {(u32)c2.x << 2, (u32)c2.y << 2}, hh[2] = {(u32)c2.x >> 30, (u32)c2.y >> 30};
+        const int lo[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
+        u32 hl[2], hh[2];
+        gsq3_hi_words(r.hi, hl, hh);
         const int t0 = 2 * (j & 1);  // unit j: sub-blocks 2 (j % 2) and 2 (j % 2) + 1 of half j / 2
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
@@ -266,13 +290,6 @@ __device__ __forceinline__ void gsq_codes(int4 c0, int4 c1, int4 c2, int j, int*
 // Unit j's two scale bytes (sub-blocks 2j, 2j + 1) from the header's scale words.
 __device__ __forceinline__ int gsq_scale_pair(int4 h, int j) { return ((j < 2 ? h.y : h.z) >> (16 * (j & 1))) & 0xFFFF; }
 
-// What unit u of a row reads of its record (the record at (u / 4) * rb): the code vectors (3 bits: its half's
-// low bits in c0, high bits in c2.x, c2.y; 4 bits: the unit's nibble bytes in c0, c1) and the header.
-template <int BITS>
-struct GsqRaw {
-    int4 c0, c1, c2, h;
-};
-
 template <int BITS>
 __device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BITS>& r) {
     const u8* b = row + (long long)(u >> 2) * rb;
@@ -280,13 +297,10 @@ __device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BI
         const int4* c = (const int4*)(b + 32 * (u & 1));
         r.c0 = __ldg(c);
         r.c1 = __ldg(c + 1);
-        r.c2 = make_int4(0, 0, 0, 0);
     } else {
         const int hf = (u >> 1) & 1;
-        r.c0 = __ldg((const int4*)(b + 16 * hf));
-        const int2 hi = __ldg((const int2*)(b + 32 + 8 * hf));
-        r.c1 = make_int4(0, 0, 0, 0);
-        r.c2 = make_int4(hi.x, hi.y, 0, 0);
+        r.lo = __ldg((const int4*)(b + 16 * hf));
+        r.hi = __ldg((const int2*)(b + 32 + 8 * hf));
     }
     r.h = __ldg((const int4*)(b + gsq_header_offset(BITS)));
 }
@@ -299,7 +313,7 @@ __device__ __forceinline__ void gsq_dequant_unit(const u8* b, int j, int slots, 
     load_gsq<BITS>(b, j, 0, r);  // unit j of the row that starts at this record
     const int4 h = r.h;
     int q[8];
-    gsq_codes<BITS>(r.c0, r.c1, r.c2, j, q);
+    gsq_codes<BITS>(r, j, q);
     const float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)((u32)h.x >> 16));
     const int sp = gsq_scale_pair(h, j);
 #pragma unroll
