@@ -130,6 +130,22 @@ def test_sequential_conversion_writes_a_valid_file_in_forward_order(source: Path
     assert not (tmp_path / "y.gguf").exists()
 
 
+def test_sequential_pass_reads_q2_k_tensors_back(source: Path, tmp_path: Path) -> None:
+    """A Q2_K tensor (`--tensor-type REGEX=q2_k`) is handed to the forward pass as the engine will read it, so the
+    layers after it are fitted to its outputs: layer 1 differs from the all-GSQ-RCO file's."""
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    out, ref = tmp_path / "q2k.gguf", tmp_path / "ref.gguf"
+    kw = dict(steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True, sequential=True)
+    convert(source, out, tensor_types=[r"blk\.0\.ffn_down=q2_k"], **kw)
+    convert(source, ref, **kw)
+    assert verify(out) == (True, "ok")
+    infos, other = tensor_infos(out)[1], tensor_infos(ref)[1]
+    assert infos["blk.0.ffn_down.weight"]["type"] == "Q2_K"
+    assert infos["blk.0.attn_q.weight"]["blake2b"] == other["blk.0.attn_q.weight"]["blake2b"]
+    assert infos["blk.1.attn_q.weight"]["blake2b"] != other["blk.1.attn_q.weight"]["blake2b"]
+
+
 def test_asymmetric_target_is_the_least_squares_map_from_quantized_inputs_to_source_outputs() -> None:
     from ninfer.gsq_sequential import asymmetric_target
 
