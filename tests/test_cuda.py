@@ -209,6 +209,20 @@ def test_dequantize_to_f16_equals_cpu_dequantize(ty: str) -> None:
 GSQ_LAYOUTS = [(3, 0), (3, 2), (3, 6), (4, 2)]
 
 
+def test_lane_pair_launches_take_sixteen_warps_where_rounds_stay_full() -> None:
+    """cuda_ops.gsq_pairs_warps on the 32B shape's products, from (k split, steps, grid) with 8 and 16 warps a block
+    and 132 SMs holding one block each: q/k/v and gate/up take 16, o (its rounds 61% full with 16) and the down
+    projection (rows split four ways) 8."""
+    from ninfer.backends import cuda_ops as K
+
+    def plan(groups: int, warps: int, ks: int = 1) -> tuple[int, int, int]:
+        steps = -(-groups // (warps // ks))
+        return ks, steps, min(steps, 132)
+
+    for groups, ks, want in [(3584, 1, 16), (27648, 1, 16), (2560, 1, 8), (2560, 4, 8)]:
+        assert K.gsq_pairs_warps(plan(groups, 8, ks), plan(groups, 16, ks)) == want, groups
+
+
 @needs_cuda
 @pytest.mark.parametrize("bits,slots", GSQ_LAYOUTS)
 @pytest.mark.parametrize("n,norm,rows", [(1024, False, 333), (8960, True, 333), (4096, True, 4099)])
@@ -235,15 +249,17 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
     x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.asarray(base)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
     # Every K-split: the default one, the lane pairs' (3 bits, at most two slots), and eight warps a row; by the
-    # unit loop's kernel and, where the launcher would pick it, the lane-pair kernel (gemv_gsq8_pairs).
+    # unit loop's kernel and, where the launcher would pick it, the lane-pair kernel (gemv_gsq8_pairs), with the
+    # launcher's warps per block and with sixteen (cuda_ops.gsq_pairs_warps).
     pairs = gsq_pairs_type(tid) and K.gsq_pairs(n, rows)
     assert pairs == (bits == 3 and slots <= 2 and rows > 4096)
     for by_pairs in sorted({False, pairs}):
         for ks in sorted({K.gemv_k_split(n), K.gemv_k_split(n, gsq_pairs=by_pairs, groups=-(-rows // 2)), 8}):
-            out[:] = cp.asarray(base)
-            K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
-                   K.MODE_ADD if norm else K.MODE_STORE, k_split=ks, gsq_pairs=by_pairs)
-            assert nmse(out.get(), ref) < 1e-6, (by_pairs, ks, nmse(out.get(), ref))
+            for wpb in (0, 16) if by_pairs else (0,):
+                out[:] = cp.asarray(base)
+                K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
+                       K.MODE_ADD if norm else K.MODE_STORE, k_split=ks, gsq_pairs=by_pairs, warps_per_block=wpb)
+                assert nmse(out.get(), ref) < 1e-6, (by_pairs, ks, wpb, nmse(out.get(), ref))
         # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
         if not norm:
             aq = cp.zeros(K.act_code_bytes(n, by_pairs), cp.int8)

@@ -135,27 +135,50 @@ def resident_blocks(fn, threads: int, smem: int) -> int:
 
 def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int,
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
-         rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = GEMV_WARPS, k_split: int = 0,
+         rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False) -> None:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
-    compiled function), rows_per_warp, warps_per_block: another instantiation of the template, k_split: warps
-    per row instead of gemv_k_split's choice (for scripts/gemv-bench). gsq_pairs (GSQ8 activations only): the
-    lane-pair kernel for 3-bit records (gsq_pairs())."""
+    compiled function), rows_per_warp: another instantiation of the template, warps_per_block, k_split: warps
+    per block and per row instead of the launcher's choice (for scripts/gemv-bench). gsq_pairs (GSQ8 activations
+    only): the lane-pair kernel for 3-bit records (gsq_pairs())."""
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre else gemv_smem(act, n_cols, gsq_pairs)
     _allow_smem(fn, smem)
-    threads = 32 * warps_per_block
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
-    ks = k_split or gemv_k_split(n_cols, warps_per_block, gsq_pairs=gsq_pairs, groups=groups)
-    steps = -(-groups // (warps_per_block // ks))
-    grid = min(steps, resident_blocks(fn, threads, smem))
+
+    def plan(warps: int) -> tuple[int, int, int]:  # (k split, steps, grid) of a launch with `warps` a block
+        ks = k_split or gemv_k_split(n_cols, warps, gsq_pairs=gsq_pairs, groups=groups)
+        steps = -(-groups // (warps // ks))
+        return ks, steps, min(steps, resident_blocks(fn, 32 * warps, smem))
+
+    warps = warps_per_block or GEMV_WARPS
+    if gsq_pairs and not warps_per_block and fn.num_regs * 32 * 2 * GEMV_WARPS <= 65536:
+        warps = gsq_pairs_warps(plan(GEMV_WARPS), plan(2 * GEMV_WARPS))
+    ks, steps, grid = plan(warps)
+    threads = 32 * warps
     pq, pd, ps = pre or (0, 0, 0)
     launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
+
+
+def gsq_pairs_warps(plan_w: tuple[int, int, int], plan_2w: tuple[int, int, int]) -> int:
+    """Warps per block of a lane-pair launch, from its (k split, steps, grid) with GEMV_WARPS and with twice as many.
+    The pair kernel's 128 registers let an SM hold one block, so twice the warps is twice the loads in flight an SM:
+    taken where no row is split between warps and the persistent grid's rounds stay as full (at least 90% of the
+    fill with GEMV_WARPS). H200, synthetic 32B-shape GSQ3, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs with 8
+    and 16 warps: q/k/v 20.82 / 16.36 (rounds 85% / 85% full), gate/up 66.70 / 60.21 (97% / 94%), o 13.47 / 14.31
+    (81% / 61%), down (rows split four ways) 35.28 / 39.42."""
+    def fill(plan: tuple[int, int, int]) -> float:
+        _, steps, grid = plan
+        return steps / (-(-steps // grid) * grid)
+
+    if plan_2w[0] == 1 and fill(plan_2w) >= 0.9 * fill(plan_w):
+        return 2 * GEMV_WARPS
+    return GEMV_WARPS
 
 
 def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_f: int = 0) -> None:
