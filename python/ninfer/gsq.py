@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ninfer import _core
 from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError
 
 FORMAT_VERSION = 2
 GROUP = 128  # weights per record (format version 2)
-Q2K_WEIGHTS, Q2K_BLOCK_BYTES, Q2K_TYPE = 256, 84, 10  # llama.cpp's block_q2_K and its GGML type id
 _INFO_WIDTH = 320  # bytes reserved for each tensor's JSON in the header
 _CHUNK = 1 << 24
 
@@ -294,7 +294,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     plans = []
     for t in mf.tensors:
         pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer)
-        block = Q2K_WEIGHTS if pol.kind == "q2_k" else GROUP
+        block = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K][0] if pol.kind == "q2_k" else GROUP
         if pol.kind != "keep" and (len(t.dims) != 2 or t.dims[0] % block):
             pol = Policy("keep")  # an override cannot make a vector or a ragged row into groups
         elif pol.kind != "keep" and t.n_bytes <= _target_bytes(t.n_elements, pol):
@@ -403,14 +403,15 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
 def _target_bytes(n: int, pol: Policy) -> int:
     """Bytes of `n` weights (whole records or blocks) under a 'gsq' or 'q2_k' policy."""
     if pol.kind == "q2_k":
-        return n // Q2K_WEIGHTS * Q2K_BLOCK_BYTES
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]
+        return n // block * block_bytes
     return n // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits, slots=pol.slots)
 
 
 def _dequantize_target(data: np.ndarray, rows: int, cols: int, pol: Policy) -> np.ndarray:
     """What the engine will read back from a converted tensor, [rows, cols] f32."""
     if pol.kind == "q2_k":
-        return _core.dequantize(Q2K_TYPE, data.tobytes(), rows * cols).reshape(rows, cols)
+        return _core.dequantize(int(GGMLQuantizationType.Q2_K), data.tobytes(), rows * cols).reshape(rows, cols)
     return _core.gsq_dequantize(data.tobytes(), rows, cols, bits=pol.bits, slots=pol.slots)
 
 

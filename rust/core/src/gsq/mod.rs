@@ -23,7 +23,7 @@
 
 mod quantize;
 
-pub use quantize::{quantize_row, quantize_row_q2_k, Options, RowStats, Q2K_BLOCK_BYTES};
+pub use quantize::{quantize_row, quantize_row_q2_k, Options, RowStats};
 
 use crate::error::{Error, Result};
 use half::f16;
@@ -104,10 +104,11 @@ pub fn quantize_matrix(
 /// [`quantize_matrix`] to llama.cpp's Q2_K (rows of whole 256-weight blocks) by the same optimiser.
 pub fn quantize_matrix_q2_k(w: &[f32], cols: usize, h: &[f32], opts: &Options, threads: usize) -> Result<(Vec<u8>, RowStats)> {
     check_matrix(w, cols, h)?;
-    if !cols.is_multiple_of(256) {
-        return Err(Error::InvalidArgument(format!("a row of {cols} weights is not a whole number of 256-weight Q2_K blocks")));
+    use crate::quant::{GgmlType, QK_K};
+    if !cols.is_multiple_of(QK_K) {
+        return Err(Error::InvalidArgument(format!("a row of {cols} weights is not a whole number of {QK_K}-weight Q2_K blocks")));
     }
-    let row_bytes = cols / 256 * Q2K_BLOCK_BYTES;
+    let row_bytes = GgmlType::Q2_K.row_bytes(cols)?;
     quantize_rows(w, cols, row_bytes, threads, |row, dst| quantize_row_q2_k(row, h, opts, dst))
 }
 

@@ -21,14 +21,13 @@
 use half::f16;
 
 use super::{pack_codes, Layout, GROUP, OFF_SCALES, RESIDUAL_UNIT, SUB};
+use crate::quant::{GgmlType, QK_K};
 
 /// Sub-blocks of a GSQ-RCO record.
 const NSUB: usize = GROUP / SUB;
-/// A Q2_K super-block: 256 weights, 16 sub-blocks (the same (scale, min) nibbles, 2-bit codes).
-const Q2K_WEIGHTS: usize = 256;
+/// A Q2_K super-block: QK_K = 256 weights, 16 sub-blocks (the same (scale, min) nibbles, 2-bit codes).
+const Q2K_WEIGHTS: usize = QK_K;
 const Q2K_NSUB: usize = Q2K_WEIGHTS / SUB;
-/// Bytes of a Q2_K block: scales[16], qs[64], d, dmin (llama.cpp's `block_q2_K`).
-pub const Q2K_BLOCK_BYTES: usize = 84;
 
 /// What the quantizer may do besides the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -354,15 +353,15 @@ pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &
 /// If `out` is not the row's size or the lengths differ (the caller checks them).
 pub fn quantize_row_q2_k(w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
     assert_eq!(w.len(), h.len(), "weights and importances differ in length");
-    assert!(w.len().is_multiple_of(Q2K_WEIGHTS) && out.len() == w.len() / Q2K_WEIGHTS * Q2K_BLOCK_BYTES,
-            "output is not the row's size");
+    let block_bytes = GgmlType::Q2_K.type_size();
+    assert_eq!(Some(out.len()), GgmlType::Q2_K.row_bytes(w.len()).ok(), "output is not the row's size");
     let e = optimiser_weights(w, h);
     let mut stats = RowStats::default();
     for (((wg, hg), eg), block) in w
         .chunks_exact(Q2K_WEIGHTS)
         .zip(h.chunks_exact(Q2K_WEIGHTS))
         .zip(e.chunks_exact(Q2K_WEIGHTS))
-        .zip(out.chunks_exact_mut(Q2K_BLOCK_BYTES))
+        .zip(out.chunks_exact_mut(block_bytes))
     {
         stats.weight += weight_of(wg, hg);
         stats.err_rtn += wg.chunks_exact(GROUP).zip(hg.chunks_exact(GROUP)).map(|(w, h)| rtn_error(w, h)).sum::<f64>();
