@@ -458,11 +458,13 @@ def _decode_gpu_records(recs: np.ndarray, bits: int, slots: int) -> np.ndarray:
     dmin = recs[:, hdr + 2 : hdr + 4].copy().view(np.float16).astype(np.float32)[:, 0]
     sm = recs[:, hdr + 4 : hdr + 12]
     i = np.arange(128)
-    if bits == 3:  # weight i = 64h + 16t + 4k + e: bits 2t, 2t + 1 of byte 16h + 4k + e, bit 4 (k % 2) + t of
-        h, t, k, e = i // 64, (i // 16) % 4, (i // 4) % 4, i % 4  # byte 32 + 8h + 4 (k // 2) + e
-        lo = (recs[:, 16 * h + 4 * k + e] >> (2 * t)) & 3
-        hi = (recs[:, 32 + 8 * h + 4 * (k // 2) + e] >> (4 * (k % 2) + t)) & 1
-        codes = lo | (hi << 2)
+    if bits == 3:  # weight i = 32j + 4k + e (unit j, quad k): byte e of unit j's words W0, W1, W2 (quant.cuh)
+        j, k, e = i // 32, (i // 4) % 8, i % 4
+        word = np.stack([32 * (j // 2) + 8 * (j % 2), 32 * (j // 2) + 8 * (j % 2) + 4, 16 + 8 * (j // 2) + 4 * (j % 2)])
+        whole = recs[:, word[k % 3, i] + e] >> np.where(k < 3, 0, 3)  # k < 6: bits 0-2 or 3-5 of W_(k % 3)
+        low2 = recs[:, word[np.minimum(k, 7) % 6 % 2, i] + e] >> 6  # k = 6, 7: bits 6-7 of W_(k - 6) ...
+        high = (recs[:, word[2, i] + e] >> np.where(k == 7, 7, 6)) & 1  # ... and bit 2 at bit k of W2
+        codes = np.where(k < 6, whole & 7, (low2 & 3) | (high << 2))
     else:  # unit j: nibble j // 2 of byte 32 (j % 2) + i % 32
         j = i // 32
         codes = (recs[:, 32 * (j % 2) + i % 32] >> (4 * (j // 2))) & 15

@@ -22,7 +22,7 @@ class Layout:
     gpu_bytes: int  # bytes per block on the GPU
     moves: tuple[tuple[int, int, int], ...]  # (file offset, GPU offset, length) of each span
     act: int
-    gsq3: bool = False  # 3-bit GSQ-RCO codes: their bits re-ordered too (gsq3_gpu_planes)
+    gsq3: bool = False  # 3-bit GSQ-RCO codes: their bits re-ordered too (gsq3_gpu_order)
 
 
 def _same(elems: int, size: int, act: int) -> Layout:
@@ -62,7 +62,7 @@ def gsq_pairs_type(type_id: int) -> bool:
 def _gsq_layout(type_id: int) -> Layout:
     """A GSQ-RCO record (docs/gsq-rco.md, version 2) re-laid for the GPU (kernels/quant.cuh): codes first, then
     d, dmin, the scale bytes and the slots, padded to 16 bytes, so the header is one aligned 16-byte vector.
-    3-bit codes are also re-ordered bit by bit (gsq3_gpu_planes)."""
+    3-bit codes are also re-ordered bit by bit (gsq3_gpu_order)."""
     bits, slots = (4 if type_id - T_GSQ >= 32 else 3), (type_id - T_GSQ) % 32
     codes = 16 * bits  # bytes of codes: 48 or 64, at offset 12 in the file's record
     raw = 12 + codes + 2 * slots
@@ -91,48 +91,60 @@ def gpu_row_bytes(type_id: int, cols: int) -> int:
     return cols // lay.block_elems * lay.gpu_bytes
 
 
-def _gsq3_plane_indices() -> tuple[np.ndarray, np.ndarray]:
-    """Which weight of a record each bit of the GPU's 3-bit code bytes holds (kernels/quant.cuh gsq_codes): half h
-    of a record (weights 64h..64h + 63), its sub-block t (16 weights), quad k of that (4 weights), byte i of a
-    quad: weight w = 64h + 16t + 4k + i. Code bits 0-1 of w are bits 2t, 2t + 1 of byte 16h + 4k + i; bit 2 is bit
-    4 (k % 2) + t of byte 32 + 8h + 4 (k // 2) + i. So a lane that takes half h loads its 16 bytes of low bits and
-    8 bytes of high bits and nothing of the other half's."""
-    lo = np.zeros((32, 4), dtype=np.int64)  # [byte, t] -> weight
-    hi = np.zeros((16, 8), dtype=np.int64)  # [byte - 32, bit] -> weight
-    for h in range(2):
-        for t in range(4):
-            for k in range(4):
-                for i in range(4):
-                    w = 64 * h + 16 * t + 4 * k + i
-                    lo[16 * h + 4 * k + i, t] = w
-                    hi[8 * h + 4 * (k // 2) + i, 4 * (k % 2) + t] = w
-    return lo, hi
+def _gsq3_bit_sources() -> tuple[np.ndarray, np.ndarray]:
+    """Which weight of a record, and which bit of its 3-bit code, each bit of the GPU's 48 code bytes holds
+    (kernels/quant.cuh gsq3_words): [384] weight and [384] code bit, GPU bit 8 B + b = bit b of byte B.
+
+    Each 32-weight unit j (half h = j // 2 of the record, v = j % 2) owns three words: W0 at byte 32 h + 8 v, W1
+    at 32 h + 8 v + 4, W2 at 16 + 8 h + 4 v, so half h is the 16-byte vector at 32 h and the 8 bytes at 16 + 8 h.
+    Quad k of the unit (weights 32 j + 4 k + i, i = 0..3) sits in byte i of the words: k = 0, 1, 2 whole at bits
+    0-2 of W_k; k = 3, 4, 5 whole at bits 3-5 of W_(k-3); k = 6, 7 with code bits 0-1 at bits 6-7 of W_(k-6) and
+    bit 2 at bit k of W2. A kernel masks four codes out of a word with one AND (times 1, 8 or 64 for its dot)."""
+    weight = np.full(384, -1, dtype=np.int64)
+    code_bit = np.zeros(384, dtype=np.int64)
+
+    def put(byte: int, bit: int, w: int, cb: int) -> None:
+        assert weight[8 * byte + bit] < 0
+        weight[8 * byte + bit], code_bit[8 * byte + bit] = w, cb
+
+    for j in range(4):
+        h, v = divmod(j, 2)
+        words = (32 * h + 8 * v, 32 * h + 8 * v + 4, 16 + 8 * h + 4 * v)
+        for k in range(8):
+            for i in range(4):
+                w = 32 * j + 4 * k + i
+                if k < 6:
+                    for cb in range(3):
+                        put(words[k % 3] + i, 3 * (k // 3) + cb, w, cb)
+                else:
+                    put(words[k - 6] + i, 6, w, 0)
+                    put(words[k - 6] + i, 7, w, 1)
+                    put(words[2] + i, k, w, 2)
+    assert (weight >= 0).all()
+    return weight, code_bit
 
 
-GSQ3_LO_WEIGHTS, GSQ3_HI_WEIGHTS = _gsq3_plane_indices()
+GSQ3_BIT_WEIGHT, GSQ3_BIT_CODE_BIT = _gsq3_bit_sources()
 
 
 @functools.cache
-def _gsq3_plane_gathers(xp) -> tuple:
-    """gsq3_gpu_planes' index arrays, made once per array module (on the device for cupy), not per chunk."""
-    w = np.arange(128)
-    return (xp.asarray(w % 32), xp.asarray(32 + w % 16), xp.asarray((2 * (w // 32)).astype(np.uint8)),
-            xp.asarray((w // 16).astype(np.uint8)), [xp.asarray(GSQ3_LO_WEIGHTS[:, t]) for t in range(4)],
-            [xp.asarray(GSQ3_HI_WEIGHTS[:, b]) for b in range(8)])
+def _gsq3_gathers(xp) -> tuple:
+    """gsq3_gpu_order's index arrays, made once per array module (on the device for cupy), not per chunk."""
+    w = GSQ3_BIT_WEIGHT
+    # the file's planes (docs/gsq-rco.md): bits 0-1 of weight w at bits 2 (w // 32) of byte w % 32, bit 2 at bit
+    # w // 16 of byte 32 + w % 16
+    src_byte = np.where(GSQ3_BIT_CODE_BIT < 2, w % 32, 32 + w % 16)
+    src_shift = np.where(GSQ3_BIT_CODE_BIT < 2, 2 * (w // 32) + GSQ3_BIT_CODE_BIT, w // 16)
+    weights = (1 << np.arange(8)).astype(np.uint8)
+    return xp.asarray(src_byte), xp.asarray(src_shift.astype(np.uint8)), xp.asarray(weights)
 
 
-def gsq3_gpu_planes(codes48, xp=np):
+def gsq3_gpu_order(codes48, xp=np):
     """[n, 48] 3-bit code bytes as the file has them (plane 0: byte j bits 2t..2t + 1 = bits 0-1 of weight 32t + j;
-    plane 1: byte j bit b = bit 2 of weight 16b + j) -> [n, 48] in the GPU's order (_gsq3_plane_indices)."""
-    byte0, byte1, shift0, shift1, lo_of, hi_of = _gsq3_plane_gathers(xp)
-    lo = (codes48[:, byte0] >> shift0) & np.uint8(3)  # [n, 128]: weight w's bits 0-1
-    hi = (codes48[:, byte1] >> shift1) & np.uint8(1)  # bit 2
-    out = xp.zeros_like(codes48)
-    for t in range(4):
-        out[:, :32] |= lo[:, lo_of[t]] << np.uint8(2 * t)
-    for b in range(8):
-        out[:, 32:] |= hi[:, hi_of[b]] << np.uint8(b)
-    return out
+    plane 1: byte j bit b = bit 2 of weight 16b + j) -> [n, 48] in the GPU's order (_gsq3_bit_sources)."""
+    src_byte, src_shift, weights = _gsq3_gathers(xp)
+    bits = (codes48[:, src_byte] >> src_shift) & np.uint8(1)  # [n, 384]: GPU bit 8 B + b
+    return (bits.reshape(-1, 48, 8) * weights).sum(axis=2, dtype=np.uint8)
 
 
 def relayout(blocks, lay: Layout, xp=np, chunk: int = 1 << 16):
@@ -145,7 +157,7 @@ def relayout(blocks, lay: Layout, xp=np, chunk: int = 1 << 16):
         dst[:, b : b + n] = blocks[:, a : a + n]
     if lay.gsq3:
         for r in range(0, dst.shape[0], chunk):
-            dst[r : r + chunk, :48] = gsq3_gpu_planes(dst[r : r + chunk, :48], xp)
+            dst[r : r + chunk, :48] = gsq3_gpu_order(dst[r : r + chunk, :48], xp)
     return dst
 
 

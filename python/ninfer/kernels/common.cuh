@@ -144,9 +144,10 @@ __device__ __forceinline__ float glu(float g, float u, int act) {
 #define ACT_Q8_1 4
 #define ACT_Q8_K 5
 #define ACT_GSQ8 6  // GSQ-RCO's int8 activations (gsq::ActQ8): a scale per 128, rounding half away from zero
-// ACT_GSQ8 for the lane-pair kernel (gemv_gsq8_pairs): the same codes, but record g's 128 at byte 144 g (16 bytes
-// of padding after each), so the pairs of a quarter-warp, on consecutive records, read eight different 16-byte bank
-// groups with their sub-blocks in order. Scales and sums as ACT_GSQ8. Only the quantizers write it.
+// ACT_GSQ8 for the lane-pair kernel (gemv_gsq8_pairs): the same codes, but record g's 128 at byte 144 g and its
+// eight sub-blocks' sums as int16 in the 16 bytes after them, so the pairs of a quarter-warp, on consecutive
+// records, read eight different 16-byte bank groups with their sub-blocks in order, and a half record's sums are
+// one 8-byte load. Scales and float sums as ACT_GSQ8. Only the quantizers write it.
 #define ACT_GSQ8_PAIRS 7
 
 // Where element i's code sits in an ACT_GSQ8_PAIRS activation (also the bytes of i codes, i a multiple of 128).

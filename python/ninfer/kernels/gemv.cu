@@ -294,50 +294,65 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 #define GEMV_GSQ_PAIRS_U 5
 #endif
 
-// What a lane of a pair loads of one record: half h's low and high code bits and the header.
+// What a lane of a pair loads of one record: half h's code words (quant.cuh: the 16 bytes at 32h, the 8 at 16 + 8h)
+// and the header.
 struct Gsq3Half {
-    int4 lo, hd;
-    int2 hi;
+    int4 p, hd;
+    int2 q;
     int row, rec;
 };
 
-// Half h of a record with the activation: the integer sums of codes, the mins against the activation's sums per
-// 16, slot h.
-__device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const int* aq, const float* ad,
-                                               const float2* as) {
+// Half h of a record with the activation (ACT_GSQ8_PAIRS: record g's codes at byte 144 g, its eight sub-blocks'
+// int16 sums after them): the integer sums of codes, the mins against the sums per 16, slot h. The codes are
+// masked in place, so a sum comes out times 1, 8 or 64 (quant.cuh's order) and is brought to 64 times the dot by
+// shifts folded into the accumulation: per 32-weight unit 8 AND, 10 dp4a and three shifts.
+__device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const int* aq, const float* ad) {
     const int4 hd = r.hd;
-    const int4* xq = (const int4*)aq + 9 * r.rec + 4 * h;  // sub-block t of the half: xq[t] (16 codes)
+    const int* xr = aq + 36 * r.rec;  // this record's 144 activation bytes
+    const int4* xq = (const int4*)xr + 4 * h;  // sub-block t of the half: xq[t] (16 codes)
     const int sw = h ? hd.z : hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
     const int sc4 = sw & 0x0F0F0F0F;
-    const int l[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
-    u32 hl[2], hh[2];
-    gsq3_hi_words(r.hi, hl, hh);
-    int isum = 0;
+    int sum8 = 0, sum64 = 0;  // the sub-blocks' sc * dot, times 8 and times 64
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const int4 x = xq[t];
-        const int xs[4] = {x.x, x.y, x.z, x.w};
-        int dot = 0;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) dot = __dp4a(gsq3_quad(l[k], hl[k >> 1], hh[k >> 1], t, k), xs[k], dot);
-        isum += (int)__byte_perm((u32)sc4, 0u, 0x4440u | (u32)t) * dot;
+    for (int v = 0; v < 2; ++v) {
+        int w[3];
+        gsq3_unit_words(r.p, r.q, v, w);
+        const int4 x0 = xq[2 * v], x1 = xq[2 * v + 1];
+        // sub-block 2v: quads 0-2 at bits 0-2 (x1), quad 3 at bits 3-5 (x8): 8 dot
+        int a = dp4a_us(w[0] & 0x07070707, x0.x, 0);
+        a = dp4a_us(w[1] & 0x07070707, x0.y, a);
+        a = dp4a_us(w[2] & 0x07070707, x0.z, a);
+        a = dp4a_us(w[0] & 0x38383838, x0.w, a << 3);
+        // sub-block 2v + 1: quads 4, 5 at bits 3-5 (x8); quads 6, 7 with bits 0-1 at bits 6-7 (x64) and bit 2 at
+        // bit 6 (x64) or 7 (x128) of W2: 64 dot
+        int hb = dp4a_us(w[2] & 0x40404040, x1.z, 0);
+        hb = dp4a_us(w[2] & 0x80808080, x1.w, hb << 1);  // 128 (high bits of quads 6, 7)
+        int b = dp4a_us(w[1] & 0x38383838, x1.x, 0);
+        b = dp4a_us(w[2] & 0x38383838, x1.y, b);  // 8 (quads 4, 5)
+        int c = dp4a_us(w[0] & 0xC0C0C0C0, x1.z, (4 * b + hb) << 1);
+        c = dp4a_us(w[1] & 0xC0C0C0C0, x1.w, c);
+        sum8 += (int)__byte_perm((u32)sc4, 0u, 0x4440u | (u32)(2 * v)) * a;
+        sum64 += (int)__byte_perm((u32)sc4, 0u, 0x4441u | (u32)(2 * v)) * c;
     }
-    const float4 bs = ((const float4*)as)[2 * r.rec + h];  // sums per 16 of the four sub-blocks: two units' float2
-    const float msum = (float)((sw >> 4) & 15) * bs.x + (float)((sw >> 12) & 15) * bs.y +
-                       (float)((sw >> 20) & 15) * bs.z + (float)((u32)sw >> 28) * bs.w;
-    // Slot h of the two in the header's last word: v * sc / 16 times the activation at its position.
-    const int slot = (hd.w >> (16 * h)) & 0xFFFF, pos = slot & 127, v = (int)(i8)(slot >> 8);
+    // Slot h of the two in the header's last word: v * sc / 16 times the activation at its position (x64: 4 v sc x).
+    const int slot = (hd.w >> (16 * h)) & 0xFFFF, pos = slot & 127, sv = (int)(i8)(slot >> 8);
     const int sc = ((pos & 64 ? hd.z : hd.y) >> (8 * ((pos >> 4) & 3))) & 15;
-    const int ssum = v * sc * (int)((const i8*)aq)[144 * r.rec + pos];
+    const int isum = 8 * sum8 + sum64 + 4 * sv * sc * (int)((const i8*)xr)[pos];
+    // Mins: m_t times the int16 sums of the half's four sub-blocks, two dp2a.
+    const int2 s = ((const int2*)(xr + 32))[h];
+    const int m4 = (sw >> 4) & 0x0F0F0F0F;
+    int msum;
+    asm("dp2a.lo.s32.u32 %0, %1, %2, 0;" : "=r"(msum) : "r"(s.x), "r"(m4));
+    asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(msum) : "r"(s.y), "r"(m4), "r"(msum));
     const float d = h2f((u16)(hd.x & 0xFFFF)), dmin = h2f((u16)((u32)hd.x >> 16));
-    return ad[4 * r.rec] * (d * ((float)isum + (float)ssum * 0.0625f) - dmin * msum);
+    return ad[4 * r.rec] * (d * ((float)isum * 0.015625f) - dmin * (float)msum);
 }
 
 // Records of R rows (row pointers w, n_rec records each) by lane pairs; u_first, u_step as the unit loop's
 // (sub * 32 + lane, ks * 32): pair (u_first / 2) of the group's flat record list, then every (u_step / 2)-th.
 template <int R, int U>
 __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_first, int u_step, int n_rec,
-                                                    const int* aq, const float* ad, const float2* as, float* acc) {
+                                                    const int* aq, const float* ad, float* acc) {
     const int h = u_first & 1, lane = threadIdx.x & 31;
     const int first = u_first >> 1, step = u_step >> 1, n_tasks = R * n_rec;
     const int d_row = step / n_rec, d_rec = step - d_row * n_rec;
@@ -353,8 +368,8 @@ __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_fi
 #pragma unroll
                 for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
                 p += 64LL * rec;
-                t[k].lo = __ldg((const int4*)(p + 16 * h));
-                t[k].hi = __ldg((const int2*)(p + 32 + 8 * h));
+                t[k].p = __ldg((const int4*)(p + 32 * h));
+                t[k].q = __ldg((const int2*)(p + 16 + 8 * h));
                 t[k].hd = __ldg((const int4*)(p + 48));
             }
             rec += d_rec;
@@ -368,7 +383,7 @@ __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_fi
 #pragma unroll
         for (int k = 0; k < U; ++k) {
             if (t[k].row < R) {
-                const float v = gsq3_half_dot(t[k], h, aq, ad, as);
+                const float v = gsq3_half_dot(t[k], h, aq, ad);
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] += t[k].row == r ? v : 0.0f;
             }
@@ -383,7 +398,7 @@ __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u
     const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
     if constexpr (BITS == 3 && PAIRS) {
         if (rb == 64) {
-            rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U>(w, u_first, u_step, n_units >> 2, aq, ad, as, acc);
+            rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U>(w, u_first, u_step, n_units >> 2, aq, ad, acc);
             return;
         }
     }

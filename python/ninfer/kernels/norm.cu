@@ -59,6 +59,8 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
         int sum16 = sum4 + __shfl_xor_sync(0xffffffffu, sum4, 1);
         sum16 += __shfl_xor_sync(0xffffffffu, sum16, 2);  // lanes 4m .. 4m + 3 hold sub-block m
         const int next16 = __shfl_down_sync(0xffffffffu, sum16, 4);
+        if (act == ACT_GSQ8_PAIRS && out_q && (lane & 3) == 0)  // the pair kernel's int16 sums after the codes
+            ((short*)(out_q + gsq8_pairs_at(128 * g) + 128))[lane >> 2] = (short)sum16;
         if ((lane & 7) == 0 && out_d) {
             const int u = 4 * g + (lane >> 3);
             out_d[u] = d;

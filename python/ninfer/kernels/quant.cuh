@@ -221,10 +221,12 @@ __device__ __forceinline__ void unpack(const u8* b, int j, Unit& u) {
 //   3 bits: low bits 32 | high bits 16 | d | dmin | scales 8 | slots 2R   (60 + 2R bytes, padded to 16)
 //   4 bits: nibbles 64                 | d | dmin | scales 8 | slots 2R   (76 + 2R, padded to 16)
 // The header (d, dmin, the eight scale bytes and the first two slots) is then one 16-byte vector at 48 or 64.
-// 3 bits, in an order of the GPU's own (layouts.py gsq3_gpu_planes): weight 64h + 16t + 4k + i (half h, its
-// sub-block t, quad k, byte i) has code bits 0-1 at bits 2t, 2t + 1 of byte 16h + 4k + i and bit 2 at bit
-// 4 (k % 2) + t of byte 32 + 8h + 4 (k / 2) + i, so half h's codes are 16 + 8 bytes of their own and a quad's four
-// codes come out of two words by shifts. 4 bits: nibble j / 2 of byte 32 (j % 2) + i for weight 32j + i.
+// 3 bits, in an order of the GPU's own (layouts.py gsq3_gpu_order): unit j (32 weights; half h = j / 2, v = j % 2)
+// owns three words, W0 at byte 32h + 8v, W1 at 32h + 8v + 4, W2 at 16 + 8h + 4v (so half h is the 16-byte vector
+// at 32h and the 8 bytes at 16 + 8h), and quad k of the unit (weights 32j + 4k + i) is byte i of them: k = 0, 1, 2
+// whole at bits 0-2 of W_k, k = 3, 4, 5 whole at bits 3-5 of W_(k-3), k = 6, 7 with code bits 0-1 at bits 6-7
+// of W_(k-6) and bit 2 at bit k of W2. One AND takes four codes out of a word (times 1, 8 or 64).
+// 4 bits: nibble j / 2 of byte 32 (j % 2) + i for weight 32j + i.
 // Sub-block s (16 weights): scale byte s, low nibble sc, high nibble m: weight = d sc c - dmin m; slot (pos, v)
 // adds v d sc_pos / 16.
 __host__ __device__ constexpr int gsq_bits(int type) { return (type - T_GSQ) >= 32 ? 4 : 3; }
@@ -234,31 +236,40 @@ __host__ __device__ constexpr int gsq_record_bytes(int bits, int slots) {
     return (gsq_header_offset(bits) + 12 + 2 * slots + 15) & ~15;
 }
 
-// The four 3-bit codes of quad k of sub-block t of a half record as bytes, from the half's low-bit word for k
-// (lo) and its high-bit word for k / 2 as a 34-bit value (hi << 2: hl the low 32 bits, hh the top two), so one
-// funnel shift by 4 (k % 2) + t puts the quad's high bits at bit 2 of each byte.
-__device__ __forceinline__ int gsq3_quad(int lo, u32 hl, u32 hh, int t, int k) {
-    return ((lo >> (2 * t)) & 0x03030303) | ((int)__funnelshift_r(hl, hh, 4 * (k & 1) + t) & 0x04040404);
+// Unit v (0, 1) of a half record's words (the 16-byte vector p at 32h and the 8 bytes q at 16 + 8h): W0, W1, W2.
+__device__ __forceinline__ void gsq3_unit_words(int4 p, int2 q, int v, int* w) {
+    w[0] = v ? p.z : p.x;
+    w[1] = v ? p.w : p.y;
+    w[2] = v ? q.y : q.x;
 }
 
-// The high-bit words of a 3-bit half record as the 34-bit values gsq3_quad takes: hl[w] = hi_w << 2 (low 32 bits),
-// hh[w] = its top two bits.
-__device__ __forceinline__ void gsq3_hi_words(int2 hi, u32* hl, u32* hh) {
-    hl[0] = (u32)hi.x << 2;
-    hl[1] = (u32)hi.y << 2;
-    hh[0] = (u32)hi.x >> 30;
-    hh[1] = (u32)hi.y >> 30;
+// The unit's eight quads of codes as bytes (0..7) from its words.
+__device__ __forceinline__ void gsq3_unit_codes(const int* w, int* q) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        q[k] = w[k] & 0x07070707;
+        q[k + 3] = (w[k] >> 3) & 0x07070707;
+    }
+    q[6] = ((w[0] >> 6) & 0x03030303) | ((w[2] >> 4) & 0x04040404);
+    q[7] = ((w[1] >> 6) & 0x03030303) | ((w[2] >> 5) & 0x04040404);
+}
+
+// dp4a of unsigned code bytes (masked in place, up to 0xC0) with signed activation bytes.
+__device__ __forceinline__ int dp4a_us(int a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
 }
 
 // What unit u of a row reads of its record (the record at (u / 4) * rb): its codes and the record's header.
-// 3 bits: the low code bits of the unit's half (lo) and that half's high bits (hi); 4 bits: the unit's 32 nibble
-// bytes (c0, c1).
+// 3 bits: the code words of the unit's half (p: the 16 bytes at 32h, q: the 8 at 16 + 8h); 4 bits: the unit's 32
+// nibble bytes (c0, c1).
 template <int BITS>
 struct GsqRaw;
 template <>
 struct GsqRaw<3> {
-    int4 lo;
-    int2 hi;
+    int4 p;
+    int2 q;
     int4 h;
 };
 template <>
@@ -275,15 +286,9 @@ __device__ __forceinline__ void gsq_codes(const GsqRaw<BITS>& r, int j, int* q) 
 #pragma unroll
         for (int k = 0; k < 8; ++k) q[k] = (p0[k] >> s) & 0x0F0F0F0F;
     } else {
-        const int lo[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
-        u32 hl[2], hh[2];
-        gsq3_hi_words(r.hi, hl, hh);
-        const int t0 = 2 * (j & 1);  // unit j: sub-blocks 2 (j % 2) and 2 (j % 2) + 1 of half j / 2
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int kk = k & 3;
-            q[k] = gsq3_quad(lo[kk], hl[kk >> 1], hh[kk >> 1], t0 + (k >> 2), kk);
-        }
+        int w[3];
+        gsq3_unit_words(r.p, r.q, j & 1, w);
+        gsq3_unit_codes(w, q);
     }
 }
 
@@ -299,8 +304,8 @@ __device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BI
         r.c1 = __ldg(c + 1);
     } else {
         const int hf = (u >> 1) & 1;
-        r.lo = __ldg((const int4*)(b + 16 * hf));
-        r.hi = __ldg((const int2*)(b + 32 + 8 * hf));
+        r.p = __ldg((const int4*)(b + 32 * hf));
+        r.q = __ldg((const int2*)(b + 16 + 8 * hf));
     }
     r.h = __ldg((const int4*)(b + gsq_header_offset(BITS)));
 }
