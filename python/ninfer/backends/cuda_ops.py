@@ -144,7 +144,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     per block and per row instead of the launcher's choice (for scripts/gemv-bench). gsq_pairs (GSQ8 activations
     only): the lane-pair kernel for 3-bit records (gsq_pairs())."""
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
-    smem = 0 if pre else gemv_smem(act, n_cols, gsq_pairs)
+    smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
     _allow_smem(fn, smem)
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)

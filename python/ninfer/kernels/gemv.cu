@@ -302,21 +302,16 @@ struct Gsq3Half {
     int row, rec;
 };
 
-// Half h of a record with the activation (ACT_GSQ8_PAIRS: record g's codes at byte 144 g, its eight sub-blocks'
-// int16 sums after them): the integer sums of codes, the mins against the sums per 16, slot h. The codes are
-// masked in place, so a sum comes out times 1, 8 or 64 (quant.cuh's order) and is brought to 64 times the dot by
-// shifts folded into the accumulation: per 32-weight unit 8 AND, 10 dp4a and three shifts.
-__device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const int* aq, const float* ad) {
-    const int4 hd = r.hd;
-    const int* xr = aq + 36 * r.rec;  // this record's 144 activation bytes
-    const int4* xq = (const int4*)xr + 4 * h;  // sub-block t of the half: xq[t] (16 codes)
-    const int sw = h ? hd.z : hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
-    const int sc4 = sw & 0x0F0F0F0F;
+// The integer sums of a half record's codes (its words p, q; xq: its 64 activation codes; sc4: its four scale
+// nibbles in bytes), 64 times sum_t sc_t dot_t. The codes are masked in place, so a sum comes out times 1, 8 or 64
+// (quant.cuh's order) and is brought to 64 times the dot by shifts folded into the accumulation: per 32-weight
+// unit 8 AND, 10 dp4a and three shifts.
+__device__ __forceinline__ int gsq3_half_isum(int4 p, int2 q, const int4* xq, int sc4) {
     int sum8 = 0, sum64 = 0;  // the sub-blocks' sc * dot, times 8 and times 64
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
         int w[3];
-        gsq3_unit_words(r.p, r.q, v, w);
+        gsq3_unit_words(p, q, v, w);
         const int4 x0 = xq[2 * v], x1 = xq[2 * v + 1];
         // sub-block 2v: quads 0-2 at bits 0-2 (x1), quad 3 at bits 3-5 (x8): 8 dot
         int a = dp4a_us(w[0] & 0x07070707, x0.x, 0);
@@ -334,18 +329,85 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
         sum8 += (int)__byte_perm((u32)sc4, 0u, 0x4440u | (u32)(2 * v)) * a;
         sum64 += (int)__byte_perm((u32)sc4, 0u, 0x4441u | (u32)(2 * v)) * c;
     }
-    // Slot h of the two in the header's last word: v * sc / 16 times the activation at its position (x64: 4 v sc x).
-    const int slot = (hd.w >> (16 * h)) & 0xFFFF, pos = slot & 127, sv = (int)(i8)(slot >> 8);
+    return 8 * sum8 + sum64;
+}
+
+// Slot t (0, 1) of the header's last word: v * sc / 16 times the activation at its position, times 64.
+__device__ __forceinline__ int gsq3_slot64(int4 hd, int t, const int* xr) {
+    const int slot = (hd.w >> (16 * t)) & 0xFFFF, pos = slot & 127, sv = (int)(i8)(slot >> 8);
     const int sc = ((pos & 64 ? hd.z : hd.y) >> (8 * ((pos >> 4) & 3))) & 15;
-    const int isum = 8 * sum8 + sum64 + 4 * sv * sc * (int)((const i8*)xr)[pos];
-    // Mins: m_t times the int16 sums of the half's four sub-blocks, two dp2a.
-    const int2 s = ((const int2*)(xr + 32))[h];
+    return 4 * sv * sc * (int)((const i8*)xr)[pos];
+}
+
+// m_t times the int16 sums s of four sub-blocks whose scale bytes are sw (two dp2a), added to acc.
+__device__ __forceinline__ int gsq3_mins(int sw, int2 s, int acc) {
     const int m4 = (sw >> 4) & 0x0F0F0F0F;
-    int msum;
-    asm("dp2a.lo.s32.u32 %0, %1, %2, 0;" : "=r"(msum) : "r"(s.x), "r"(m4));
-    asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(msum) : "r"(s.y), "r"(m4), "r"(msum));
+    asm("dp2a.lo.s32.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(s.x), "r"(m4));
+    asm("dp2a.hi.s32.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(s.y), "r"(m4));
+    return acc;
+}
+
+// dx (d isum / 64 - dmin msum) for a record's header hd.
+__device__ __forceinline__ float gsq3_scale(int4 hd, int isum, int msum, float dx) {
     const float d = h2f((u16)(hd.x & 0xFFFF)), dmin = h2f((u16)((u32)hd.x >> 16));
-    return ad[4 * r.rec] * (d * ((float)isum * 0.015625f) - dmin * (float)msum);
+    return dx * (d * ((float)isum * 0.015625f) - dmin * (float)msum);
+}
+
+// Half h of a record with the activation (ACT_GSQ8_PAIRS: record g's codes at byte 144 g, its eight sub-blocks'
+// int16 sums after them): the integer sums of codes, the mins against the sums per 16, slot h.
+__device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const int* aq, const float* ad) {
+    const int* xr = aq + 36 * r.rec;  // this record's 144 activation bytes
+    const int sw = h ? r.hd.z : r.hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
+    const int isum = gsq3_half_isum(r.p, r.q, (const int4*)xr + 4 * h, sw & 0x0F0F0F0F) + gsq3_slot64(r.hd, h, xr);
+    const int msum = gsq3_mins(sw, ((const int2*)(xr + 32))[h], 0);
+    return gsq3_scale(r.hd, isum, msum, ad[4 * r.rec]);
+}
+
+#ifndef GEMV_GSQ_PAIRS_STAGE
+// The pair kernel copies a pre-quantized activation (the down projection's) into shared memory first, so its
+// loop reads the activation by LDS from one 32-bit address instead of generic loads from 64-bit ones. H200, 32B
+// GSQ3 tg128, alternating in one call: 122.34 / 121.99 against 119.72 / 118.81 t/s; in another 122.59 / 122.84
+// against 121.89 / 122.21 (docs/gsq-rco.md).
+#define GEMV_GSQ_PAIRS_STAGE 1
+#endif
+
+// A lane's next U records of the pair walk (row, rec advanced by d_row, d_rec): half h's words and the header.
+template <int R, int U>
+__device__ __forceinline__ void gsq3_pairs_load(Gsq3Half* t, const u8* const* w, int h, int n_rec, int d_row,
+                                                int d_rec, int& row, int& rec) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        t[k].row = row;
+        t[k].rec = rec;
+        if (row < R) {
+            const u8* p = w[0];
+#pragma unroll
+            for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
+            p += 64LL * rec;
+            t[k].p = __ldg((const int4*)(p + 32 * h));
+            t[k].q = __ldg((const int2*)(p + 16 + 8 * h));
+            t[k].hd = __ldg((const int4*)(p + 48));
+        }
+        rec += d_rec;
+        row += d_row;
+        if (rec >= n_rec) {
+            rec -= n_rec;
+            ++row;
+        }
+    }
+}
+
+template <int R, int U>
+__device__ __forceinline__ void gsq3_pairs_dots(const Gsq3Half* t, int h, const int* aq, const float* ad,
+                                                float* acc) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        if (t[k].row < R) {
+            const float v = gsq3_half_dot(t[k], h, aq, ad);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] += t[k].row == r ? v : 0.0f;
+        }
+    }
 }
 
 // Records of R rows (row pointers w, n_rec records each) by lane pairs; u_first, u_step as the unit loop's
@@ -359,35 +421,9 @@ __device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_fi
     int row = first / n_rec, rec = first - row * n_rec;  // this lane's next record: (row, rec)
     for (int base = first - (lane >> 1); base < n_tasks; base += step * U) {  // warp-uniform trip count
         Gsq3Half t[U];
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            t[k].row = row;
-            t[k].rec = rec;
-            if (row < R) {
-                const u8* p = w[0];
-#pragma unroll
-                for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
-                p += 64LL * rec;
-                t[k].p = __ldg((const int4*)(p + 32 * h));
-                t[k].q = __ldg((const int2*)(p + 16 + 8 * h));
-                t[k].hd = __ldg((const int4*)(p + 48));
-            }
-            rec += d_rec;
-            row += d_row;
-            if (rec >= n_rec) {
-                rec -= n_rec;
-                ++row;
-            }
-        }
+        gsq3_pairs_load<R, U>(t, w, h, n_rec, d_row, d_rec, row, rec);
         asm volatile("" ::: "memory");  // these loads stay above the dot products
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            if (t[k].row < R) {
-                const float v = gsq3_half_dot(t[k], h, aq, ad);
-#pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] += t[k].row == r ? v : 0.0f;
-            }
-        }
+        gsq3_pairs_dots<R, U>(t, h, aq, ad, acc);
     }
 }
 
@@ -622,6 +658,15 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         act_q = quant ? (const void*)q : (const void*)f;
         sd = d;
         ss = sums;
+    } else if (PAIRS && GEMV_GSQ_PAIRS_STAGE) {  // the pair kernel's pre-quantized codes and scales, copied in
+        // (cuda_ops.gemv sizes shared memory for it)
+        const int n_q = gsq8_pairs_at(n_cols) >> 4, n_d = n_cols >> 7;  // 16-byte vectors: codes, scales (4 a record)
+        int4* q = gemv_sm;
+        for (int i = threadIdx.x; i < n_q; i += blockDim.x) q[i] = __ldcg((const int4*)pre_q + i);
+        for (int i = threadIdx.x; i < n_d; i += blockDim.x) q[n_q + i] = __ldcg((const int4*)pre_d + i);
+        __syncthreads();
+        act_q = q;
+        sd = (const float*)(q + n_q);
     }
 
     u64 key = 0;
