@@ -277,12 +277,12 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 // ---- GSQ-RCO 3-bit records by lane pairs -------------------------------------------------------------------
 // By units, each of a record's four lanes loads its codes and header and evaluates both slots. Here two lanes
 // share a record: lane h (0, 1) takes half h of it (weights 64h..64h + 63, sub-blocks 4h..4h + 3) and slot h, and
-// loads only what that needs: the half's 16 bytes of low code bits, its 8 bytes of high bits (quant.cuh: the
-// GPU's 3-bit order gives each half its own bytes) and the 16-byte header. A warp's 16 pairs take the records
+// loads only what that needs: the half's 16 + 8 code bytes (quant.cuh: the GPU's 3-bit order gives each half its
+// own bytes) and the 16-byte header. A warp's 16 pairs take the records
 // of its R rows as one flat list (record k of the group: row k / n_rec), so narrow rows still fill the warp.
-// The kernel's activation is ACT_GSQ8_PAIRS (common.cuh): record g's codes at byte 144 g, so the four pairs of a
-// quarter-warp, on consecutive records, read eight different 16-byte bank groups while every lane takes its
-// sub-blocks in order (constant shifts for the codes).
+// The kernel's activation is ACT_GSQ8_PAIRS (common.cuh): record g's codes at byte 144 g and its int16 sums per 16
+// after them, so the four pairs of a quarter-warp, on consecutive records, read eight different 16-byte bank
+// groups while every lane takes its sub-blocks in order.
 // A kernel of its own (gemv_gsq8_pairs) takes records by pairs; the launcher picks it for big launches only
 // (cuda_ops.gsq_pairs: every product of the 32B shape, none of the 1.5B's), so the unit loop's kernel keeps its
 // smaller register count and occupancy.
