@@ -147,7 +147,8 @@ __device__ __forceinline__ float glu(float g, float u, int act) {
 // ACT_GSQ8 for the lane-pair kernel (gemv_gsq8_pairs): the same codes, but record g's 128 at byte 144 g and its
 // eight sub-blocks' sums as int16 in the 16 bytes after them, so the pairs of a quarter-warp, on consecutive
 // records, read eight different 16-byte bank groups with their sub-blocks in order, and a half record's sums are
-// one 8-byte load. Scales and float sums as ACT_GSQ8. Only the quantizers write it.
+// one 8-byte load. Scales as ACT_GSQ8 (no float sums: the pair kernel reads the int16 ones). Only the quantizers
+// write it.
 #define ACT_GSQ8_PAIRS 7
 
 // Where element i's code sits in an ACT_GSQ8_PAIRS activation (also the bytes of i codes, i a multiple of 128).

@@ -339,10 +339,11 @@ __device__ __forceinline__ int gsq3_slot64(int4 hd, int t, const int* xr) {
     return 4 * sv * sc * (int)((const i8*)xr)[pos];
 }
 
-// m_t times the int16 sums s of four sub-blocks whose scale bytes are sw (two dp2a), added to acc.
-__device__ __forceinline__ int gsq3_mins(int sw, int2 s, int acc) {
+// Sum of m_t times the int16 sums s of four sub-blocks whose scale bytes are sw (two dp2a).
+__device__ __forceinline__ int gsq3_mins(int sw, int2 s) {
     const int m4 = (sw >> 4) & 0x0F0F0F0F;
-    asm("dp2a.lo.s32.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(s.x), "r"(m4));
+    int acc;
+    asm("dp2a.lo.s32.u32 %0, %1, %2, 0;" : "=r"(acc) : "r"(s.x), "r"(m4));
     asm("dp2a.hi.s32.u32 %0, %1, %2, %0;" : "+r"(acc) : "r"(s.y), "r"(m4));
     return acc;
 }
@@ -359,7 +360,7 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
     const int* xr = aq + 36 * r.rec;  // this record's 144 activation bytes
     const int sw = h ? r.hd.z : r.hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
     const int isum = gsq3_half_isum(r.p, r.q, (const int4*)xr + 4 * h, sw & 0x0F0F0F0F) + gsq3_slot64(r.hd, h, xr);
-    const int msum = gsq3_mins(sw, ((const int2*)(xr + 32))[h], 0);
+    const int msum = gsq3_mins(sw, ((const int2*)(xr + 32))[h]);
     return gsq3_scale(r.hd, isum, msum, ad[4 * r.rec]);
 }
 

@@ -64,7 +64,7 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
         if ((lane & 7) == 0 && out_d) {
             const int u = 4 * g + (lane >> 3);
             out_d[u] = d;
-            out_s[u] = make_float2((float)sum16, (float)next16);
+            if (act != ACT_GSQ8_PAIRS) out_s[u] = make_float2((float)sum16, (float)next16);  // (pairs: int16 above)
         }
     } else {
         // Q8_K: the signed value of the first element (lowest index) whose magnitude is amax sets the scale.
