@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ninfer import _core
-from ninfer.errors import InvalidArgumentError
+from ninfer.errors import InvalidArgumentError, ModelFileError
 from ninfer.gsq import convert, inspect_table, tensor_infos, verify
 from ninfer.synth import write_synthetic
 
@@ -169,7 +169,7 @@ def test_failed_conversion_leaves_no_output_and_the_input_untouched(source: Path
 
     monkeypatch.setattr(_core, "gsq_quantize", failing)
     out = tmp_path / "out.gguf"
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(ModelFileError, match=r"out\.gguf: conversion stopped, nothing written: disk full \(simulated\)"):
         convert(source, out, steps=2, threads=1)
     assert not out.exists() and not (tmp_path / "out.gguf.partial").exists()
     assert sha256(source) == before
@@ -185,6 +185,14 @@ def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--input", str(source), "--output",
                         str(source), "--threads", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "the output would overwrite the input" in r.stderr
+    # A missing output folder is named before any work, by both commands, without a traceback.
+    missing = tmp_path / "no-such-folder" / "o.gguf"
+    for mod in ("ninfer.cli", "ninfer.gsq"):
+        r = subprocess.run([sys.executable, "-m", mod, "convert", "--input", str(source), "--output", str(missing)],
+                           capture_output=True, text=True)
+        assert r.returncode == 2, (mod, r.stderr)
+        assert f"the output's folder {missing.parent} does not exist" in r.stderr and "Traceback" not in r.stderr
+    assert not missing.parent.exists()
 
 
 def test_gsq_model_runs_in_the_engine_close_to_its_source(source: Path, converted: Path) -> None:

@@ -256,6 +256,12 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     src, dst = Path(inp), Path(out)
     if src.resolve() == dst.resolve():
         raise InvalidArgumentError("the output would overwrite the input")
+    # Before any work (calibration can take minutes): the output's folder must exist and take new files.
+    folder = dst.parent if str(dst.parent) else Path(".")
+    if not folder.is_dir():
+        raise InvalidArgumentError(f"{dst}: the output's folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"{dst}: the output's folder {folder} is not writable")
     threads = threads or max(1, len(os.sched_getaffinity(0)))
     overrides = parse_tensor_types(list(tensor_types))
     mf = ModelFile(src)
@@ -392,6 +398,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             np.savez(save_importances, **importances)
         fill_tensor_infos(tmp, infos)
         os.replace(tmp, dst)
+    except OSError as e:  # a full disk, a vanished folder: the partial file goes, the input is untouched
+        raise ModelFileError(f"{dst}: conversion stopped, nothing written: {e}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
