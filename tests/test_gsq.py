@@ -185,6 +185,11 @@ def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--input", str(source), "--output",
                         str(source), "--threads", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "the output would overwrite the input" in r.stderr
+    for flag, value, msg in (("--threads", "-3", "--threads must be >= 0 (0: all cores), got -3"),
+                             ("--calib-chunks", "0", "--calib-chunks must be >= 1, got 0")):
+        r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output",
+                            str(tmp_path / "o.gguf"), flag, value], capture_output=True, text=True)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
     # A missing output folder is named before any work, by both commands, without a traceback.
     missing = tmp_path / "no-such-folder" / "o.gguf"
     for mod in ("ninfer.cli", "ninfer.gsq"):

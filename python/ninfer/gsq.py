@@ -253,6 +253,10 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                                    "(16-weight sub-blocks inside)")
     if steps < 0:
         raise InvalidArgumentError(f"--calibration-steps must be >= 0, got {steps}")
+    if threads < 0:
+        raise InvalidArgumentError(f"--threads must be >= 0 (0: all cores), got {threads}")
+    if calib_chunks < 1:
+        raise InvalidArgumentError(f"--calib-chunks must be >= 1, got {calib_chunks}")
     src, dst = Path(inp), Path(out)
     if src.resolve() == dst.resolve():
         raise InvalidArgumentError("the output would overwrite the input")
