@@ -475,7 +475,7 @@ def _decode_gpu_records(recs: np.ndarray, bits: int, slots: int) -> np.ndarray:
         j, k, e = i // 32, (i // 4) % 8, i % 4
         word = np.stack([32 * (j // 2) + 8 * (j % 2), 32 * (j // 2) + 8 * (j % 2) + 4, 16 + 8 * (j // 2) + 4 * (j % 2)])
         whole = recs[:, word[k % 3, i] + e] >> np.where(k < 3, 0, 3)  # k < 6: bits 0-2 or 3-5 of W_(k % 3)
-        low2 = recs[:, word[np.minimum(k, 7) % 6 % 2, i] + e] >> 6  # k = 6, 7: bits 6-7 of W_(k - 6) ...
+        low2 = recs[:, word[k % 2, i] + e] >> 6  # k = 6, 7: bits 6-7 of W_(k - 6) ...
         high = (recs[:, word[2, i] + e] >> np.where(k == 7, 7, 6)) & 1  # ... and bit 2 at bit k of W2
         codes = np.where(k < 6, whole & 7, (low2 & 3) | (high << 2))
     else:  # unit j: nibble j // 2 of byte 32 (j % 2) + i % 32

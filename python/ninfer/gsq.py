@@ -31,6 +31,7 @@ from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError
 
 FORMAT_VERSION = 2
 GROUP = 128  # weights per record (format version 2)
+Q2K_BLOCK, Q2K_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]  # llama.cpp's block_q2_K
 _INFO_WIDTH = 320  # bytes reserved for each tensor's JSON in the header
 _CHUNK = 1 << 24
 
@@ -261,7 +262,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     if src.resolve() == dst.resolve():
         raise InvalidArgumentError("the output would overwrite the input")
     # Before any work (calibration can take minutes): the output's folder must exist and take new files.
-    folder = dst.parent if str(dst.parent) else Path(".")
+    folder = dst.parent  # (Path("o.gguf").parent is Path("."))
     if not folder.is_dir():
         raise InvalidArgumentError(f"{dst}: the output's folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -304,7 +305,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     plans = []
     for t in mf.tensors:
         pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer)
-        block = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K][0] if pol.kind == "q2_k" else GROUP
+        block = Q2K_BLOCK if pol.kind == "q2_k" else GROUP
         if pol.kind != "keep" and (len(t.dims) != 2 or t.dims[0] % block):
             pol = Policy("keep")  # an override cannot make a vector or a ragged row into groups
         elif pol.kind != "keep" and t.n_bytes <= _target_bytes(t.n_elements, pol):
@@ -415,8 +416,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
 def _target_bytes(n: int, pol: Policy) -> int:
     """Bytes of `n` weights (whole records or blocks) under a 'gsq' or 'q2_k' policy."""
     if pol.kind == "q2_k":
-        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]
-        return n // block * block_bytes
+        return n // Q2K_BLOCK * Q2K_BLOCK_BYTES
     return n // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits, slots=pol.slots)
 
 

@@ -93,7 +93,7 @@ def gpu_row_bytes(type_id: int, cols: int) -> int:
 
 def _gsq3_bit_sources() -> tuple[np.ndarray, np.ndarray]:
     """Which weight of a record, and which bit of its 3-bit code, each bit of the GPU's 48 code bytes holds
-    (kernels/quant.cuh gsq3_words): [384] weight and [384] code bit, GPU bit 8 B + b = bit b of byte B.
+    (kernels/quant.cuh gsq3_unit_words): [384] weight and [384] code bit, GPU bit 8 B + b = bit b of byte B.
 
     Each 32-weight unit j (half h = j // 2 of the record, v = j % 2) owns three words: W0 at byte 32 h + 8 v, W1
     at 32 h + 8 v + 4, W2 at 16 + 8 h + 4 v, so half h is the 16-byte vector at 32 h and the 8 bytes at 16 + 8 h.
