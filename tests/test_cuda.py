@@ -258,7 +258,8 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
             for wpb in (0, 16) if by_pairs else (0,):
                 out[:] = cp.asarray(base)
                 K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
-                       K.MODE_ADD if norm else K.MODE_STORE, k_split=ks, gsq_pairs=by_pairs, warps_per_block=wpb)
+                       K.MODE_ADD if norm else K.MODE_STORE, k_split=ks, gsq_pairs=by_pairs, warps_per_block=wpb,
+                       stream=False)
                 assert nmse(out.get(), ref) < 1e-6, (by_pairs, ks, wpb, nmse(out.get(), ref))
         # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
         if not norm:
@@ -268,8 +269,73 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
                         as_.data.ptr)
             out[:] = 0
             K.gemv(ACT_GSQ8, descs, 1, rows, n, 0, 0, 1e-6, K.MODE_STORE, pre=(aq.data.ptr, ad.data.ptr, as_.data.ptr),
-                   gsq_pairs=by_pairs)
+                   gsq_pairs=by_pairs, stream=False)
             assert nmse(out.get(), ref) < 1e-6, (by_pairs, nmse(out.get(), ref))
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["store", "add", "glu", "pre"])
+def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str) -> None:
+    """The 3-bit GEMV whose weights stream into shared memory (kernels/gemv_stream.cu) against the CPU's scalar
+    reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
+    the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
+    warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
+    as well as the launcher's."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    rng = np.random.default_rng(7)
+    n, tid = 2048, gsq_type(3, 2)
+    shapes = {"store": [1001, 334, 333], "add": [8193], "glu": [777, 777], "pre": [1500]}[mode]
+    raws = [random_gsq_records(3, 2, r, n, n**-0.5, rng) for r in shapes]
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    y = _rms_norm_ref(x, norm_w, 1e-6) if mode in ("add", "glu") else x
+    dots = [np.array([_core.gsq_dot_q8(raw[r].tobytes(), y, bits=3, slots=2, simd=False) for r in range(len(raw))],
+                     np.float32) for raw in raws]
+    bias = rng.standard_normal(shapes[1]).astype(np.float32) if mode == "store" else None
+    base = rng.standard_normal(shapes[0]).astype(np.float32) if mode == "add" else None
+    if mode == "glu":
+        ref = dots[0] / (1 + np.exp(-dots[0])) * dots[1]
+    elif mode == "store":
+        ref = np.concatenate([dots[0], dots[1] + bias, dots[2]])
+    else:
+        ref = dots[0] + (base if base is not None else 0)
+    ws = [to_gpu(raw, tid, r, n, f"w{i}") for i, (raw, r) in enumerate(zip(raws, shapes))]
+    out = cp.zeros(len(ref), cp.float32)
+    bias_d = cp.asarray(bias) if bias is not None else None
+    entries, off = [], 0
+    for i, (w, r) in enumerate(zip(ws, shapes)):
+        b = bias_d.data.ptr if (i == 1 and bias_d is not None) else 0
+        entries.append((w.data.ptr, b, out.data.ptr + 4 * off, gpu_row_bytes(tid, n), tid, r))
+        off += 0 if mode == "glu" else r
+    descs = K.mat_descs(entries)
+    total = shapes[0] if mode == "glu" else sum(shapes)
+    x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
+    kmode = {"store": K.MODE_STORE, "add": K.MODE_ADD, "glu": K.MODE_GLU, "pre": K.MODE_STORE}[mode]
+    pre = None
+    if mode == "pre":
+        aq, ad, as_ = cp.zeros(K.act_code_bytes(n, True), cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16,
+                                                                                                        cp.float32)
+        K.quant_act(x_d.data.ptr, n, ACT_GSQ8_PAIRS, aq.data.ptr, ad.data.ptr, as_.data.ptr)
+        pre = (aq.data.ptr, ad.data.ptr, as_.data.ptr)
+    norm = norm_d.data.ptr if mode in ("add", "glu") else 0
+    stream = K.function("gemv_gsq8_stream")
+    for consumers, team in ((24, 8), (16, 16), (16, 4), (12, 4), (8, 8)):
+        for ks in (0, 1, 2, 4):
+            for stages in (K.GEMV_STREAM_MAX_STAGES, max(2, consumers // team)):  # (the smallest ring)
+                assert K.gemv_stream_plan(stream, n, 1, team, ks, stages, consumers // team) is not None
+                out[:] = cp.asarray(base) if base is not None else 0
+                K.gemv(ACT_GSQ8, descs, len(shapes), total, n, x_d.data.ptr, norm, 1e-6, kmode, pre=pre,
+                       gsq_pairs=True, stream=stream, warps_per_block=consumers, k_split=ks, max_stages=stages,
+                       stream_team=team)
+                got = out.get()
+                assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, nmse(got, ref))
 
 
 @needs_cuda

@@ -26,20 +26,57 @@ ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
 _DEFINES = os.environ.get("NINFER_CUDA_DEFINES", "").split()
 
 
-def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) -> bool:
-    """Whether a launch's 3-bit GSQ-RCO rows (64-byte records) go to kernels/gemv.cu's lane-pair kernel
-    (gemv_gsq8_pairs): launches of at least GEMV_GSQ_PAIRS_MIN_UNITS 32-weight units a row and
-    GEMV_GSQ_PAIRS_MIN_ROWS rows (4,096 and 4,096: every product of the 32B shape, none of the 1.5B's; H200,
-    synthetic GSQ3 tg128: the 1.5B shape's products by pairs 724-730 against 738-740 by units), never with
-    GEMV_GSQ_PAIRS=0. The names are given like the kernels' compile-time switches (`defines`, NINFER_CUDA_DEFINES's
-    by default) so an A/B run sets them in one place, but only this rule reads them."""
+def _define(name: str, default: int, defines: list[str] | None = None) -> int:
+    """A compile-time switch as NINFER_CUDA_DEFINES (or `defines`) gives it, for the launch rules that mirror one."""
     defs = _DEFINES if defines is None else defines
+    return next((int(d.split("=")[1]) for d in defs if d.startswith(f"-D{name}=")), default)
 
-    def define(name: str, default: int) -> int:
-        return next((int(d.split("=")[1]) for d in defs if d.startswith(f"-D{name}=")), default)
 
-    return bool(define("GEMV_GSQ_PAIRS", 1)) and n_cols >= 32 * define("GEMV_GSQ_PAIRS_MIN_UNITS", 128) \
-        and total_rows >= define("GEMV_GSQ_PAIRS_MIN_ROWS", 4096)
+def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) -> bool:
+    """Whether a launch's 3-bit GSQ-RCO rows (64-byte records) go by lane pairs (kernels/gemv.cu
+    gemv_gsq8_pairs, or gemv_stream.cu where gsq_stream() says): launches of at least GEMV_GSQ_PAIRS_MIN_UNITS
+    32-weight units a row and GEMV_GSQ_PAIRS_MIN_ROWS rows (4,096 and 4,096: every product of the 32B shape, none of
+    the 1.5B's; H200, synthetic GSQ3 tg128: the 1.5B shape's products by pairs 724-730 against 738-740 by units),
+    never with GEMV_GSQ_PAIRS=0. The names are given like the kernels' compile-time switches (`defines`,
+    NINFER_CUDA_DEFINES's by default) so an A/B run sets them in one place, but only this rule reads them."""
+    return bool(_define("GEMV_GSQ_PAIRS", 1, defines)) \
+        and n_cols >= 32 * _define("GEMV_GSQ_PAIRS_MIN_UNITS", 128, defines) \
+        and total_rows >= _define("GEMV_GSQ_PAIRS_MIN_ROWS", 4096, defines)
+
+
+GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus its producer warp)
+GEMV_STREAM_TEAM = 8  # consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn
+GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
+
+
+def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
+    """Whether a lane-pair launch (gsq_pairs) may stream its weights into shared memory by the bulk-copy engine
+    (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
+    gemv() then takes it where no row is split between warps (the 32B shape's q/k/v, o and gate/up, not its
+    27,648-wide down projection: H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and
+    streamed with 24 consumers in teams of 8, q/k/v 14.84 / 14.51, o 12.50 / 9.12, gate/up 51.12 / 47.81, down
+    32.49 / 35.24; 32B GSQ3 tg128 126.3 against 123.7 t/s)."""
+    import cupy as cp
+
+    return bool(_define("GEMV_GSQ_STREAM", 1, defines)) and mode != MODE_ARGMAX \
+        and int(cp.cuda.Device().compute_capability) >= 90
+
+
+def gemv_stream_plan(fn, n_cols: int, groups: int, team: int = GEMV_STREAM_TEAM, k_split: int = 0,
+                     max_stages: int = GEMV_STREAM_MAX_STAGES, teams: int = 1) -> tuple[int, int, int] | None:
+    """(k split, stages, shared memory) of a gemv_gsq8_stream launch: the pair kernel's K-split for a team of
+    `team` warps, and as many ring slots of per_step = team / ks row groups (two rows of n_cols / 2 bytes each) as
+    fit the block's shared memory after the activation, a multiple of `teams` (each slot then belongs to one team,
+    which waits on its barrier phase by phase: a team skipping phases could take a slot's previous chunk for its
+    own). None where too few fit (two for one team, one a team for more)."""
+    import cupy as cp
+
+    ks = k_split or gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups)
+    stage = team // ks * GEMV_ROWS_PER_WARP * (n_cols // 2)
+    act = -(-gemv_smem(ACT_GSQ8, n_cols, True) // 128) * 128
+    budget = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] - fn.shared_size_bytes
+    stages = min(max_stages, (budget - act) // stage) // teams * teams
+    return (ks, stages, act + stages * stage) if stages >= max(2, teams) else None
 
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
@@ -136,18 +173,40 @@ def resident_blocks(fn, threads: int, smem: int) -> int:
 def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int,
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
-         gsq_pairs: bool = False) -> None:
+         gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0) -> None:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
     compiled function), rows_per_warp: another instantiation of the template, warps_per_block, k_split: warps
     per block and per row instead of the launcher's choice (for scripts/gemv-bench). gsq_pairs (GSQ8 activations
-    only): the lane-pair kernel for 3-bit records (gsq_pairs())."""
+    only): the lane-pair kernel for 3-bit records (gsq_pairs()), whose weights stream into shared memory
+    (kernels/gemv_stream.cu) where gsq_stream() says, or as `stream` says: False, True, or the compiled
+    gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
+    max_stages caps its ring's slots; GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in
+    NINFER_CUDA_DEFINES or the GEMV_STREAM_* constants by default)."""
+    per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
+    groups = -(-total_rows // per_warp)
+    if gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP and (gsq_stream(mode) if stream is None else stream):
+        sfn = function("gemv_gsq8_stream") if stream is None or stream is True else stream
+        consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
+        team = min(consumers, stream_team or _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM))
+        consumers -= consumers % team  # whole teams
+        plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split,
+                                max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES), consumers // team)
+        if plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block and (stream or plan[0] == 1):
+            ks, stages, smem = plan
+            _allow_smem(sfn, smem)
+            threads = 32 * (consumers + 1)
+            grid = min(groups, resident_blocks(sfn, threads, smem))
+            pq, pd, _ = pre or (0, 0, 0)
+            launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
+                                                     F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
+                                                     P(pq), P(pd)),
+                          shared_mem=smem, dependent=True)
+            return
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
     _allow_smem(fn, smem)
-    per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
-    groups = -(-total_rows // per_warp)
 
     def plan(warps: int) -> tuple[int, int, int]:  # (k split, steps, grid) of a launch with `warps` a block
         ks = k_split or gemv_k_split(n_cols, warps, gsq_pairs=gsq_pairs, groups=groups)

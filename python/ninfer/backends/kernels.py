@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 HEADERS = ("common.cuh", "quant.cuh")
-SOURCES = ("norm.cu", "rope_kv.cu", "gemv.cu", "attention.cu", "misc.cu")  # in dependency order
+SOURCES = ("norm.cu", "rope_kv.cu", "gemv.cu", "gemv_stream.cu", "attention.cu", "misc.cu")  # in dependency order
 
 
 def kernels_dir() -> Path:

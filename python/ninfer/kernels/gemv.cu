@@ -372,23 +372,19 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
 #define GEMV_GSQ_PAIRS_STAGE 1
 #endif
 
-// A lane's next U records of the pair walk (row, rec advanced by d_row, d_rec): half h's words and the header.
-template <int R, int U>
-__device__ __forceinline__ void gsq3_pairs_load(Gsq3Half* t, const u8* const* w, int h, int n_rec, int d_row,
-                                                int d_rec, int& row, int& rec) {
+// A lane's next U records of the pair walk (row, rec advanced by d_row, d_rec): load(row, rec, t) fetches half h's
+// words and the header of record rec of row `row` (from global memory, or from shared memory in gemv_stream.cu).
+// ALL: records past the group's rows (row >= R) are loaded too (from row 0: rec < n_rec keeps them inside it), so
+// the loop has no branches; gsq3_pairs_dots then adds them to no row. (From shared memory that is faster: H200, 32B
+// gate/up 49.1 against 53.0 us; from global memory slower, the compiler then keeping fewer loads in flight.)
+template <int R, int U, bool ALL, class Load>
+__device__ __forceinline__ void gsq3_pairs_load(Gsq3Half* t, Load load, int n_rec, int d_row, int d_rec, int& row,
+                                                int& rec) {
 #pragma unroll
     for (int k = 0; k < U; ++k) {
         t[k].row = row;
         t[k].rec = rec;
-        if (row < R) {
-            const u8* p = w[0];
-#pragma unroll
-            for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
-            p += 64LL * rec;
-            t[k].p = __ldg((const int4*)(p + 32 * h));
-            t[k].q = __ldg((const int2*)(p + 16 + 8 * h));
-            t[k].hd = __ldg((const int4*)(p + 48));
-        }
+        if (ALL || row < R) load(row, rec, t[k]);
         rec += d_rec;
         row += d_row;
         if (rec >= n_rec) {
@@ -398,12 +394,24 @@ __device__ __forceinline__ void gsq3_pairs_load(Gsq3Half* t, const u8* const* w,
     }
 }
 
-template <int R, int U>
+// Half h of record rec of one of R rows (pointers w) from global memory.
+template <int R>
+__device__ __forceinline__ void gsq3_half_ldg(const u8* const* w, int h, int row, int rec, Gsq3Half& t) {
+    const u8* p = w[0];
+#pragma unroll
+    for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
+    p += 64LL * rec;
+    t.p = __ldg((const int4*)(p + 32 * h));
+    t.q = __ldg((const int2*)(p + 16 + 8 * h));
+    t.hd = __ldg((const int4*)(p + 48));
+}
+
+template <int R, int U, bool ALL>
 __device__ __forceinline__ void gsq3_pairs_dots(const Gsq3Half* t, int h, const int* aq, const float* ad,
                                                 float* acc) {
 #pragma unroll
     for (int k = 0; k < U; ++k) {
-        if (t[k].row < R) {
+        if (ALL || t[k].row < R) {  // (past the rows: no row matches below)
             const float v = gsq3_half_dot(t[k], h, aq, ad);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] += t[k].row == r ? v : 0.0f;
@@ -411,20 +419,20 @@ __device__ __forceinline__ void gsq3_pairs_dots(const Gsq3Half* t, int h, const 
     }
 }
 
-// Records of R rows (row pointers w, n_rec records each) by lane pairs; u_first, u_step as the unit loop's
-// (sub * 32 + lane, ks * 32): pair (u_first / 2) of the group's flat record list, then every (u_step / 2)-th.
-template <int R, int U>
-__device__ __forceinline__ void rows_dot_gsq3_pairs(const u8* const* w, int u_first, int u_step, int n_rec,
-                                                    const int* aq, const float* ad, float* acc) {
+// Records of R rows (n_rec records each; load as gsq3_pairs_load's) by lane pairs; u_first, u_step as the unit
+// loop's (sub * 32 + lane, ks * 32): pair (u_first / 2) of the group's flat record list, then every (u_step / 2)-th.
+template <int R, int U, bool ALL, class Load>
+__device__ __forceinline__ void rows_dot_gsq3_pairs(Load load, int u_first, int u_step, int n_rec, const int* aq,
+                                                    const float* ad, float* acc) {
     const int h = u_first & 1, lane = threadIdx.x & 31;
     const int first = u_first >> 1, step = u_step >> 1, n_tasks = R * n_rec;
     const int d_row = step / n_rec, d_rec = step - d_row * n_rec;
     int row = first / n_rec, rec = first - row * n_rec;  // this lane's next record: (row, rec)
     for (int base = first - (lane >> 1); base < n_tasks; base += step * U) {  // warp-uniform trip count
         Gsq3Half t[U];
-        gsq3_pairs_load<R, U>(t, w, h, n_rec, d_row, d_rec, row, rec);
+        gsq3_pairs_load<R, U, ALL>(t, load, n_rec, d_row, d_rec, row, rec);
         asm volatile("" ::: "memory");  // these loads stay above the dot products
-        gsq3_pairs_dots<R, U>(t, h, aq, ad, acc);
+        gsq3_pairs_dots<R, U, ALL>(t, h, aq, ad, acc);
     }
 }
 
@@ -435,7 +443,10 @@ __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u
     const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
     if constexpr (BITS == 3 && PAIRS) {
         if (rb == 64) {
-            rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U>(w, u_first, u_step, n_units >> 2, aq, ad, acc);
+            const int h = u_first & 1;
+            rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U, false>(
+                [&](int row, int rec, Gsq3Half& t) { gsq3_half_ldg<R>(w, h, row, rec, t); }, u_first, u_step,
+                n_units >> 2, aq, ad, acc);
             return;
         }
     }

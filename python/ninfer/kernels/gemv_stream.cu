@@ -1,0 +1,246 @@
+// Decode GEMV for 3-bit GSQ-RCO records of 64 bytes (at most two slots) with the weights streamed into shared
+// memory by the bulk-copy engine (sm_90: cp.async.bulk into an mbarrier-tracked ring): gemv_gsq8_stream.
+//
+// Why: the lane-pair kernel (gemv.cu, gemv_gsq8_pairs) loads records into registers and computes after each round
+// of loads; Nsight Compute found its warps stalled on those loads with DRAM at a third to a half of its peak, and
+// neither more records a lane, more warps, L2 prefetches nor fewer instructions closed the gap (docs/gsq-rco.md).
+// Here one producer warp a block keeps up to `stages` chunks of the block's rows in flight into a ring in shared
+// memory, one bulk copy per matrix a chunk touches, and the consumer warps compute from shared memory: the memory
+// always has the block's next chunks asked for, and no register waits on them. The first chunks are asked for before
+// grid_dep_wait (weights do not depend on the previous kernel), so a launch's first bytes stream in under the
+// previous kernel's tail and this block's norm + quantization prologue.
+//
+// Work: block b takes the contiguous row groups [b G / grid, (b + 1) G / grid) (G groups of GEMV_R = 2 rows; GLU:
+// a gate and an up row), in chunks of per_step = W / ks groups. The consumer warps form teams of W (ks of a team's
+// warps sharing a group, as the pair kernel's K-split does), and team t takes chunks t, t + T, t + 2T, ... (T
+// teams), so more warps than one chunk's groups work at once while each ring slot stays one chunk. A chunk's rows lie
+// in its ring slot in order (GLU: the gate rows, then the up rows from row per_step on). Barriers per slot: full (the
+// producer's expected bytes, completed by the copies), empty (one arrival per warp of the team that read it). The
+// consumers take records by lane pairs exactly as gemv_gsq8_pairs does (gemv.cu rows_dot_gsq3_pairs), reading them
+// by LDS.
+//
+// Modes STORE, ADD and GLU (the launcher keeps the argmax head on gemv.cu). Shared memory (cuda_ops.gemv_stream_smem):
+// the ACT_GSQ8_PAIRS activation (codes, scales, sums as gemv.cu's prologue lays them), padded to 128 bytes, then
+// the ring.
+
+#ifndef GEMV_STREAM_U
+#define GEMV_STREAM_U 5  // records a lane loads from shared memory before it computes any
+#endif
+#ifndef GEMV_STREAM_EVICT_FIRST
+#define GEMV_STREAM_EVICT_FIRST 0  // 1: the copies ask L2 to evict the streamed weights first
+#endif
+#ifndef GEMV_STREAM_MAX_WARPS
+#define GEMV_STREAM_MAX_WARPS 32  // a block's warps at most (the producer and 31 consumers): up to 64 registers
+#endif
+#define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Arrive once and add `bytes` to the transactions the current phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Wait until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// bytes (a multiple of 16) from global src to shared dst, completing that many transactions on bar.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if GEMV_STREAM_EVICT_FIRST
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+#else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
+}
+
+// Half h of the record at shared address a (volatile: kept after the slot's barrier wait).
+__device__ __forceinline__ void gsq3_half_lds(u32 a, int h, Gsq3Half& t) {
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(t.p.x), "=r"(t.p.y), "=r"(t.p.z), "=r"(t.p.w) : "r"(a + 32 * h));
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(t.q.x), "=r"(t.q.y) : "r"(a + 16 + 8 * h));
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(t.hd.x), "=r"(t.hd.y), "=r"(t.hd.z), "=r"(t.hd.w) : "r"(a + 48));
+}
+
+// A team's own barrier, 1 + team (barrier 0 is __syncthreads', which the producer has left by then).
+__device__ __forceinline__ void team_sync(int team, int n_threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(n_threads) : "memory");
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
+                                            const float* x, const float* norm_w, float eps, int mode, int glu_act,
+                                            int ks, int team_warps, int stages, const void* pre_q,
+                                            const float* pre_d) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int R = GEMV_R;
+    extern __shared__ __align__(128) int4 stream_sm[];
+    __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
+    __shared__ float partial[32][R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
+    const bool is_glu = mode == MODE_GLU;
+    const int per_group = is_glu ? R / 2 : R;
+    const int n_groups = (total_rows + per_group - 1) / per_group;
+    const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
+    const int g0 = (int)((long long)blockIdx.x * n_groups / gridDim.x);
+    const int g1 = (int)((long long)(blockIdx.x + 1) * n_groups / gridDim.x);
+    const int n_st = (g1 - g0 + per_step - 1) / per_step;
+    const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
+    const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
+    const u32 stage_bytes = (u32)per_step * R * rb;
+    const u32 ring = smem_u32(stream_sm) + act_bytes;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(smem_u32(&full[s]), 1);
+            mbar_init(smem_u32(&empty[s]), team_warps);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
+    auto issue = [&](int i) {
+        const int s = i % stages;
+        const int ga = g0 + i * per_step, gb = min(ga + per_step, g1);
+        const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
+        if (is_glu) {
+            const u32 bytes = (u32)(gb - ga) * rb;
+            mbar_expect_tx(bar, 2 * bytes);
+            bulk_copy(dst, mats[0].w + (long long)ga * rb, bytes, bar);
+            bulk_copy(dst + per_step * rb, mats[1].w + (long long)ga * rb, bytes, bar);
+            return;
+        }
+        const int ra = ga * R, re = min(gb * R, total_rows);
+        mbar_expect_tx(bar, (u32)(re - ra) * rb);
+        for (int r = ra; r < re;) {
+            const MatDesc& m = mats[mat_of(mats, n_mats, r)];
+            const int end = min(re, m.row0 + m.rows);
+            bulk_copy(dst + (u32)(r - ra) * rb, m.w + (long long)(r - m.row0) * rb, (u32)(end - r) * rb, bar);
+            r = end;
+        }
+    };
+    const bool producer = warp == n_cons;
+    if (producer && lane == 0)
+        for (int i = 0; i < min(stages, n_st); ++i) issue(i);
+
+    grid_dep_launch();
+    grid_dep_wait();
+
+    // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
+    i8* q = (i8*)stream_sm;
+    float* d = (float*)(q + gsq8_pairs_at(n_cols));
+    if (!pre_q) {
+        norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0);
+    } else {
+        const int n_q = gsq8_pairs_at(n_cols) >> 4, n_d = n_cols >> 7;  // 16-byte vectors: codes, scales
+        for (int i = threadIdx.x; i < n_q; i += blockDim.x) stream_sm[i] = __ldcg((const int4*)pre_q + i);
+        for (int i = threadIdx.x; i < n_d; i += blockDim.x) stream_sm[n_q + i] = __ldcg((const int4*)pre_d + i);
+    }
+    __syncthreads();
+
+    if (producer) {  // the rest of the chunks, each once its slot is read
+        if (lane == 0) {
+            for (int i = stages; i < n_st; ++i) {
+                mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
+                issue(i);
+            }
+        }
+        return;
+    }
+
+    // Slot i % stages of chunk i belongs to team i % n_teams only when stages is a multiple of n_teams (the
+    // launcher's rule): a team then meets each of its slots' phases in order, and a parity wait cannot mistake a
+    // slot's previous chunk for the one it waits for.
+    if (stages % n_teams) __trap();
+    const int team = warp / team_warps, tw = warp % team_warps;
+    if (team >= n_teams) return;  // (warps past whole teams: none with the launcher's shapes)
+    const int sub = tw % ks, slot = tw / ks, h = lane & 1;
+    const int u_first = sub * WARP + lane, u_step = ks * WARP, n_rec = n_cols >> 7;
+    const int* aq = (const int*)q;
+    for (int i = team; i < n_st; i += n_teams) {
+        const int s = i % stages;
+        mbar_wait(smem_u32(&full[s]), (u32)((i / stages) & 1));
+        const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
+        const u32 base = ring + s * stage_bytes;
+        u32 wa[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+        if (g < g1) {
+            rows_dot_gsq3_pairs<R, GEMV_STREAM_U, true>(
+                [&](int row, int rec, Gsq3Half& t) {
+                    u32 a = wa[0];
+#pragma unroll
+                    for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
+                    gsq3_half_lds(a + 64 * rec, h, t);
+                },
+                u_first, u_step, n_rec, aq, d, acc);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
+        if (ks > 1) {  // the K-split warps of a group add up through shared memory
+            if (lane == 0) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) partial[warp][r] = acc[r];
+            }
+            team_sync(team, team_warps * WARP);
+            if (sub == 0) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float t = 0.0f;
+                    for (int j = 0; j < ks; ++j) t += partial[warp + j][r];
+                    acc[r] = t;
+                }
+            }
+            team_sync(team, team_warps * WARP);
+        }
+        if (lane != 0 || sub != 0 || g >= g1) continue;
+        const int first = g * per_group;
+        if (is_glu) {
+            mats[0].out[first] = glu(acc[0], acc[1], glu_act);
+            continue;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (first + r < total_rows) {
+                const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
+                const int local = first + r - m.row0;
+                const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
+                if (mode == MODE_ADD) m.out[local] += v;
+                else m.out[local] = v;
+            }
+        }
+    }
+#else
+    __trap();  // the launcher picks this kernel on sm_90 and later only
+#endif
+}
