@@ -419,18 +419,37 @@ __device__ __forceinline__ void gsq3_pairs_dots(const Gsq3Half* t, int h, const 
     }
 }
 
-// Records of R rows (n_rec records each; load as gsq3_pairs_load's) by lane pairs; u_first, u_step as the unit
-// loop's (sub * 32 + lane, ks * 32): pair (u_first / 2) of the group's flat record list, then every (u_step / 2)-th.
+// Where a lane's walk over a row group's records starts and how it steps (rows_dot_gsq3_pairs); u_first, u_step as
+// the unit loop's (sub * 32 + lane, ks * 32): pair (u_first / 2) of the group's flat record list, then every
+// (u_step / 2)-th. The same for every group of a launch, so a kernel looping over groups computes it once (two
+// integer divisions, about 50 instructions).
+struct Gsq3PairWalk {
+    int row, rec, d_row, d_rec, base, stride;
+};
+
+template <int U>
+__device__ __forceinline__ Gsq3PairWalk gsq3_pair_walk(int u_first, int u_step, int n_rec) {
+    const int first = u_first >> 1, step = u_step >> 1;
+    Gsq3PairWalk w;
+    w.d_row = step / n_rec;
+    w.d_rec = step - w.d_row * n_rec;
+    w.row = first / n_rec;
+    w.rec = first - w.row * n_rec;
+    w.base = first - ((threadIdx.x & 31) >> 1);  // the warp's first pair: a warp-uniform trip count
+    w.stride = step * U;
+    return w;
+}
+
+// Records of R rows (n_rec records each; load as gsq3_pairs_load's) by lane pairs, lane h = u_first & 1 of its pair,
+// along `walk`.
 template <int R, int U, bool ALL, class Load>
-__device__ __forceinline__ void rows_dot_gsq3_pairs(Load load, int u_first, int u_step, int n_rec, const int* aq,
-                                                    const float* ad, float* acc) {
-    const int h = u_first & 1, lane = threadIdx.x & 31;
-    const int first = u_first >> 1, step = u_step >> 1, n_tasks = R * n_rec;
-    const int d_row = step / n_rec, d_rec = step - d_row * n_rec;
-    int row = first / n_rec, rec = first - row * n_rec;  // this lane's next record: (row, rec)
-    for (int base = first - (lane >> 1); base < n_tasks; base += step * U) {  // warp-uniform trip count
+__device__ __forceinline__ void rows_dot_gsq3_pairs(Load load, const Gsq3PairWalk& walk, int h, int n_rec,
+                                                    const int* aq, const float* ad, float* acc) {
+    const int n_tasks = R * n_rec;
+    int row = walk.row, rec = walk.rec;  // this lane's next record
+    for (int base = walk.base; base < n_tasks; base += walk.stride) {
         Gsq3Half t[U];
-        gsq3_pairs_load<R, U, ALL>(t, load, n_rec, d_row, d_rec, row, rec);
+        gsq3_pairs_load<R, U, ALL>(t, load, n_rec, walk.d_row, walk.d_rec, row, rec);
         asm volatile("" ::: "memory");  // these loads stay above the dot products
         gsq3_pairs_dots<R, U, ALL>(t, h, aq, ad, acc);
     }
@@ -443,10 +462,10 @@ __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u
     const int slots = gsq_slots(type), rb = gsq_record_bytes(BITS, slots);
     if constexpr (BITS == 3 && PAIRS) {
         if (rb == 64) {
-            const int h = u_first & 1;
+            const int h = u_first & 1, n_rec = n_units >> 2;
             rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U, false>(
-                [&](int row, int rec, Gsq3Half& t) { gsq3_half_ldg<R>(w, h, row, rec, t); }, u_first, u_step,
-                n_units >> 2, aq, ad, acc);
+                [&](int row, int rec, Gsq3Half& t) { gsq3_half_ldg<R>(w, h, row, rec, t); },
+                gsq3_pair_walk<GEMV_GSQ_PAIRS_U>(u_first, u_step, n_rec), h, n_rec, aq, ad, acc);
             return;
         }
     }

@@ -178,12 +178,19 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     if (stages % n_teams) __trap();
     const int team = warp / team_warps, tw = warp % team_warps;
     if (team >= n_teams) return;  // (warps past whole teams: none with the launcher's shapes)
-    const int sub = tw % ks, slot = tw / ks, h = lane & 1;
-    const int u_first = sub * WARP + lane, u_step = ks * WARP, n_rec = n_cols >> 7;
+    const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
+    const Gsq3PairWalk walk = gsq3_pair_walk<GEMV_STREAM_U>(sub * WARP + lane, ks * WARP, n_rec);
     const int* aq = (const int*)q;
-    for (int i = team; i < n_st; i += n_teams) {
-        const int s = i % stages;
-        mbar_wait(smem_u32(&full[s]), (u32)((i / stages) & 1));
+    // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
+    // (at most `stages`) instead of two divisions a chunk.
+    int s = team;
+    u32 parity = 0;
+    for (int i = team; i < n_st; i += n_teams, s += n_teams) {
+        if (s >= stages) {
+            s -= stages;
+            parity ^= 1;
+        }
+        mbar_wait(smem_u32(&full[s]), parity);
         const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
         const u32 base = ring + s * stage_bytes;
         u32 wa[R];
@@ -201,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                     for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
                     gsq3_half_lds(a + 64 * rec, h, t);
                 },
-                u_first, u_step, n_rec, aq, d, acc);
+                walk, h, n_rec, aq, d, acc);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
         }
