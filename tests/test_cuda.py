@@ -65,6 +65,25 @@ def test_unknown_device_is_an_argument_error() -> None:
         resolve_device("tpu")
 
 
+def test_measuring_switch_takes_a_count_and_names_a_bad_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NINFER_CUDA_ATT_SPLIT (and any count the CUDA engine reads from the environment): unset or empty means the
+    engine's own choice (0); anything but a whole number >= 0 is an argument error naming the variable."""
+    from ninfer.backends.cuda_engine import env_count
+    from ninfer.errors import InvalidArgumentError
+
+    for raw, want in ((None, 0), ("", 0), (" ", 0), ("0", 0), ("64", 64), (" 8 ", 8)):
+        if raw is None:
+            monkeypatch.delenv("NINFER_CUDA_ATT_SPLIT", raising=False)
+        else:
+            monkeypatch.setenv("NINFER_CUDA_ATT_SPLIT", raw)
+        assert env_count("NINFER_CUDA_ATT_SPLIT") == want, raw
+    for raw in ("-1", "two", "1.5"):
+        monkeypatch.setenv("NINFER_CUDA_ATT_SPLIT", raw)
+        with pytest.raises(InvalidArgumentError, match=f"NINFER_CUDA_ATT_SPLIT must be a whole number >= 0, "
+                                                         f"got '{raw}'"):
+            env_count("NINFER_CUDA_ATT_SPLIT")
+
+
 # ---- GPU ops against CPU ops ----------------------------------------------------------------------------------
 ACT_TYPE_ID = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 8, "Q5_0": 8, "Q8_0": 8, "Q4_1": 9, "Q5_1": 9,
                "Q2_K": 15, "Q3_K": 15, "Q4_K": 15, "Q5_K": 15, "Q6_K": 15}

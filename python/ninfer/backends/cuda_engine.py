@@ -83,6 +83,20 @@ class _Matrix:
         self.act = layout(self.type, self.name).act
 
 
+def env_count(name: str) -> int:
+    """A measuring switch from the environment: a count >= 0, 0 where unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be a whole number >= 0, got '{raw}'")
+    return value
+
+
 class CudaEngine:
     def __init__(self, model_file: Any, *, n_ctx: int, threads: int, n_batch: int = 512, n_gpu_layers: int = -1,
                  gpu_mem_budget: int | None = None, page_size: int = 256, n_seq_max: int = 1,
@@ -215,7 +229,7 @@ class CudaEngine:
         self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)
         # Key splits of decode attention: as many blocks as the GPU holds at once, over the KV heads
         # (NINFER_CUDA_ATT_SPLIT overrides, for measuring other choices).
-        n_split = (int(os.environ.get("NINFER_CUDA_ATT_SPLIT", "0"))
+        n_split = (env_count("NINFER_CUDA_ATT_SPLIT")
                    or K.attention_resident(s["head_dim"], group) // s["n_head_kv"])
         self.n_split = max(1, min(-(-self.n_ctx // 256), n_split, K.attention_max_split(s["head_dim"], group)))
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
