@@ -198,6 +198,11 @@ def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
         assert r.returncode == 2, (mod, r.stderr)
         assert f"the output's folder {missing.parent} does not exist" in r.stderr and "Traceback" not in r.stderr
     assert not missing.parent.exists()
+    # An output that is a folder is named before any work too (it used to fail at the final rename).
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output",
+                        str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2 and f"{tmp_path}: the output is a folder; give a file name" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "%" not in r.stderr  # (no progress bar: no work was done)
 
 
 def test_gsq_model_runs_in_the_engine_close_to_its_source(source: Path, converted: Path) -> None:

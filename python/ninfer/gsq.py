@@ -267,6 +267,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         raise InvalidArgumentError(f"{dst}: the output's folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InvalidArgumentError(f"{dst}: the output's folder {folder} is not writable")
+    if dst.is_dir():  # (the rename at the end would fail after all the work)
+        raise InvalidArgumentError(f"{dst}: the output is a folder; give a file name")
     threads = threads or max(1, len(os.sched_getaffinity(0)))
     overrides = parse_tensor_types(list(tensor_types))
     mf = ModelFile(src)
