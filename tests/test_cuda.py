@@ -84,6 +84,18 @@ def test_measuring_switch_takes_a_count_and_names_a_bad_one(monkeypatch: pytest.
             env_count("NINFER_CUDA_ATT_SPLIT")
 
 
+def test_streamed_gemv_only_where_its_walk_fills_its_rounds() -> None:
+    """The streamed 3-bit GEMV computes every slot of its last round, so the launcher keeps it to row widths whose
+    lane-pair walk fills at least 90% of the slots (records of a row group against 16 pairs x ks warps x 5)."""
+    from ninfer.backends.cuda_ops import gsq_stream_walk_full
+
+    assert gsq_stream_walk_full(5120, 1)  # Qwen2.5-32B hidden: 80 records, one round exactly
+    assert gsq_stream_walk_full(10240, 1) and gsq_stream_walk_full(10240, 2)
+    assert not gsq_stream_walk_full(5376, 1)  # Gemma-3-27B hidden: 84 records in two rounds of 80
+    assert not gsq_stream_walk_full(4096, 1) and not gsq_stream_walk_full(8192, 1)  # 80% full
+    assert not gsq_stream_walk_full(27648, 4)  # the 32B down projection split four ways: 432 of 640
+
+
 # ---- GPU ops against CPU ops ----------------------------------------------------------------------------------
 ACT_TYPE_ID = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 8, "Q5_0": 8, "Q8_0": 8, "Q4_1": 9, "Q5_1": 9,
                "Q2_K": 15, "Q3_K": 15, "Q4_K": 15, "Q5_K": 15, "Q6_K": 15}

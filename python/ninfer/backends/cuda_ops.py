@@ -47,13 +47,26 @@ def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) ->
 GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus its producer warp)
 GEMV_STREAM_TEAM = 8  # consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
+GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
+
+
+def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
+    """Whether the streamed kernel's lane-pair walk over a row group fills at least 90% of its rounds' slots: the
+    kernel computes every slot of its last round (no branches; records past the group's rows count for nothing), so
+    a ragged last round costs its full price. The 32B shape's 5,120-wide products fill theirs exactly (two rows of 40
+    records, 16 pairs, 5 a lane); a 5,376-wide row (Gemma-3-27B) would fill 52%, 4,096 or 8,192 80%, and the 32B down
+    projection split four ways 68% (streamed it measured 33.4-35.2 µs against the pair kernel's 32.5). Elsewhere the
+    pair kernel, which skips the empty slots, keeps the launch."""
+    tasks = GEMV_ROWS_PER_WARP * (n_cols // 128)  # a row group's records
+    per_round = 16 * ks * GEMV_STREAM_U  # the ks warps' pairs, GEMV_STREAM_U records each
+    return 10 * tasks >= 9 * -(-tasks // per_round) * per_round
 
 
 def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
     """Whether a lane-pair launch (gsq_pairs) may stream its weights into shared memory by the bulk-copy engine
     (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
-    gemv() then takes it where no row is split between warps (the 32B shape's q/k/v, o and gate/up, not its
-    27,648-wide down projection: H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and
+    gemv() then takes it where no row is split between warps and the walk fills its rounds
+    (gsq_stream_walk_full: the 32B shape's q/k/v, o and gate/up, not its 27,648-wide down projection: H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and
     streamed with 24 consumers in teams of 8, q/k/v 14.84 / 14.51, o 12.50 / 9.12, gate/up 51.12 / 47.81, down
     32.49 / 35.24; 32B GSQ3 tg128 126.3 against 123.7 t/s)."""
     import cupy as cp
@@ -193,7 +206,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         consumers -= consumers % team  # whole teams
         plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split,
                                 max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES), consumers // team)
-        if plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block and (stream or plan[0] == 1):
+        if plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block \
+                and (stream or (plan[0] == 1 and gsq_stream_walk_full(n_cols, plan[0]))):
             ks, stages, smem = plan
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
