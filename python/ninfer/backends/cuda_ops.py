@@ -199,6 +199,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     NINFER_CUDA_DEFINES or the GEMV_STREAM_* constants by default)."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
+    if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
+        raise ValueError(f"gemv_gsq8_stream takes 3-bit lane-pair launches of {GEMV_ROWS_PER_WARP} rows a warp only")
     if gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP and (gsq_stream(mode) if stream is None else stream):
         sfn = function("gemv_gsq8_stream") if stream is None or stream is True else stream
         consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
@@ -206,8 +208,13 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         consumers -= consumers % team  # whole teams
         plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split,
                                 max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES), consumers // team)
-        if plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block \
-                and (stream or (plan[0] == 1 and gsq_stream_walk_full(n_cols, plan[0]))):
+        fits = plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block
+        if stream and not fits:  # asked for by name (a test, scripts/gemv-bench): say so, not the pair kernel's time
+            raise ValueError(f"gemv_gsq8_stream cannot take this launch ({consumers} consumers in teams of {team}, "
+                             f"{n_cols} columns: " + ("too few ring slots fit" if plan is None else
+                                                      f"{32 * (consumers + 1)} threads, the kernel takes at most "
+                                                      f"{sfn.max_threads_per_block}") + ")")
+        if fits and (stream or (plan[0] == 1 and gsq_stream_walk_full(n_cols, plan[0]))):
             ks, stages, smem = plan
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
