@@ -65,10 +65,10 @@ def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
 def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
     """Whether a lane-pair launch (gsq_pairs) may stream its weights into shared memory by the bulk-copy engine
     (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
-    gemv() then takes it where no row is split between warps and the walk fills its rounds
-    (gsq_stream_walk_full: the 32B shape's q/k/v, o and gate/up, not its 27,648-wide down projection: H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and
-    streamed with 24 consumers in teams of 8, q/k/v 14.84 / 14.51, o 12.50 / 9.12, gate/up 51.12 / 47.81, down
-    32.49 / 35.24; 32B GSQ3 tg128 126.3 against 123.7 t/s)."""
+    gemv() then takes it where no row is split between warps and the walk fills its rounds (gsq_stream_walk_full:
+    the 32B shape's q/k/v, o and gate/up, not its 27,648-wide down projection. H200, `scripts/gemv-bench --gsq
+    --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in teams of 8: q/k/v 14.84 / 14.51,
+    o 12.50 / 9.12, gate/up 51.12 / 47.81, down 32.49 / 35.24; 32B GSQ3 tg128 126.3 against 123.7 t/s)."""
     import cupy as cp
 
     return bool(_define("GEMV_GSQ_STREAM", 1, defines)) and mode != MODE_ARGMAX \
