@@ -372,6 +372,17 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
 #define GEMV_GSQ_PAIRS_STAGE 1
 #endif
 
+// A pre-quantized ACT_GSQ8_PAIRS activation of n columns (quant_act's codes with their int16 sums, then its scales,
+// a float a 32) copied by the whole block into shared memory at dst, in the same layout; returns where the scales
+// are. (The caller synchronizes the block before reading it.)
+__device__ __forceinline__ const float* stage_gsq8_pairs_act(int4* dst, const void* pre_q, const float* pre_d,
+                                                             int n) {
+    const int n_q = gsq8_pairs_at(n) >> 4, n_d = n >> 7;  // 16-byte vectors: codes, scales (4 a record)
+    for (int i = threadIdx.x; i < n_q; i += blockDim.x) dst[i] = __ldcg((const int4*)pre_q + i);
+    for (int i = threadIdx.x; i < n_d; i += blockDim.x) dst[n_q + i] = __ldcg((const int4*)pre_d + i);
+    return (const float*)(dst + n_q);
+}
+
 // A lane's next U records of the pair walk (row, rec advanced by d_row, d_rec): load(row, rec, t) fetches half h's
 // words and the header of record rec of row `row` (from global memory, or from shared memory in gemv_stream.cu).
 // ALL: records past the group's rows (row >= R) are loaded too (from row 0: rec < n_rec keeps them inside it), so
@@ -691,13 +702,9 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         ss = sums;
     } else if (PAIRS && GEMV_GSQ_PAIRS_STAGE) {  // the pair kernel's pre-quantized codes and scales, copied in
         // (cuda_ops.gemv sizes shared memory for it)
-        const int n_q = gsq8_pairs_at(n_cols) >> 4, n_d = n_cols >> 7;  // 16-byte vectors: codes, scales (4 a record)
-        int4* q = gemv_sm;
-        for (int i = threadIdx.x; i < n_q; i += blockDim.x) q[i] = __ldcg((const int4*)pre_q + i);
-        for (int i = threadIdx.x; i < n_d; i += blockDim.x) q[n_q + i] = __ldcg((const int4*)pre_d + i);
+        sd = stage_gsq8_pairs_act(gemv_sm, pre_q, pre_d, n_cols);
         __syncthreads();
-        act_q = q;
-        sd = (const float*)(q + n_q);
+        act_q = gemv_sm;
     }
 
     u64 key = 0;

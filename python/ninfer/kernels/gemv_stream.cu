@@ -19,7 +19,7 @@
 // consumers take records by lane pairs exactly as gemv_gsq8_pairs does (gemv.cu rows_dot_gsq3_pairs), reading them
 // by LDS.
 //
-// Modes STORE, ADD and GLU (the launcher keeps the argmax head on gemv.cu). Shared memory (cuda_ops.gemv_stream_smem):
+// Modes STORE, ADD and GLU (the launcher keeps the argmax head on gemv.cu). Shared memory (cuda_ops.gemv_stream_plan):
 // the ACT_GSQ8_PAIRS activation (codes, scales, sums as gemv.cu's prologue lays them), padded to 128 bytes, then
 // the ring.
 
@@ -156,9 +156,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     if (!pre_q) {
         norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0);
     } else {
-        const int n_q = gsq8_pairs_at(n_cols) >> 4, n_d = n_cols >> 7;  // 16-byte vectors: codes, scales
-        for (int i = threadIdx.x; i < n_q; i += blockDim.x) stream_sm[i] = __ldcg((const int4*)pre_q + i);
-        for (int i = threadIdx.x; i < n_d; i += blockDim.x) stream_sm[n_q + i] = __ldcg((const int4*)pre_d + i);
+        stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }
     __syncthreads();
 
