@@ -45,7 +45,9 @@ def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) ->
 
 
 GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus its producer warp)
-GEMV_STREAM_TEAM = 8  # consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn
+# Consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn. Six teams of four beat
+# three of eight end to end on the H200 (32B GSQ3 tg128 131.0 against 126.8 t/s; docs/gsq-rco.md "Team shapes").
+GEMV_STREAM_TEAM = 4
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
 
@@ -67,8 +69,9 @@ def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
     (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
     gemv() then takes it where no row is split between warps and the walk fills its rounds (gsq_stream_walk_full:
     the 32B shape's q/k/v, o and gate/up, not its 27,648-wide down projection. H200, `scripts/gemv-bench --gsq
-    --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in teams of 8: q/k/v 14.84 / 14.51,
-    o 12.50 / 9.12, gate/up 51.12 / 47.81, down 32.49 / 35.24; 32B GSQ3 tg128 126.3 against 123.7 t/s)."""
+    --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in teams of 4: q/k/v 14.84 / 14.81,
+    o 12.50 / 9.09, gate/up 51.12 / 44.72, down 32.49 / 32.92; 32B GSQ3 tg128 132.4 against the pair kernel's
+    123.7 t/s in earlier calls)."""
     import cupy as cp
 
     return bool(_define("GEMV_GSQ_STREAM", 1, defines)) and mode != MODE_ARGMAX \
