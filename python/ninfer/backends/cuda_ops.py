@@ -217,7 +217,11 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                              f"{n_cols} columns: " + ("too few ring slots fit" if plan is None else
                                                       f"{32 * (consumers + 1)} threads, the kernel takes at most "
                                                       f"{sfn.max_threads_per_block}") + ")")
-        if fits and (stream or (plan[0] == 1 and gsq_stream_walk_full(n_cols, plan[0]))):
+        # GEMV_STREAM_SPLIT=1 (an A/B switch): launches whose rows are split between warps or whose walk leaves
+        # its last round short stream too (the 32B down projection: its weights then start arriving before
+        # quant_act's result does)
+        auto = (plan[0] == 1 and gsq_stream_walk_full(n_cols, plan[0])) or bool(_define("GEMV_STREAM_SPLIT", 0))
+        if fits and (stream or auto):
             ks, stages, smem = plan
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
