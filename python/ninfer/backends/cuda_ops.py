@@ -53,23 +53,24 @@ GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared me
 
 
 def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
-    """Whether the streamed kernel's lane-pair walk over a row group fills at least 90% of its rounds' slots: the
-    kernel computes every slot of its last round (no branches; records past the group's rows count for nothing), so
-    a ragged last round costs its full price. The 32B shape's 5,120-wide products fill theirs exactly (two rows of 40
-    records, 16 pairs, 5 a lane); a 5,376-wide row (Gemma-3-27B) would fill 52%, 4,096 or 8,192 80%, and the 32B down
-    projection split four ways 68% (streamed it measured 33.4-35.2 µs against the pair kernel's 32.5). Elsewhere the
-    pair kernel, which skips the empty slots, keeps the launch."""
+    """Whether the streamed kernel's lane-pair walk over a row group fills at least two thirds of its rounds' slots:
+    the kernel computes every slot of its last round (no branches; records past the group's rows count for
+    nothing), so a ragged last round costs its full price. The 32B shape's 5,120-wide products fill theirs exactly
+    (two rows of 40 records, 16 pairs, 5 a lane) and its down projection, split four ways, 68%: alone it is no
+    faster streamed (32.9 against the pair kernel's 32.5 µs), but in the decode step it is, its weights arriving
+    before quant_act's result does (H200, 32B GSQ3 tg128 134.6 / 134.8 against 132.5 / 132.2 t/s; docs/gsq-rco.md).
+    A 5,376-wide row (Gemma-3-27B) would fill 52% and keeps the pair kernel, which skips the empty slots (a rule
+    from the loop's shape, not measured there); 4,096 or 8,192 fill 80%."""
     tasks = GEMV_ROWS_PER_WARP * (n_cols // 128)  # a row group's records
     per_round = 16 * ks * GEMV_STREAM_U  # the ks warps' pairs, GEMV_STREAM_U records each
-    return 10 * tasks >= 9 * -(-tasks // per_round) * per_round
+    return 3 * tasks >= 2 * -(-tasks // per_round) * per_round
 
 
 def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
     """Whether a lane-pair launch (gsq_pairs) may stream its weights into shared memory by the bulk-copy engine
     (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
-    gemv() then takes it where no row is split between warps and the walk fills its rounds (gsq_stream_walk_full:
-    the 32B shape's q/k/v, o and gate/up, not its 27,648-wide down projection. H200, `scripts/gemv-bench --gsq
-    --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in teams of 4: q/k/v 14.84 / 14.81,
+    gemv() then takes it where the walk fills its rounds (gsq_stream_walk_full: every product of the 32B shape).
+    H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in teams of 4: q/k/v 14.84 / 14.81,
     o 12.50 / 9.09, gate/up 51.12 / 44.72, down 32.49 / 32.92; 32B GSQ3 tg128 132.4 against the pair kernel's
     123.7 t/s in earlier calls)."""
     import cupy as cp
@@ -217,11 +218,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                              f"{n_cols} columns: " + ("too few ring slots fit" if plan is None else
                                                       f"{32 * (consumers + 1)} threads, the kernel takes at most "
                                                       f"{sfn.max_threads_per_block}") + ")")
-        # GEMV_STREAM_SPLIT=1 (an A/B switch): launches whose rows are split between warps or whose walk leaves
-        # its last round short stream too (the 32B down projection: its weights then start arriving before
-        # quant_act's result does)
-        auto = (plan[0] == 1 and gsq_stream_walk_full(n_cols, plan[0])) or bool(_define("GEMV_STREAM_SPLIT", 0))
-        if fits and (stream or auto):
+        if fits and (stream or gsq_stream_walk_full(n_cols, plan[0])):
             ks, stages, smem = plan
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
