@@ -306,13 +306,15 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
 
 
 @needs_cuda
+@pytest.mark.parametrize("n", [2048, 6144])
 @pytest.mark.parametrize("mode", ["store", "add", "glu", "pre"])
-def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str) -> None:
+def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     """The 3-bit GEMV whose weights stream into shared memory (kernels/gemv_stream.cu) against the CPU's scalar
     reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
     warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
-    as well as the launcher's."""
+    as well as the launcher's. 2,048 columns: a row pair in one round of the lane-pair walk (the kernel's path with
+    the offsets computed once); 6,144: two rounds with one warp a group (the general walk)."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
@@ -322,7 +324,7 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str) -> None:
     if not K.gsq_stream(K.MODE_STORE):
         pytest.skip("gemv_gsq8_stream needs sm_90")
     rng = np.random.default_rng(7)
-    n, tid = 2048, gsq_type(3, 2)
+    tid = gsq_type(3, 2)
     shapes = {"store": [1001, 334, 333], "add": [8193], "glu": [777, 777], "pre": [1500]}[mode]
     raws = [random_gsq_records(3, 2, r, n, n**-0.5, rng) for r in shapes]
     x = rng.standard_normal(n).astype(np.float32)

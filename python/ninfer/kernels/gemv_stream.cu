@@ -26,6 +26,9 @@
 #ifndef GEMV_STREAM_U
 #define GEMV_STREAM_U 5  // records a lane loads from shared memory before it computes any
 #endif
+#ifndef GEMV_STREAM_HOIST
+#define GEMV_STREAM_HOIST 1  // a lane's record offsets computed once where a group takes one round of the walk
+#endif
 #ifndef GEMV_STREAM_EVICT_FIRST
 // 1: the copies ask L2 to evict the streamed weights first: they are read once a token, and should not push out
 // the activations, the KV pages and the lines other launches prefetch (H200, 32B GSQ3 tg128 132.2 against 131.0 t/s
@@ -33,7 +36,9 @@
 #define GEMV_STREAM_EVICT_FIRST 1
 #endif
 #ifndef GEMV_STREAM_MAX_WARPS
-#define GEMV_STREAM_MAX_WARPS 32  // a block's warps at most (the producer and 31 consumers): up to 64 registers
+// A block's warps at most (the producer and 24 consumers, the launcher's shape): up to 80 registers, which the
+// one-round path's record offsets need (64 spilled 40 bytes a thread).
+#define GEMV_STREAM_MAX_WARPS 25
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
@@ -92,6 +97,128 @@ __device__ __forceinline__ void gsq3_half_lds(u32 a, int h, Gsq3Half& t) {
 __device__ __forceinline__ void team_sync(int team, int n_threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(n_threads) : "memory");
 }
+#endif
+
+#if __CUDA_ARCH__ >= 900
+// A consumer warp's side of the ring (gemv_gsq8_stream): it takes its team's chunks in turn and computes its group
+// of each. ONE: the group's row pair covers one round of the lane-pair walk (the 32B shape's 5,120-wide rows: 80
+// records, 16 pairs x 5), so a lane's records sit at the same offsets of every chunk's slot: their rows, records
+// and byte offsets are computed once, not per chunk (the walk's row wrap, the row's address select, 64 rec). A
+// struct with a template method, so each case is its own loop and the general one keeps its registers.
+struct StreamConsumer {
+    const MatDesc* mats;
+    int n_mats, total_rows, mode, glu_act, per_group;
+    bool is_glu;
+    int team, n_teams, team_warps, stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec;
+    u32 ring, stage_bytes, rb;
+    u64* full;
+    u64* empty;
+    float (*partial)[GEMV_R];
+    Gsq3PairWalk walk;
+    const int* aq;
+    const float* d;
+
+    template <bool ONE>
+    __device__ __forceinline__ void run() const {
+        constexpr int R = GEMV_R;
+        int lane_row[GEMV_STREAM_U], lane_rec[GEMV_STREAM_U];
+        u32 lane_off[GEMV_STREAM_U];
+        if (ONE) {
+            int row = walk.row, rec = walk.rec;
+#pragma unroll
+            for (int k = 0; k < GEMV_STREAM_U; ++k) {
+                lane_row[k] = row;
+                lane_rec[k] = rec;
+                const int r = row < R ? row : 0;  // (past the rows: row 0's record, added to no row)
+                lane_off[k] = (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb + 64u * rec;
+                rec += walk.d_rec;
+                row += walk.d_row;
+                if (rec >= n_rec) {
+                    rec -= n_rec;
+                    ++row;
+                }
+            }
+        }
+        // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
+        // (at most `stages`) instead of two divisions a chunk.
+        int s = team;
+        u32 parity = 0;
+        for (int i = team; i < n_st; i += n_teams, s += n_teams) {
+            if (s >= stages) {
+                s -= stages;
+                parity ^= 1;
+            }
+            mbar_wait(smem_u32(&full[s]), parity);
+            const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
+            const u32 base = ring + s * stage_bytes;
+            float acc[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+            if (g < g1) {
+                if (ONE) {
+                    Gsq3Half t[GEMV_STREAM_U];
+#pragma unroll
+                    for (int k = 0; k < GEMV_STREAM_U; ++k) {
+                        t[k].row = lane_row[k];
+                        t[k].rec = lane_rec[k];
+                        gsq3_half_lds(base + lane_off[k], h, t[k]);
+                    }
+                    asm volatile("" ::: "memory");  // these loads stay above the dot products
+                    gsq3_pairs_dots<R, GEMV_STREAM_U, true>(t, h, aq, d, acc);
+                } else {
+                    u32 wa[R];
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
+                    rows_dot_gsq3_pairs<R, GEMV_STREAM_U, true>(
+                        [&](int row, int rec, Gsq3Half& t) {
+                            u32 a = wa[0];
+#pragma unroll
+                            for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
+                            gsq3_half_lds(a + 64 * rec, h, t);
+                        },
+                        walk, h, n_rec, aq, d, acc);
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
+            if (ks > 1) {  // the K-split warps of a group add up through shared memory
+                if (lane == 0) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) partial[warp][r] = acc[r];
+                }
+                team_sync(team, team_warps * WARP);
+                if (sub == 0) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        float t = 0.0f;
+                        for (int j = 0; j < ks; ++j) t += partial[warp + j][r];
+                        acc[r] = t;
+                    }
+                }
+                team_sync(team, team_warps * WARP);
+            }
+            if (lane != 0 || sub != 0 || g >= g1) continue;
+            const int first = g * per_group;
+            if (is_glu) {
+                mats[0].out[first] = glu(acc[0], acc[1], glu_act);
+                continue;
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (first + r < total_rows) {
+                    const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
+                    const int local = first + r - m.row0;
+                    const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
+                    if (mode == MODE_ADD) m.out[local] += v;
+                    else m.out[local] = v;
+                }
+            }
+        }
+    }
+};
 #endif
 
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
@@ -182,72 +309,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
     const Gsq3PairWalk walk = gsq3_pair_walk<GEMV_STREAM_U>(sub * WARP + lane, ks * WARP, n_rec);
     const int* aq = (const int*)q;
-    // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
-    // (at most `stages`) instead of two divisions a chunk.
-    int s = team;
-    u32 parity = 0;
-    for (int i = team; i < n_st; i += n_teams, s += n_teams) {
-        if (s >= stages) {
-            s -= stages;
-            parity ^= 1;
-        }
-        mbar_wait(smem_u32(&full[s]), parity);
-        const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
-        const u32 base = ring + s * stage_bytes;
-        u32 wa[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-        if (g < g1) {
-            rows_dot_gsq3_pairs<R, GEMV_STREAM_U, true>(
-                [&](int row, int rec, Gsq3Half& t) {
-                    u32 a = wa[0];
-#pragma unroll
-                    for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
-                    gsq3_half_lds(a + 64 * rec, h, t);
-                },
-                walk, h, n_rec, aq, d, acc);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
-        if (ks > 1) {  // the K-split warps of a group add up through shared memory
-            if (lane == 0) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) partial[warp][r] = acc[r];
-            }
-            team_sync(team, team_warps * WARP);
-            if (sub == 0) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    float t = 0.0f;
-                    for (int j = 0; j < ks; ++j) t += partial[warp + j][r];
-                    acc[r] = t;
-                }
-            }
-            team_sync(team, team_warps * WARP);
-        }
-        if (lane != 0 || sub != 0 || g >= g1) continue;
-        const int first = g * per_group;
-        if (is_glu) {
-            mats[0].out[first] = glu(acc[0], acc[1], glu_act);
-            continue;
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (first + r < total_rows) {
-                const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
-                const int local = first + r - m.row0;
-                const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                if (mode == MODE_ADD) m.out[local] += v;
-                else m.out[local] = v;
-            }
-        }
-    }
+    const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
+                              stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec, ring, stage_bytes,
+                              rb, full, empty, partial, walk, aq, d};
+    if (GEMV_STREAM_HOIST && walk.base + walk.stride >= R * n_rec) cons.run<true>();
+    else cons.run<false>();
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif
