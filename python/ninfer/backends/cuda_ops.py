@@ -223,6 +223,14 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
             grid = min(groups, resident_blocks(sfn, threads, smem))
+            # GEMV_STREAM_BLOCKS_PER_SM (an A/B switch; 0: as many as fit): at most that many blocks an SM, so that
+            # an SM keeps room for the next launch's block, which then streams its first chunks in (programmatic
+            # dependent launch) under this launch's tail instead of after it
+            per_sm = _define("GEMV_STREAM_BLOCKS_PER_SM", 0)
+            if per_sm:
+                import cupy as cp
+
+                grid = min(grid, per_sm * cp.cuda.Device().attributes["MultiProcessorCount"])
             pq, pd, _ = pre or (0, 0, 0)
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
