@@ -26,6 +26,10 @@
 #ifndef GEMV_STREAM_U
 #define GEMV_STREAM_U 5  // records a lane loads from shared memory before it computes any
 #endif
+// The launch's other choice of records a lane (argument `u`), for rows whose walk fills its rounds better with it
+// (cuda_ops.gsq_stream_lane_records: the 32B down projection, 432 records a group over four warps, 84% full by 4
+// against 68% by 5).
+#define GEMV_STREAM_U_ALT 4
 #ifndef GEMV_STREAM_HOIST
 #define GEMV_STREAM_HOIST 1  // a lane's record offsets computed once where a group takes one round of the walk
 #endif
@@ -114,19 +118,19 @@ struct StreamConsumer {
     u64* full;
     u64* empty;
     float (*partial)[GEMV_R];
-    Gsq3PairWalk walk;
     const int* aq;
     const float* d;
 
-    template <bool ONE>
-    __device__ __forceinline__ void run() const {
+    // U: records a lane loads before it computes any; walk: gsq3_pair_walk<U>'s for this warp's lanes.
+    template <bool ONE, int U>
+    __device__ __forceinline__ void run(const Gsq3PairWalk& walk) const {
         constexpr int R = GEMV_R;
-        int lane_row[GEMV_STREAM_U], lane_rec[GEMV_STREAM_U];
-        u32 lane_off[GEMV_STREAM_U];
+        int lane_row[U], lane_rec[U];
+        u32 lane_off[U];
         if (ONE) {
             int row = walk.row, rec = walk.rec;
 #pragma unroll
-            for (int k = 0; k < GEMV_STREAM_U; ++k) {
+            for (int k = 0; k < U; ++k) {
                 lane_row[k] = row;
                 lane_rec[k] = rec;
                 const int r = row < R ? row : 0;  // (past the rows: row 0's record, added to no row)
@@ -156,21 +160,21 @@ struct StreamConsumer {
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
             if (g < g1) {
                 if (ONE) {
-                    Gsq3Half t[GEMV_STREAM_U];
+                    Gsq3Half t[U];
 #pragma unroll
-                    for (int k = 0; k < GEMV_STREAM_U; ++k) {
+                    for (int k = 0; k < U; ++k) {
                         t[k].row = lane_row[k];
                         t[k].rec = lane_rec[k];
                         gsq3_half_lds(base + lane_off[k], h, t[k]);
                     }
                     asm volatile("" ::: "memory");  // these loads stay above the dot products
-                    gsq3_pairs_dots<R, GEMV_STREAM_U, true>(t, h, aq, d, acc);
+                    gsq3_pairs_dots<R, U, true>(t, h, aq, d, acc);
                 } else {
                     u32 wa[R];
 #pragma unroll
                     for (int r = 0; r < R; ++r)
                         wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
-                    rows_dot_gsq3_pairs<R, GEMV_STREAM_U, true>(
+                    rows_dot_gsq3_pairs<R, U, true>(
                         [&](int row, int rec, Gsq3Half& t) {
                             u32 a = wa[0];
 #pragma unroll
@@ -224,7 +228,7 @@ struct StreamConsumer {
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
-                                            const float* pre_d) {
+                                            const float* pre_d, int u) {
 #if __CUDA_ARCH__ >= 900
     constexpr int R = GEMV_R;
     extern __shared__ __align__(128) int4 stream_sm[];
@@ -307,13 +311,17 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int team = warp / team_warps, tw = warp % team_warps;
     if (team >= n_teams) return;  // (warps past whole teams: none with the launcher's shapes)
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
-    const Gsq3PairWalk walk = gsq3_pair_walk<GEMV_STREAM_U>(sub * WARP + lane, ks * WARP, n_rec);
-    const int* aq = (const int*)q;
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec, ring, stage_bytes,
-                              rb, full, empty, partial, walk, aq, d};
-    if (GEMV_STREAM_HOIST && walk.base + walk.stride >= R * n_rec) cons.run<true>();
-    else cons.run<false>();
+                              rb, full, empty, partial, (const int*)q, d};
+    const int u_first = sub * WARP + lane, u_step = ks * WARP;
+    if (u == GEMV_STREAM_U_ALT) {
+        cons.run<false, GEMV_STREAM_U_ALT>(gsq3_pair_walk<GEMV_STREAM_U_ALT>(u_first, u_step, n_rec));
+    } else {
+        const Gsq3PairWalk walk = gsq3_pair_walk<GEMV_STREAM_U>(u_first, u_step, n_rec);
+        if (GEMV_STREAM_HOIST && walk.base + walk.stride >= R * n_rec) cons.run<true, GEMV_STREAM_U>(walk);
+        else cons.run<false, GEMV_STREAM_U>(walk);
+    }
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif
