@@ -89,9 +89,9 @@ def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
     """Whether a lane-pair launch (gsq_pairs) may stream its weights into shared memory by the bulk-copy engine
     (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
     gemv() then takes it where the walk fills its rounds (gsq_stream_walk_full: every product of the 32B shape).
-    H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in teams of 4: q/k/v 14.84 / 14.81,
-    o 12.50 / 9.09, gate/up 51.12 / 44.72, down 32.49 / 32.92; 32B GSQ3 tg128 132.4 against the pair kernel's
-    123.7 t/s in earlier calls)."""
+    H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in
+    teams of 4: q/k/v 14.84 / 14.81, o 12.50 / 9.09, gate/up 51.12 / 44.72, down 32.49 / 32.92; 32B GSQ3 tg128
+    132.4 against the pair kernel's 123.7 t/s in earlier calls)."""
     import cupy as cp
 
     return bool(_define("GEMV_GSQ_STREAM", 1, defines)) and mode != MODE_ARGMAX \
