@@ -255,7 +255,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             pq, pd, _ = pre or (0, 0, 0)
             u = lane_records or gsq_stream_lane_records(n_cols, ks)
             if u not in (GEMV_STREAM_U, GEMV_STREAM_U_ALT):
-                raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, not {u}")
+                raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
+                                 f"not {u}")
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
                                                      P(pq), P(pd), I(u)),
