@@ -101,6 +101,19 @@ def test_streamed_gemv_only_where_its_walk_fills_its_rounds() -> None:
     assert not gsq_stream_walk_full(27648, 16)  # 432 of 1,280 or 1,024
 
 
+def test_stream_consumers_for_one_round_of_row_groups() -> None:
+    """GEMV_STREAM_ONE_ROUND's rule: the 32B q/k/v launch (3,584 groups of two rows) on 132 SMs needs 28 consumers in
+    teams of four for one group a warp; o (2,560) needs 20, fewer than the default 24 it keeps; gate/up (27,648)
+    would need more warps than a block may have."""
+    from ninfer.backends.cuda_ops import stream_consumers_one_round
+
+    assert stream_consumers_one_round(3584, 1, 4, 132, 1024) == 28
+    assert stream_consumers_one_round(2560, 1, 4, 132, 1024) == 20
+    assert stream_consumers_one_round(27648, 1, 4, 132, 1024) == 0
+    assert stream_consumers_one_round(3584, 1, 4, 132, 800) == 0  # 25 warps at most: the producer and 24
+    assert stream_consumers_one_round(2560, 4, 4, 132, 1024) == 0  # rows split four ways: 80 warps
+
+
 # ---- GPU ops against CPU ops ----------------------------------------------------------------------------------
 ACT_TYPE_ID = {"F32": 0, "F16": 1, "BF16": 30, "Q4_0": 8, "Q5_0": 8, "Q8_0": 8, "Q4_1": 9, "Q5_1": 9,
                "Q2_K": 15, "Q3_K": 15, "Q4_K": 15, "Q5_K": 15, "Q6_K": 15}

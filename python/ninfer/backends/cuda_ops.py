@@ -231,8 +231,20 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
         team = min(consumers, stream_team or _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM))
         consumers -= consumers % team  # whole teams
-        plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split,
-                                max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES), consumers // team)
+        stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
+        plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, consumers // team)
+        if plan is not None and not warps_per_block and _define("GEMV_STREAM_ONE_ROUND", 0):
+            # (an A/B switch) the fewest whole teams that give every warp of the grid one group (a launch with few
+            # groups: 32B q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds
+            import cupy as cp
+
+            one_round = stream_consumers_one_round(groups, plan[0], team,
+                                                   cp.cuda.Device().attributes["MultiProcessorCount"],
+                                                   sfn.max_threads_per_block)
+            if one_round > consumers:
+                wider = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, one_round // team)
+                if wider is not None:
+                    consumers, plan = one_round, wider
         fits = plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block
         if stream and not fits:  # asked for by name (a test, scripts/gemv-bench): say so, not the pair kernel's time
             raise ValueError(f"gemv_gsq8_stream cannot take this launch ({consumers} consumers in teams of {team}, "
@@ -280,6 +292,15 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
+
+
+def stream_consumers_one_round(groups: int, ks: int, team: int, sms: int, max_threads: int) -> int:
+    """Consumer warps a block of gemv_gsq8_stream needs (whole teams) so that one block on each of `sms` SMs gives
+    every row group of a launch its own warps (ks a group), or 0 where that passes the kernel's `max_threads` (its
+    launch bounds, the producer warp included)."""
+    need = -(-groups // sms) * ks
+    need = -(-need // team) * team
+    return need if 32 * (need + 1) <= max_threads else 0
 
 
 def gsq_pairs_warps(plan_w: tuple[int, int, int], plan_2w: tuple[int, int, int]) -> int:
