@@ -126,6 +126,9 @@ def test_prompt_past_context_and_bad_arguments(tiny: Path) -> None:
             llm.generate("ABC", max_tokens=bad)
     with pytest.raises(InvalidArgumentError, match="top_p must be in"):
         llm.generate("ABC", top_p=0.0)
+    for bad in (-1, 2**64):  # (2^64 used to be an OverflowError from the Rust sampler's u64)
+        with pytest.raises(InvalidArgumentError, match=rf"seed must be an integer in 0..2\^64-1, got {bad}"):
+            llm.generate("ABC", seed=bad)
     with pytest.raises(InvalidArgumentError, match="token id 999 is out of range for a vocabulary of 64"):
         llm.generate([1, 999])
     with pytest.raises(InvalidArgumentError, match="cache_type_k 'q5_9' is not supported"):

@@ -35,8 +35,8 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidArgumentError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise InvalidArgumentError(f"seed must be an integer in 0..2^64-1, got {self.seed!r}")
 
 
 @dataclass(frozen=True)
