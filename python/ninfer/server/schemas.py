@@ -2,6 +2,8 @@
 
 Unknown fields are ignored (as llama-server and OpenAI-compatible servers do); known fields of the wrong type or
 out of range are a 400 naming the field. Checks that need the model (context size, vocabulary) live in app.py.
+Constrained sampling (llama.cpp's `grammar` and `json_schema`, OpenAI's `response_format` other than text) is not
+implemented: a request that asks for it is a 400 naming the field, not an unconstrained answer it would trust.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = Field(None, validate_default=True)
     ignore_eos: bool = False
     cache_prompt: bool = True
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+    @field_validator("grammar", "json_schema")
+    @classmethod
+    def _no_constraints(cls, v: Any) -> Any:
+        if v:  # (clients that send an empty grammar or schema ask for nothing)
+            raise ValueError("constrained sampling (grammar, JSON schema) is not supported by ninfer")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -57,8 +68,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"response_format {v!r} is not supported by ninfer (constrained sampling); use 'text'")
+        return v
+
+
 class OpenAIBase(_Sampling):
     model: str | None = None
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
