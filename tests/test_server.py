@@ -243,8 +243,9 @@ def test_n_probs_and_logprobs_are_the_models(server: ServerProcess, llm: ninfer.
 
 
 def test_constrained_sampling_is_refused_not_ignored(server: ServerProcess) -> None:
-    """ninfer has no grammar sampler: OpenAI's JSON response formats are a 400 naming the field (an answer that
-    ignored them would look valid to a client that trusts it), plain text and an empty grammar are served."""
+    """ninfer has no grammar sampler and no tool-call parser: OpenAI's JSON response formats and tools are a 400
+    naming the problem (an answer that ignored them would look valid to a client that trusts it); plain text, tools
+    with tool_choice 'none' and an empty grammar are served."""
     client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused")
     messages, model = [{"role": "user", "content": "Hi"}], "SmolLM2-135M-Instruct.Q4_1.gguf"
     for fmt in ({"type": "json_object"},
@@ -254,6 +255,12 @@ def test_constrained_sampling_is_refused_not_ignored(server: ServerProcess) -> N
         assert f"response_format {fmt['type']!r} is not supported by ninfer" in str(e.value)
     chat = client.chat.completions.create(model=model, max_tokens=2, temperature=0, messages=messages,
                                           response_format={"type": "text"})
+    assert chat.usage.completion_tokens == 2
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(openai.BadRequestError, match="tool calling is not supported by ninfer"):
+        client.chat.completions.create(model=model, max_tokens=2, messages=messages, tools=tools)
+    chat = client.chat.completions.create(model=model, max_tokens=2, messages=messages, tools=tools,
+                                          tool_choice="none")
     assert chat.usage.completion_tokens == 2
     r = httpx.post(f"{server.base}/completion", json={"prompt": "Hi", "n_predict": 2, "grammar": ""}, timeout=60)
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 2

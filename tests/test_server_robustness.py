@@ -254,6 +254,7 @@ def test_health_is_503_while_loading(smollm2_path: Path) -> None:
 
 
 def test_harmless_large_values_are_clamped_not_refused(server: InProcessServer) -> None:
+    _wait_idle(server.base)  # (a request still decoding from an earlier test would batch with these: other sums)
     body = {"prompt": "Hi", "n_predict": 2, "temperature": 0}
     plain = httpx.post(f"{server.base}/completion", headers=AUTH, json=body, timeout=60).json()
     big = httpx.post(f"{server.base}/completion", headers=AUTH, timeout=60,
