@@ -133,6 +133,11 @@ def test_prompt_past_context_and_bad_arguments(tiny: Path) -> None:
         llm.generate([1, 999])
     with pytest.raises(InvalidArgumentError, match="cache_type_k 'q5_9' is not supported"):
         ninfer.LLM(tiny, cache_type_k="q5_9")
+    # A GPU memory budget is read even where no GPU is used (it used to be ignored on the CPU).
+    with pytest.raises(InvalidArgumentError, match=r"cannot read memory size '12XB' \(examples: 12GiB"):
+        ninfer.LLM(tiny, device="cpu", gpu_mem_budget="12XB")
+    with pytest.raises(InvalidArgumentError, match="gpu_mem_budget must be a size such as '12GiB' or bytes >= 0"):
+        ninfer.LLM(tiny, device="cpu", gpu_mem_budget=-1)
     # The engine still works after the errors.
     assert llm.generate("ABC", max_tokens=3, temperature=0).completion_tokens == 3
 

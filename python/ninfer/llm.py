@@ -108,14 +108,18 @@ class LLM:
         self.model_file = ModelFile(model)
         spec = self.model_file.spec
         self.tokenizer = Tokenizer.from_metadata(self.model_file.metadata)
+        from ninfer.backends.budget import parse_size
+
+        # (read whatever the device: a malformed size is the caller's mistake even where no GPU is used)
+        budget = parse_size(gpu_mem_budget) if isinstance(gpu_mem_budget, str) else gpu_mem_budget
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            raise InvalidArgumentError(f"gpu_mem_budget must be a size such as '12GiB' or bytes >= 0, got {budget!r}")
         self.device = resolve_device(device)
         if self.device == "cuda":
-            from ninfer.backends.budget import parse_size
             from ninfer.backends.cuda_engine import CudaEngine
 
             if (cache_type_k, cache_type_v) != ("f16", "f16"):
                 raise InvalidArgumentError("the CUDA backend keeps its KV cache in f16 (cache types f16/f16)")
-            budget = parse_size(gpu_mem_budget) if isinstance(gpu_mem_budget, str) else gpu_mem_budget
             self._engine: Any = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
