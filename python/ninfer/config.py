@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ninfer.errors import InvalidArgumentError
@@ -37,6 +38,16 @@ class SamplingParams:
             raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise InvalidArgumentError(f"seed must be an integer in 0..2^64-1, got {self.seed!r}")
+
+
+def stop_strings(stop: str | Sequence[str]) -> list[str]:
+    """A generate call's `stop` as a list: one string is one stop string (not its characters), empty ones are
+    dropped (as llama-server does); anything but strings is an InvalidArgumentError."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or any(not isinstance(s, str) for s in stop):
+        raise InvalidArgumentError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    return [s for s in stop if s]
 
 
 @dataclass(frozen=True)
