@@ -5,6 +5,7 @@ a one-request queue) so the tests control exactly what is in flight."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -207,6 +208,16 @@ def test_cli_seed_command_starts_and_bad_flags_exit_2(smollm2_path: Path, tmp_pa
     bad = subprocess.run([sys.executable, "-m", "ninfer.server.cli", "--port", "eighty"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "argument --port: invalid int value: 'eighty'" in bad.stderr
+    # Where it cannot listen, it says so before the banner (uvicorn failed after it, exit 1 or 3, without the address).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, why in (("127.0.0.1", "Address already in use"), ("999.1.1.1", "")):
+            bad = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "-m", str(smollm2_path), "--host", host,
+                                  "--port", str(port)], capture_output=True, text=True, timeout=60)
+            assert bad.returncode == 2 and f"ninfer: error: cannot listen on {host}:{port}: {why}" in bad.stderr
+            assert "listening on" not in bad.stderr
     seed = ["--model", str(smollm2_path), "--ctx-size", "160000", "--n-gpu-layers", "45", "--threads", "8",
             "--batch-size", "512", "--host", "0.0.0.0"]
     s = ServerProcess(seed, tmp_path / "seed.log")
