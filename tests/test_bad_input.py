@@ -140,6 +140,10 @@ def test_prompt_past_context_and_bad_arguments(tiny: Path) -> None:
         llm.generate([1, 999])
     with pytest.raises(InvalidArgumentError, match="cache_type_k 'q5_9' is not supported"):
         ninfer.LLM(tiny, cache_type_k="q5_9")
+    with pytest.raises(InvalidArgumentError, match=r"threads must be an integer in 0..512 \(0: every core\), got 10"):
+        ninfer.LLM(tiny, threads=10**6)  # (a million threads hung while they were spawned)
+    with pytest.raises(InvalidArgumentError, match="n_seq_max must be a positive integer, got 0"):
+        ninfer.LLM(tiny, n_seq_max=0)
     # A GPU memory budget is read even where no GPU is used (it used to be ignored on the CPU).
     with pytest.raises(InvalidArgumentError, match=r"cannot read memory size '12XB' \(examples: 12GiB"):
         ninfer.LLM(tiny, device="cpu", gpu_mem_budget="12XB")

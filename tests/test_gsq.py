@@ -186,7 +186,8 @@ def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--input", str(source), "--output",
                         str(source), "--threads", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "the output would overwrite the input" in r.stderr
-    for flag, value, msg in (("--threads", "-3", "--threads must be >= 0 (0: all cores), got -3"),
+    for flag, value, msg in (("--threads", "-3", "--threads must be in 0..512 (0: all cores), got -3"),
+                             ("--threads", "1000000", "--threads must be in 0..512 (0: all cores), got 1000000"),
                              ("--calib-chunks", "0", "--calib-chunks must be >= 1, got 0"),
                              ("--seed", "-1", "--seed must be in 0..4294967295, got -1"),
                              ("--seed", str(2**32), f"--seed must be in 0..4294967295, got {2**32}")):

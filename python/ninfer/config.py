@@ -40,6 +40,10 @@ class SamplingParams:
             raise InvalidArgumentError(f"seed must be an integer in 0..2^64-1, got {self.seed!r}")
 
 
+# Worker threads at most (ggml's GGML_MAX_N_THREADS): a million asked for used to hang while they were spawned.
+MAX_THREADS = 512
+
+
 def stop_strings(stop: str | Sequence[str]) -> list[str]:
     """A generate call's `stop` as a list: one string is one stop string (not its characters), empty ones are
     dropped (as llama-server does); anything but strings is an InvalidArgumentError."""
@@ -64,8 +68,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.threads, int) or self.threads < 0:
-            raise InvalidArgumentError(f"threads must be a non-negative integer, got {self.threads!r}")
+        if not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
+            raise InvalidArgumentError(f"threads must be an integer in 0..{MAX_THREADS} (0: every core), "
+                                       f"got {self.threads!r}")
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 raise InvalidArgumentError(

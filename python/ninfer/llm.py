@@ -99,6 +99,8 @@ class LLM:
         layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
         `log` receives the memory plan printed at load. n_seq_max: sequences the KV cache holds at once, each up
         to n_ctx tokens (the server's slots; the LLM methods use one)."""
+        if not isinstance(n_seq_max, int) or n_seq_max < 1:
+            raise InvalidArgumentError(f"n_seq_max must be a positive integer, got {n_seq_max!r}")
         if model is None:
             from ninfer.default_model import default_model_path
 
