@@ -5,6 +5,7 @@ a one-request queue) so the tests control exactly what is in flight."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import sys
@@ -182,6 +183,18 @@ def test_unknown_model_and_wrong_key(server: InProcessServer) -> None:
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     assert httpx.get(f"{server.base}/nowhere", headers=AUTH).json()["error"]["type"] == "not_found_error"
     _still_serving(server.base)
+
+
+@pytest.mark.parametrize(("kw", "msg"), [
+    ({"n_parallel": 0}, "n_parallel must be a positive integer, got 0"),
+    ({"queue_size": -1}, "queue_size must be an integer >= 0, got -1"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"timeout_s": float("inf")}, "timeout_s must be a finite number of seconds > 0, got inf"),
+])
+def test_async_llm_bad_serving_arguments_are_named(smollm2_path: Path, kw: dict, msg: str) -> None:
+    """(They were accepted without a word, and n_parallel 0 was reported as n_seq_max.)"""
+    with pytest.raises(ninfer.InvalidArgumentError, match=re.escape(msg)):
+        ninfer.AsyncLLM(smollm2_path, **kw)
 
 
 def test_async_llm_streams_like_generate(smollm2_path: Path, llm: ninfer.LLM) -> None:

@@ -19,13 +19,14 @@ from typing import Any
 from ninfer.config import SamplingParams, stop_strings
 from ninfer.errors import InvalidArgumentError
 from ninfer.llm import LLM, Completion, Timings
-from ninfer.server.scheduler import GenParams, Request, Result, Scheduler
+from ninfer.server.scheduler import GenParams, Request, Result, Scheduler, check_scheduler_args
 
 
 class AsyncLLM:
     def __init__(self, model: Any = None, *, n_parallel: int = 1, queue_size: int = 64, timeout_s: float = 600.0,
                  **llm_kwargs: Any):
         """`llm_kwargs` go to `LLM` (n_ctx is per slot); the model runs on the CPU engine."""
+        check_scheduler_args(n_parallel, queue_size, timeout_s)  # (before the model loads)
         self.llm = LLM(model, n_seq_max=n_parallel, **llm_kwargs)
         self._sched = Scheduler(self.llm, n_parallel=n_parallel, queue_size=queue_size, timeout_s=timeout_s)
 
