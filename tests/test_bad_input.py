@@ -126,10 +126,29 @@ def test_prompt_past_context_and_bad_arguments(tiny: Path) -> None:
             llm.generate("ABC", max_tokens=bad)
     with pytest.raises(InvalidArgumentError, match="top_p must be in"):
         llm.generate("ABC", top_p=0.0)
+    with pytest.raises(InvalidArgumentError, match="a prompt given as a sequence holds token ids \\(integers\\), got 'a'"):
+        llm.generate(["a"])  # (was a ValueError from int())
+    for bad in (5, [1]):  # (5 was a TypeError)
+        with pytest.raises(InvalidArgumentError, match="stop must be a string or a sequence of strings"):
+            llm.generate("ABC", stop=bad)
+    with pytest.raises(InvalidArgumentError, match="messages is empty: a chat needs at least one message"):
+        llm.chat([])  # (used to answer the template's bare system preamble)
+    for bad in (-1, 2**64):  # (2^64 used to be an OverflowError from the Rust sampler's u64)
+        with pytest.raises(InvalidArgumentError, match=rf"seed must be an integer in 0..2\^64-1, got {bad}"):
+            llm.generate("ABC", seed=bad)
     with pytest.raises(InvalidArgumentError, match="token id 999 is out of range for a vocabulary of 64"):
         llm.generate([1, 999])
     with pytest.raises(InvalidArgumentError, match="cache_type_k 'q5_9' is not supported"):
         ninfer.LLM(tiny, cache_type_k="q5_9")
+    with pytest.raises(InvalidArgumentError, match=r"threads must be an integer in 0..512 \(0: every core\), got 10"):
+        ninfer.LLM(tiny, threads=10**6)  # (a million threads hung while they were spawned)
+    with pytest.raises(InvalidArgumentError, match="n_seq_max must be a positive integer, got 0"):
+        ninfer.LLM(tiny, n_seq_max=0)
+    # A GPU memory budget is read even where no GPU is used (it used to be ignored on the CPU).
+    with pytest.raises(InvalidArgumentError, match=r"cannot read memory size '12XB' \(examples: 12GiB"):
+        ninfer.LLM(tiny, device="cpu", gpu_mem_budget="12XB")
+    with pytest.raises(InvalidArgumentError, match="gpu_mem_budget must be a size such as '12GiB' or bytes >= 0"):
+        ninfer.LLM(tiny, device="cpu", gpu_mem_budget=-1)
     # The engine still works after the errors.
     assert llm.generate("ABC", max_tokens=3, temperature=0).completion_tokens == 3
 
@@ -144,3 +163,14 @@ def test_cli_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     assert run.stderr.strip().splitlines() == [f"ninfer: error: {tmp_path / 'missing.gguf'}: no such model file"]
     bad_flag = subprocess.run([sys.executable, "-m", "ninfer.cli", "run", "--bogus"], capture_output=True, text=True)
     assert bad_flag.returncode == 2 and "unrecognized arguments: --bogus" in bad_flag.stderr
+
+
+def test_stop_strings_one_string_is_one_stop() -> None:
+    """A generate call's stop="###" is the stop string "###" (iterating it as a sequence gave three stops "#"),
+    empty ones are dropped, and anything but strings is refused."""
+    from ninfer.config import stop_strings
+
+    assert stop_strings("###") == ["###"] and stop_strings(["a", "", "bc"]) == ["a", "bc"] and stop_strings(()) == []
+    for bad in (5, [1], None, {"a"}):
+        with pytest.raises(InvalidArgumentError, match="stop must be a string or a sequence of strings"):
+            stop_strings(bad)

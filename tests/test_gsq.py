@@ -4,6 +4,7 @@ Python bindings of the Rust quantizer."""
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,8 +186,11 @@ def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--input", str(source), "--output",
                         str(source), "--threads", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "the output would overwrite the input" in r.stderr
-    for flag, value, msg in (("--threads", "-3", "--threads must be >= 0 (0: all cores), got -3"),
-                             ("--calib-chunks", "0", "--calib-chunks must be >= 1, got 0")):
+    for flag, value, msg in (("--threads", "-3", "--threads must be in 0..512 (0: all cores), got -3"),
+                             ("--threads", "1000000", "--threads must be in 0..512 (0: all cores), got 1000000"),
+                             ("--calib-chunks", "0", "--calib-chunks must be >= 1, got 0"),
+                             ("--seed", "-1", "--seed must be in 0..4294967295, got -1"),
+                             ("--seed", str(2**32), f"--seed must be in 0..4294967295, got {2**32}")):
         r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output",
                             str(tmp_path / "o.gguf"), flag, value], capture_output=True, text=True)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -387,6 +391,20 @@ def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tm
     assert q.kl is not None and q.kl > 1e-6 and 0.0 <= q.top1_agreement <= 1.0
     with pytest.raises(InvalidArgumentError, match="reference log-probabilities of shape"):
         perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=1, kl_base=base)
+    # Bad arguments are named before any chunk runs (they were tracebacks: numpy's, a division by zero).
+    llm = LLM(source, n_ctx=32, threads=2)
+    (tmp_path / "text.txt").write_text("not an array")
+    np.savez(tmp_path / "z.npz", a=np.zeros(3))
+    for kw, msg in ((dict(kl_base=tmp_path / "text.txt"), "text.txt: not a .npy file of log-probabilities"),
+                    (dict(kl_base=tmp_path / "z.npz"), "z.npz: not a .npy file of log-probabilities"),
+                    (dict(kl_base=tmp_path / "none.npy"), "cannot read the reference log-probabilities: No such"),
+                    (dict(kl_base_out=tmp_path / "no" / "x.npy"), "cannot write the reference log-probabilities"),
+                    (dict(n_chunks=0), "the number of chunks must be >= 1 (or -1: all of them), got 0"),
+                    (dict(n_ctx=2), "perplexity context 2 is too small (at least 4 tokens)"),
+                    (dict(n_ctx=64), "perplexity context 64 is larger than the model's n_ctx 32")):
+        with pytest.raises(InvalidArgumentError, match=re.escape(msg)):
+            perplexity(llm, text, **{"n_ctx": 16, **kw})
+    assert perplexity(llm, text, n_ctx=16, n_chunks=-1).ppl == perplexity(llm, text, n_ctx=16).ppl  # -1: all
 
 
 def test_q2_k_tensors_are_written_by_the_optimiser_and_run(source: Path, tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ a one-request queue) so the tests control exactly what is in flight."""
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -144,6 +146,8 @@ def test_queue_full_gives_503_with_retry_after(server: InProcessServer) -> None:
     (b'{"prompt": ""}', 400, "empty"),
     (b'{"prompt": "' + b"hello " * 600 + b'"}', 400, "context"),
     (b'[1, 2, 3]', 400, "body"),
+    (b'{"prompt": "Hi", "grammar": "root ::= \\"yes\\""}', 400, "grammar: Value error, constrained sampling"),
+    (b'{"prompt": "Hi", "json_schema": {"type": "object"}}', 400, "json_schema: Value error, constrained sampling"),
 ])
 def test_bad_input_gets_an_openai_style_4xx(server: InProcessServer, body: bytes, status: int, needle: str) -> None:
     r = httpx.post(f"{server.base}/completion", content=body, headers={**AUTH, "Content-Type": "application/json"},
@@ -181,6 +185,18 @@ def test_unknown_model_and_wrong_key(server: InProcessServer) -> None:
     _still_serving(server.base)
 
 
+@pytest.mark.parametrize(("kw", "msg"), [
+    ({"n_parallel": 0}, "n_parallel must be a positive integer, got 0"),
+    ({"queue_size": -1}, "queue_size must be an integer >= 0, got -1"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"timeout_s": float("inf")}, "timeout_s must be a finite number of seconds > 0, got inf"),
+])
+def test_async_llm_bad_serving_arguments_are_named(smollm2_path: Path, kw: dict, msg: str) -> None:
+    """(They were accepted without a word, and n_parallel 0 was reported as n_seq_max.)"""
+    with pytest.raises(ninfer.InvalidArgumentError, match=re.escape(msg)):
+        ninfer.AsyncLLM(smollm2_path, **kw)
+
+
 def test_async_llm_streams_like_generate(smollm2_path: Path, llm: ninfer.LLM) -> None:
     expected = [llm.generate(p, max_tokens=12, temperature=0).text for p in ("Hello", "The capital of France is")]
 
@@ -205,6 +221,16 @@ def test_cli_seed_command_starts_and_bad_flags_exit_2(smollm2_path: Path, tmp_pa
     bad = subprocess.run([sys.executable, "-m", "ninfer.server.cli", "--port", "eighty"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "argument --port: invalid int value: 'eighty'" in bad.stderr
+    # Where it cannot listen, it says so before the banner (uvicorn failed after it, exit 1 or 3, without the address).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, why in (("127.0.0.1", "Address already in use"), ("999.1.1.1", "")):
+            bad = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "-m", str(smollm2_path), "--host", host,
+                                  "--port", str(port)], capture_output=True, text=True, timeout=60)
+            assert bad.returncode == 2 and f"ninfer: error: cannot listen on {host}:{port}: {why}" in bad.stderr
+            assert "listening on" not in bad.stderr
     seed = ["--model", str(smollm2_path), "--ctx-size", "160000", "--n-gpu-layers", "45", "--threads", "8",
             "--batch-size", "512", "--host", "0.0.0.0"]
     s = ServerProcess(seed, tmp_path / "seed.log")
@@ -252,6 +278,7 @@ def test_health_is_503_while_loading(smollm2_path: Path) -> None:
 
 
 def test_harmless_large_values_are_clamped_not_refused(server: InProcessServer) -> None:
+    _wait_idle(server.base)  # (a request still decoding from an earlier test would batch with these: other sums)
     body = {"prompt": "Hi", "n_predict": 2, "temperature": 0}
     plain = httpx.post(f"{server.base}/completion", headers=AUTH, json=body, timeout=60).json()
     big = httpx.post(f"{server.base}/completion", headers=AUTH, timeout=60,

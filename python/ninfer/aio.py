@@ -16,27 +16,28 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ninfer.config import SamplingParams
+from ninfer.config import SamplingParams, stop_strings
 from ninfer.errors import InvalidArgumentError
 from ninfer.llm import LLM, Completion, Timings
-from ninfer.server.scheduler import GenParams, Request, Result, Scheduler
+from ninfer.server.scheduler import GenParams, Request, Result, Scheduler, check_scheduler_args
 
 
 class AsyncLLM:
     def __init__(self, model: Any = None, *, n_parallel: int = 1, queue_size: int = 64, timeout_s: float = 600.0,
                  **llm_kwargs: Any):
         """`llm_kwargs` go to `LLM` (n_ctx is per slot); the model runs on the CPU engine."""
+        check_scheduler_args(n_parallel, queue_size, timeout_s)  # (before the model loads)
         self.llm = LLM(model, n_seq_max=n_parallel, **llm_kwargs)
         self._sched = Scheduler(self.llm, n_parallel=n_parallel, queue_size=queue_size, timeout_s=timeout_s)
 
     async def _submit(self, prompt: str | Sequence[int], max_tokens: int, sampling: dict[str, Any],
-                      stop: Sequence[str], add_special: bool, cache_prompt: bool, ignore_eos: bool) -> Request:
+                      stop: str | Sequence[str], add_special: bool, cache_prompt: bool, ignore_eos: bool) -> Request:
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         SamplingParams(**{k: sampling[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")})
         ids = await asyncio.to_thread(self.llm._prompt_ids, prompt, add_special)
-        params = GenParams(max_tokens=max_tokens, stop=list(stop), cache_prompt=cache_prompt, ignore_eos=ignore_eos,
-                           **sampling)
+        params = GenParams(max_tokens=max_tokens, stop=stop_strings(stop), cache_prompt=cache_prompt,
+                           ignore_eos=ignore_eos, **sampling)
         req = Request(ids, params, asyncio.get_running_loop(), time.monotonic() + self._sched.timeout_s)
         self._sched.submit(req)
         return req
@@ -59,7 +60,7 @@ class AsyncLLM:
 
     async def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.8,
                      top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
-                     stop: Sequence[str] = (), add_special: bool = True, cache_prompt: bool = False,
+                     stop: str | Sequence[str] = (), add_special: bool = True, cache_prompt: bool = False,
                      ignore_eos: bool = False, **more: Any) -> AsyncIterator[str]:
         """Text pieces as they are generated. `more`: typical_p, repeat_penalty, repeat_last_n,
         presence_penalty, frequency_penalty, logit_bias [(token, bias)]. Leaving the loop early frees the slot."""
@@ -71,7 +72,7 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.8,
                        top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
-                       stop: Sequence[str] = (), add_special: bool = True, cache_prompt: bool = False,
+                       stop: str | Sequence[str] = (), add_special: bool = True, cache_prompt: bool = False,
                        ignore_eos: bool = False, **more: Any) -> Completion:
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **more)
         req = await self._submit(prompt, max_tokens, sampling, stop, add_special, cache_prompt, ignore_eos)

@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = sub.add_parser("perplexity", help="perplexity of a text file, computed as llama-perplexity does")
     ppl.add_argument("-m", "--model", required=True, help="GGUF file")
     ppl.add_argument("-f", "--file", required=True, help="text file")
-    ppl.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
+    ppl.add_argument("--chunks", type=int, default=None, help="at most this many chunks (-1: all, the default)")
     ppl.add_argument("--kl-divergence-base", default=None, metavar="NPY",
                      help="save the scored tokens' log-probabilities here (the reference for --kl-divergence)")
     ppl.add_argument("--kl-divergence", default=None, metavar="NPY",

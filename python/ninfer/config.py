@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ninfer.errors import InvalidArgumentError
@@ -35,8 +36,22 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidArgumentError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise InvalidArgumentError(f"seed must be an integer in 0..2^64-1, got {self.seed!r}")
+
+
+# Worker threads at most (ggml's GGML_MAX_N_THREADS): a million asked for used to hang while they were spawned.
+MAX_THREADS = 512
+
+
+def stop_strings(stop: str | Sequence[str]) -> list[str]:
+    """A generate call's `stop` as a list: one string is one stop string (not its characters), empty ones are
+    dropped (as llama-server does); anything but strings is an InvalidArgumentError."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or any(not isinstance(s, str) for s in stop):
+        raise InvalidArgumentError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    return [s for s in stop if s]
 
 
 @dataclass(frozen=True)
@@ -53,8 +68,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.threads, int) or self.threads < 0:
-            raise InvalidArgumentError(f"threads must be a non-negative integer, got {self.threads!r}")
+        if not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
+            raise InvalidArgumentError(f"threads must be an integer in 0..{MAX_THREADS} (0: every core), "
+                                       f"got {self.threads!r}")
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 raise InvalidArgumentError(

@@ -27,6 +27,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ninfer import _core
+from ninfer.config import MAX_THREADS
 from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError
 
 FORMAT_VERSION = 2
@@ -254,8 +255,10 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
                                    "(16-weight sub-blocks inside)")
     if steps < 0:
         raise InvalidArgumentError(f"--calibration-steps must be >= 0, got {steps}")
-    if threads < 0:
-        raise InvalidArgumentError(f"--threads must be >= 0 (0: all cores), got {threads}")
+    if not 0 <= threads <= MAX_THREADS:
+        raise InvalidArgumentError(f"--threads must be in 0..{MAX_THREADS} (0: all cores), got {threads}")
+    if not 0 <= seed < 2**32:  # (stored as gsq.seed, a u32)
+        raise InvalidArgumentError(f"--seed must be in 0..{2**32 - 1}, got {seed}")
     if calib_chunks < 1:
         raise InvalidArgumentError(f"--calib-chunks must be >= 1, got {calib_chunks}")
     src, dst = Path(inp), Path(out)

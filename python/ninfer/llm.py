@@ -11,6 +11,7 @@ evaluated in batches of `n_batch` tokens.
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,7 @@ from typing import Any
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
-from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams
+from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams, stop_strings
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 from ninfer.model_file import ModelFile
 from ninfer.tokenizer import IncrementalDecoder, Tokenizer
@@ -98,6 +99,8 @@ class LLM:
         layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
         `log` receives the memory plan printed at load. n_seq_max: sequences the KV cache holds at once, each up
         to n_ctx tokens (the server's slots; the LLM methods use one)."""
+        if not isinstance(n_seq_max, int) or n_seq_max < 1:
+            raise InvalidArgumentError(f"n_seq_max must be a positive integer, got {n_seq_max!r}")
         if model is None:
             from ninfer.default_model import default_model_path
 
@@ -108,14 +111,18 @@ class LLM:
         self.model_file = ModelFile(model)
         spec = self.model_file.spec
         self.tokenizer = Tokenizer.from_metadata(self.model_file.metadata)
+        from ninfer.backends.budget import parse_size
+
+        # (read whatever the device: a malformed size is the caller's mistake even where no GPU is used)
+        budget = parse_size(gpu_mem_budget) if isinstance(gpu_mem_budget, str) else gpu_mem_budget
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            raise InvalidArgumentError(f"gpu_mem_budget must be a size such as '12GiB' or bytes >= 0, got {budget!r}")
         self.device = resolve_device(device)
         if self.device == "cuda":
-            from ninfer.backends.budget import parse_size
             from ninfer.backends.cuda_engine import CudaEngine
 
             if (cache_type_k, cache_type_v) != ("f16", "f16"):
                 raise InvalidArgumentError("the CUDA backend keeps its KV cache in f16 (cache types f16/f16)")
-            budget = parse_size(gpu_mem_budget) if isinstance(gpu_mem_budget, str) else gpu_mem_budget
             self._engine: Any = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
@@ -200,6 +207,9 @@ class LLM:
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special=add_special)
         else:
+            wrong = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+            if wrong is not None:
+                raise InvalidArgumentError(f"a prompt given as a sequence holds token ids (integers), got {wrong!r}")
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.n_vocab]
             if bad:
@@ -214,12 +224,12 @@ class LLM:
         return ids
 
     def _run(
-        self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: Sequence[str],
+        self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: str | Sequence[str],
         add_special: bool, cache_prompt: bool, ignore_eos: bool, stream: Stream | None,
     ) -> Iterator[str]:
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        stops = [s for s in stop if s]
+        stops = stop_strings(stop)
         ids = self._prompt_ids(prompt, add_special)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         sampler = _core.Sampler(
@@ -279,7 +289,7 @@ class LLM:
         top_p: float = 0.95,
         min_p: float = 0.05,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         add_special: bool = True,
         cache_prompt: bool = False,
         ignore_eos: bool = False,
@@ -304,7 +314,7 @@ class LLM:
         top_p: float = 0.95,
         min_p: float = 0.05,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         add_special: bool = True,
         cache_prompt: bool = False,
         ignore_eos: bool = False,
@@ -329,12 +339,17 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Completion:
         """Render `messages` with the model's chat template and generate the assistant's reply."""
-        prompt = self.apply_chat_template(messages)
+        prompt = self._chat_prompt(messages)
         # The template already wrote BOS where the model wants one; special-token texts in it are parsed.
         return self.generate(prompt, add_special=False, **kwargs)
 
     def chat_stream(self, messages: list[dict[str, Any]], **kwargs: Any) -> Stream:
-        return self.stream(self.apply_chat_template(messages), add_special=False, **kwargs)
+        return self.stream(self._chat_prompt(messages), add_special=False, **kwargs)
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        if not messages:  # (a template would render only its system preamble, and the model answer nothing asked)
+            raise InvalidArgumentError("messages is empty: a chat needs at least one message")
+        return self.apply_chat_template(messages)
 
 
 def _chain_first(first: str | None, rest: Iterator[str]) -> Iterator[str]:

@@ -59,8 +59,14 @@ def perplexity(
 ) -> PerplexityResult:
     """Perplexity of `text`; with `kl_base_out`, also save the scored log-probabilities there; with `kl_base`,
     compare with ones saved so (same text, n_ctx and chunks) for KL divergence and top-1 agreement."""
-    if n_ctx < 4 or n_ctx > llm.n_ctx:
-        raise InvalidArgumentError(f"perplexity context {n_ctx} must be in [4, {llm.n_ctx}] (the model's n_ctx)")
+    if n_ctx < 4:
+        raise InvalidArgumentError(f"perplexity context {n_ctx} is too small (at least 4 tokens)")
+    if n_ctx > llm.n_ctx:
+        raise InvalidArgumentError(f"perplexity context {n_ctx} is larger than the model's n_ctx {llm.n_ctx}")
+    if n_chunks is not None and n_chunks < 0:
+        n_chunks = None  # (llama-perplexity's --chunks -1: all)
+    if n_chunks == 0:
+        raise InvalidArgumentError("the number of chunks must be >= 1 (or -1: all of them), got 0")
     tokens = llm.tokenize(text, add_special=True)
     if len(tokens) < 2 * n_ctx:
         raise InvalidArgumentError(
@@ -71,14 +77,27 @@ def perplexity(
     first = n_ctx // 2
     per_chunk = n_ctx - 1 - first
     save = ref = None
-    if kl_base_out is not None:
-        save = np.lib.format.open_memmap(kl_base_out, mode="w+", dtype=np.float32,
-                                         shape=(total * per_chunk, llm.n_vocab))
     if kl_base is not None:
-        ref = np.load(kl_base, mmap_mode="r")
+        not_npy = f"{kl_base}: not a .npy file of log-probabilities (what --kl-divergence-base writes)"
+        try:
+            ref = np.load(kl_base, mmap_mode="r")
+        except OSError as e:
+            raise InvalidArgumentError(f"{kl_base}: cannot read the reference log-probabilities: "
+                                       f"{e.strerror or e}") from None
+        except ValueError:  # (numpy's word for a file that is neither .npy nor .npz)
+            raise InvalidArgumentError(not_npy) from None
+        if not isinstance(ref, np.ndarray):
+            raise InvalidArgumentError(not_npy)
         if ref.shape != (total * per_chunk, llm.n_vocab):
             raise InvalidArgumentError(f"{kl_base}: reference log-probabilities of shape {ref.shape}, this run scores "
                                        f"{(total * per_chunk, llm.n_vocab)} (same text, context and chunks?)")
+    if kl_base_out is not None:  # (created before any chunk runs, so a bad path fails at once)
+        try:
+            save = np.lib.format.open_memmap(kl_base_out, mode="w+", dtype=np.float32,
+                                             shape=(total * per_chunk, llm.n_vocab))
+        except OSError as e:
+            raise InvalidArgumentError(f"{kl_base_out}: cannot write the reference log-probabilities: "
+                                       f"{e.strerror or e}") from None
     kls: list[np.ndarray] = []
     same = 0
     nll = nll2 = 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from ninfer.config import CACHE_TYPES
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         else:
             log.warning("--n-gpu-layers %d ignored: no GPU (%s); all %d layers run on the CPU", args.n_gpu_layers,
                         reason, len(spec["layers"]))
+    bind_error = _bind_error(args.host, args.port)
+    if bind_error:
+        print(f"ninfer: error: {bind_error}", file=sys.stderr)
+        return EXIT_USAGE
     n_ctx = args.ctx_size // args.parallel
     kv = mf.kv_bytes_per_token(CACHE_TYPES[args.cache_type_k][1], CACHE_TYPES[args.cache_type_v][1])
     weights = mf.weight_bytes()
@@ -155,6 +160,21 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         print(f"ninfer: error: the model failed to load: {failed[0]}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (a name that does not resolve, an address not on this machine,
+    a port in use), found by binding a socket before anything is announced or loaded; None when it can. (uvicorn
+    would otherwise fail after the model's banner, with an errno and no address.)"""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn: a port in TIME_WAIT is free)
+            s.bind(addr)
+    except OSError as e:  # (socket.gaierror is one)
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer import _core
+from ninfer.errors import InvalidArgumentError
 from ninfer.llm import LLM, _stop_holdback
 from ninfer.tokenizer import IncrementalDecoder
 
@@ -125,9 +127,20 @@ class _Slot:
         self.predict_deadline = 0.0  # monotonic time after which generation stops (0: none)
 
 
+def check_scheduler_args(n_parallel: int, queue_size: int, timeout_s: float) -> None:
+    """The serving knobs a caller of AsyncLLM or create_app sets (the CLI's flags are checked by argparse)."""
+    if not isinstance(n_parallel, int) or n_parallel < 1:
+        raise InvalidArgumentError(f"n_parallel must be a positive integer, got {n_parallel!r}")
+    if not isinstance(queue_size, int) or queue_size < 0:
+        raise InvalidArgumentError(f"queue_size must be an integer >= 0, got {queue_size!r}")
+    if not isinstance(timeout_s, (int, float)) or not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise InvalidArgumentError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+
+
 class Scheduler:
     def __init__(self, llm: LLM, *, n_parallel: int, queue_size: int, timeout_s: float,
                  sampler_core: int | None = None, sampler_rt: bool = False):
+        check_scheduler_args(n_parallel, queue_size, timeout_s)
         self.llm = llm
         self.engine = llm._engine
         self.n_parallel = max(1, min(n_parallel, llm.n_seq_max))

@@ -2,13 +2,15 @@
 
 Unknown fields are ignored (as llama-server and OpenAI-compatible servers do); known fields of the wrong type or
 out of range are a 400 naming the field. Checks that need the model (context size, vocabulary) live in app.py.
+Constrained sampling (llama.cpp's `grammar` and `json_schema`, OpenAI's `response_format` other than text) and tool
+calls are not implemented: a request that asks for them is a 400 naming the field, not an answer that ignored them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # A token id or a count: no bool, no float, no numeric string.
 StrictInt = Annotated[int, Field(strict=True)]
@@ -31,6 +33,15 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = Field(None, validate_default=True)
     ignore_eos: bool = False
     cache_prompt: bool = True
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+    @field_validator("grammar", "json_schema")
+    @classmethod
+    def _no_constraints(cls, v: Any) -> Any:
+        if v:  # (clients that send an empty grammar or schema ask for nothing)
+            raise ValueError("constrained sampling (grammar, JSON schema) is not supported by ninfer")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -57,8 +68,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"response_format {v!r} is not supported by ninfer (constrained sampling); use 'text'")
+        return v
+
+
 class OpenAIBase(_Sampling):
     model: str | None = None
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -97,6 +122,16 @@ class ChatRequest(OpenAIBase):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    # Tool calls are not parsed out of the model's answer, so tools are refused (as llama-server without --jinja
+    # and vLLM without a tool parser do) unless the client says it wants none called.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> ChatRequest:
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tool calling is not supported by ninfer (send tool_choice 'none' to run without it)")
+        return self
 
 
 class TokenizeRequest(BaseModel):
