@@ -101,6 +101,18 @@ def test_malformed_messages(messages: object) -> None:
         tmpl.render(messages)  # type: ignore[arg-type]
 
 
+def test_text_content_parts_are_joined_and_other_parts_refused(smollm2_path: Path) -> None:
+    """OpenAI-style content lists of text parts render as their joined text (SmolLM2's template concatenates
+    content and failed with a TypeError on a list); image parts are refused by name."""
+    tmpl = ChatTemplate.from_metadata(load_metadata(smollm2_path))
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    assert tmpl.render(parts) == tmpl.render([{"role": "user", "content": "Hi there"}])
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
+    with pytest.raises(ChatTemplateError, match=r"content parts must be \{'type': 'text', 'text': str\} \(ninfer runs "
+                                                r"text models\), got types \['image_url'\]"):
+        tmpl.render(image)
+
+
 def test_hf_environment_features() -> None:
     tmpl = ChatTemplate(
         "{{ bos_token }}{% for m in messages %}\n  {{ m.role }}={{ m.content | tojson }}\n{% endfor %}"

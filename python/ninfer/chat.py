@@ -66,9 +66,14 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def _check_messages(messages: Any) -> None:
+def _normalized_messages(messages: Any) -> list[Any]:
+    """The messages checked, with OpenAI-style content lists of text parts ([{"type": "text", "text": ...}]) joined
+    into one string, as the server does and llama.cpp does for templates that take string content: text-only
+    templates concatenate content and fail on a list. Other parts (images, audio) are refused: the models ninfer
+    runs read text only."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise ChatTemplateError(f"messages must be a list of dicts, not {type(messages).__name__}")
+    out: list[Any] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', not {type(msg).__name__}")
@@ -76,15 +81,17 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"message {i}: 'role' must be a non-empty string, got {role!r}")
         content = msg.get("content")
-        if isinstance(content, str):
-            continue
-        # Multimodal content is a list of parts ({"type": "text", "text": ...}); an assistant message that only
-        # calls tools may have no content.
-        if isinstance(content, list) and all(isinstance(p, Mapping) for p in content):
-            continue
-        if content is None and msg.get("tool_calls"):
-            continue
-        raise ChatTemplateError(f"message {i} ({role}): 'content' must be a string, got {type(content).__name__}")
+        if isinstance(content, list):
+            kinds = [p.get("type") if isinstance(p, Mapping) else type(p).__name__ for p in content]
+            if any(k != "text" or not isinstance(p.get("text"), str) for k, p in zip(kinds, content)):
+                raise ChatTemplateError(f"message {i} ({role}): content parts must be {{'type': 'text', 'text': str}} "
+                                        f"(ninfer runs text models), got types {kinds}")
+            msg = {**msg, "content": "".join(p["text"] for p in content)}
+        elif not isinstance(content, str) and not (content is None and msg.get("tool_calls")):
+            # (an assistant message that only calls tools may have no content)
+            raise ChatTemplateError(f"message {i} ({role}): 'content' must be a string, got {type(content).__name__}")
+        out.append(msg)
+    return out
 
 
 class ChatTemplate:
@@ -120,9 +127,9 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render the conversation. Extra keyword arguments (tools=..., documents=..., enable_thinking=...) are
         passed to the template as variables, as HF's apply_chat_template does."""
-        _check_messages(messages)
         context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs,
-                                   "messages": messages, "add_generation_prompt": add_generation_prompt}
+                                   "messages": _normalized_messages(messages),
+                                   "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(**context)
         except SecurityError as e:
