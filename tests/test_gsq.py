@@ -272,6 +272,9 @@ def test_calibration_collects_each_matrix_inputs_mean_square(source: Path, tmp_p
         np.savez(tmp_path / "bad.npz", **bad)
         with pytest.raises(InvalidArgumentError, match=re.escape(msg)):
             convert(source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "bad.npz")
+    (tmp_path / "bin.txt").write_bytes(b"\x87\x00\xff" * 100)
+    with pytest.raises(InvalidArgumentError, match="bin.txt: the calibration text is not UTF-8 \\(byte 0\\)"):
+        convert(source, tmp_path / "y.gguf", steps=1, calib_file=tmp_path / "bin.txt")
     np.save(tmp_path / "one.npy", np.ones(3))
     with pytest.raises(InvalidArgumentError, match="one.npy: not an .npz of importances"):
         convert(source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "one.npy")

@@ -203,6 +203,8 @@ def _read_calib_text(path: str | os.PathLike[str]) -> str:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise InvalidArgumentError(f"{path}: cannot read the calibration text: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"{path}: the calibration text is not UTF-8 (byte {e.start})") from None
 
 
 def _sequential_calibration(mf: Any, text: str, max_chunks: int, *, wide: bool, source_stream: bool,
