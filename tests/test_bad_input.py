@@ -163,6 +163,13 @@ def test_cli_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     assert run.stderr.strip().splitlines() == [f"ninfer: error: {tmp_path / 'missing.gguf'}: no such model file"]
     bad_flag = subprocess.run([sys.executable, "-m", "ninfer.cli", "run", "--bogus"], capture_output=True, text=True)
     assert bad_flag.returncode == 2 and "unrecognized arguments: --bogus" in bad_flag.stderr
+    # A text file that is not UTF-8 is named (it was a UnicodeDecodeError traceback).
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\x87\x00\xff" * 100)
+    ppl = subprocess.run([sys.executable, "-m", "ninfer.cli", "perplexity", "-m", str(tmp_path / "missing.gguf"),
+                          "-f", str(binary)], capture_output=True, text=True)
+    assert ppl.returncode == 2
+    assert ppl.stderr.strip().splitlines() == [f"ninfer: error: {binary}: the text file is not UTF-8 (byte 0)"]
 
 
 def test_stop_strings_one_string_is_one_stop() -> None:

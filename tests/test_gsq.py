@@ -261,8 +261,24 @@ def test_calibration_collects_each_matrix_inputs_mean_square(source: Path, tmp_p
     assert tensor_infos(again)[0].metadata["gsq.calibration"] == "importances from imp.npz"
     a, b = tensor_infos(out)[1], tensor_infos(again)[1]
     assert all(a[n]["blake2b"] == b[n]["blake2b"] for n in a)
-    with pytest.raises(InvalidArgumentError, match="cannot read importances"):
+    with pytest.raises(InvalidArgumentError, match=r"calib.txt: not an .npz of importances \(what --save-importan"):
         convert(source, tmp_path / "y.gguf", steps=1, importances_file=calib)
+    # Importances that do not fit the model are named before any work (they were ignored, or quantized with).
+    q = "blk.0.attn_q.weight"
+    for bad, msg in (({q: np.ones(7, np.float32)}, f"importances for {q} have shape (7,), the matrix has 896"),
+                     ({q: np.full(896, np.nan, np.float32)}, f"importances for {q} hold negative, NaN or infinite"),
+                     ({q: -np.ones(896, np.float32)}, f"importances for {q} hold negative, NaN or infinite"),
+                     ({"foo.weight": np.ones(3, np.float32)}, "no importances for any matrix of this model")):
+        np.savez(tmp_path / "bad.npz", **bad)
+        with pytest.raises(InvalidArgumentError, match=re.escape(msg)):
+            convert(source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "bad.npz")
+    (tmp_path / "bin.txt").write_bytes(b"\x87\x00\xff" * 100)
+    with pytest.raises(InvalidArgumentError, match="bin.txt: the calibration text is not UTF-8 \\(byte 0\\)"):
+        convert(source, tmp_path / "y.gguf", steps=1, calib_file=tmp_path / "bin.txt")
+    np.save(tmp_path / "one.npy", np.ones(3))
+    with pytest.raises(InvalidArgumentError, match="one.npy: not an .npz of importances"):
+        convert(source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "one.npy")
+    assert not (tmp_path / "y.gguf").exists()
     with pytest.raises(InvalidArgumentError, match="cannot read the calibration text"):
         convert(source, tmp_path / "x.gguf", steps=1, calib_file=tmp_path / "missing.txt")
 

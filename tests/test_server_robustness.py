@@ -221,6 +221,9 @@ def test_cli_seed_command_starts_and_bad_flags_exit_2(smollm2_path: Path, tmp_pa
     bad = subprocess.run([sys.executable, "-m", "ninfer.server.cli", "--port", "eighty"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "argument --port: invalid int value: 'eighty'" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "ninfer.server.cli", "--gpu-mem-budget", "12XB"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "argument --gpu-mem-budget: cannot read memory size '12XB'" in bad.stderr
     # Where it cannot listen, it says so before the banner (uvicorn failed after it, exit 1 or 3, without the address).
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -137,6 +137,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise NinferError(f"{path}: cannot read the text file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise NinferError(f"{path}: the text file is not UTF-8 (byte {e.start})") from None
     # llama.cpp drops one trailing newline of a prompt file.
     text = text[:-1] if text.endswith("\n") else text
     args.ctx_size = args.ctx_size or 512

@@ -203,6 +203,8 @@ def _read_calib_text(path: str | os.PathLike[str]) -> str:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise InvalidArgumentError(f"{path}: cannot read the calibration text: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"{path}: the calibration text is not UTF-8 (byte {e.start})") from None
 
 
 def _sequential_calibration(mf: Any, text: str, max_chunks: int, *, wide: bool, source_stream: bool,
@@ -300,11 +302,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         if save_importances is not None:
             np.savez(save_importances, **importances)
     elif importances_file is not None:
-        try:
-            with np.load(importances_file) as z:
-                importances = {k: np.asarray(z[k], np.float32) for k in z.files}
-        except (OSError, ValueError) as e:
-            raise InvalidArgumentError(f"{importances_file}: cannot read importances: {e}") from None
+        importances = _load_importances(importances_file, mf)
         calib_file = importances_file
 
     plans = []
@@ -448,6 +446,35 @@ def _copy_kv(w: Any, key: str, value: Any) -> None:
         w.add_array(key, list(value))
     else:
         raise ModelFileError(f"cannot copy metadata {key} of type {type(value).__name__}")
+
+
+def _load_importances(path: str | os.PathLike[str], mf: Any) -> dict[str, np.ndarray]:
+    """An importances .npz (tensor name -> mean squared activation per column), checked against the model before
+    any work: a file for another model, wrong shapes or non-finite values used to be ignored or quantized with
+    (a NaN gave NaN errors and a written file)."""
+    not_npz = f"{path}: not an .npz of importances (what --save-importances writes)"
+    try:
+        z = np.load(path)
+    except OSError as e:
+        raise InvalidArgumentError(f"{path}: cannot read importances: {e.strerror or e}") from None
+    except ValueError:  # (numpy's word for a file that is neither .npy nor .npz)
+        raise InvalidArgumentError(not_npz) from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise InvalidArgumentError(not_npz)
+    with z:
+        importances = {k: np.asarray(z[k], np.float32) for k in z.files}
+    cols = {t.name: t.dims[0] for t in mf.tensors if len(t.dims) == 2}
+    matched = [k for k in importances if k in cols]
+    if not matched:
+        raise InvalidArgumentError(f"{path}: no importances for any matrix of this model (another model's file?)")
+    for k in matched:
+        v = importances[k]
+        if v.shape != (cols[k],):
+            raise InvalidArgumentError(f"{path}: importances for {k} have shape {v.shape}, the matrix has "
+                                       f"{cols[k]} columns (another model's file?)")
+        if not np.isfinite(v).all() or (v < 0).any():
+            raise InvalidArgumentError(f"{path}: importances for {k} hold negative, NaN or infinite values")
+    return importances
 
 
 def add_container_metadata(w: Any, names: list[str], *, residual_bits: int, steps: int, seed: int,

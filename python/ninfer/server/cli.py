@@ -30,9 +30,13 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context size shared by the slots, as llama-server: each slot gets ctx-size / parallel")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="layers on the GPU (-1: all); 0 (the default, as llama-server) serves from the CPU. "
-                        "Without CuPy or a GPU a warning says so and every layer runs on the CPU")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="layers on the GPU (-1: all, or what --gpu-mem-budget allows); 0 (the default, as "
+                        "llama-server, unless --gpu-mem-budget is given) serves from the CPU. Without CuPy or a GPU "
+                        "a warning says so and every layer runs on the CPU")
+    p.add_argument("--gpu-mem-budget", default=None, metavar="SIZE", type=_size,
+                   help="GPU memory to plan for, e.g. 12GiB: as many layers as fit it (weights, KV cache, "
+                        "buffers), the rest on the CPU (-ngl defaults to -1 then)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto (default): the GPU when -ngl asks for layers and CuPy sees one; cpu: never")
     p.add_argument("-t", "--threads", type=int, default=0, help="worker threads (default: all cores)")
@@ -82,6 +86,8 @@ def _gib(n: float) -> str:
 def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.n_gpu_layers is None:  # (a budget is a request for the GPU)
+        args.n_gpu_layers = -1 if args.gpu_mem_budget is not None else 0
     _check(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="ninfer: %(levelname)s: %(message)s", stream=sys.stderr)
     log = logging.getLogger("ninfer.server")
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     def load() -> LLM:
         return LLM(model, n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size,
                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device=device,
-                   n_gpu_layers=args.n_gpu_layers, n_seq_max=args.parallel,
+                   n_gpu_layers=args.n_gpu_layers, gpu_mem_budget=args.gpu_mem_budget, n_seq_max=args.parallel,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
 
     settings = ServerSettings(
@@ -160,6 +166,17 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         print(f"ninfer: error: the model failed to load: {failed[0]}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _size(text: str) -> int:
+    """--gpu-mem-budget's value in bytes (argparse names the flag when it cannot be read)."""
+    from ninfer.backends.budget import parse_size
+    from ninfer.errors import InvalidArgumentError
+
+    try:
+        return parse_size(text)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _bind_error(host: str, port: int) -> str | None:
