@@ -57,8 +57,12 @@ def test_missing_template(gemma3_path: Path) -> None:
 
 
 def test_missing_template_synthetic() -> None:
-    with pytest.raises(ChatTemplateError, match="no chat template"):
+    with pytest.raises(ChatTemplateError, match=r"no chat template .*; give one with --chat-template-file"):
         ChatTemplate.from_metadata({"tokenizer.ggml.tokens": ["a"]})
+    # a template given in its place, with the model's BOS text
+    meta = {"tokenizer.ggml.tokens": ["<s>", "</s>"], "tokenizer.ggml.bos_token_id": 0}
+    given = ChatTemplate.from_metadata(meta, template="{{ bos_token }}{{ messages[0]['content'] }}")
+    assert given.render([{"role": "user", "content": "hi"}]) == "<s>hi"
     with pytest.raises(ChatTemplateError):
         ChatTemplate("", "", "")
 

@@ -30,6 +30,30 @@ def test_run_reads_the_prompt_from_stdin(smollm2_path: Path) -> None:
     assert piped.returncode == 0 and piped.stdout == flag.stdout
 
 
+def test_chat_template_file_replaces_the_models(smollm2_path: Path, tmp_path: Path) -> None:
+    """--chat-template-file (llama-cli's and llama-server's flag) renders the chat with the given template: the
+    same tokens as the API's LLM(chat_template=...) generating from that template's text; a template that does
+    not compile is named before any generation, exit 2."""
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    f = tmp_path / "t.jinja"
+    f.write_text(template)
+    llm = ninfer.LLM(smollm2_path, n_ctx=256, chat_template=template)
+    rendered = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]) == rendered  # (no system turn)
+    expected = llm.generate(rendered, max_tokens=8, temperature=0, add_special=False)
+    out = _ninfer("run", "-m", str(smollm2_path), "--chat", "--chat-template-file", str(f), "-p", "What is 2+2?",
+                  "-n", "8", "--temp", "0", "-c", "256")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected.text + "\n"
+    f.write_text("{% bad")
+    for cmd in ("run", "serve"):
+        args = ["-p", "hi"] if cmd == "run" else ["--port", "1"]
+        out = _ninfer(cmd, "-m", str(smollm2_path), "--chat-template-file", str(f), *args)
+        assert out.returncode == 2, (cmd, out.stderr)
+        assert "error: chat template syntax error at line 1: Encountered unknown tag 'bad'" in out.stderr
+
+
 def test_inspect(smollm2_path: Path) -> None:
     out = _ninfer("inspect", str(smollm2_path))
     assert out.returncode == 0, out.stderr

@@ -8,8 +8,10 @@ rendering as an empty string, which is what the stock sandbox does until the val
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -94,6 +96,18 @@ def _normalized_messages(messages: Any) -> list[Any]:
     return out
 
 
+def read_chat_template(path: str | os.PathLike[str] | None) -> str | None:
+    """A --chat-template-file's text (None: no file given), or a ChatTemplateError naming the file."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ChatTemplateError(f"{path}: cannot read the chat template: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ChatTemplateError(f"{path}: the chat template is not UTF-8 (byte {e.start})") from None
+
+
 class ChatTemplate:
     """A compiled chat template. ``render(messages)`` gives the prompt text (special tokens as text)."""
 
@@ -109,13 +123,17 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any], name: str | None = None) -> ChatTemplate:
-        """The template of a GGUF model: "tokenizer.chat_template" (or "tokenizer.chat_template.<name>"), with the
-        BOS/EOS token texts taken from the vocab."""
+    def from_metadata(cls, metadata: Mapping[str, Any], name: str | None = None,
+                      template: str | None = None) -> ChatTemplate:
+        """The template of a GGUF model: "tokenizer.chat_template" (or "tokenizer.chat_template.<name>"), or
+        `template` in its place (llama-server's --chat-template-file), with the BOS/EOS token texts taken from the
+        vocab."""
         key = "tokenizer.chat_template" + (f".{name}" if name else "")
-        template = metadata.get(key)
-        if not isinstance(template, str) or not template.strip():
-            raise ChatTemplateError(f"the model has no chat template ({key} is missing from its metadata)")
+        if template is None:
+            template = metadata.get(key)
+            if not isinstance(template, str) or not template.strip():
+                raise ChatTemplateError(f"the model has no chat template ({key} is missing from its metadata); "
+                                        "give one with --chat-template-file (LLM(chat_template=...))")
         tokens = metadata.get("tokenizer.ggml.tokens") or []
 
         def text(key: str) -> str:

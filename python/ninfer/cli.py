@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from ninfer.chat import read_chat_template
 from ninfer.config import CACHE_TYPES, EngineConfig
 from ninfer.errors import NinferError
 
@@ -57,6 +58,7 @@ def _load(args: argparse.Namespace):
         device=args.device,
         n_gpu_layers=args.n_gpu_layers,
         gpu_mem_budget=args.gpu_mem_budget,
+        chat_template=read_chat_template(getattr(args, "chat_template_file", None)),
         log=_log,
     )
 
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, default=0.05)
     run.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    run.add_argument("--chat-template-file", default=None, metavar="FILE",
+                     help="a Jinja chat template to use instead of the model's (as llama-cli's)")
     _add_engine_args(run, 4096)
     run.set_defaults(func=cmd_run)
 

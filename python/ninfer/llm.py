@@ -94,11 +94,13 @@ class LLM:
         gpu_mem_budget: int | str | None = None,
         log: Any = None,
         n_seq_max: int = 1,
+        chat_template: str | None = None,
     ):
         """device: "cpu", "cuda" or "auto" (cuda when CuPy sees a GPU). On cuda, n_gpu_layers puts the first N
         layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
         `log` receives the memory plan printed at load. n_seq_max: sequences the KV cache holds at once, each up
-        to n_ctx tokens (the server's slots; the LLM methods use one)."""
+        to n_ctx tokens (the server's slots; the LLM methods use one). chat_template: a Jinja chat template used
+        instead of the model's (for a GGUF without one, or to change it), compiled here."""
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise InvalidArgumentError(f"n_seq_max must be a positive integer, got {n_seq_max!r}")
         if model is None:
@@ -143,6 +145,8 @@ class LLM:
         self._n_vocab = int(self._engine.n_vocab)  # read once: the server reads it while its thread runs a step
         self._seq_tokens: list[int] = []  # what the KV cache holds for _SEQ, for prompt-prefix reuse
         self._chat_template: ChatTemplate | None = None
+        if chat_template is not None:  # (compiled now: a syntax error is named at load, not at the first chat)
+            self._chat_template = ChatTemplate.from_metadata(self.model_file.metadata, template=chat_template)
 
     # ---- introspection -------------------------------------------------------------------------------------
     @property

@@ -37,6 +37,8 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem-budget", default=None, metavar="SIZE", type=_size,
                    help="GPU memory to plan for, e.g. 12GiB: as many layers as fit it (weights, KV cache, "
                         "buffers), the rest on the CPU (-ngl defaults to -1 then)")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (for a GGUF without one)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto (default): the GPU when -ngl asks for layers and CuPy sees one; cpu: never")
     p.add_argument("-t", "--threads", type=int, default=0, help="worker threads (default: all cores)")
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     import uvicorn
 
     from ninfer.backends import cuda_unavailable_reason
+    from ninfer.chat import ChatTemplate, read_chat_template
     from ninfer.errors import NinferError
     from ninfer.llm import LLM
     from ninfer.model_file import ModelFile
@@ -122,6 +125,13 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         else:
             log.warning("--n-gpu-layers %d ignored: no GPU (%s); all %d layers run on the CPU", args.n_gpu_layers,
                         reason, len(spec["layers"]))
+    try:  # (read and compiled before the banner: a bad file is named at once)
+        chat_template = read_chat_template(args.chat_template_file)
+        if chat_template is not None:
+            ChatTemplate.from_metadata(mf.metadata, template=chat_template)
+    except NinferError as e:
+        print(f"ninfer: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     bind_error = _bind_error(args.host, args.port)
     if bind_error:
         print(f"ninfer: error: {bind_error}", file=sys.stderr)
@@ -142,6 +152,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         return LLM(model, n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size,
                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device=device,
                    n_gpu_layers=args.n_gpu_layers, gpu_mem_budget=args.gpu_mem_budget, n_seq_max=args.parallel,
+                   chat_template=chat_template,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
 
     settings = ServerSettings(
