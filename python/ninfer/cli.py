@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=40)
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--min-p", type=float, default=0.05)
-    run.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    run.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     run.add_argument("--chat-template-file", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the model's (as llama-cli's)")
