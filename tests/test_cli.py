@@ -24,10 +24,17 @@ def test_run_prints_only_the_generated_text(smollm2_path: Path) -> None:
     assert "tokens/s" in out.stderr and "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stderr
 
 
-def test_run_reads_the_prompt_from_stdin(smollm2_path: Path) -> None:
+def test_run_reads_the_prompt_from_stdin(smollm2_path: Path, tmp_path: Path) -> None:
     piped = _ninfer("run", "-m", str(smollm2_path), "-n", "6", "--temp", "0", "-c", "256", stdin="Hello, my name is")
     flag = _ninfer("run", "-m", str(smollm2_path), "-p", "Hello, my name is", "-n", "6", "--temp", "0", "-c", "256")
     assert piped.returncode == 0 and piped.stdout == flag.stdout
+    # or from a file (-f, as llama-cli: one trailing newline dropped); -p and -f together are refused
+    f = tmp_path / "prompt.txt"
+    f.write_text("Hello, my name is\n")
+    from_file = _ninfer("run", "-m", str(smollm2_path), "-f", str(f), "-n", "6", "--temp", "0", "-c", "256")
+    assert from_file.returncode == 0 and from_file.stdout == flag.stdout
+    both = _ninfer("run", "-m", str(smollm2_path), "-f", str(f), "-p", "x")
+    assert both.returncode == 2 and "argument -p/--prompt: not allowed with argument -f/--file" in both.stderr
 
 
 def test_chat_template_file_replaces_the_models(smollm2_path: Path, tmp_path: Path) -> None:

@@ -63,9 +63,24 @@ def _load(args: argparse.Namespace):
     )
 
 
+def _read_text(file: str) -> str:
+    """A prompt or evaluation text file without one trailing newline (llama.cpp's tools drop it), or a NinferError
+    naming the file."""
+    path = Path(file)
+    try:
+        text = path.read_text(encoding="utf-8")
+        return text[:-1] if text.endswith("\n") else text
+    except OSError as e:
+        raise NinferError(f"{path}: cannot read the text file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise NinferError(f"{path}: the text file is not UTF-8 (byte {e.start})") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     prompt = args.prompt
-    if prompt is None:
+    if args.file is not None:
+        prompt = _read_text(args.file)
+    elif prompt is None:
         if sys.stdin.isatty():
             raise NinferError("no prompt: pass -p PROMPT or pipe text on stdin")
         prompt = sys.stdin.read()
@@ -134,15 +149,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from ninfer.perplexity import perplexity
 
-    path = Path(args.file)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise NinferError(f"{path}: cannot read the text file: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise NinferError(f"{path}: the text file is not UTF-8 (byte {e.start})") from None
-    # llama.cpp drops one trailing newline of a prompt file.
-    text = text[:-1] if text.endswith("\n") else text
+    text = _read_text(args.file)
     args.ctx_size = args.ctx_size or 512
     llm = _load(args)
 
@@ -208,13 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate text (stdout: the generated text only)")
     run.add_argument("-m", "--model", help="GGUF file (default: the embedded Gemma-3-270M, `ninfer[demo]`)")
-    run.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
+    prompt = run.add_mutually_exclusive_group()
+    prompt.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
+    prompt.add_argument("-f", "--file", help="read the prompt from this file (as llama-cli; one trailing newline "
+                                             "dropped, as there)")
     run.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     run.add_argument("--temp", type=float, default=0.8, help="temperature, 0 = greedy (default 0.8)")
     run.add_argument("--top-k", type=int, default=40)
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--min-p", type=float, default=0.05)
-    run.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    run.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     run.add_argument("--chat-template-file", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the model's (as llama-cli's)")
