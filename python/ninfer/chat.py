@@ -11,7 +11,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -19,7 +18,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from ninfer.errors import ChatTemplateError
+from ninfer.errors import ChatTemplateError, read_text_file
 
 __all__ = ["ChatTemplate", "ChatTemplateError"]
 
@@ -98,14 +97,7 @@ def _normalized_messages(messages: Any) -> list[Any]:
 
 def read_chat_template(path: str | os.PathLike[str] | None) -> str | None:
     """A --chat-template-file's text (None: no file given), or a ChatTemplateError naming the file."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise ChatTemplateError(f"{path}: cannot read the chat template: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ChatTemplateError(f"{path}: the chat template is not UTF-8 (byte {e.start})") from None
+    return None if path is None else read_text_file(path, "chat template", ChatTemplateError)
 
 
 class ChatTemplate:

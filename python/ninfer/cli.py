@@ -10,11 +10,10 @@ import argparse
 import os
 import sys
 from collections import Counter
-from pathlib import Path
 
 from ninfer.chat import read_chat_template
 from ninfer.config import CACHE_TYPES, EngineConfig
-from ninfer.errors import NinferError
+from ninfer.errors import NinferError, read_text_file
 
 EXIT_USAGE = 2
 
@@ -66,14 +65,8 @@ def _load(args: argparse.Namespace):
 def _read_text(file: str) -> str:
     """A prompt or evaluation text file without one trailing newline (llama.cpp's tools drop it), or a NinferError
     naming the file."""
-    path = Path(file)
-    try:
-        text = path.read_text(encoding="utf-8")
-        return text[:-1] if text.endswith("\n") else text
-    except OSError as e:
-        raise NinferError(f"{path}: cannot read the text file: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise NinferError(f"{path}: the text file is not UTF-8 (byte {e.start})") from None
+    text = read_text_file(file, "text file", NinferError)
+    return text[:-1] if text.endswith("\n") else text
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -7,6 +7,9 @@ ValueError (or OSError) where that is what the mistake is, so generic handlers k
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 class NinferError(Exception):
     """Base class of every error ninfer raises on purpose."""
@@ -38,3 +41,14 @@ class ChatTemplateError(NinferError, ValueError):
 
 class BackendUnavailableError(NinferError, RuntimeError):
     """The requested device cannot be used here (no CuPy, no GPU, not enough GPU memory)."""
+
+
+def read_text_file(path: str | os.PathLike[str], what: str, error: type[NinferError]) -> str:
+    """A UTF-8 text file a user named (a prompt, a calibration text, a chat template), or `error` saying which
+    file and why: "PATH: cannot read the WHAT: <reason>" or "PATH: the WHAT is not UTF-8 (byte N)"."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: the {what} is not UTF-8 (byte {e.start})") from None

@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ninfer import _core
 from ninfer.config import MAX_THREADS
-from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError
+from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError, read_text_file
 
 FORMAT_VERSION = 2
 GROUP = 128  # weights per record (format version 2)
@@ -199,12 +199,7 @@ def quantize_with_feedback(w: np.ndarray, gram: np.ndarray | list[np.ndarray], *
 
 
 def _read_calib_text(path: str | os.PathLike[str]) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise InvalidArgumentError(f"{path}: cannot read the calibration text: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise InvalidArgumentError(f"{path}: the calibration text is not UTF-8 (byte {e.start})") from None
+    return read_text_file(path, "calibration text", InvalidArgumentError)
 
 
 def _sequential_calibration(mf: Any, text: str, max_chunks: int, *, wide: bool, source_stream: bool,

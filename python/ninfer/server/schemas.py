@@ -111,9 +111,8 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
+        # (text parts are passed as parts: ChatTemplate joins them, as for the Python API's messages)
+        content = [p.model_dump() for p in self.content] if isinstance(self.content, list) else self.content
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
