@@ -66,8 +66,9 @@ def gsq_stream_walk_fill(n_cols: int, ks: int, u: int) -> float:
 def gsq_stream_lane_records(n_cols: int, ks: int, defines: list[str] | None = None) -> int:
     """Records a lane of the streamed kernel takes a round: GEMV_STREAM_U, or GEMV_STREAM_U_ALT where that fills
     the walk better (the 32B down projection: 84% against 68%, so about a fifth less of its loop is padding; the
-    5,120-wide products stay at 5, exactly full). GEMV_STREAM_PICK_U=0 in NINFER_CUDA_DEFINES keeps 5 everywhere
-    (an A/B switch)."""
+    5,120-wide products stay at 5, exactly full). H200: that down projection alone 28.8 µs (32.9 with 5 in an
+    earlier call), 32B GSQ3 tg128 137.7 / 138.1 against 134.9 / 134.3 t/s (2026-12-02). GEMV_STREAM_PICK_U=0 in
+    NINFER_CUDA_DEFINES keeps 5 everywhere (an A/B switch)."""
     if _define("GEMV_STREAM_PICK_U", 1, defines) and \
             gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U_ALT) > gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U):
         return GEMV_STREAM_U_ALT
@@ -233,9 +234,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         consumers -= consumers % team  # whole teams
         stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
         plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, consumers // team)
-        if plan is not None and not warps_per_block and _define("GEMV_STREAM_ONE_ROUND", 0):
-            # (an A/B switch) the fewest whole teams that give every warp of the grid one group (a launch with few
-            # groups: 32B q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds
+        if plan is not None and not warps_per_block and _define("GEMV_STREAM_ONE_ROUND", 1):
+            # the fewest whole teams that give every warp of the grid one group (a launch with few groups: 32B
+            # q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds. H200, 32B GSQ3
+            # tg128 143.6 / 143.0 against 142.0 / 142.4 t/s (GEMV_STREAM_ONE_ROUND=0 in NINFER_CUDA_DEFINES: off)
             import cupy as cp
 
             one_round = stream_consumers_one_round(groups, plan[0], team,

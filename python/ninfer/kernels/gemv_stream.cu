@@ -30,9 +30,6 @@
 // (cuda_ops.gsq_stream_lane_records: the 32B down projection, 432 records a group over four warps, 84% full by 4
 // against 68% by 5).
 #define GEMV_STREAM_U_ALT 4
-#ifndef GEMV_STREAM_HOIST
-#define GEMV_STREAM_HOIST 1  // a lane's record offsets computed once where a group takes one round of the walk
-#endif
 #ifndef GEMV_STREAM_EVICT_FIRST
 // 1: the copies ask L2 to evict the streamed weights first: they are read once a token, and should not push out
 // the activations, the KV pages and the lines other launches prefetch (H200, 32B GSQ3 tg128 132.2 against 131.0 t/s
@@ -40,9 +37,9 @@
 #define GEMV_STREAM_EVICT_FIRST 1
 #endif
 #ifndef GEMV_STREAM_MAX_WARPS
-// A block's warps at most (the producer and 24 consumers, the launcher's shape): up to 80 registers, which the
-// one-round path's record offsets need (64 spilled 40 bytes a thread).
-#define GEMV_STREAM_MAX_WARPS 25
+// A block's warps at most (the producer and up to 31 consumers: 28 for the 32B q/k/v, cuda_ops
+// stream_consumers_one_round): up to 64 registers (63 used, no spills).
+#define GEMV_STREAM_MAX_WARPS 32
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
@@ -105,10 +102,9 @@ __device__ __forceinline__ void team_sync(int team, int n_threads) {
 
 #if __CUDA_ARCH__ >= 900
 // A consumer warp's side of the ring (gemv_gsq8_stream): it takes its team's chunks in turn and computes its group
-// of each. ONE: the group's row pair covers one round of the lane-pair walk (the 32B shape's 5,120-wide rows: 80
-// records, 16 pairs x 5), so a lane's records sit at the same offsets of every chunk's slot: their rows, records
-// and byte offsets are computed once, not per chunk (the walk's row wrap, the row's address select, 64 rec). A
-// struct with a template method, so each case is its own loop and the general one keeps its registers.
+// of each. A struct with a template method, so each record count a lane takes (U) is its own loop.
+// (Tried and dropped, 2026-12-02: computing a lane's record offsets once per launch where a row pair takes one round
+// of the walk cost 72 registers and measured 2.8% slower in the decode step: docs/gsq-rco.md.)
 struct StreamConsumer {
     const MatDesc* mats;
     int n_mats, total_rows, mode, glu_act, per_group;
@@ -122,27 +118,9 @@ struct StreamConsumer {
     const float* d;
 
     // U: records a lane loads before it computes any; walk: gsq3_pair_walk<U>'s for this warp's lanes.
-    template <bool ONE, int U>
+    template <int U>
     __device__ __forceinline__ void run(const Gsq3PairWalk& walk) const {
         constexpr int R = GEMV_R;
-        int lane_row[U], lane_rec[U];
-        u32 lane_off[U];
-        if (ONE) {
-            int row = walk.row, rec = walk.rec;
-#pragma unroll
-            for (int k = 0; k < U; ++k) {
-                lane_row[k] = row;
-                lane_rec[k] = rec;
-                const int r = row < R ? row : 0;  // (past the rows: row 0's record, added to no row)
-                lane_off[k] = (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb + 64u * rec;
-                rec += walk.d_rec;
-                row += walk.d_row;
-                if (rec >= n_rec) {
-                    rec -= n_rec;
-                    ++row;
-                }
-            }
-        }
         // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
         // (at most `stages`) instead of two divisions a chunk.
         int s = team;
@@ -159,30 +137,18 @@ struct StreamConsumer {
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
             if (g < g1) {
-                if (ONE) {
-                    Gsq3Half t[U];
+                u32 wa[R];
 #pragma unroll
-                    for (int k = 0; k < U; ++k) {
-                        t[k].row = lane_row[k];
-                        t[k].rec = lane_rec[k];
-                        gsq3_half_lds(base + lane_off[k], h, t[k]);
-                    }
-                    asm volatile("" ::: "memory");  // these loads stay above the dot products
-                    gsq3_pairs_dots<R, U, true>(t, h, aq, d, acc);
-                } else {
-                    u32 wa[R];
+                for (int r = 0; r < R; ++r)
+                    wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
+                rows_dot_gsq3_pairs<R, U, true>(
+                    [&](int row, int rec, Gsq3Half& t) {
+                        u32 a = wa[0];
 #pragma unroll
-                    for (int r = 0; r < R; ++r)
-                        wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
-                    rows_dot_gsq3_pairs<R, U, true>(
-                        [&](int row, int rec, Gsq3Half& t) {
-                            u32 a = wa[0];
-#pragma unroll
-                            for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
-                            gsq3_half_lds(a + 64 * rec, h, t);
-                        },
-                        walk, h, n_rec, aq, d, acc);
-                }
+                        for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
+                        gsq3_half_lds(a + 64 * rec, h, t);
+                    },
+                    walk, h, n_rec, aq, d, acc);
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
             }
@@ -315,13 +281,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec, ring, stage_bytes,
                               rb, full, empty, partial, (const int*)q, d};
     const int u_first = sub * WARP + lane, u_step = ks * WARP;
-    if (u == GEMV_STREAM_U_ALT) {
-        cons.run<false, GEMV_STREAM_U_ALT>(gsq3_pair_walk<GEMV_STREAM_U_ALT>(u_first, u_step, n_rec));
-    } else {
-        const Gsq3PairWalk walk = gsq3_pair_walk<GEMV_STREAM_U>(u_first, u_step, n_rec);
-        if (GEMV_STREAM_HOIST && walk.base + walk.stride >= R * n_rec) cons.run<true, GEMV_STREAM_U>(walk);
-        else cons.run<false, GEMV_STREAM_U>(walk);
-    }
+    if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>(gsq3_pair_walk<GEMV_STREAM_U_ALT>(u_first, u_step, n_rec));
+    else cons.run<GEMV_STREAM_U>(gsq3_pair_walk<GEMV_STREAM_U>(u_first, u_step, n_rec));
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif
