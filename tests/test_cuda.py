@@ -86,15 +86,19 @@ def test_measuring_switch_takes_a_count_and_names_a_bad_one(monkeypatch: pytest.
 
 def test_streamed_gemv_only_where_its_walk_fills_its_rounds() -> None:
     """The streamed 3-bit GEMV computes every slot of its last round, so the launcher keeps it to row widths whose
-    lane-pair walk fills at least two thirds of the slots (records of a row group against 16 pairs x ks warps x 5)."""
-    from ninfer.backends.cuda_ops import gsq_stream_walk_full
+    lane-pair walk fills at least two thirds of the slots (records of a row group against 16 pairs x ks warps x 5
+    or 4 records a lane, whichever fills better)."""
+    from ninfer.backends.cuda_ops import gsq_stream_lane_records, gsq_stream_walk_fill, gsq_stream_walk_full
 
-    assert gsq_stream_walk_full(5120, 1)  # Qwen2.5-32B hidden: 80 records, one round exactly
+    assert gsq_stream_walk_fill(5120, 1, 5) == 1.0 and gsq_stream_lane_records(5120, 1) == 5  # 32B: 80 records
+    assert gsq_stream_walk_fill(27648, 4, 5) == 432 / 640 and gsq_stream_walk_fill(27648, 4, 4) == 432 / 512
+    assert gsq_stream_lane_records(27648, 4) == 4  # the 32B down projection split four ways
+    assert gsq_stream_lane_records(27648, 4, ["-DGEMV_STREAM_PICK_U=0"]) == 5
+    assert gsq_stream_walk_full(5120, 1) and gsq_stream_walk_full(27648, 4)
     assert gsq_stream_walk_full(10240, 1) and gsq_stream_walk_full(10240, 2)
-    assert gsq_stream_walk_full(27648, 4)  # the 32B down projection split four ways: 432 of 640 (67.5%)
-    assert gsq_stream_walk_full(4096, 1) and gsq_stream_walk_full(8192, 1)  # 80% full
-    assert not gsq_stream_walk_full(5376, 1)  # Gemma-3-27B hidden: 84 records in two rounds of 80 (52.5%)
-    assert not gsq_stream_walk_full(27648, 16)  # 432 of 1,280
+    assert gsq_stream_walk_full(4096, 1) and gsq_stream_walk_full(8192, 1)  # 64 records: one round of 4 a lane
+    assert not gsq_stream_walk_full(5376, 1)  # Gemma-3-27B hidden: 84 records, 52% by 5, 66% by 4
+    assert not gsq_stream_walk_full(27648, 16)  # 432 of 1,280 or 1,024
 
 
 def test_stream_consumers_for_one_round_of_row_groups() -> None:
@@ -319,13 +323,16 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
 
 
 @needs_cuda
+@pytest.mark.parametrize("n", [2048, 5120, 6144])
 @pytest.mark.parametrize("mode", ["store", "add", "glu", "pre"])
-def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str) -> None:
+def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     """The 3-bit GEMV whose weights stream into shared memory (kernels/gemv_stream.cu) against the CPU's scalar
     reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
     warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
-    as well as the launcher's."""
+    as well as the launcher's; 5 and 4 records a lane. 2,048 and 5,120 columns: a row pair in one round of the
+    lane-pair walk (with 5 records a lane the kernel's path with the offsets computed once; 5,120 fills the round);
+    6,144: two rounds with one warp a group (the general walk)."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
@@ -335,7 +342,7 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str) -> None:
     if not K.gsq_stream(K.MODE_STORE):
         pytest.skip("gemv_gsq8_stream needs sm_90")
     rng = np.random.default_rng(7)
-    n, tid = 2048, gsq_type(3, 2)
+    tid = gsq_type(3, 2)
     shapes = {"store": [1001, 334, 333], "add": [8193], "glu": [777, 777], "pre": [1500]}[mode]
     raws = [random_gsq_records(3, 2, r, n, n**-0.5, rng) for r in shapes]
     x = rng.standard_normal(n).astype(np.float32)
@@ -375,12 +382,13 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str) -> None:
         for ks in (0, 1, 2, 4):
             for stages in (K.GEMV_STREAM_MAX_STAGES, max(2, consumers // team)):  # (the smallest ring)
                 assert K.gemv_stream_plan(stream, n, 1, team, ks, stages, consumers // team) is not None
-                out[:] = cp.asarray(base) if base is not None else 0
-                K.gemv(ACT_GSQ8, descs, len(shapes), total, n, x_d.data.ptr, norm, 1e-6, kmode, pre=pre,
-                       gsq_pairs=True, stream=stream, warps_per_block=consumers, k_split=ks, max_stages=stages,
-                       stream_team=team)
-                got = out.get()
-                assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, nmse(got, ref))
+                for u in (K.GEMV_STREAM_U, K.GEMV_STREAM_U_ALT):
+                    out[:] = cp.asarray(base) if base is not None else 0
+                    K.gemv(ACT_GSQ8, descs, len(shapes), total, n, x_d.data.ptr, norm, 1e-6, kmode, pre=pre,
+                           gsq_pairs=True, stream=stream, warps_per_block=consumers, k_split=ks, max_stages=stages,
+                           stream_team=team, lane_records=u)
+                    got = out.get()
+                    assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
 
 
 @needs_cuda

@@ -50,20 +50,40 @@ GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus
 GEMV_STREAM_TEAM = 4
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
+GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
+
+
+def gsq_stream_walk_fill(n_cols: int, ks: int, u: int) -> float:
+    """The share of the streamed kernel's walk slots that hold records: a row group's records (two rows) against
+    the rounds of 16 lane pairs x ks warps x u records each that cover them. The kernel computes every slot of its
+    last round (no branches; records past the group's rows count for nothing), so a ragged last round costs its
+    full price."""
+    tasks = GEMV_ROWS_PER_WARP * (n_cols // 128)
+    per_round = 16 * ks * u
+    return tasks / (-(-tasks // per_round) * per_round)
+
+
+def gsq_stream_lane_records(n_cols: int, ks: int, defines: list[str] | None = None) -> int:
+    """Records a lane of the streamed kernel takes a round: GEMV_STREAM_U, or GEMV_STREAM_U_ALT where that fills
+    the walk better (the 32B down projection: 84% against 68%, so about a fifth less of its loop is padding; the
+    5,120-wide products stay at 5, exactly full). H200: that down projection alone 28.8 µs (32.9 with 5 in an
+    earlier call), 32B GSQ3 tg128 137.7 / 138.1 against 134.9 / 134.3 t/s (2026-12-02). GEMV_STREAM_PICK_U=0 in
+    NINFER_CUDA_DEFINES keeps 5 everywhere (an A/B switch)."""
+    if _define("GEMV_STREAM_PICK_U", 1, defines) and \
+            gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U_ALT) > gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U):
+        return GEMV_STREAM_U_ALT
+    return GEMV_STREAM_U
 
 
 def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
-    """Whether the streamed kernel's lane-pair walk over a row group fills at least two thirds of its rounds' slots:
-    the kernel computes every slot of its last round (no branches; records past the group's rows count for
-    nothing), so a ragged last round costs its full price. The 32B shape's 5,120-wide products fill theirs exactly
-    (two rows of 40 records, 16 pairs, 5 a lane) and its down projection, split four ways, 68%: alone it is no
-    faster streamed (32.9 against the pair kernel's 32.5 µs), but in the decode step it is, its weights arriving
-    before quant_act's result does (H200, 32B GSQ3 tg128 134.6 / 134.8 against 132.5 / 132.2 t/s; docs/gsq-rco.md).
-    A 5,376-wide row (Gemma-3-27B) would fill 52% and keeps the pair kernel, which skips the empty slots (a rule
-    from the loop's shape, not measured there); 4,096 or 8,192 fill 80%."""
-    tasks = GEMV_ROWS_PER_WARP * (n_cols // 128)  # a row group's records
-    per_round = 16 * ks * GEMV_STREAM_U  # the ks warps' pairs, GEMV_STREAM_U records each
-    return 3 * tasks >= 2 * -(-tasks // per_round) * per_round
+    """Whether the streamed kernel's lane-pair walk over a row group fills at least two thirds of its rounds' slots
+    (gsq_stream_walk_fill, with gsq_stream_lane_records' choice). The 32B shape's 5,120-wide products fill theirs
+    exactly (two rows of 40 records, 16 pairs, 5 a lane) and its down projection, split four ways, 68% by 5 records
+    a lane: alone it was no faster streamed (32.9 against the pair kernel's 32.5 µs), but in the decode step it
+    is, its weights arriving before quant_act's result does (H200, 32B GSQ3 tg128 134.6 / 134.8 against 132.5 /
+    132.2 t/s; docs/gsq-rco.md). A 5,376-wide row (Gemma-3-27B) fills 52% by 5 and 66% by 4, and keeps the pair
+    kernel, which skips the empty slots (a rule from the loop's shape, not measured there)."""
+    return 3 * gsq_stream_walk_fill(n_cols, ks, gsq_stream_lane_records(n_cols, ks)) >= 2
 
 
 def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
@@ -190,7 +210,8 @@ def resident_blocks(fn, threads: int, smem: int) -> int:
 def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int,
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
-         gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0) -> None:
+         gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
+         lane_records: int = 0) -> None:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -199,8 +220,9 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     only): the lane-pair kernel for 3-bit records (gsq_pairs()), whose weights stream into shared memory
     (kernels/gemv_stream.cu) where gsq_stream() says, or as `stream` says: False, True, or the compiled
     gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
-    max_stages caps its ring's slots; GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in
-    NINFER_CUDA_DEFINES or the GEMV_STREAM_* constants by default)."""
+    max_stages caps its ring's slots, lane_records sets its records a lane (gsq_stream_lane_records' choice by
+    default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
+    GEMV_STREAM_* constants by default)."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -212,9 +234,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         consumers -= consumers % team  # whole teams
         stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
         plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, consumers // team)
-        if plan is not None and not warps_per_block and _define("GEMV_STREAM_ONE_ROUND", 0):
-            # (an A/B switch) the fewest whole teams that give every warp of the grid one group (a launch with few
-            # groups: 32B q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds
+        if plan is not None and not warps_per_block and _define("GEMV_STREAM_ONE_ROUND", 1):
+            # the fewest whole teams that give every warp of the grid one group (a launch with few groups: 32B
+            # q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds. H200, 32B GSQ3
+            # tg128 143.6 / 143.0 against 142.0 / 142.4 t/s (GEMV_STREAM_ONE_ROUND=0 in NINFER_CUDA_DEFINES: off)
             import cupy as cp
 
             one_round = stream_consumers_one_round(groups, plan[0], team,
@@ -244,9 +267,13 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
 
                 grid = min(grid, per_sm * cp.cuda.Device().attributes["MultiProcessorCount"])
             pq, pd, _ = pre or (0, 0, 0)
+            u = lane_records or gsq_stream_lane_records(n_cols, ks)
+            if u not in (GEMV_STREAM_U, GEMV_STREAM_U_ALT):
+                raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
+                                 f"not {u}")
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
-                                                     P(pq), P(pd)),
+                                                     P(pq), P(pd), I(u)),
                           shared_mem=smem, dependent=True)
             return
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))

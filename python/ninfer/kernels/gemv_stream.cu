@@ -26,6 +26,10 @@
 #ifndef GEMV_STREAM_U
 #define GEMV_STREAM_U 5  // records a lane loads from shared memory before it computes any
 #endif
+// The launch's other choice of records a lane (argument `u`), for rows whose walk fills its rounds better with it
+// (cuda_ops.gsq_stream_lane_records: the 32B down projection, 432 records a group over four warps, 84% full by 4
+// against 68% by 5).
+#define GEMV_STREAM_U_ALT 4
 #ifndef GEMV_STREAM_EVICT_FIRST
 // 1: the copies ask L2 to evict the streamed weights first: they are read once a token, and should not push out
 // the activations, the KV pages and the lines other launches prefetch (H200, 32B GSQ3 tg128 132.2 against 131.0 t/s
@@ -33,7 +37,9 @@
 #define GEMV_STREAM_EVICT_FIRST 1
 #endif
 #ifndef GEMV_STREAM_MAX_WARPS
-#define GEMV_STREAM_MAX_WARPS 32  // a block's warps at most (the producer and 31 consumers): up to 64 registers
+// A block's warps at most (the producer and up to 31 consumers: 28 for the 32B q/k/v, cuda_ops
+// stream_consumers_one_round): up to 64 registers (63 used, no spills).
+#define GEMV_STREAM_MAX_WARPS 32
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
@@ -94,10 +100,101 @@ __device__ __forceinline__ void team_sync(int team, int n_threads) {
 }
 #endif
 
+#if __CUDA_ARCH__ >= 900
+// A consumer warp's side of the ring (gemv_gsq8_stream): it takes its team's chunks in turn and computes its group
+// of each. A struct with a template method, so each record count a lane takes (U) is its own loop.
+// (Tried and dropped, 2026-12-02: computing a lane's record offsets once per launch where a row pair takes one round
+// of the walk cost 72 registers and measured 2.8% slower in the decode step: docs/gsq-rco.md.)
+struct StreamConsumer {
+    const MatDesc* mats;
+    int n_mats, total_rows, mode, glu_act, per_group;
+    bool is_glu;
+    int team, n_teams, team_warps, stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec;
+    u32 ring, stage_bytes, rb;
+    u64* full;
+    u64* empty;
+    float (*partial)[GEMV_R];
+    const int* aq;
+    const float* d;
+
+    // U: records a lane loads before it computes any; walk: gsq3_pair_walk<U>'s for this warp's lanes.
+    template <int U>
+    __device__ __forceinline__ void run(const Gsq3PairWalk& walk) const {
+        constexpr int R = GEMV_R;
+        // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
+        // (at most `stages`) instead of two divisions a chunk.
+        int s = team;
+        u32 parity = 0;
+        for (int i = team; i < n_st; i += n_teams, s += n_teams) {
+            if (s >= stages) {
+                s -= stages;
+                parity ^= 1;
+            }
+            mbar_wait(smem_u32(&full[s]), parity);
+            const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
+            const u32 base = ring + s * stage_bytes;
+            float acc[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+            if (g < g1) {
+                u32 wa[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
+                rows_dot_gsq3_pairs<R, U, true>(
+                    [&](int row, int rec, Gsq3Half& t) {
+                        u32 a = wa[0];
+#pragma unroll
+                        for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
+                        gsq3_half_lds(a + 64 * rec, h, t);
+                    },
+                    walk, h, n_rec, aq, d, acc);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
+            if (ks > 1) {  // the K-split warps of a group add up through shared memory
+                if (lane == 0) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) partial[warp][r] = acc[r];
+                }
+                team_sync(team, team_warps * WARP);
+                if (sub == 0) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        float t = 0.0f;
+                        for (int j = 0; j < ks; ++j) t += partial[warp + j][r];
+                        acc[r] = t;
+                    }
+                }
+                team_sync(team, team_warps * WARP);
+            }
+            if (lane != 0 || sub != 0 || g >= g1) continue;
+            const int first = g * per_group;
+            if (is_glu) {
+                mats[0].out[first] = glu(acc[0], acc[1], glu_act);
+                continue;
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (first + r < total_rows) {
+                    const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
+                    const int local = first + r - m.row0;
+                    const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
+                    if (mode == MODE_ADD) m.out[local] += v;
+                    else m.out[local] = v;
+                }
+            }
+        }
+    }
+};
+#endif
+
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
-                                            const float* pre_d) {
+                                            const float* pre_d, int u) {
 #if __CUDA_ARCH__ >= 900
     constexpr int R = GEMV_R;
     extern __shared__ __align__(128) int4 stream_sm[];
@@ -180,74 +277,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int team = warp / team_warps, tw = warp % team_warps;
     if (team >= n_teams) return;  // (warps past whole teams: none with the launcher's shapes)
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
-    const Gsq3PairWalk walk = gsq3_pair_walk<GEMV_STREAM_U>(sub * WARP + lane, ks * WARP, n_rec);
-    const int* aq = (const int*)q;
-    // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
-    // (at most `stages`) instead of two divisions a chunk.
-    int s = team;
-    u32 parity = 0;
-    for (int i = team; i < n_st; i += n_teams, s += n_teams) {
-        if (s >= stages) {
-            s -= stages;
-            parity ^= 1;
-        }
-        mbar_wait(smem_u32(&full[s]), parity);
-        const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
-        const u32 base = ring + s * stage_bytes;
-        u32 wa[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-        if (g < g1) {
-            rows_dot_gsq3_pairs<R, GEMV_STREAM_U, true>(
-                [&](int row, int rec, Gsq3Half& t) {
-                    u32 a = wa[0];
-#pragma unroll
-                    for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
-                    gsq3_half_lds(a + 64 * rec, h, t);
-                },
-                walk, h, n_rec, aq, d, acc);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
-        if (ks > 1) {  // the K-split warps of a group add up through shared memory
-            if (lane == 0) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) partial[warp][r] = acc[r];
-            }
-            team_sync(team, team_warps * WARP);
-            if (sub == 0) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    float t = 0.0f;
-                    for (int j = 0; j < ks; ++j) t += partial[warp + j][r];
-                    acc[r] = t;
-                }
-            }
-            team_sync(team, team_warps * WARP);
-        }
-        if (lane != 0 || sub != 0 || g >= g1) continue;
-        const int first = g * per_group;
-        if (is_glu) {
-            mats[0].out[first] = glu(acc[0], acc[1], glu_act);
-            continue;
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (first + r < total_rows) {
-                const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
-                const int local = first + r - m.row0;
-                const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                if (mode == MODE_ADD) m.out[local] += v;
-                else m.out[local] = v;
-            }
-        }
-    }
+    const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
+                              stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec, ring, stage_bytes,
+                              rb, full, empty, partial, (const int*)q, d};
+    const int u_first = sub * WARP + lane, u_step = ks * WARP;
+    if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>(gsq3_pair_walk<GEMV_STREAM_U_ALT>(u_first, u_step, n_rec));
+    else cons.run<GEMV_STREAM_U>(gsq3_pair_walk<GEMV_STREAM_U>(u_first, u_step, n_rec));
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif

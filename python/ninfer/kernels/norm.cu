@@ -100,23 +100,57 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
 }
 
 // One row's norm + quantization by the whole thread block (any multiple of 32 threads), into global or shared
-// memory: a pass over x for the sum of squares, then the kind's groups. x is read with __ldcg (L2, not L1): a
-// GEMV's prologue reads a vector the previous kernel just wrote. (Staging x in shared memory with cp.async first,
+// memory: a pass over x for the sum of squares, then the kind's groups (NORM_QUANT_KEEP: a lane's first groups
+// kept in registers from the first pass). x is read with __ldcg (L2, not L1): a GEMV's prologue reads a vector the
+// previous kernel just wrote. (Staging x in shared memory with cp.async first,
 // one round trip instead of two passes, measured slower on the H200: 1.5B gate/up 15.7 -> 19.0 us, the 32B
 // shape's 27,648-wide rows lost occupancy to the staging area.)
+#ifndef NORM_QUANT_KEEP
+// Floats a lane keeps in registers between the two passes (its first groups, V a group; GSQ8 activations only), so
+// the second pass reads from L2 only the groups past them: 16 covers a 5,120-wide row with 10 or more warps.
+// 0: both passes read x (H200, 32B GSQ3 tg128 136.2 / 136.0 against 137.7 / 138.1 t/s kept, 2026-12-02).
+#define NORM_QUANT_KEEP 16
+#endif
+
 template <int V>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
                              float2* out_s, u16* out_h, float* out_f) {
+    // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
+    // 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy (67 -> 72, 121 -> 126).
+    constexpr int KEEP = V == 4 ? NORM_QUANT_KEEP / V : 0;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
+    const int n_groups = n / (32 * V);
     __shared__ double red[32];
     __shared__ float s_scale;
+    float kept[KEEP > 0 ? KEEP : 1][V];
     float scale = 1.0f;
     if (w) {
         double s = 0.0;
+        if (KEEP) {  // the second pass's mapping: the warp's groups, V consecutive elements a lane
+#pragma unroll
+            for (int j = 0; j < KEEP; ++j) {
+                const int g = warp + j * n_warps;
+                if (g < n_groups) {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        kept[j][k] = __ldcg(x + 32 * V * g + V * lane + k);
+                        s += (double)(kept[j][k] * kept[j][k]);
+                    }
+                }
+            }
+            for (int g = warp + KEEP * n_warps; g < n_groups; g += n_warps) {
+#pragma unroll
+                for (int k = 0; k < V; ++k) {
+                    const float v = __ldcg(x + 32 * V * g + V * lane + k);
+                    s += (double)(v * v);
+                }
+            }
+        } else {
 #pragma unroll 4
-        for (int i = tid; i < n; i += blockDim.x) {
-            const float v = __ldcg(x + i);
-            s += (double)(v * v);
+            for (int i = tid; i < n; i += blockDim.x) {
+                const float v = __ldcg(x + i);
+                s += (double)(v * v);
+            }
         }
         s = warp_sum_d(s);
         if (lane == 0) red[warp] = s;
@@ -129,9 +163,19 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         __syncthreads();
         scale = s_scale;
     }
-    const int n_groups = n / (32 * V);
+#pragma unroll
+    for (int j = 0; j < KEEP; ++j) {  // the kept groups (read here where there was no norm pass)
+        const int g = warp + j * n_warps;
+        if (g < n_groups) {
+            const int i0 = 32 * V * g + V * lane;
+            float y[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) y[k] = w ? (kept[j][k] * scale) * w[i0 + k] : __ldcg(x + i0 + k);
+            quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
+        }
+    }
 #pragma unroll 2
-    for (int g = warp; g < n_groups; g += n_warps) {
+    for (int g = warp + KEEP * n_warps; g < n_groups; g += n_warps) {
         const int i0 = 32 * V * g + V * lane;
         float y[V];
 #pragma unroll
