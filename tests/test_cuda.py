@@ -101,6 +101,20 @@ def test_streamed_gemv_only_where_its_walk_fills_its_rounds() -> None:
     assert not gsq_stream_walk_full(27648, 16)  # 432 of 1,280 or 1,024
 
 
+def test_stream_consumers_for_rounds_of_row_groups() -> None:
+    """Fewer consumers where 24 would take two rounds of row groups or more: the 32B gate/up (27,648 groups) and
+    down (2,560 groups of four warps) projections take 16; q/k/v (3,584) and o (2,560) keep 24; 0 turns it off."""
+    from ninfer.backends.cuda_ops import stream_consumers_for_rounds
+
+    assert stream_consumers_for_rounds(27648, 1, 132, 24, 16) == 16
+    assert stream_consumers_for_rounds(2560, 4, 132, 24, 16) == 16
+    assert stream_consumers_for_rounds(3584, 1, 132, 24, 16) == 24
+    assert stream_consumers_for_rounds(2560, 1, 132, 24, 16) == 24
+    assert stream_consumers_for_rounds(6336, 1, 132, 24, 16) == 16  # exactly two rounds
+    assert stream_consumers_for_rounds(6335, 1, 132, 24, 16) == 24
+    assert stream_consumers_for_rounds(27648, 1, 132, 24, 0) == 24
+
+
 def test_stream_consumers_for_one_round_of_row_groups() -> None:
     """GEMV_STREAM_ONE_ROUND's rule: the 32B q/k/v launch (3,584 groups of two rows) on 132 SMs needs 28 consumers in
     teams of four for one group a warp; o (2,560) needs 20, fewer than the default 24 it keeps; gate/up (27,648)
@@ -330,9 +344,10 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
     warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
-    as well as the launcher's; 5 and 4 records a lane. 2,048 and 5,120 columns: a row pair in one round of the
-    lane-pair walk (with 5 records a lane the kernel's path with the offsets computed once; 5,120 fills the round);
-    6,144: two rounds with one warp a group (the general walk)."""
+    as well as the launcher's; 5 and 4 records a lane; block shapes past the kernel's launch bounds
+    (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
+    (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
+    rounds with one warp a group."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
@@ -379,6 +394,8 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     norm = norm_d.data.ptr if mode in ("add", "glu") else 0
     stream = K.function("gemv_gsq8_stream")
     for consumers, team in ((24, 8), (16, 16), (16, 4), (12, 4), (8, 8)):
+        if 32 * (consumers + 1) > stream.max_threads_per_block:
+            continue
         for ks in (0, 1, 2, 4):
             for stages in (K.GEMV_STREAM_MAX_STAGES, max(2, consumers // team)):  # (the smallest ring)
                 assert K.gemv_stream_plan(stream, n, 1, team, ks, stages, consumers // team) is not None

@@ -48,6 +48,7 @@ GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus
 # Consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn. Six teams of four beat
 # three of eight end to end on the H200 (32B GSQ3 tg128 131.0 against 126.8 t/s; docs/gsq-rco.md "Team shapes").
 GEMV_STREAM_TEAM = 4
+GEMV_STREAM_LONG_WARPS = 16  # consumer warps where a launch's warps take two rounds or more (stream_consumers_for_rounds)
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
 GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
@@ -230,6 +231,14 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     if gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP and (gsq_stream(mode) if stream is None else stream):
         sfn = function("gemv_gsq8_stream") if stream is None or stream is True else stream
         consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
+        if not warps_per_block:
+            import cupy as cp
+
+            consumers = stream_consumers_for_rounds(
+                groups, k_split or gemv_k_split(n_cols, _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM),
+                                                gsq_pairs=True, groups=groups),
+                cp.cuda.Device().attributes["MultiProcessorCount"], consumers,
+                _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
         team = min(consumers, stream_team or _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM))
         consumers -= consumers % team  # whole teams
         stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
@@ -294,6 +303,18 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
+
+
+def stream_consumers_for_rounds(groups: int, ks: int, sms: int, consumers: int, long_warps: int) -> int:
+    """Consumer warps a block of gemv_gsq8_stream for a launch of `groups` row groups (ks warps each) on `sms` SMs:
+    `long_warps` (four teams of four, two ring slots a team) where `consumers` would take two rounds of groups or
+    more (the 32B gate/up and down projections), else `consumers`. H200, synthetic 32B GSQ3 tg128 149.80 / 150.09
+    against 143.55 / 143.29 t/s with 24 everywhere (2026-12-02); alone gate/up 42.2 and down 27.9 µs against 43.1
+    and 28.8, while o and q/k/v, one round, were slower with 16 (10.6 against 9.5 µs). long_warps 0 (the define
+    GEMV_STREAM_LONG_WARPS=0): `consumers` everywhere."""
+    if long_warps and groups * ks >= 2 * consumers * sms:
+        return long_warps
+    return consumers
 
 
 def stream_consumers_one_round(groups: int, ks: int, team: int, sms: int, max_threads: int) -> int:
