@@ -115,6 +115,40 @@ def test_stream_consumers_for_rounds_of_row_groups() -> None:
     assert stream_consumers_for_rounds(27648, 1, 132, 24, 0) == 24
 
 
+def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
+    """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
+    0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come
+    from one block's clock and the timeline from %globaltimer. A slot whose blocks did not all run is left out."""
+    from ninfer.backends import stream_trace as T
+
+    trace = np.zeros((3, T.TRACE_BLOCKS, len(T.EVENTS), 2), np.uint64)
+    offsets = [0, 100, 500, 1500, 2000, 8000, 9000]  # entry .. last_done, ns after the block's entry
+    for slot, start in ((0, 1000), (1, 10500)):
+        for b in range(2):
+            entry = start + 200 * b
+            for ev, off in enumerate(offsets):
+                t = entry + off + (1000 * b if ev == T.LAST_DONE else 0)
+                trace[slot, b, ev] = (t, 2 * (t - entry) + 777 * (b + 1))
+            trace[slot, b, T.SM] = (b, 2)
+    trace[2, 0, T.SM] = (0, 2)
+    trace[2, 0, T.ENTRY] = (50000, 1)  # block 1 of slot 2 never ran
+    launches = T.summarize(trace, ["store 8x256", "add 8x256", "store 8x256"])
+    assert [ln.label for ln in launches] == ["store 8x256", "add 8x256"]
+    a, b = launches
+    assert (a.start_ns, a.end_ns, a.end_spread_ns, a.entry_spread_ns) == (1000, 11200, 1200, 200)
+    assert b.start_ns == 10500
+    assert a.cycles == {"asked": 200, "dep_wait": 1000, "prologue": 2000, "first_chunk": 1000, "compute": 12000,
+                        "compute_last": 15000}
+    assert T.clock_ghz(trace, 2) == pytest.approx(2.0)
+    assert T.timer_step_ns(trace, 3) == 200
+    rows = {r["label"]: r for r in T.per_kind(launches, 2.0)}
+    assert rows["add 8x256"]["gap"] == pytest.approx(-0.7)  # 10.5 µs against the first's end at 11.2
+    assert np.isnan(rows["store 8x256"]["gap"])  # (the first launch has no predecessor)
+    assert rows["store 8x256"]["span"] == pytest.approx(10.2)
+    assert rows["store 8x256"]["prologue"] == pytest.approx(1.0)
+    assert rows["store 8x256"]["compute_last"] == pytest.approx(7.5)
+
+
 def test_stream_consumers_for_one_round_of_row_groups() -> None:
     """GEMV_STREAM_ONE_ROUND's rule: the 32B q/k/v launch (3,584 groups of two rows) on 132 SMs needs 28 consumers in
     teams of four for one group a warp; o (2,560) needs 20, fewer than the default 24 it keeps; gate/up (27,648)

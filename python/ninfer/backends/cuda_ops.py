@@ -48,6 +48,8 @@ GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus
 # Consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn. Six teams of four beat
 # three of eight end to end on the H200 (32B GSQ3 tg128 131.0 against 126.8 t/s; docs/gsq-rco.md "Team shapes").
 GEMV_STREAM_TEAM = 4
+# GEMV_STREAM_TRACE builds (scripts/stream-trace): each streamed launch's label, by its trace slot (launch order)
+stream_trace_labels: list[str] = []
 GEMV_STREAM_LONG_WARPS = 16  # consumer warps where a launch's warps take two rounds or more (stream_consumers_for_rounds)
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
@@ -282,7 +284,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                                  f"not {u}")
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
-                                                     P(pq), P(pd), I(u)),
+                                                     P(pq), P(pd), I(u), *stream_trace_arg(mode, total_rows, n_cols)),
                           shared_mem=smem, dependent=True)
             return
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
@@ -303,6 +305,17 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
+
+
+def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
+    """The streamed kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
+    stream_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""
+    if not _define("GEMV_STREAM_TRACE", 0):
+        return ()
+    from .stream_trace import TRACE_LAUNCHES
+
+    stream_trace_labels.append(f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}")
+    return (I((len(stream_trace_labels) - 1) % TRACE_LAUNCHES),)
 
 
 def stream_consumers_for_rounds(groups: int, ks: int, sms: int, consumers: int, long_warps: int) -> int:

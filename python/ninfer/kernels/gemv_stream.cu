@@ -43,6 +43,50 @@
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
+#ifndef GEMV_STREAM_TRACE
+// 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
+// the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
+#define GEMV_STREAM_TRACE 0
+#endif
+#if GEMV_STREAM_TRACE
+#define GEMV_STREAM_TRACE_LAUNCHES 1024  // backends/stream_trace.py TRACE_LAUNCHES, TRACE_BLOCKS
+#define GEMV_STREAM_TRACE_BLOCKS 256
+#define GEMV_STREAM_TRACE_EVENTS 8
+// [launch slot][block][event][globaltimer ns, clock64]. Events: 0 entry, 1 the first chunks asked for (producer),
+// 2 past grid_dep_wait, 3 the activation ready (past the prologue's barrier), 4 consumer warp 0's first chunk
+// arrived, 5 consumer warp 0 done, 6 the last consumer warp done (atomicMax), 7 (the SM id, the grid size).
+__device__ unsigned long long gemv_stream_trace[GEMV_STREAM_TRACE_LAUNCHES * GEMV_STREAM_TRACE_BLOCKS *
+                                                GEMV_STREAM_TRACE_EVENTS * 2];
+
+__device__ __forceinline__ unsigned long long* stream_trace_at(int slot, int ev) {
+    return gemv_stream_trace +
+           (((size_t)(slot % GEMV_STREAM_TRACE_LAUNCHES) * GEMV_STREAM_TRACE_BLOCKS + blockIdx.x) *
+                GEMV_STREAM_TRACE_EVENTS + ev) * 2;
+}
+
+__device__ __forceinline__ void stream_trace(int slot, int ev) {
+    if (slot < 0 || blockIdx.x >= GEMV_STREAM_TRACE_BLOCKS) return;
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    unsigned long long* t = stream_trace_at(slot, ev);
+    t[0] = g;
+    t[1] = (unsigned long long)clock64();
+}
+
+// Event 6: the latest of the consumer warps' ends.
+__device__ __forceinline__ void stream_trace_max(int slot, int ev) {
+    if (slot < 0 || blockIdx.x >= GEMV_STREAM_TRACE_BLOCKS) return;
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    unsigned long long* t = stream_trace_at(slot, ev);
+    atomicMax(t, g);
+    atomicMax(t + 1, (unsigned long long)clock64());
+}
+#define STREAM_TRACE(slot, ev) stream_trace(slot, ev)
+#else
+#define STREAM_TRACE(slot, ev)
+#endif
+
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -116,6 +160,9 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
+#if GEMV_STREAM_TRACE
+    int trace_slot;
+#endif
 
     // U: records a lane loads before it computes any; walk: gsq3_pair_walk<U>'s for this warp's lanes.
     template <int U>
@@ -131,6 +178,9 @@ struct StreamConsumer {
                 parity ^= 1;
             }
             mbar_wait(smem_u32(&full[s]), parity);
+#if GEMV_STREAM_TRACE
+            if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
+#endif
             const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
             const u32 base = ring + s * stage_bytes;
             float acc[R];
@@ -187,6 +237,12 @@ struct StreamConsumer {
                 }
             }
         }
+#if GEMV_STREAM_TRACE
+        if (lane == 0) {
+            if (warp == 0) STREAM_TRACE(trace_slot, 5);
+            stream_trace_max(trace_slot, 6);
+        }
+#endif
     }
 };
 #endif
@@ -194,7 +250,11 @@ struct StreamConsumer {
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
-                                            const float* pre_d, int u) {
+                                            const float* pre_d, int u
+#if GEMV_STREAM_TRACE
+                                            , int trace_slot  // (cuda_ops passes it in trace builds only)
+#endif
+                                            ) {
 #if __CUDA_ARCH__ >= 900
     constexpr int R = GEMV_R;
     extern __shared__ __align__(128) int4 stream_sm[];
@@ -213,6 +273,18 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const u32 stage_bytes = (u32)per_step * R * rb;
     const u32 ring = smem_u32(stream_sm) + act_bytes;
 
+#if GEMV_STREAM_TRACE
+    if (threadIdx.x == 0 && trace_slot >= 0 && blockIdx.x < GEMV_STREAM_TRACE_BLOCKS) {
+        STREAM_TRACE(trace_slot, 0);
+        unsigned long long* t = stream_trace_at(trace_slot, 6);
+        t[0] = t[1] = 0;  // (the consumers' atomicMax starts after the block's first barrier)
+        u32 smid;
+        asm("mov.u32 %0, %%smid;" : "=r"(smid));
+        t = stream_trace_at(trace_slot, 7);
+        t[0] = smid;
+        t[1] = gridDim.x;
+    }
+#endif
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
             mbar_init(smem_u32(&full[s]), 1);
@@ -244,11 +316,14 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         }
     };
     const bool producer = warp == n_cons;
-    if (producer && lane == 0)
+    if (producer && lane == 0) {
         for (int i = 0; i < min(stages, n_st); ++i) issue(i);
+        STREAM_TRACE(trace_slot, 1);
+    }
 
     grid_dep_launch();
     grid_dep_wait();
+    if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
 
     // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
     i8* q = (i8*)stream_sm;
@@ -259,6 +334,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }
     __syncthreads();
+    if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 3);
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
@@ -279,7 +355,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec, ring, stage_bytes,
-                              rb, full, empty, partial, (const int*)q, d};
+                              rb, full, empty, partial, (const int*)q, d
+#if GEMV_STREAM_TRACE
+                              , trace_slot
+#endif
+                              };
     const int u_first = sub * WARP + lane, u_step = ks * WARP;
     if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>(gsq3_pair_walk<GEMV_STREAM_U_ALT>(u_first, u_step, n_rec));
     else cons.run<GEMV_STREAM_U>(gsq3_pair_walk<GEMV_STREAM_U>(u_first, u_step, n_rec));

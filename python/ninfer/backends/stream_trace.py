@@ -1,0 +1,114 @@
+"""The streamed GEMV's launches on a timeline (kernels/gemv_stream.cu built with GEMV_STREAM_TRACE=1): where each
+block of each launch was when, inside a captured decode step, which no profiler on the lent machine shows. Read by
+scripts/stream-trace; the analysis works on the array alone, so it is tested without a GPU.
+
+Per block and event the kernel stores two clocks: %globaltimer (ns, one clock for the whole GPU: launches and blocks
+against each other) and clock64 (the SM's cycles: exact durations inside a block)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# kernels/gemv_stream.cu: the buffer's shape and its events
+TRACE_LAUNCHES, TRACE_BLOCKS = 1024, 256
+EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done", "last_done", "sm")
+ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM = range(len(EVENTS))
+
+
+def read_trace(n_slots: int) -> np.ndarray:
+    """The first n_slots launches' records from the device: uint64 [slots, blocks, events, (globaltimer, clock64)]."""
+    import cupy as cp
+
+    from .kernels import module
+
+    ptr = module().get_global("gemv_stream_trace")
+    arr = cp.ndarray((TRACE_LAUNCHES, TRACE_BLOCKS, len(EVENTS), 2), cp.uint64, memptr=ptr)
+    return arr[:min(n_slots, TRACE_LAUNCHES)].get()
+
+
+@dataclass
+class Launch:
+    """One launch: its label, grid, span on the GPU's timer (first block's entry to the last consumer's end, ns)
+    and the median over its blocks of each stage's duration (SM cycles)."""
+    label: str
+    grid: int
+    start_ns: int
+    end_ns: int
+    end_spread_ns: int  # last block's end minus the first block's end: the launch's tail
+    entry_spread_ns: int  # last block's entry minus the first's: how the grid arrived on the SMs
+    cycles: dict[str, float]  # "asked", "dep_wait", "prologue", "first_chunk", "compute", "compute_last"
+
+
+def summarize(trace: np.ndarray, labels: list[str]) -> list[Launch]:
+    """A Launch per slot of `trace` (read_trace's array) whose blocks all recorded their entry and end."""
+    out = []
+    for slot, label in enumerate(labels[:len(trace)]):
+        grid = int(trace[slot, 0, SM, 1])
+        if not 0 < grid <= TRACE_BLOCKS:
+            continue
+        g = trace[slot, :grid, :, 0].astype(np.int64)
+        c = trace[slot, :grid, :, 1].astype(np.int64)
+        if (g[:, ENTRY] == 0).any() or (g[:, LAST_DONE] == 0).any():
+            continue  # not every block of this slot ran since the buffer was last written
+
+        def med(a: np.ndarray, b: np.ndarray) -> float:
+            ok = (a > 0) & (b > 0)
+            return float(np.median(b[ok] - a[ok])) if ok.any() else float("nan")
+
+        cycles = {
+            "asked": med(c[:, ENTRY], c[:, ASKED]),
+            "dep_wait": med(c[:, ENTRY], c[:, DEP_WAIT]),
+            "prologue": med(c[:, DEP_WAIT], c[:, ACT_READY]),
+            "first_chunk": med(c[:, ACT_READY], c[:, FIRST_CHUNK]),
+            "compute": med(c[:, FIRST_CHUNK], c[:, WARP0_DONE]),
+            "compute_last": med(c[:, FIRST_CHUNK], c[:, LAST_DONE]),
+        }
+        ends = g[:, LAST_DONE]
+        out.append(Launch(label, grid, int(g[:, ENTRY].min()), int(ends.max()), int(ends.max() - ends.min()),
+                          int(g[:, ENTRY].max() - g[:, ENTRY].min()), cycles))
+    return out
+
+
+def clock_ghz(trace: np.ndarray, launches: int) -> float:
+    """SM cycles per ns, from blocks that ran at least 5 µs (entry to end on both clocks)."""
+    g = trace[:launches, :, [ENTRY, LAST_DONE], 0].astype(np.int64)
+    c = trace[:launches, :, [ENTRY, LAST_DONE], 1].astype(np.int64)
+    dg, dc = g[..., 1] - g[..., 0], c[..., 1] - c[..., 0]
+    ok = (g[..., 0] > 0) & (dg > 5000) & (dc > 0)
+    return float(np.median(dc[ok] / dg[ok])) if ok.any() else float("nan")
+
+
+def timer_step_ns(trace: np.ndarray, launches: int) -> int:
+    """The smallest step of %globaltimer seen between blocks' entries (its resolution, at most): where it is about
+    a microsecond, the cross-launch figures are that coarse and only their means over many layers mean much."""
+    g = np.unique(trace[:launches, :, ENTRY, 0].astype(np.int64))
+    d = np.diff(g[g > 0])
+    return int(d[d > 0].min()) if (d > 0).any() else 0
+
+
+def per_kind(launches: list[Launch], ghz: float) -> list[dict]:
+    """Mean over the launches of each label, in µs: the span, the gap from the previous launch's end to its start
+    (negative: overlap; the non-streamed launches between them, attention and quant_act, fall in these gaps), the
+    tail, and each stage of a block (median over blocks, then mean over launches)."""
+    rows: dict[str, dict] = {}
+    prev_end = None  # (a gap over 200 µs either way is a boundary between steps or graphs, not counted)
+    for ln in launches:
+        r = rows.setdefault(ln.label, {"label": ln.label, "n": 0, "span": 0.0, "gap": 0.0, "n_gap": 0, "tail": 0.0,
+                                       "arrival": 0.0, **{k: 0.0 for k in ln.cycles}})
+        r["n"] += 1
+        r["span"] += (ln.end_ns - ln.start_ns) / 1e3
+        r["tail"] += ln.end_spread_ns / 1e3
+        r["arrival"] += ln.entry_spread_ns / 1e3
+        if prev_end is not None and abs(ln.start_ns - prev_end) < 200_000:
+            r["gap"] += (ln.start_ns - prev_end) / 1e3
+            r["n_gap"] += 1
+        prev_end = ln.end_ns
+        for k, v in ln.cycles.items():
+            r[k] += v / ghz / 1e3
+    for r in rows.values():
+        for k in ("span", "tail", "arrival", *launches[0].cycles):
+            r[k] /= r["n"]
+        r["gap"] = r["gap"] / r["n_gap"] if r["n_gap"] else float("nan")
+    return list(rows.values())
