@@ -11,7 +11,7 @@
 // previous kernel's tail and this block's norm + quantization prologue.
 //
 // Work: block b takes the contiguous row groups [b G / grid, (b + 1) G / grid) (G groups of GEMV_R = 2 rows; GLU:
-// a gate and an up row), in chunks of per_step = W / ks groups. The consumer warps form teams of W (ks of a team's
+// a gate and an up row), in chunks of per_step = W / ks groups (GEMV_STREAM_INTERLEAVE: chunks b, b + grid, ...). The consumer warps form teams of W (ks of a team's
 // warps sharing a group, as the pair kernel's K-split does), and team t takes chunks t, t + T, t + 2T, ... (T
 // teams), so more warps than one chunk's groups work at once while each ring slot stays one chunk. A chunk's rows lie
 // in its ring slot in order (GLU: the gate rows, then the up rows from row per_step on). Barriers per slot: full (the
@@ -43,6 +43,13 @@
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
+#ifndef GEMV_STREAM_INTERLEAVE
+// 1: block b takes chunks b, b + grid, b + 2 grid, ... of the launch's row groups, so at any moment the blocks read
+// neighbouring chunks (a window of about 132 x 20 KB sweeping the matrices), instead of each block its contiguous
+// share (132 streams far apart, twice that for gate/up). A trial (not yet run on a GPU): the streamed kernel reaches
+// 60% of the DRAM peak on gate/up where a grid-strided read-only kernel reaches 93% (docs/gsq-rco.md).
+#define GEMV_STREAM_INTERLEAVE 0
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -153,7 +160,7 @@ struct StreamConsumer {
     const MatDesc* mats;
     int n_mats, total_rows, mode, glu_act, per_group;
     bool is_glu;
-    int team, n_teams, team_warps, stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec;
+    int team, n_teams, team_warps, stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec;
     u32 ring, stage_bytes, rb;
     u64* full;
     u64* empty;
@@ -181,7 +188,7 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-            const int g = slot < per_step ? g0 + i * per_step + slot : g1;  // (warps past ks * per_step: none)
+            const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
@@ -265,9 +272,16 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int per_group = is_glu ? R / 2 : R;
     const int n_groups = (total_rows + per_group - 1) / per_group;
     const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
+    // Chunk i of this block: groups [g0 + i cstride, + per_step), none at or past g1
+#if GEMV_STREAM_INTERLEAVE
+    const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
+    const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
+#else
+    const int cstride = per_step;
     const int g0 = (int)((long long)blockIdx.x * n_groups / gridDim.x);
     const int g1 = (int)((long long)(blockIdx.x + 1) * n_groups / gridDim.x);
     const int n_st = (g1 - g0 + per_step - 1) / per_step;
+#endif
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
     const u32 stage_bytes = (u32)per_step * R * rb;
@@ -297,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
     auto issue = [&](int i) {
         const int s = i % stages;
-        const int ga = g0 + i * per_step, gb = min(ga + per_step, g1);
+        const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
@@ -354,7 +368,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     if (team >= n_teams) return;  // (warps past whole teams: none with the launcher's shapes)
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
-                              stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, n_st, n_rec, ring, stage_bytes,
+                              stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
+                              stage_bytes,
                               rb, full, empty, partial, (const int*)q, d
 #if GEMV_STREAM_TRACE
                               , trace_slot
