@@ -50,6 +50,14 @@
 // 60% of the DRAM peak on gate/up where a grid-strided read-only kernel reaches 93% (docs/gsq-rco.md).
 #define GEMV_STREAM_INTERLEAVE 0
 #endif
+#ifndef GEMV_STREAM_ROWWALK
+// 1: the consumers walk a row group by half-warps, lanes 0-15 its first row and 16-31 its second, lane pair p of a
+// half-warp taking records p, p + 8 ks, ... of its row (a 5,120-wide row's 40 records: five a pair, one round),
+// instead of the lane pairs' flat walk over both rows. Each lane's row is then fixed: no row select for the record's
+// address, no wrap from one row to the next and one accumulator instead of a select per row, about 10 of the ~123
+// instructions of a half record (the loop's SASS). A trial, not yet run on a GPU.
+#define GEMV_STREAM_ROWWALK 0
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -194,6 +202,31 @@ struct StreamConsumer {
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
             if (g < g1) {
+#if GEMV_STREAM_ROWWALK
+                static_assert(R == 2, "a half-warp a row");
+                const int hw = lane >> 4;  // this lane's row of the group
+                const u32 wrow = base + (is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
+                const int p = (lane >> 1) & 7, cstep = 8 * ks;
+                float a = 0.0f;
+                for (int c0 = 8 * sub; c0 < n_rec; c0 += U * cstep) {  // (warp-uniform)
+                    Gsq3Half t[U];
+#pragma unroll
+                    for (int k = 0; k < U; ++k) {
+                        const int c = c0 + p + k * cstep;
+                        t[k].rec = min(c, n_rec - 1);  // (past the row: its last record again, added to nothing)
+                        t[k].row = c < n_rec ? 0 : 1;
+                        gsq3_half_lds(wrow + 64 * t[k].rec, h, t[k]);
+                    }
+                    asm volatile("" ::: "memory");  // these loads stay above the dot products
+#pragma unroll
+                    for (int k = 0; k < U; ++k) {
+                        const float v = gsq3_half_dot(t[k], h, aq, d);
+                        a += t[k].row == 0 ? v : 0.0f;
+                    }
+                }
+                acc[0] = warp_sum(hw == 0 ? a : 0.0f);
+                acc[1] = warp_sum(hw == 1 ? a : 0.0f);
+#else
                 u32 wa[R];
 #pragma unroll
                 for (int r = 0; r < R; ++r)
@@ -208,6 +241,7 @@ struct StreamConsumer {
                     walk, h, n_rec, aq, d, acc);
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+#endif
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
