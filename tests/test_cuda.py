@@ -115,6 +115,19 @@ def test_stream_consumers_for_rounds_of_row_groups() -> None:
     assert stream_consumers_for_rounds(27648, 1, 132, 24, 0) == 24
 
 
+def test_streamed_kernel_takes_no_trial_arguments_by_default() -> None:
+    """The streamed kernel's prefetch and trace arguments exist only in builds with GEMV_STREAM_PREFETCH_NEXT or
+    GEMV_STREAM_TRACE (kernels/gemv_stream.cu); the launcher must pass none otherwise, or every launch's arguments
+    would be misread."""
+    from ninfer.backends import cuda_ops as K
+
+    if any("GEMV_STREAM_PREFETCH_NEXT" in d or "GEMV_STREAM_TRACE" in d for d in K._DEFINES):
+        pytest.skip("a trial build (NINFER_CUDA_DEFINES)")
+    assert K.stream_prefetch_args((1234, 3, 65536)) == ()
+    assert K.stream_trace_arg(K.MODE_STORE, 7168, 5120) == ()
+    assert K.stream_trace_labels == []
+
+
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
     0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come

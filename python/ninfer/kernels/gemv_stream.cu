@@ -58,6 +58,14 @@
 // instructions of a half record (the loop's SASS). A trial, not yet run on a GPU.
 #define GEMV_STREAM_ROWWALK 0
 #endif
+#ifndef GEMV_STREAM_PREFETCH_NEXT
+// Non-zero: the launcher hands each streamed launch the weights of a later one (cuda_ops.gemv's `prefetch`), which
+// its producer asks L2 for right after its own first chunks, so that launch finds them there (bits, read by the
+// engine: 1 the down projection prefetches the next layer's q/k/v, 2 q/k/v the output projection, 4 o the first
+// chunks of gate/up, 8 gate/up the first chunks of down). The down projection keeps DRAM at 45% of its peak
+// (Nsight Compute), room for the next q/k/v's 18 MB. A trial, not yet run on a GPU.
+#define GEMV_STREAM_PREFETCH_NEXT 0
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -292,6 +300,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u
+#if GEMV_STREAM_PREFETCH_NEXT
+                                            , const u64* pf, int n_pf, int pf_cap  // (cuda_ops passes them then)
+#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -367,6 +378,20 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     if (producer && lane == 0) {
         for (int i = 0; i < min(stages, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
+#if GEMV_STREAM_PREFETCH_NEXT
+        // The next streamed launch's weights into L2 (after this block's first chunks): region r = (address,
+        // bytes) in pf[2r], pf[2r + 1]; this block asks for its 1/grid share of each, its first pf_cap bytes when
+        // pf_cap > 0 (the share the next launch's block of the same index starts with).
+        for (int r = 0; r < n_pf; ++r) {
+            const u64 base = pf[2 * r], len = pf[2 * r + 1];
+            u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull, e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
+            if (pf_cap > 0 && e > a + (u64)pf_cap) e = a + (u64)pf_cap;
+            for (; a < e; a += 32768) {
+                const u32 bytes = (u32)min(e - a, 32768ull);
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
+            }
+        }
+#endif
     }
 
     grid_dep_launch();
