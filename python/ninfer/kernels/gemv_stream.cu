@@ -11,7 +11,8 @@
 // previous kernel's tail and this block's norm + quantization prologue.
 //
 // Work: block b takes the contiguous row groups [b G / grid, (b + 1) G / grid) (G groups of GEMV_R = 2 rows; GLU:
-// a gate and an up row), in chunks of per_step = W / ks groups (GEMV_STREAM_INTERLEAVE: chunks b, b + grid, ...). The consumer warps form teams of W (ks of a team's
+// a gate and an up row), in chunks of per_step = W / ks groups (GEMV_STREAM_INTERLEAVE: chunks b, b + grid, ...).
+// The consumer warps form teams of W (ks of a team's
 // warps sharing a group, as the pair kernel's K-split does), and team t takes chunks t, t + T, t + 2T, ... (T
 // teams), so more warps than one chunk's groups work at once while each ring slot stays one chunk. A chunk's rows lie
 // in its ring slot in order (GLU: the gate rows, then the up rows from row per_step on). Barriers per slot: full (the
@@ -384,7 +385,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         // pf_cap > 0 (the share the next launch's block of the same index starts with).
         for (int r = 0; r < n_pf; ++r) {
             const u64 base = pf[2 * r], len = pf[2 * r + 1];
-            u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull, e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
+            u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
+            u64 e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
             if (pf_cap > 0 && e > a + (u64)pf_cap) e = a + (u64)pf_cap;
             for (; a < e; a += 32768) {
                 const u32 bytes = (u32)min(e - a, 32768ull);
@@ -428,8 +430,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
-                              stage_bytes,
-                              rb, full, empty, partial, (const int*)q, d
+                              stage_bytes, rb, full, empty, partial, (const int*)q, d
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
