@@ -154,12 +154,14 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
                         "compute_last": 15000}
     assert T.clock_ghz(trace, 2) == pytest.approx(2.0)
     assert T.timer_step_ns(trace, 3) == 200
-    rows = {r["label"]: r for r in T.per_kind(launches, 2.0)}
+    rows = {r["label"]: r for r in T.per_kind([launches], 2.0)}
     assert rows["add 8x256"]["gap"] == pytest.approx(-0.7)  # 10.5 µs against the first's end at 11.2
     assert np.isnan(rows["store 8x256"]["gap"])  # (the first launch has no predecessor)
     assert rows["store 8x256"]["span"] == pytest.approx(10.2)
     assert rows["store 8x256"]["prologue"] == pytest.approx(1.0)
     assert rows["store 8x256"]["compute_last"] == pytest.approx(7.5)
+    apart = {r["label"]: r for r in T.per_kind([[a], [b]], 2.0)}  # two graphs: no gap between them
+    assert np.isnan(apart["add 8x256"]["gap"]) and apart["add 8x256"]["span"] == pytest.approx(10.2)
 
 
 def test_stream_consumers_for_one_round_of_row_groups() -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # kernels/gemv_stream.cu: the buffer's shape and its events
-TRACE_LAUNCHES, TRACE_BLOCKS = 1024, 256
+TRACE_LAUNCHES, TRACE_BLOCKS = 2048, 256
 EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done", "last_done", "sm")
 ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM = range(len(EVENTS))
 
@@ -41,10 +41,12 @@ class Launch:
     cycles: dict[str, float]  # "asked", "dep_wait", "prologue", "first_chunk", "compute", "compute_last"
 
 
-def summarize(trace: np.ndarray, labels: list[str]) -> list[Launch]:
-    """A Launch per slot of `trace` (read_trace's array) whose blocks all recorded their entry and end."""
+def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) -> list[Launch]:
+    """A Launch per slot of `trace` (read_trace's array; `slots` of it, all by default) whose blocks all recorded
+    their entry and end."""
     out = []
-    for slot, label in enumerate(labels[:len(trace)]):
+    for slot in slots if slots is not None else range(min(len(labels), len(trace))):
+        label = labels[slot]
         grid = int(trace[slot, 0, SM, 1])
         if not 0 < grid <= TRACE_BLOCKS:
             continue
@@ -88,27 +90,31 @@ def timer_step_ns(trace: np.ndarray, launches: int) -> int:
     return int(d[d > 0].min()) if (d > 0).any() else 0
 
 
-def per_kind(launches: list[Launch], ghz: float) -> list[dict]:
-    """Mean over the launches of each label, in µs: the span, the gap from the previous launch's end to its start
-    (negative: overlap; the non-streamed launches between them, attention and quant_act, fall in these gaps), the
+def per_kind(graphs: list[list[Launch]], ghz: float) -> list[dict]:
+    """Mean over the launches of each label, in µs, from one list of launches per captured graph (in launch order):
+    the span, the gap from the previous launch's end to its start within its graph (negative: overlap; the
+    non-streamed launches between them, attention and quant_act, fall in these gaps), the grid's arrival spread, the
     tail, and each stage of a block (median over blocks, then mean over launches)."""
     rows: dict[str, dict] = {}
-    prev_end = None  # (a gap over 200 µs either way is a boundary between steps or graphs, not counted)
-    for ln in launches:
-        r = rows.setdefault(ln.label, {"label": ln.label, "n": 0, "span": 0.0, "gap": 0.0, "n_gap": 0, "tail": 0.0,
-                                       "arrival": 0.0, **{k: 0.0 for k in ln.cycles}})
-        r["n"] += 1
-        r["span"] += (ln.end_ns - ln.start_ns) / 1e3
-        r["tail"] += ln.end_spread_ns / 1e3
-        r["arrival"] += ln.entry_spread_ns / 1e3
-        if prev_end is not None and abs(ln.start_ns - prev_end) < 200_000:
-            r["gap"] += (ln.start_ns - prev_end) / 1e3
-            r["n_gap"] += 1
-        prev_end = ln.end_ns
-        for k, v in ln.cycles.items():
-            r[k] += v / ghz / 1e3
+    stages: list[str] = []
+    for launches in graphs:
+        prev_end = None
+        for ln in launches:
+            stages = list(ln.cycles)
+            r = rows.setdefault(ln.label, {"label": ln.label, "n": 0, "span": 0.0, "gap": 0.0, "n_gap": 0,
+                                           "tail": 0.0, "arrival": 0.0, **{k: 0.0 for k in ln.cycles}})
+            r["n"] += 1
+            r["span"] += (ln.end_ns - ln.start_ns) / 1e3
+            r["tail"] += ln.end_spread_ns / 1e3
+            r["arrival"] += ln.entry_spread_ns / 1e3
+            if prev_end is not None:
+                r["gap"] += (ln.start_ns - prev_end) / 1e3
+                r["n_gap"] += 1
+            prev_end = ln.end_ns
+            for k, v in ln.cycles.items():
+                r[k] += v / ghz / 1e3
     for r in rows.values():
-        for k in ("span", "tail", "arrival", *launches[0].cycles):
+        for k in ("span", "tail", "arrival", *stages):
             r[k] /= r["n"]
         r["gap"] = r["gap"] / r["n_gap"] if r["n_gap"] else float("nan")
     return list(rows.values())

@@ -73,7 +73,7 @@
 #define GEMV_STREAM_TRACE 0
 #endif
 #if GEMV_STREAM_TRACE
-#define GEMV_STREAM_TRACE_LAUNCHES 1024  // backends/stream_trace.py TRACE_LAUNCHES, TRACE_BLOCKS
+#define GEMV_STREAM_TRACE_LAUNCHES 2048  // backends/stream_trace.py TRACE_LAUNCHES, TRACE_BLOCKS
 #define GEMV_STREAM_TRACE_BLOCKS 256
 #define GEMV_STREAM_TRACE_EVENTS 8
 // [launch slot][block][event][globaltimer ns, clock64]. Events: 0 entry, 1 the first chunks asked for (producer),
