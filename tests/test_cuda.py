@@ -128,6 +128,21 @@ def test_streamed_kernel_takes_no_trial_arguments_by_default() -> None:
     assert K.stream_trace_labels == []
 
 
+def test_streamed_kernel_trial_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the trial builds the launcher appends what the kernel's signature adds, in its order and C types:
+    (const u64* pf, int n_pf, int pf_cap), then (int trace_slot), the slot counting launches from 0."""
+    from ninfer.backends import cuda_ops as K
+
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_PREFETCH_NEXT=15", "-DGEMV_STREAM_TRACE=1"])
+    monkeypatch.setattr(K, "stream_trace_labels", [])
+    pf = K.stream_prefetch_args((1234, 3, 65536))
+    assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
+    assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
+    first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
+    assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
+    assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
+
+
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
     0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come
