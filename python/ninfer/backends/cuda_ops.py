@@ -48,12 +48,12 @@ GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus
 # Consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn. Six teams of four beat
 # three of eight end to end on the H200 (32B GSQ3 tg128 131.0 against 126.8 t/s; docs/gsq-rco.md "Team shapes").
 GEMV_STREAM_TEAM = 4
-# GEMV_STREAM_TRACE builds (scripts/stream-trace): each streamed launch's label, by its trace slot (launch order)
-stream_trace_labels: list[str] = []
 GEMV_STREAM_LONG_WARPS = 16  # consumers where a launch's warps take two rounds or more (stream_consumers_for_rounds)
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
 GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
+# GEMV_STREAM_TRACE builds (scripts/stream-trace): each streamed launch's label, by its trace slot (launch order)
+stream_trace_labels: list[str] = []
 
 
 def gsq_stream_walk_fill(n_cols: int, ks: int, u: int) -> float:
