@@ -349,3 +349,32 @@ fn gsq_kernel_speed() {
     }
     println!("{line}");
 }
+
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_dot_gives_the_scalar_references_bits() {
+    // The NEON kernel (quant::simd::aarch64_neon::gsq) sums the reference's integers and combines them in its f32
+    // order, so every row's result is the reference's to the bit: random records of every code width, with and
+    // without slots (slot positions with the high bit, which readers drop), rows of one to twelve records.
+    if std::env::var("NINFER_SIMD").is_err() {
+        assert_eq!(crate::quant::simd::isa(), "neon");
+    }
+    for bits in [3, 4] {
+        for slots in [0, 2, 6, 16] {
+            let l = Layout::new(bits, slots).unwrap();
+            for (k, n) in [128usize, 640, 1536].into_iter().enumerate() {
+                let seed = 7000 + 100 * bits as u64 + slots as u64 + 10 * k as u64;
+                let mut row: Vec<u8> =
+                    uniform_floats(seed, l.row_bytes(n).unwrap(), 1.0).iter().map(|u| (u * 127.0 + 128.0) as u8).collect();
+                for rec in row.chunks_exact_mut(l.record_bytes()) {
+                    rec[1] &= 0x3b;
+                    rec[3] &= 0x3b;
+                }
+                let x = ActQ8::from_f32(&gaussian(seed + 1, n, 1.0));
+                let want = dot_row_q8(l, &row, &x);
+                let got = crate::quant::simd::gsq_dot_q8(l, &row, &x);
+                assert_eq!(got.to_bits(), want.to_bits(), "{bits}/{slots} n {n}: {got} vs {want}");
+            }
+        }
+    }
+}

@@ -13,9 +13,10 @@
 //!   llama.cpp's own AVX2 kernels, so results are bit-identical to llama.cpp running on the same machine
 //!   (checked against its `libggml-cpu.so`); activation quantization is byte-exact with the scalar code.
 //! - `neon` (aarch64, `aarch64_neon`): the 32-element block formats' dot products, exact integer parts, float
-//!   sums in their own order (not llama.cpp's); everything else scalar there.
-//! - not yet: wider AVX-512 kernels, NEON K-quants: add a module and a branch in [`detect`]; a set may start
-//!   from a lesser set's table and override entries.
+//!   sums in their own order (not llama.cpp's); the K-quants' int8 products under the scalar unpacking; GSQ-RCO
+//!   rows with the scalar reference's bits; everything else scalar there.
+//! - not yet: wider AVX-512 kernels: add a module and a branch in [`detect`]; a set may start from a lesser
+//!   set's table and override entries.
 //!
 //! llama.cpp does not sum every dot product of a matmul the same way: on AVX2 it repacks Q4_0 / Q4_K matrices
 //! and runs GEMV/GEMM kernels on them, and runs a "tiled" kernel for K-quant matmuls with 8 or more activation

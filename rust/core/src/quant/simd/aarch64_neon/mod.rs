@@ -1,6 +1,6 @@
 //! aarch64 NEON kernels: the dot products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1)
-//! with their Q8_0 / Q8_1 activations, and of the K-quants (Q2_K..Q6_K) with Q8_K activations. F16/BF16/F32 rows
-//! use the scalar code on aarch64.
+//! with their Q8_0 / Q8_1 activations, of the K-quants (Q2_K..Q6_K) with Q8_K activations, and of GSQ-RCO rows
+//! (`gsq`). F16/BF16/F32 rows, and the quantization of GSQ-RCO activations, use the scalar code on aarch64.
 //!
 //! The K-quant kernels are the reference code (`quant::kquants`, scalar unpacking and float combination) with
 //! its exact int8 products done by NEON, so they give the reference's bits.
@@ -12,6 +12,8 @@
 //! (two blocks per step, dot-product and i8mm variants), so greedy parity with llama.cpp on ARM is not claimed.
 //!
 //! NEON is part of the aarch64 baseline; the table is still built only after `is_aarch64_feature_detected!`.
+
+mod gsq;
 
 use std::arch::aarch64::*;
 
@@ -43,6 +45,7 @@ pub(super) fn detect() -> Option<Kernels> {
     for (ty, f) in dots {
         k.vec_dot[ty as usize] = Some(f);
     }
+    k.gsq_dot = Some(gsq::dot_rows);
     Some(k)
 }
 
