@@ -232,16 +232,16 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
         raise ValueError(f"gemv_gsq8_stream takes 3-bit lane-pair launches of {GEMV_ROWS_PER_WARP} rows a warp only")
     if gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP and (gsq_stream(mode) if stream is None else stream):
+        import cupy as cp
+
         sfn = function("gemv_gsq8_stream") if stream is None or stream is True else stream
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
         if not warps_per_block:
-            import cupy as cp
-
             consumers = stream_consumers_for_rounds(
                 groups, k_split or gemv_k_split(n_cols, _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM),
                                                 gsq_pairs=True, groups=groups),
-                cp.cuda.Device().attributes["MultiProcessorCount"], consumers,
-                _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
+                sms, consumers, _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
         team = min(consumers, stream_team or _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM))
         consumers -= consumers % team  # whole teams
         stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
@@ -250,11 +250,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             # the fewest whole teams that give every warp of the grid one group (a launch with few groups: 32B
             # q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds. H200, 32B GSQ3
             # tg128 143.6 / 143.0 against 142.0 / 142.4 t/s (GEMV_STREAM_ONE_ROUND=0 in NINFER_CUDA_DEFINES: off)
-            import cupy as cp
-
-            one_round = stream_consumers_one_round(groups, plan[0], team,
-                                                   cp.cuda.Device().attributes["MultiProcessorCount"],
-                                                   sfn.max_threads_per_block)
+            one_round = stream_consumers_one_round(groups, plan[0], team, sms, sfn.max_threads_per_block)
             if one_round > consumers:
                 wider = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, one_round // team)
                 if wider is not None:
@@ -270,14 +266,6 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
             grid = min(groups, resident_blocks(sfn, threads, smem))
-            # GEMV_STREAM_BLOCKS_PER_SM (an A/B switch; 0: as many as fit): at most that many blocks an SM, so that
-            # an SM keeps room for the next launch's block, which then streams its first chunks in (programmatic
-            # dependent launch) under this launch's tail instead of after it
-            per_sm = _define("GEMV_STREAM_BLOCKS_PER_SM", 0)
-            if per_sm:
-                import cupy as cp
-
-                grid = min(grid, per_sm * cp.cuda.Device().attributes["MultiProcessorCount"])
             pq, pd, _ = pre or (0, 0, 0)
             u = lane_records or gsq_stream_lane_records(n_cols, ks)
             if u not in (GEMV_STREAM_U, GEMV_STREAM_U_ALT):
