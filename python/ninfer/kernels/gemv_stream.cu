@@ -88,23 +88,20 @@ __device__ __forceinline__ unsigned long long* stream_trace_at(int slot, int ev)
                 GEMV_STREAM_TRACE_EVENTS + ev) * 2;
 }
 
-__device__ __forceinline__ void stream_trace(int slot, int ev) {
+// Event `ev` of this block now; `latest`: kept only if later than what is there (event 6, the last consumer warp).
+__device__ __forceinline__ void stream_trace(int slot, int ev, bool latest = false) {
     if (slot < 0 || blockIdx.x >= GEMV_STREAM_TRACE_BLOCKS) return;
     unsigned long long g;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    const unsigned long long c = (unsigned long long)clock64();
     unsigned long long* t = stream_trace_at(slot, ev);
-    t[0] = g;
-    t[1] = (unsigned long long)clock64();
-}
-
-// Event 6: the latest of the consumer warps' ends.
-__device__ __forceinline__ void stream_trace_max(int slot, int ev) {
-    if (slot < 0 || blockIdx.x >= GEMV_STREAM_TRACE_BLOCKS) return;
-    unsigned long long g;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    unsigned long long* t = stream_trace_at(slot, ev);
-    atomicMax(t, g);
-    atomicMax(t + 1, (unsigned long long)clock64());
+    if (latest) {
+        atomicMax(t, g);
+        atomicMax(t + 1, c);
+    } else {
+        t[0] = g;
+        t[1] = c;
+    }
 }
 #define STREAM_TRACE(slot, ev) stream_trace(slot, ev)
 #else
@@ -290,7 +287,7 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
         if (lane == 0) {
             if (warp == 0) STREAM_TRACE(trace_slot, 5);
-            stream_trace_max(trace_slot, 6);
+            stream_trace(trace_slot, 6, true);
         }
 #endif
     }
