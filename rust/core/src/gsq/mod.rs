@@ -284,19 +284,33 @@ impl ActQ8 {
 /// per record, in integers, `sum_s sc_s * sum(c * q)`, `sum_s m_s * bsum_s` and the slots' `sum v * sc * q`,
 /// then `dx * (d * (isum + ssum / 16) - dmin * msum)` in f32.
 pub fn dot_row_q8(layout: Layout, src: &[u8], x: &ActQ8) -> f32 {
+    dot_row_q8_with(layout, src, x, |rec, q, sm| {
+        sm.iter()
+            .enumerate()
+            .map(|(s, &(sc, _))| {
+                sc as i32 * (s * SUB..(s + 1) * SUB).map(|i| code_at(layout, rec, i) as i32 * q[i] as i32).sum::<i32>()
+            })
+            .sum()
+    })
+}
+
+/// [`dot_row_q8`] with its code sums `sum_s sc_s * sum(c * q)` of a record (`rec`, the record's 128 activation
+/// bytes `q`, its (scale, min) pairs) from `code_sum`: a SIMD kernel that computes only those (NEON) shares the
+/// mins, the slots and the f32 combination, so it gives the reference's bits.
+#[inline(always)]
+pub(crate) fn dot_row_q8_with(
+    layout: Layout,
+    src: &[u8],
+    x: &ActQ8,
+    code_sum: impl Fn(&[u8], &[i8], &[(u8, u8); GROUP / SUB]) -> i32,
+) -> f32 {
     let mut total = 0.0f32;
     for (r, rec) in src.chunks_exact(layout.record_bytes()).enumerate().take(x.blocks()) {
         let (d, dmin, sm) = header(rec);
         let q = &x.q[r * GROUP..(r + 1) * GROUP];
-        let (mut isum, mut msum, mut ssum) = (0i32, 0i32, 0i32);
-        for (s, &(sc, m)) in sm.iter().enumerate() {
-            let sub: i32 = (s * SUB..(s + 1) * SUB).map(|i| code_at(layout, rec, i) as i32 * q[i] as i32).sum();
-            isum += sc as i32 * sub;
-            msum += m as i32 * x.bsums[r * (GROUP / SUB) + s] as i32;
-        }
-        for (pos, v) in slots(layout, rec) {
-            ssum += v as i32 * sm[pos / SUB].0 as i32 * q[pos] as i32;
-        }
+        let isum = code_sum(rec, q, &sm);
+        let msum: i32 = sm.iter().enumerate().map(|(s, &(_, m))| m as i32 * x.bsums[r * (GROUP / SUB) + s] as i32).sum();
+        let ssum: i32 = slots(layout, rec).map(|(pos, v)| v as i32 * sm[pos / SUB].0 as i32 * q[pos] as i32).sum();
         total += x.d[r] * (d * (isum as f32 + ssum as f32 * RESIDUAL_UNIT) - dmin * msum as f32);
     }
     total

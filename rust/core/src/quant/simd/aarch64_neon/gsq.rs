@@ -3,12 +3,12 @@
 //! codes come out as bytes (3-bit: plane 0's two bits and plane 1's bit s of sub-block s; 4-bit: a nibble mask),
 //! `smull` multiplies them with the activation bytes into 16-bit products (|c q| <= 15 * 127), a pairwise add
 //! keeps 16 bits (two products), and `smlal` by the sub-block's scale accumulates four 32-bit lanes. The mins, the
-//! residual slots and the f32 combination are the reference's own, in its order, so a row's result is the scalar
-//! reference's to the bit.
+//! residual slots and the f32 combination are the reference's own code (`gsq::dot_row_q8_with`), so a row's result
+//! is the scalar reference's to the bit.
 
 use std::arch::aarch64::*;
 
-use crate::gsq::{self, ActQ8, Layout, GROUP, OFF_PLANE0, OFF_PLANE1, RESIDUAL_UNIT, SUB};
+use crate::gsq::{self, ActQ8, Layout, GROUP, OFF_PLANE0, OFF_PLANE1, SUB};
 
 /// 16 codes (bytes < 16) times 16 activation bytes, times the sub-block's scale, added to `acc`.
 #[inline(always)]
@@ -59,20 +59,12 @@ unsafe fn code_sum(bits: usize, rec: *const u8, q: *const i8, sm: &[(u8, u8); GR
 
 /// `out.len()` rows `stride` bytes apart (the last one the rest of `w`) dotted with `x`: `quant::simd::GsqDotFn`.
 pub(super) fn dot_rows(layout: Layout, w: &[u8], stride: usize, x: &ActQ8, out: &mut [f32]) {
-    let rb = layout.record_bytes();
     for (i, o) in out.iter_mut().enumerate() {
         let row = &w[i * stride..((i + 1) * stride).min(w.len())];
-        let mut total = 0.0f32;
-        for (r, rec) in row.chunks_exact(rb).enumerate().take(x.blocks()) {
-            let (d, dmin, sm) = gsq::header(rec);
-            let q = &x.q[r * GROUP..(r + 1) * GROUP];
+        *o = gsq::dot_row_q8_with(layout, row, x, |rec, q, sm| {
             // SAFETY: NEON is part of the aarch64 baseline (and was detected); `rec` holds a whole record (its
             // code bytes end at or before the slots) and `q` 128 bytes, all that the loads read.
-            let isum = unsafe { code_sum(layout.bits, rec.as_ptr(), q.as_ptr(), &sm) };
-            let msum: i32 = (0..GROUP / SUB).map(|s| sm[s].1 as i32 * x.bsums[r * (GROUP / SUB) + s] as i32).sum();
-            let ssum: i32 = gsq::slots(layout, rec).map(|(pos, v)| v as i32 * sm[pos / SUB].0 as i32 * q[pos] as i32).sum();
-            total += x.d[r] * (d * (isum as f32 + ssum as f32 * RESIDUAL_UNIT) - dmin * msum as f32);
-        }
-        *o = total;
+            unsafe { code_sum(layout.bits, rec.as_ptr(), q.as_ptr(), sm) }
+        });
     }
 }
