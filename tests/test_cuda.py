@@ -126,6 +126,8 @@ def test_streamed_kernel_takes_no_trial_arguments_by_default() -> None:
     assert K.stream_prefetch_args((1234, 3, 65536)) == ()
     assert K.stream_trace_arg(K.MODE_STORE, 7168, 5120) == ()
     assert K.stream_trace_labels == []
+    if not any("GEMV_STREAM_DYNAMIC" in d for d in K._DEFINES):
+        assert K.stream_sched_arg() == ()
 
 
 def test_streamed_kernel_trial_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -403,7 +405,7 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
 @needs_cuda
 @pytest.mark.parametrize("n", [2048, 5120, 6144])
 @pytest.mark.parametrize("mode", ["store", "add", "glu", "pre"])
-def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
+def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The 3-bit GEMV whose weights stream into shared memory (kernels/gemv_stream.cu) against the CPU's scalar
     reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
@@ -411,7 +413,8 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     as well as the launcher's; 5 and 4 records a lane; block shapes past the kernel's launch bounds
     (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
     (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
-    rounds with one warp a group."""
+    rounds with one warp a group. GEMV_STREAM_DYNAMIC builds: every launch takes the same chunk counter, so each
+    relies on the one before having set it back to zero (and it must be zero at the end)."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
@@ -420,6 +423,7 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
 
     if not K.gsq_stream(K.MODE_STORE):
         pytest.skip("gemv_gsq8_stream needs sm_90")
+    monkeypatch.setattr(K, "STREAM_SCHED_SLOTS", 1)
     rng = np.random.default_rng(7)
     tid = gsq_type(3, 2)
     shapes = {"store": [1001, 334, 333], "add": [8193], "glu": [777, 777], "pre": [1500]}[mode]
@@ -470,6 +474,8 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
                            stream_team=team, lane_records=u)
                     got = out.get()
                     assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
+    if K._stream_sched["counters"] is not None:
+        assert not K._stream_sched["counters"][0].get().any()
 
 
 @needs_cuda

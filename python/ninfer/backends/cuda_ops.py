@@ -274,7 +274,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
                                                      P(pq), P(pd), I(u), *stream_prefetch_args(prefetch),
-                                                     *stream_trace_arg(mode, total_rows, n_cols)),
+                                                     *stream_sched_arg(), *stream_trace_arg(mode, total_rows, n_cols)),
                           shared_mem=smem, dependent=True)
             return
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
@@ -312,6 +312,26 @@ def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
         return ()
     regions, n, cap = prefetch or (0, 0, 0)
     return (P(regions), I(n), I(cap))
+
+
+STREAM_SCHED_SLOTS = 4096
+_stream_sched: dict = {"counters": None, "next": 0}
+
+
+def stream_sched_arg() -> tuple:
+    """The streamed kernel's chunk counter in GEMV_STREAM_DYNAMIC builds: a launch's own pair of ints [next chunk,
+    blocks done] (zero before it runs; its last block sets them back), the next of STREAM_SCHED_SLOTS in turn, so
+    launches that overlap (programmatic dependent launch: the next one's blocks start as this one's end) never share
+    one, a graph keeping the pair its capture took; none in other builds, whose kernel has no such argument."""
+    if not _define("GEMV_STREAM_DYNAMIC", 0):
+        return ()
+    import cupy as cp
+
+    if _stream_sched["counters"] is None:
+        _stream_sched["counters"] = cp.zeros((STREAM_SCHED_SLOTS, 2), dtype=cp.int32)
+    slot = _stream_sched["next"] % STREAM_SCHED_SLOTS
+    _stream_sched["next"] += 1
+    return (P(_stream_sched["counters"].data.ptr + 8 * slot),)
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:

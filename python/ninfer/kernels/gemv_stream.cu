@@ -59,6 +59,15 @@
 // instructions of a half record (the loop's SASS). A trial, not yet run on a GPU.
 #define GEMV_STREAM_ROWWALK 0
 #endif
+#ifndef GEMV_STREAM_DYNAMIC
+// 1: chunks handed out at run time instead of by block index: a block's first chunk is its own (chunk b, asked for
+// at once), every later one the next of a launch-wide counter (cuda_ops.stream_sched_arg: a pair of ints a launch,
+// [next, blocks done], which the launch's last block sets back to zero). A block that arrives late (its SM still held
+// by the previous launch's block) or runs slow then takes fewer chunks, where the static split has every block wait
+// for the last one: the trace (scripts/stream-trace) has the 32B launches' grids arriving over 2.7-8.4 µs and ending
+// over 2.2-6.1 µs. A trial, not yet run on a GPU.
+#define GEMV_STREAM_DYNAMIC 0
+#endif
 #ifndef GEMV_STREAM_PREFETCH_NEXT
 // Non-zero: the launcher hands each streamed launch the weights of a later one (cuda_ops.gemv's `prefetch`), which
 // its producer asks L2 for right after its own first chunks, so that launch finds them there (bits, read by the
@@ -181,6 +190,9 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
+#if GEMV_STREAM_DYNAMIC
+    const int* chunk_of;  // a ring slot's chunk (-1: none left, the team stops)
+#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -202,7 +214,13 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
+#if GEMV_STREAM_DYNAMIC
+            const int chunk = ((const volatile int*)chunk_of)[s];  // (written before the producer's arrival)
+            if (chunk < 0) break;
+            const int g = slot < per_step ? chunk * per_step + slot : g1;  // (warps past ks * per_step: none)
+#else
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
+#endif
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
@@ -301,6 +319,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #if GEMV_STREAM_PREFETCH_NEXT
                                             , const u64* pf, int n_pf, int pf_cap  // (cuda_ops passes them then)
 #endif
+#if GEMV_STREAM_DYNAMIC
+                                            , int* sched  // this launch's [next chunk, blocks done]
+#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -316,7 +337,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int n_groups = (total_rows + per_group - 1) / per_group;
     const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
     // Chunk i of this block: groups [g0 + i cstride, + per_step), none at or past g1
-#if GEMV_STREAM_INTERLEAVE
+#if GEMV_STREAM_DYNAMIC
+    // chunk c: groups [c per_step, + per_step); this block's chunk i in ring slot i % stages, its number in chunk_of
+    __shared__ int chunk_of[GEMV_STREAM_MAX_STAGES];
+    const int cstride = per_step, g0 = 0, g1 = n_groups, n_chunks = (n_groups + per_step - 1) / per_step;
+    const int n_st = 0x7fffffff;  // (the consumers stop at a slot marked -1)
+#elif GEMV_STREAM_INTERLEAVE
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
     const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
 #else
@@ -351,10 +377,18 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     }
     __syncthreads();
 
-    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
+    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch (GEMV_STREAM_DYNAMIC: the
+    // block's i-th chunk, launch-wide chunk c).
+#if GEMV_STREAM_DYNAMIC
+    auto issue = [&](int i, int c) {
+        const int s = i % stages;
+        const int ga = c * per_step, gb = min(ga + per_step, g1);
+        chunk_of[s] = c;  // (before the arrival below, which releases it to the consumers)
+#else
     auto issue = [&](int i) {
         const int s = i % stages;
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
+#endif
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
@@ -373,9 +407,21 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         }
     };
     const bool producer = warp == n_cons;
+#if GEMV_STREAM_DYNAMIC
+    // The producer's next chunk (its first: the block's own; then the counter's, asked for one chunk ahead so the
+    // atomic's round trip hides behind the copies) and how many it has issued.
+    int next = (int)blockIdx.x, issued = 0;
+    if (producer && lane == 0) {
+        for (; issued < stages && next < n_chunks; ++issued) {
+            issue(issued, next);
+            next = (int)gridDim.x + atomicAdd(&sched[0], 1);
+        }
+        STREAM_TRACE(trace_slot, 1);
+#else
     if (producer && lane == 0) {
         for (int i = 0; i < min(stages, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
+#endif
 #if GEMV_STREAM_PREFETCH_NEXT
         // The next streamed launch's weights into L2 (after this block's first chunks): region r = (address,
         // bytes) in pf[2r], pf[2r + 1]; this block asks for its 1/grid share of each, its first pf_cap bytes when
@@ -410,10 +456,29 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
+#if GEMV_STREAM_DYNAMIC
+            for (; next < n_chunks; ++issued) {
+                if (issued >= stages) mbar_wait(smem_u32(&empty[issued % stages]), (u32)((issued / stages - 1) & 1));
+                issue(issued, next);
+                next = (int)gridDim.x + atomicAdd(&sched[0], 1);
+            }
+            // None left: each team's next slot says so (the teams take slots in turn, one each of the next n_teams).
+            for (int i = issued; i < issued + n_teams; ++i) {
+                if (i >= stages) mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
+                chunk_of[i % stages] = -1;
+                mbar_arrive(smem_u32(&full[i % stages]));
+            }
+            // This block asks for no more chunks; the last one to get here sets the counter back for the next replay.
+            if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
+                sched[0] = 0;
+                sched[1] = 0;
+            }
+#else
             for (int i = stages; i < n_st; ++i) {
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
+#endif
         }
         return;
     }
@@ -428,6 +493,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
+#if GEMV_STREAM_DYNAMIC
+                              , chunk_of
+#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
