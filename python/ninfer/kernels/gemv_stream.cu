@@ -60,12 +60,15 @@
 #define GEMV_STREAM_ROWWALK 0
 #endif
 #ifndef GEMV_STREAM_DYNAMIC
-// 1: chunks handed out at run time instead of by block index: a block's first chunk is its own (chunk b, asked for
-// at once), every later one the next of a launch-wide counter (cuda_ops.stream_sched_arg: a pair of ints a launch,
-// [next, blocks done], which the launch's last block sets back to zero). A block that arrives late (its SM still held
-// by the previous launch's block) or runs slow then takes fewer chunks, where the static split has every block wait
-// for the last one: the trace (scripts/stream-trace) has the 32B launches' grids arriving over 2.7-8.4 µs and ending
-// over 2.2-6.1 µs. A trial, not yet run on a GPU.
+// Non-zero G: chunks handed out at run time past a block's first ring fill. Its first `stages` chunks are its own
+// (b, b + grid, ..., asked for at once, before grid_dep_wait); later ones come G at a time from a launch-wide
+// counter (cuda_ops.stream_sched_arg: a pair of ints a launch, [next, blocks done], which the launch's last block
+// sets back to zero), the next G asked for as soon as the current G are taken, so the atomic's round trip hides
+// behind G slots' waits. A block that arrives late (its SM still held by the previous launch's block) or runs slow
+// then takes fewer chunks, where the static split has every block wait for the last one: the trace
+// (scripts/stream-trace) has the 32B launches' grids arriving over 2.7-6.1 µs and ending over 2.2-6.1 µs. (A first
+// version taking every chunk but the first from the counter, one at a time, measured 137.8 against 155.3 t/s: its
+// producer waited on each atomic before each copy, the norm prologue's barrier with it.) A trial.
 #define GEMV_STREAM_DYNAMIC 0
 #endif
 #ifndef GEMV_STREAM_PREFETCH_NEXT
@@ -408,14 +411,15 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     };
     const bool producer = warp == n_cons;
 #if GEMV_STREAM_DYNAMIC
-    // The producer's next chunk (its first: the block's own; then the counter's, asked for one chunk ahead so the
-    // atomic's round trip hides behind the copies) and how many it has issued.
-    int next = (int)blockIdx.x, issued = 0;
+    // The producer's ring fill (chunks b, b + grid, ...: the interleaved split's), then the counter's chunks from
+    // stages * grid on: `nb` the first of the G grabbed ahead, [c, c_end) those grabbed and not yet issued.
+    const int dyn0 = stages * (int)gridDim.x;
+    int issued = 0, nb = 0, c = 0, c_end = 0;
     if (producer && lane == 0) {
-        for (; issued < stages && next < n_chunks; ++issued) {
-            issue(issued, next);
-            next = (int)gridDim.x + atomicAdd(&sched[0], 1);
-        }
+        for (; issued < stages && (int)blockIdx.x + issued * (int)gridDim.x < n_chunks; ++issued)
+            issue(issued, (int)blockIdx.x + issued * (int)gridDim.x);
+        if (dyn0 < n_chunks) nb = dyn0 + GEMV_STREAM_DYNAMIC * atomicAdd(&sched[0], 1);
+        else nb = n_chunks;
         STREAM_TRACE(trace_slot, 1);
 #else
     if (producer && lane == 0) {
@@ -457,10 +461,15 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
 #if GEMV_STREAM_DYNAMIC
-            for (; next < n_chunks; ++issued) {
+            for (;; ++issued, ++c) {
+                if (c == c_end) {  // the next G: grabbed a while ago; grab the G after them now
+                    c = nb;
+                    c_end = min(nb + GEMV_STREAM_DYNAMIC, n_chunks);
+                    if (c >= n_chunks) break;
+                    nb = dyn0 + GEMV_STREAM_DYNAMIC * atomicAdd(&sched[0], 1);
+                }
                 if (issued >= stages) mbar_wait(smem_u32(&empty[issued % stages]), (u32)((issued / stages - 1) & 1));
-                issue(issued, next);
-                next = (int)gridDim.x + atomicAdd(&sched[0], 1);
+                issue(issued, c);
             }
             // None left: each team's next slot says so (the teams take slots in turn, one each of the next n_teams).
             for (int i = issued; i < issued + n_teams; ++i) {
