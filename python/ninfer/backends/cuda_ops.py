@@ -57,12 +57,12 @@ stream_trace_labels: list[str] = []
 
 
 def gsq_stream_walk_fill(n_cols: int, ks: int, u: int) -> float:
-    """The share of the streamed kernel's walk slots that hold records: a row group's records (two rows) against
-    the rounds of 16 lane pairs x ks warps x u records each that cover them. The kernel computes every slot of its
-    last round (no branches; records past the group's rows count for nothing), so a ragged last round costs its
-    full price."""
-    tasks = GEMV_ROWS_PER_WARP * (n_cols // 128)
-    per_round = 16 * ks * u
+    """The share of the streamed kernel's walk slots that hold records: a row's records against the rounds of 8
+    lane pairs (a half-warp a row) x ks warps x u records each that cover them. The kernel computes every slot of its
+    last round (no branches; records past the row count for nothing), so a ragged last round costs its full
+    price."""
+    tasks = n_cols // 128
+    per_round = 8 * ks * u
     return tasks / (-(-tasks // per_round) * per_round)
 
 
@@ -79,9 +79,9 @@ def gsq_stream_lane_records(n_cols: int, ks: int, defines: list[str] | None = No
 
 
 def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
-    """Whether the streamed kernel's lane-pair walk over a row group fills at least two thirds of its rounds' slots
+    """Whether the streamed kernel's walk over a row fills at least two thirds of its rounds' slots
     (gsq_stream_walk_fill, with gsq_stream_lane_records' choice). The 32B shape's 5,120-wide products fill theirs
-    exactly (two rows of 40 records, 16 pairs, 5 a lane) and its down projection, split four ways, 68% by 5 records
+    exactly (rows of 40 records, 8 pairs, 5 a lane) and its down projection, split four ways, 68% by 5 records
     a lane: alone it was no faster streamed (32.9 against the pair kernel's 32.5 µs), but in the decode step it
     is, its weights arriving before quant_act's result does (H200, 32B GSQ3 tg128 134.6 / 134.8 against 132.5 /
     132.2 t/s; docs/gsq-rco.md). A 5,376-wide row (Gemma-3-27B) fills 52% by 5 and 66% by 4, and keeps the pair

@@ -384,18 +384,16 @@ __device__ __forceinline__ const float* stage_gsq8_pairs_act(int4* dst, const vo
 }
 
 // A lane's next U records of the pair walk (row, rec advanced by d_row, d_rec): load(row, rec, t) fetches half h's
-// words and the header of record rec of row `row` (from global memory, or from shared memory in gemv_stream.cu).
-// ALL: records past the group's rows (row >= R) are loaded too (from row 0: rec < n_rec keeps them inside it), so
-// the loop has no branches; gsq3_pairs_dots then adds them to no row. (From shared memory that is faster: H200, 32B
-// gate/up 49.1 against 53.0 us; from global memory slower, the compiler then keeping fewer loads in flight.)
-template <int R, int U, bool ALL, class Load>
+// words and the header of record rec of row `row`; none past the group's rows (loading those too, branch-free, was
+// slower from global memory: the compiler then kept fewer loads in flight).
+template <int R, int U, class Load>
 __device__ __forceinline__ void gsq3_pairs_load(Gsq3Half* t, Load load, int n_rec, int d_row, int d_rec, int& row,
                                                 int& rec) {
 #pragma unroll
     for (int k = 0; k < U; ++k) {
         t[k].row = row;
         t[k].rec = rec;
-        if (ALL || row < R) load(row, rec, t[k]);
+        if (row < R) load(row, rec, t[k]);
         rec += d_rec;
         row += d_row;
         if (rec >= n_rec) {
@@ -417,12 +415,12 @@ __device__ __forceinline__ void gsq3_half_ldg(const u8* const* w, int h, int row
     t.hd = __ldg((const int4*)(p + 48));
 }
 
-template <int R, int U, bool ALL>
+template <int R, int U>
 __device__ __forceinline__ void gsq3_pairs_dots(const Gsq3Half* t, int h, const int* aq, const float* ad,
                                                 float* acc) {
 #pragma unroll
     for (int k = 0; k < U; ++k) {
-        if (ALL || t[k].row < R) {  // (past the rows: no row matches below)
+        if (t[k].row < R) {  // (past the rows: no row matches below)
             const float v = gsq3_half_dot(t[k], h, aq, ad);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] += t[k].row == r ? v : 0.0f;
@@ -453,16 +451,16 @@ __device__ __forceinline__ Gsq3PairWalk gsq3_pair_walk(int u_first, int u_step, 
 
 // Records of R rows (n_rec records each; load as gsq3_pairs_load's) by lane pairs, lane h = u_first & 1 of its pair,
 // along `walk`.
-template <int R, int U, bool ALL, class Load>
+template <int R, int U, class Load>
 __device__ __forceinline__ void rows_dot_gsq3_pairs(Load load, const Gsq3PairWalk& walk, int h, int n_rec,
                                                     const int* aq, const float* ad, float* acc) {
     const int n_tasks = R * n_rec;
     int row = walk.row, rec = walk.rec;  // this lane's next record
     for (int base = walk.base; base < n_tasks; base += walk.stride) {
         Gsq3Half t[U];
-        gsq3_pairs_load<R, U, ALL>(t, load, n_rec, walk.d_row, walk.d_rec, row, rec);
+        gsq3_pairs_load<R, U>(t, load, n_rec, walk.d_row, walk.d_rec, row, rec);
         asm volatile("" ::: "memory");  // these loads stay above the dot products
-        gsq3_pairs_dots<R, U, ALL>(t, h, aq, ad, acc);
+        gsq3_pairs_dots<R, U>(t, h, aq, ad, acc);
     }
 }
 
@@ -474,7 +472,7 @@ __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u
     if constexpr (BITS == 3 && PAIRS) {
         if (rb == 64) {
             const int h = u_first & 1, n_rec = n_units >> 2;
-            rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U, false>(
+            rows_dot_gsq3_pairs<R, GEMV_GSQ_PAIRS_U>(
                 [&](int row, int rec, Gsq3Half& t) { gsq3_half_ldg<R>(w, h, row, rec, t); },
                 gsq3_pair_walk<GEMV_GSQ_PAIRS_U>(u_first, u_step, n_rec), h, n_rec, aq, ad, acc);
             return;

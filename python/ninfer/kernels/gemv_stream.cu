@@ -10,15 +10,21 @@
 // grid_dep_wait (weights do not depend on the previous kernel), so a launch's first bytes stream in under the
 // previous kernel's tail and this block's norm + quantization prologue.
 //
-// Work: block b takes the contiguous row groups [b G / grid, (b + 1) G / grid) (G groups of GEMV_R = 2 rows; GLU:
-// a gate and an up row), in chunks of per_step = W / ks groups (GEMV_STREAM_INTERLEAVE: chunks b, b + grid, ...).
-// The consumer warps form teams of W (ks of a team's
+// Work: the launch's row groups (GEMV_R = 2 rows; GLU: a gate and an up row) in chunks of per_step = W / ks groups;
+// block b takes chunks b, b + grid, b + 2 grid, ..., so at any moment the grid reads neighbouring chunks (a window
+// sweeping the matrices) rather than 132 streams far apart, one a block's contiguous share (H200, 32B GSQ3 tg128
+// 155.3 against 153.8 t/s with the row walk below, 2026-12-02). The consumer warps form teams of W (ks of a team's
 // warps sharing a group, as the pair kernel's K-split does), and team t takes chunks t, t + T, t + 2T, ... (T
 // teams), so more warps than one chunk's groups work at once while each ring slot stays one chunk. A chunk's rows lie
 // in its ring slot in order (GLU: the gate rows, then the up rows from row per_step on). Barriers per slot: full (the
-// producer's expected bytes, completed by the copies), empty (one arrival per warp of the team that read it). The
-// consumers take records by lane pairs exactly as gemv_gsq8_pairs does (gemv.cu rows_dot_gsq3_pairs), reading them
-// by LDS.
+// producer's expected bytes, completed by the copies), empty (one arrival per warp of the team that read it).
+//
+// The consumers walk a row group by half-warps, lanes 0-15 its first row and 16-31 its second, lane pair p of a
+// half-warp taking records p, p + 8 ks, ... of its row (the 5,120-wide rows' 40 records: five a pair, one round),
+// reading them by LDS and computing them as gemv_gsq8_pairs does (gemv.cu gsq3_half_dot). Each lane's row is fixed:
+// no row select for a record's address, no wrap from one row to the next, one accumulator (the loop's SASS: about
+// 107 instructions a half record where the pair kernel's flat walk over both rows took 123). H200, 32B GSQ3 tg128
+// 153.8 against 149.6 t/s; alone down 26.1 against 27.6 µs (2026-12-02).
 //
 // Modes STORE, ADD and GLU (the launcher keeps the argmax head on gemv.cu). Shared memory (cuda_ops.gemv_stream_plan):
 // the ACT_GSQ8_PAIRS activation (codes, scales, sums as gemv.cu's prologue lays them), padded to 128 bytes, then
@@ -44,21 +50,6 @@
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
-#ifndef GEMV_STREAM_INTERLEAVE
-// 1: block b takes chunks b, b + grid, b + 2 grid, ... of the launch's row groups, so at any moment the blocks read
-// neighbouring chunks (a window of about 132 x 20 KB sweeping the matrices), instead of each block its contiguous
-// share (132 streams far apart, twice that for gate/up). A trial (not yet run on a GPU): the streamed kernel reaches
-// 60% of the DRAM peak on gate/up where a grid-strided read-only kernel reaches 93% (docs/gsq-rco.md).
-#define GEMV_STREAM_INTERLEAVE 0
-#endif
-#ifndef GEMV_STREAM_ROWWALK
-// 1: the consumers walk a row group by half-warps, lanes 0-15 its first row and 16-31 its second, lane pair p of a
-// half-warp taking records p, p + 8 ks, ... of its row (a 5,120-wide row's 40 records: five a pair, one round),
-// instead of the lane pairs' flat walk over both rows. Each lane's row is then fixed: no row select for the record's
-// address, no wrap from one row to the next and one accumulator instead of a select per row, about 10 of the ~123
-// instructions of a half record (the loop's SASS). A trial, not yet run on a GPU.
-#define GEMV_STREAM_ROWWALK 0
-#endif
 #ifndef GEMV_STREAM_DYNAMIC
 // Non-zero G: chunks handed out at run time past a block's first ring fill. Its first `stages` chunks are its own
 // (b, b + grid, ..., asked for at once, before grid_dep_wait); later ones come G at a time from a launch-wide
@@ -200,9 +191,9 @@ struct StreamConsumer {
     int trace_slot;
 #endif
 
-    // U: records a lane loads before it computes any; walk: gsq3_pair_walk<U>'s for this warp's lanes.
+    // U: records a lane loads before it computes any.
     template <int U>
-    __device__ __forceinline__ void run(const Gsq3PairWalk& walk) const {
+    __device__ __forceinline__ void run() const {
         constexpr int R = GEMV_R;
         // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
         // (at most `stages`) instead of two divisions a chunk.
@@ -229,7 +220,6 @@ struct StreamConsumer {
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
             if (g < g1) {
-#if GEMV_STREAM_ROWWALK
                 static_assert(R == 2, "a half-warp a row");
                 const int hw = lane >> 4;  // this lane's row of the group
                 const u32 wrow = base + (is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
@@ -253,22 +243,6 @@ struct StreamConsumer {
                 }
                 acc[0] = warp_sum(hw == 0 ? a : 0.0f);
                 acc[1] = warp_sum(hw == 1 ? a : 0.0f);
-#else
-                u32 wa[R];
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-                    wa[r] = base + (is_glu ? (u32)(r * per_step + slot) : (u32)(slot * R + r)) * rb;
-                rows_dot_gsq3_pairs<R, U, true>(
-                    [&](int row, int rec, Gsq3Half& t) {
-                        u32 a = wa[0];
-#pragma unroll
-                        for (int r = 1; r < R; ++r) a = row == r ? wa[r] : a;
-                        gsq3_half_lds(a + 64 * rec, h, t);
-                    },
-                    walk, h, n_rec, aq, d, acc);
-#pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-#endif
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
@@ -345,14 +319,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     __shared__ int chunk_of[GEMV_STREAM_MAX_STAGES];
     const int cstride = per_step, g0 = 0, g1 = n_groups, n_chunks = (n_groups + per_step - 1) / per_step;
     const int n_st = 0x7fffffff;  // (the consumers stop at a slot marked -1)
-#elif GEMV_STREAM_INTERLEAVE
+#else
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
     const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
-#else
-    const int cstride = per_step;
-    const int g0 = (int)((long long)blockIdx.x * n_groups / gridDim.x);
-    const int g1 = (int)((long long)(blockIdx.x + 1) * n_groups / gridDim.x);
-    const int n_st = (g1 - g0 + per_step - 1) / per_step;
 #endif
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
@@ -509,9 +478,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                               , trace_slot
 #endif
                               };
-    const int u_first = sub * WARP + lane, u_step = ks * WARP;
-    if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>(gsq3_pair_walk<GEMV_STREAM_U_ALT>(u_first, u_step, n_rec));
-    else cons.run<GEMV_STREAM_U>(gsq3_pair_walk<GEMV_STREAM_U>(u_first, u_step, n_rec));
+    if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>();
+    else cons.run<GEMV_STREAM_U>();
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif
