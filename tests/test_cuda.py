@@ -115,31 +115,24 @@ def test_stream_consumers_for_rounds_of_row_groups() -> None:
     assert stream_consumers_for_rounds(27648, 1, 132, 24, 0) == 24
 
 
-def test_streamed_kernel_takes_no_trial_arguments_by_default() -> None:
-    """The streamed kernel's prefetch and trace arguments exist only in builds with GEMV_STREAM_PREFETCH_NEXT or
-    GEMV_STREAM_TRACE (kernels/gemv_stream.cu); the launcher must pass none otherwise, or every launch's arguments
-    would be misread."""
+def test_streamed_kernel_takes_no_trace_argument_by_default() -> None:
+    """The streamed kernel's trace argument exists only in GEMV_STREAM_TRACE builds (kernels/gemv_stream.cu); the
+    launcher must pass none otherwise, or every launch's arguments would be misread."""
     from ninfer.backends import cuda_ops as K
 
-    if any("GEMV_STREAM_PREFETCH_NEXT" in d or "GEMV_STREAM_TRACE" in d for d in K._DEFINES):
-        pytest.skip("a trial build (NINFER_CUDA_DEFINES)")
-    assert K.stream_prefetch_args((1234, 3, 65536)) == ()
+    if any("GEMV_STREAM_TRACE" in d for d in K._DEFINES):
+        pytest.skip("a trace build (NINFER_CUDA_DEFINES)")
     assert K.stream_trace_arg(K.MODE_STORE, 7168, 5120) == ()
     assert K.stream_trace_labels == []
-    if not any("GEMV_STREAM_DYNAMIC" in d for d in K._DEFINES):
-        assert K.stream_sched_arg() == ()
 
 
-def test_streamed_kernel_trial_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In the trial builds the launcher appends what the kernel's signature adds, in its order and C types:
-    (const u64* pf, int n_pf, int pf_cap), then (int trace_slot), the slot counting launches from 0."""
+def test_streamed_kernel_trace_argument_matches_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In trace builds the launcher appends what the kernel's signature adds, (int trace_slot), the slot counting
+    launches from 0."""
     from ninfer.backends import cuda_ops as K
 
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_PREFETCH_NEXT=15", "-DGEMV_STREAM_TRACE=1"])
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
     monkeypatch.setattr(K, "stream_trace_labels", [])
-    pf = K.stream_prefetch_args((1234, 3, 65536))
-    assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
-    assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
     first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
     assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
     assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
@@ -405,7 +398,7 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
 @needs_cuda
 @pytest.mark.parametrize("n", [2048, 5120, 6144])
 @pytest.mark.parametrize("mode", ["store", "add", "glu", "pre"])
-def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     """The 3-bit GEMV whose weights stream into shared memory (kernels/gemv_stream.cu) against the CPU's scalar
     reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
@@ -413,8 +406,7 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch:
     as well as the launcher's; 5 and 4 records a lane; block shapes past the kernel's launch bounds
     (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
     (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
-    rounds with one warp a group. GEMV_STREAM_DYNAMIC builds: every launch takes the same chunk counter, so each
-    relies on the one before having set it back to zero (and it must be zero at the end)."""
+    rounds with one warp a group."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
@@ -423,7 +415,6 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch:
 
     if not K.gsq_stream(K.MODE_STORE):
         pytest.skip("gemv_gsq8_stream needs sm_90")
-    monkeypatch.setattr(K, "STREAM_SCHED_SLOTS", 1)
     rng = np.random.default_rng(7)
     tid = gsq_type(3, 2)
     shapes = {"store": [1001, 334, 333], "add": [8193], "glu": [777, 777], "pre": [1500]}[mode]
@@ -474,8 +465,6 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch:
                            stream_team=team, lane_records=u)
                     got = out.get()
                     assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
-    if K._stream_sched["counters"] is not None:
-        assert not K._stream_sched["counters"][0].get().any()
 
 
 @needs_cuda

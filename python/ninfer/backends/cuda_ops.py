@@ -214,7 +214,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
-         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None) -> None:
+         lane_records: int = 0) -> None:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -225,8 +225,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
     max_stages caps its ring's slots, lane_records sets its records a lane (gsq_stream_lane_records' choice by
     default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
-    GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
-    launch to ask L2 for (prefetch_regions' array; GEMV_STREAM_PREFETCH_NEXT builds only, ignored elsewhere)."""
+    GEMV_STREAM_* constants by default)."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -273,8 +272,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                                  f"not {u}")
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
-                                                     P(pq), P(pd), I(u), *stream_prefetch_args(prefetch),
-                                                     *stream_sched_arg(), *stream_trace_arg(mode, total_rows, n_cols)),
+                                                     P(pq), P(pd), I(u), *stream_trace_arg(mode, total_rows, n_cols)),
                           shared_mem=smem, dependent=True)
             return
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
@@ -295,43 +293,6 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
-
-
-def prefetch_regions(regions: list[tuple[int, int]]):
-    """A device array of (address, bytes) pairs for gemv(prefetch=...): the weights a streamed launch asks L2 for
-    on behalf of a later launch (kernels/gemv_stream.cu GEMV_STREAM_PREFETCH_NEXT)."""
-    import cupy as cp
-
-    return cp.asarray(np.array(regions, np.uint64).reshape(-1, 2))
-
-
-def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
-    """The streamed kernel's prefetch arguments in GEMV_STREAM_PREFETCH_NEXT builds ((regions, n, cap), or none
-    asked: n = 0); none in other builds, whose kernel has no such arguments."""
-    if not _define("GEMV_STREAM_PREFETCH_NEXT", 0):
-        return ()
-    regions, n, cap = prefetch or (0, 0, 0)
-    return (P(regions), I(n), I(cap))
-
-
-STREAM_SCHED_SLOTS = 4096
-_stream_sched: dict = {"counters": None, "next": 0}
-
-
-def stream_sched_arg() -> tuple:
-    """The streamed kernel's chunk counter in GEMV_STREAM_DYNAMIC builds: a launch's own pair of ints [next chunk,
-    blocks done] (zero before it runs; its last block sets them back), the next of STREAM_SCHED_SLOTS in turn, so
-    launches that overlap (programmatic dependent launch: the next one's blocks start as this one's end) never share
-    one, a graph keeping the pair its capture took; none in other builds, whose kernel has no such argument."""
-    if not _define("GEMV_STREAM_DYNAMIC", 0):
-        return ()
-    import cupy as cp
-
-    if _stream_sched["counters"] is None:
-        _stream_sched["counters"] = cp.zeros((STREAM_SCHED_SLOTS, 2), dtype=cp.int32)
-    slot = _stream_sched["next"] % STREAM_SCHED_SLOTS
-    _stream_sched["next"] += 1
-    return (P(_stream_sched["counters"].data.ptr + 8 * slot),)
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:

@@ -50,25 +50,16 @@
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
-#ifndef GEMV_STREAM_DYNAMIC
-// Non-zero G: chunks handed out at run time past a block's first ring fill. Its first `stages` chunks are its own
-// (b, b + grid, ..., asked for at once, before grid_dep_wait); later ones come G at a time from a launch-wide
-// counter (cuda_ops.stream_sched_arg: a pair of ints a launch, [next, blocks done], which the launch's last block
-// sets back to zero), the next G asked for as soon as the current G are taken, so the atomic's round trip hides
-// behind G slots' waits. A block that arrives late (its SM still held by the previous launch's block) or runs slow
-// then takes fewer chunks, where the static split has every block wait for the last one: the trace
-// (scripts/stream-trace) has the 32B launches' grids arriving over 2.7-6.1 µs and ending over 2.2-6.1 µs. (A first
-// version taking every chunk but the first from the counter, one at a time, measured 137.8 against 155.3 t/s: its
-// producer waited on each atomic before each copy, the norm prologue's barrier with it.) A trial.
-#define GEMV_STREAM_DYNAMIC 0
+#ifndef GEMV_STREAM_NORM_L1
+// 1: before grid_dep_wait each block asks L1 for the norm's weights (a line a thread), which the prologue's second
+// pass reads after the sum of squares: one round trip to L2 less on the prologue's path, whose x loads wait behind
+// the ring's first fill (the trace: q/k/v and gate/up prologues 4.4 and 7.3 µs, a pre-quantized copy 1.2). A trial.
+#define GEMV_STREAM_NORM_L1 0
 #endif
-#ifndef GEMV_STREAM_PREFETCH_NEXT
-// Non-zero: the launcher hands each streamed launch the weights of a later one (cuda_ops.gemv's `prefetch`), which
-// its producer asks L2 for right after its own first chunks, so that launch finds them there (bits, read by the
-// engine: 1 the down projection prefetches the next layer's q/k/v, 2 q/k/v the output projection, 4 o the first
-// chunks of gate/up, 8 gate/up the first chunks of down). The down projection keeps DRAM at 45% of its peak
-// (Nsight Compute), room for the next q/k/v's 18 MB. A trial, not yet run on a GPU.
-#define GEMV_STREAM_PREFETCH_NEXT 0
+#ifndef GEMV_STREAM_EARLY_CHUNKS
+// Chunks a producer asks for before grid_dep_wait (the rest of the ring's first fill after the prologue); 0: all of
+// them. Fewer leave the prologue's x loads less traffic to wait behind. A trial.
+#define GEMV_STREAM_EARLY_CHUNKS 0
 #endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
@@ -184,9 +175,6 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
-#if GEMV_STREAM_DYNAMIC
-    const int* chunk_of;  // a ring slot's chunk (-1: none left, the team stops)
-#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -208,13 +196,7 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-#if GEMV_STREAM_DYNAMIC
-            const int chunk = ((const volatile int*)chunk_of)[s];  // (written before the producer's arrival)
-            if (chunk < 0) break;
-            const int g = slot < per_step ? chunk * per_step + slot : g1;  // (warps past ks * per_step: none)
-#else
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
-#endif
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
@@ -293,12 +275,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u
-#if GEMV_STREAM_PREFETCH_NEXT
-                                            , const u64* pf, int n_pf, int pf_cap  // (cuda_ops passes them then)
-#endif
-#if GEMV_STREAM_DYNAMIC
-                                            , int* sched  // this launch's [next chunk, blocks done]
-#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -314,15 +290,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int n_groups = (total_rows + per_group - 1) / per_group;
     const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
     // Chunk i of this block: groups [g0 + i cstride, + per_step), none at or past g1
-#if GEMV_STREAM_DYNAMIC
-    // chunk c: groups [c per_step, + per_step); this block's chunk i in ring slot i % stages, its number in chunk_of
-    __shared__ int chunk_of[GEMV_STREAM_MAX_STAGES];
-    const int cstride = per_step, g0 = 0, g1 = n_groups, n_chunks = (n_groups + per_step - 1) / per_step;
-    const int n_st = 0x7fffffff;  // (the consumers stop at a slot marked -1)
-#else
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
     const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
-#endif
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
     const u32 stage_bytes = (u32)per_step * R * rb;
@@ -349,18 +318,10 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     }
     __syncthreads();
 
-    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch (GEMV_STREAM_DYNAMIC: the
-    // block's i-th chunk, launch-wide chunk c).
-#if GEMV_STREAM_DYNAMIC
-    auto issue = [&](int i, int c) {
-        const int s = i % stages;
-        const int ga = c * per_step, gb = min(ga + per_step, g1);
-        chunk_of[s] = c;  // (before the arrival below, which releases it to the consumers)
-#else
+    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
     auto issue = [&](int i) {
         const int s = i % stages;
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
-#endif
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
@@ -379,39 +340,16 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         }
     };
     const bool producer = warp == n_cons;
-#if GEMV_STREAM_DYNAMIC
-    // The producer's ring fill (chunks b, b + grid, ...: the interleaved split's), then the counter's chunks from
-    // stages * grid on: `nb` the first of the G grabbed ahead, [c, c_end) those grabbed and not yet issued.
-    const int dyn0 = stages * (int)gridDim.x;
-    int issued = 0, nb = 0, c = 0, c_end = 0;
+    const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
-        for (; issued < stages && (int)blockIdx.x + issued * (int)gridDim.x < n_chunks; ++issued)
-            issue(issued, (int)blockIdx.x + issued * (int)gridDim.x);
-        if (dyn0 < n_chunks) nb = dyn0 + GEMV_STREAM_DYNAMIC * atomicAdd(&sched[0], 1);
-        else nb = n_chunks;
+        for (int i = 0; i < min(early, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
-#else
-    if (producer && lane == 0) {
-        for (int i = 0; i < min(stages, n_st); ++i) issue(i);
-        STREAM_TRACE(trace_slot, 1);
-#endif
-#if GEMV_STREAM_PREFETCH_NEXT
-        // The next streamed launch's weights into L2 (after this block's first chunks): region r = (address,
-        // bytes) in pf[2r], pf[2r + 1]; this block asks for its 1/grid share of each, its first pf_cap bytes when
-        // pf_cap > 0 (the share the next launch's block of the same index starts with).
-        for (int r = 0; r < n_pf; ++r) {
-            const u64 base = pf[2 * r], len = pf[2 * r + 1];
-            u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
-            u64 e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
-            if (pf_cap > 0 && e > a + (u64)pf_cap) e = a + (u64)pf_cap;
-            for (; a < e; a += 32768) {
-                const u32 bytes = (u32)min(e - a, 32768ull);
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
-            }
-        }
-#endif
     }
 
+#if GEMV_STREAM_NORM_L1
+    if (!pre_q && norm_w && (int)threadIdx.x * 32 < n_cols)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_w + 32 * threadIdx.x));
+#endif
     grid_dep_launch();
     grid_dep_wait();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
@@ -429,34 +367,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
-#if GEMV_STREAM_DYNAMIC
-            for (;; ++issued, ++c) {
-                if (c == c_end) {  // the next G: grabbed a while ago; grab the G after them now
-                    c = nb;
-                    c_end = min(nb + GEMV_STREAM_DYNAMIC, n_chunks);
-                    if (c >= n_chunks) break;
-                    nb = dyn0 + GEMV_STREAM_DYNAMIC * atomicAdd(&sched[0], 1);
-                }
-                if (issued >= stages) mbar_wait(smem_u32(&empty[issued % stages]), (u32)((issued / stages - 1) & 1));
-                issue(issued, c);
-            }
-            // None left: each team's next slot says so (the teams take slots in turn, one each of the next n_teams).
-            for (int i = issued; i < issued + n_teams; ++i) {
-                if (i >= stages) mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
-                chunk_of[i % stages] = -1;
-                mbar_arrive(smem_u32(&full[i % stages]));
-            }
-            // This block asks for no more chunks; the last one to get here sets the counter back for the next replay.
-            if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
-                sched[0] = 0;
-                sched[1] = 0;
-            }
-#else
+            for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
             for (int i = stages; i < n_st; ++i) {
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
-#endif
         }
         return;
     }
@@ -471,9 +386,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
-#if GEMV_STREAM_DYNAMIC
-                              , chunk_of
-#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
