@@ -6,9 +6,10 @@
 // neither more records a lane, more warps, L2 prefetches nor fewer instructions closed the gap (docs/gsq-rco.md).
 // Here one producer warp a block keeps up to `stages` chunks of the block's rows in flight into a ring in shared
 // memory, one bulk copy per matrix a chunk touches, and the consumer warps compute from shared memory: the memory
-// always has the block's next chunks asked for, and no register waits on them. The first chunks are asked for before
-// grid_dep_wait (weights do not depend on the previous kernel), so a launch's first bytes stream in under the
-// previous kernel's tail and this block's norm + quantization prologue.
+// always has the block's next chunks asked for, and no register waits on them. The first two chunks are asked for
+// before grid_dep_wait (weights do not depend on the previous kernel), so a launch's first bytes stream in under the
+// previous kernel's tail, and the rest of the ring after the block's norm + quantization prologue, whose loads would
+// otherwise queue behind them (GEMV_STREAM_EARLY_CHUNKS).
 //
 // Work: the launch's row groups (GEMV_R = 2 rows; GLU: a gate and an up row) in chunks of per_step = W / ks groups;
 // block b takes chunks b, b + grid, b + 2 grid, ..., so at any moment the grid reads neighbouring chunks (a window
@@ -22,8 +23,8 @@
 // The consumers walk a row group by half-warps, lanes 0-15 its first row and 16-31 its second, lane pair p of a
 // half-warp taking records p, p + 8 ks, ... of its row (the 5,120-wide rows' 40 records: five a pair, one round),
 // reading them by LDS and computing them as gemv_gsq8_pairs does (gemv.cu gsq3_half_dot). Each lane's row is fixed:
-// no row select for a record's address, no wrap from one row to the next, one accumulator (the loop's SASS: about
-// 107 instructions a half record where the pair kernel's flat walk over both rows took 123). H200, 32B GSQ3 tg128
+// no row select for a record's address, no wrap from one row to the next, one accumulator (the loop's SASS: 105-110
+// instructions a half record where the pair kernel's flat walk over both rows took 123). H200, 32B GSQ3 tg128
 // 153.8 against 149.6 t/s; alone down 26.1 against 27.6 µs (2026-12-02).
 //
 // Modes STORE, ADD and GLU (the launcher keeps the argmax head on gemv.cu). Shared memory (cuda_ops.gemv_stream_plan):
@@ -50,16 +51,12 @@
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
-#ifndef GEMV_STREAM_NORM_L1
-// 1: before grid_dep_wait each block asks L1 for the norm's weights (a line a thread), which the prologue's second
-// pass reads after the sum of squares: one round trip to L2 less on the prologue's path, whose x loads wait behind
-// the ring's first fill (the trace: q/k/v and gate/up prologues 4.4 and 7.3 µs, a pre-quantized copy 1.2). A trial.
-#define GEMV_STREAM_NORM_L1 0
-#endif
 #ifndef GEMV_STREAM_EARLY_CHUNKS
-// Chunks a producer asks for before grid_dep_wait (the rest of the ring's first fill after the prologue); 0: all of
-// them. Fewer leave the prologue's x loads less traffic to wait behind. A trial.
-#define GEMV_STREAM_EARLY_CHUNKS 0
+// Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
+// before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
+// prologues at 4.4 and 7.3 µs, a pre-quantized copy at 1.2). H200, 32B GSQ3 tg128: 2 chunks 162.86 / 162.86 /
+// 163.58 t/s, 1 161.05 / 161.00, 3 162.41 / 161.83, all of them 156.04 / 155.26 (2026-12-02).
+#define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
@@ -346,10 +343,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         STREAM_TRACE(trace_slot, 1);
     }
 
-#if GEMV_STREAM_NORM_L1
-    if (!pre_q && norm_w && (int)threadIdx.x * 32 < n_cols)
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_w + 32 * threadIdx.x));
-#endif
     grid_dep_launch();
     grid_dep_wait();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
