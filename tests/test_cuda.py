@@ -124,6 +124,8 @@ def test_streamed_kernel_takes_no_trace_argument_by_default() -> None:
         pytest.skip("a trace build (NINFER_CUDA_DEFINES)")
     assert K.stream_trace_arg(K.MODE_STORE, 7168, 5120) == ()
     assert K.stream_trace_labels == []
+    if not any("GEMV_STREAM_NORM_SUMS" in d for d in K._DEFINES):
+        assert K.stream_norm_sums_args((1, 2)) == ()
 
 
 def test_streamed_kernel_trace_argument_matches_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,6 +138,10 @@ def test_streamed_kernel_trace_argument_matches_its_signature(monkeypatch: pytes
     first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
     assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
     assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_NORM_SUMS=1"])
+    sums = K.stream_norm_sums_args((1234, 5678))
+    assert [type(a) for a in sums] == [np.uint64, np.uint64] and [int(a) for a in sums] == [1234, 5678]
+    assert [int(a) for a in K.stream_norm_sums_args(None)] == [0, 0]
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
@@ -468,6 +474,51 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
 
 
 @needs_cuda
+def test_gsq_stream_norm_sums() -> None:
+    """GEMV_STREAM_NORM_SUMS builds (kernels/gemv_stream.cu): a streamed residual add leaves the sum of squares of
+    the vector it wrote, and a streamed launch with a norm takes it instead of its own pass: the product equals the
+    scalar reference, and four times the sum halves it (so the given sum is what the norm used)."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K._define("GEMV_STREAM_NORM_SUMS", 0):
+        pytest.skip("not a GEMV_STREAM_NORM_SUMS build (NINFER_CUDA_DEFINES)")
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    rng = np.random.default_rng(11)
+    n, rows, tid = 5120, 5120, gsq_type(3, 2)
+    raw = random_gsq_records(3, 2, rows, n, n**-0.5, rng)
+    w = to_gpu(raw, tid, rows, n, "w")
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.zeros(rows, cp.float32)
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    sums = cp.zeros(2, cp.float64)
+    # the residual add without a norm (x as its activation): out = base + W x, and the sum of squares of out
+    base = rng.standard_normal(rows).astype(np.float32)
+    added = base + np.array([_core.gsq_dot_q8(raw[r].tobytes(), x, bits=3, slots=2, simd=False)
+                             for r in range(rows)], np.float32)
+    out[:] = cp.asarray(base)
+    assert K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ADD, gsq_pairs=True,
+                  norm_sums=(0, sums.data.ptr + 8))
+    got = out.get()
+    assert nmse(got, added) < 1e-6
+    assert float(sums[1].get()) == pytest.approx(float(np.sum(got.astype(np.float64) ** 2)), rel=1e-6)
+    # a norm launch given the sum of squares of x
+    ref = np.array([_core.gsq_dot_q8(raw[r].tobytes(), _rms_norm_ref(x, norm_w, 1e-6), bits=3, slots=2,
+                                     simd=False) for r in range(rows)], np.float32)
+    for factor, expect in ((1.0, ref), (4.0, ref / 2)):
+        sums[0] = factor * float(np.sum(x.astype(np.float64) ** 2))
+        out[:] = 0
+        assert K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_STORE,
+                      gsq_pairs=True, norm_sums=(sums.data.ptr, 0))
+        assert nmse(out.get(), expect) < 1e-6, factor
+
+
+@needs_cuda
 @pytest.mark.parametrize("bits,slots", GSQ_LAYOUTS)
 def test_gsq_dequantize_to_f16_equals_cpu_dequantize(bits: int, slots: int) -> None:
     import cupy as cp
@@ -765,6 +816,23 @@ def test_synthetic_1_5b_teacher_forced_greedy_gpu_agrees_with_cpu(ty: str, tmp_p
     # 0.21, scripts/noise-floor); the GPU's sums run in another order (K-split warps, persistent blocks).
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 6, differ
+
+
+@needs_cuda
+def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: Path) -> None:
+    """Two full-width Qwen2.5-32B layers in GSQ3: every product of the GPU's decode step goes through the streamed
+    kernel (kernels/gemv_stream.cu; the 1.5B shape's rows are too narrow for it), so this checks its launches as
+    the engine chains them (norm prologues, residual adds, the GLU, the pre-quantized down projection; in
+    GEMV_STREAM_NORM_SUMS builds the sums handed from each residual add to the next norm), against the CPU."""
+    from ninfer.backends import cuda_ops as K
+
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    path = write_synthetic(tmp_path / "q32.gguf", "qwen2.5-32b", "GSQ3", n_layer=2, seed=13)
+    cpu, gpu, margins = _teacher_forced(path, [17, 400, 9000, 123, 5555, 42, 7, 100000], 24)
+    differ = [i for i in range(24) if gpu[i] != cpu[i]]
+    assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
+    assert len(differ) <= 3, differ
 
 
 @needs_cuda

@@ -235,6 +235,12 @@ class CudaEngine:
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)
+        # GEMV_STREAM_NORM_SUMS (a trial, kernels/gemv_stream.cu): per layer the sum of squares of x after the
+        # output projection's and the down projection's residual adds, zeroed at the start of each decode step;
+        # _norm_sums_written says which a streamed launch wrote (set as the step's launches are issued).
+        self.norm_sums = cp.zeros(2 * len(self.layers), cp.float64) \
+            if K._define("GEMV_STREAM_NORM_SUMS", 0) and self.layers else None
+        self._norm_sums_written: dict[int, bool] = {}
         # Step inputs and outputs in mapped pinned memory. Decode steps alternate between two slots of position
         # and token (parity p: position in_pos[p], token read from tok[p], greedy result written to tok[1 - p]), so
         # a step can be queued while the previous one runs (step()).
@@ -546,11 +552,12 @@ class CudaEngine:
 
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
-                    prequantize: bool = False) -> list[Callable[[], None]]:
+                    prequantize: bool = False, sums: tuple[int, int] = (0, 0)) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
-        (they must live as long as a graph that launches them)."""
+        (they must live as long as a graph that launches them). `sums` = (sums_in, sums_out): x's sum of squares
+        for the norm where the launch that wrote it left one (GEMV_STREAM_NORM_SUMS builds; see _sums)."""
         keep = self._keep if keep is None else keep
         ops: list[Callable[[], None]] = []
         n = mats[0].cols
@@ -569,9 +576,25 @@ class CudaEngine:
                 pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
                 ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
-                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs))
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: self._gemv_summed(
+                sums, kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs))
         return ops
+
+    def _gemv_summed(self, sums: tuple[int, int], *args: Any, **kw: Any) -> None:
+        """K.gemv with the norm sums of `sums`: sums_in only where a streamed launch did write it (when the ops
+        run, i.e. at capture for a graph), and a note of whether this launch wrote sums_out."""
+        sums_in, sums_out = sums
+        if sums_in and not self._norm_sums_written.get(sums_in, False):
+            sums_in = 0
+        wrote = K.gemv(*args, **kw, norm_sums=(sums_in, sums_out))
+        if sums_out:
+            self._norm_sums_written[sums_out] = wrote
+
+    def _sums(self, layer: int, after: str) -> int:
+        """The device address of x's sum of squares after `layer`'s "o" or "down" residual add (0: none kept)."""
+        if self.norm_sums is None or layer < 0:
+            return 0
+        return self.norm_sums.data.ptr + 8 * (2 * layer + (after == "down"))
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy, parity)
@@ -593,6 +616,8 @@ class CudaEngine:
             ops.extend((kind, layer, f) for f in fns)
 
         tok_in, tok_out = self.tok.dev_ptr + 4 * parity, self.tok.dev_ptr + 4 * (1 - parity)
+        if self.norm_sums is not None:
+            add("other", -1, [lambda: launch.memset(self.norm_sums.data.ptr, self.norm_sums.nbytes)])
         if self.embd_gpu is not None:  # the token's embedding row, dequantized on the GPU
             m = self.embd_gpu
             add("other", -1, [lambda: K.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x)])
@@ -609,7 +634,7 @@ class CudaEngine:
             gate_up = [lw["w_gate"], lw["w_up"]]
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE))
+                                               K.MODE_STORE, sums=(self._sums(il - 1, "down"), 0)))
             params = K.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
@@ -621,19 +646,21 @@ class CudaEngine:
                                                                     s["head_dim"], True, group)])
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
-                                               K.MODE_STORE if post_a else K.MODE_ADD))
+                                               K.MODE_STORE if post_a else K.MODE_ADD,
+                                               sums=(0, 0 if post_a else self._sums(il, "o"))))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act))
+                                                   glu_act, sums=(self._sums(il, "o"), 0)))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
                                                    K.MODE_STORE))
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True))
+                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
+                                               sums=(0, 0 if post_f else self._sums(il, "down"))))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:

@@ -214,7 +214,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
-         lane_records: int = 0) -> None:
+         lane_records: int = 0, norm_sums: tuple[int, int] | None = None) -> bool:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -225,7 +225,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
     max_stages caps its ring's slots, lane_records sets its records a lane (gsq_stream_lane_records' choice by
     default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
-    GEMV_STREAM_* constants by default)."""
+    GEMV_STREAM_* constants by default). norm_sums = (sums_in, sums_out), device doubles (0: none), in
+    GEMV_STREAM_NORM_SUMS builds: the sum of squares of x a streamed launch takes instead of computing it, and
+    where a streamed residual add adds that of the vector it writes (ignored elsewhere). True when the streamed
+    kernel took the launch (only then is sums_out written)."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -272,9 +275,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                                  f"not {u}")
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
-                                                     P(pq), P(pd), I(u), *stream_trace_arg(mode, total_rows, n_cols)),
+                                                     P(pq), P(pd), I(u), *stream_norm_sums_args(norm_sums),
+                                                     *stream_trace_arg(mode, total_rows, n_cols)),
                           shared_mem=smem, dependent=True)
-            return
+            return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
     _allow_smem(fn, smem)
@@ -293,6 +297,16 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
+    return False
+
+
+def stream_norm_sums_args(norm_sums: tuple[int, int] | None) -> tuple:
+    """The streamed kernel's (sums_in, sums_out) in GEMV_STREAM_NORM_SUMS builds (zeros: none); none in other
+    builds, whose kernel has no such arguments."""
+    if not _define("GEMV_STREAM_NORM_SUMS", 0):
+        return ()
+    sums_in, sums_out = norm_sums or (0, 0)
+    return (P(sums_in), P(sums_out))
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:

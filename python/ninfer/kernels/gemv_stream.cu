@@ -51,6 +51,16 @@
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
+#ifndef GEMV_STREAM_NORM_SUMS
+// 1: a residual-add launch (MODE_ADD) also adds the sum of squares of the vector it wrote into `sums_out` (a double
+// the engine zeroes at the start of each step: a block's share, one atomic a block), and the launch after it, whose
+// norm reads that vector, takes it from `sums_in` instead of a first pass over x with a block-wide reduction: its
+// prologue then reads each group once (norm.cu norm_quant_v<V, true>). The trace had the norm prologues at 4.4
+// (q/k/v) and 7.3 µs (gate/up) where a pre-quantized copy takes 1.2. The double atomics' order varies, so the sum's
+// last bits may, but the f32 scale made from it does only when the sum sits within an ulp of a rounding boundary.
+// A trial, not yet run on a GPU (cuda_ops.stream_norm_sums_args; the engine wires it where both launches stream).
+#define GEMV_STREAM_NORM_SUMS 0
+#endif
 #ifndef GEMV_STREAM_EARLY_CHUNKS
 // Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
 // before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
@@ -172,6 +182,10 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
+#if GEMV_STREAM_NORM_SUMS
+    double* sums_out;  // MODE_ADD: where the block's sum of squares of what it wrote goes (0: nowhere)
+    double* sq_part;   // shared: a consumer warp's share
+#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -184,6 +198,9 @@ struct StreamConsumer {
         // (at most `stages`) instead of two divisions a chunk.
         int s = team;
         u32 parity = 0;
+#if GEMV_STREAM_NORM_SUMS
+        double sq = 0.0;  // (lane 0 of a group's first warp: the squares of the values it wrote)
+#endif
         for (int i = team; i < n_st; i += n_teams, s += n_teams) {
             if (s >= stages) {
                 s -= stages;
@@ -253,11 +270,31 @@ struct StreamConsumer {
                     const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                    if (mode == MODE_ADD) m.out[local] += v;
-                    else m.out[local] = v;
+                    if (mode == MODE_ADD) {
+#if GEMV_STREAM_NORM_SUMS
+                        const float nv = m.out[local] + v;
+                        m.out[local] = nv;
+                        sq += (double)(nv * nv);  // (as norm_quant_v's own pass adds them)
+#else
+                        m.out[local] += v;
+#endif
+                    } else {
+                        m.out[local] = v;
+                    }
                 }
             }
         }
+#if GEMV_STREAM_NORM_SUMS
+        if (sums_out) {  // the block's consumers' shares in a fixed order, then one atomic
+            if (lane == 0) sq_part[warp] = sq;
+            asm volatile("bar.sync 15, %0;" ::"r"(n_teams * team_warps * WARP) : "memory");
+            if (warp == 0 && lane == 0) {
+                double t = 0.0;
+                for (int j = 0; j < n_teams * team_warps; ++j) t += sq_part[j];
+                atomicAdd(sums_out, t);
+            }
+        }
+#endif
 #if GEMV_STREAM_TRACE
         if (lane == 0) {
             if (warp == 0) STREAM_TRACE(trace_slot, 5);
@@ -272,6 +309,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u
+#if GEMV_STREAM_NORM_SUMS
+                                            , const double* sums_in, double* sums_out  // (0: none)
+#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -281,6 +321,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     extern __shared__ __align__(128) int4 stream_sm[];
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ float partial[32][R];
+#if GEMV_STREAM_NORM_SUMS
+    __shared__ double sq_part[32];
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
     const bool is_glu = mode == MODE_GLU;
     const int per_group = is_glu ? R / 2 : R;
@@ -351,6 +394,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     i8* q = (i8*)stream_sm;
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
+#if GEMV_STREAM_NORM_SUMS
+        if (sums_in && norm_w)
+            norm_quant_v<4, true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0,
+                                  __ldcg(sums_in));
+        else
+#endif
         norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0);
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
@@ -379,6 +428,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
+#if GEMV_STREAM_NORM_SUMS
+                              , mode == MODE_ADD ? sums_out : nullptr, sq_part
+#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif

@@ -112,9 +112,11 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
 #define NORM_QUANT_KEEP 16
 #endif
 
-template <int V>
+// GIVEN: the sum of squares of x is known (`sum_sq`, from the kernel that wrote x: gemv_stream.cu
+// GEMV_STREAM_NORM_SUMS), so there is no first pass: each group is read once, normed and quantized.
+template <int V, bool GIVEN = false>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                             float2* out_s, u16* out_h, float* out_f) {
+                             float2* out_s, u16* out_h, float* out_f, double sum_sq = 0.0) {
     // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
     // 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy (67 -> 72, 121 -> 126).
     constexpr int KEEP = V == 4 ? NORM_QUANT_KEEP / V : 0;
@@ -124,7 +126,17 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     __shared__ float s_scale;
     float kept[KEEP > 0 ? KEEP : 1][V];
     float scale = 1.0f;
-    if (w) {
+    if (GIVEN) {
+        scale = 1.0f / sqrtf((float)(sum_sq / (double)n) + eps);  // (as below, from the block's own sum)
+#pragma unroll
+        for (int j = 0; j < KEEP; ++j) {
+            const int g = warp + j * n_warps;
+            if (g < n_groups) {
+#pragma unroll
+                for (int k = 0; k < V; ++k) kept[j][k] = __ldcg(x + 32 * V * g + V * lane + k);
+            }
+        }
+    } else if (w) {
         double s = 0.0;
         if (KEEP) {  // the second pass's mapping: the warp's groups, V consecutive elements a lane
 #pragma unroll
