@@ -257,11 +257,14 @@ struct StreamConsumer {
     }
 #endif
 
-    // This warp's chunks i0, i0 + n_teams, ... below i_end, of product p from chunk ibase on (slot s and its
-    // parity carried from one product to the next); returns the chunk it stopped at.
-    template <int U>
-    __device__ __forceinline__ int walk(const StreamProduct& p, int i0, int i_end, int ibase, int& s, u32& parity,
+    // This warp's chunks i0, i0 + n_teams, ... below i_end, of product p from chunk ibase on, chunk i0 in slot s0
+    // of parity parity0; returns the chunk it stopped at. (s0 and parity0 by value: by reference, the default
+    // build's SASS came out reordered.)
+    template <int U, class Product>
+    __device__ __forceinline__ int walk(const Product& p, int i0, int i_end, int ibase, int s0, u32 parity0,
                                         double& sq) const {
+        int s = s0;
+        u32 parity = parity0;
         constexpr int R = GEMV_R;
         int i = i0;
         for (; i < i_end; i += n_teams, s += n_teams) {
@@ -355,23 +358,20 @@ struct StreamConsumer {
     template <int U>
     __device__ __forceinline__ void run() const {
         // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
-        // (at most `stages`) instead of two divisions a chunk.
-        int s = team;
-        u32 parity = 0;
+        // (at most `stages`) instead of two divisions a chunk (walk), from s = team, parity 0.
         double sq = 0.0;  // (GEMV_STREAM_SQ, lane 0 of a group's first warp: the squares of the values it wrote)
-        const StreamProduct p0{mats, n_mats, total_rows, mode, glu_act, per_group, g1, is_glu};
 #if GEMV_STREAM_CHAIN
-        const int i = walk<U>(p0, team, mats1 ? n_st0 : n_st, 0, s, parity, sq);
+        const int i = walk<U>(*this, team, mats1 ? n_st0 : n_st, 0, team, 0, sq);  // (its own fields: product 0)
         if (mats1) {
             next_product(sq);
             const int pg1 = mode1 == MODE_GLU ? GEMV_R / 2 : GEMV_R;
             const StreamProduct p1{mats1, n_mats1, total_rows1, mode1, glu_act1, pg1, (total_rows1 + pg1 - 1) / pg1,
                                    mode1 == MODE_GLU};
             double sq1 = 0.0;
-            walk<U>(p1, i, n_st, n_st0, s, parity, sq1);
+            walk<U>(p1, i, n_st, n_st0, i % stages, (u32)((i / stages) & 1), sq1);
         }
 #else
-        walk<U>(p0, team, n_st, 0, s, parity, sq);
+        walk<U>(*this, team, n_st, 0, team, 0, sq);
 #endif
 #if GEMV_STREAM_NORM_SUMS
         if (sums_out) {  // the block's consumers' shares in a fixed order, then one atomic
