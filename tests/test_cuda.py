@@ -519,6 +519,57 @@ def test_gsq_stream_norm_sums() -> None:
 
 
 @needs_cuda
+def test_gsq_stream_chain_equals_two_launches() -> None:
+    """GEMV_STREAM_CHAIN builds: one launch running a residual add (x += W0 . q(a)) and then gate/up with the GLU
+    on RMSNorm(x) (kernels/gemv_stream.cu, cuda_ops.gemv_chain) gives what the scalar reference gives for the two
+    products in turn, twice in a row (the barrier and the sum zeroed in between, as the engine does each step)."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K._define("GEMV_STREAM_CHAIN", 0):
+        pytest.skip("not a GEMV_STREAM_CHAIN build (NINFER_CUDA_DEFINES)")
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    rng = np.random.default_rng(17)
+    n, rows0, rows1, tid = 5120, 5120, 6144, gsq_type(3, 2)
+    raws = [random_gsq_records(3, 2, r, n, n**-0.5, rng) for r in (rows0, rows1, rows1)]
+    ws = [to_gpu(raw, tid, r, n, f"w{i}") for i, (raw, r) in enumerate(zip(raws, (rows0, rows1, rows1)))]
+    a = rng.standard_normal(n).astype(np.float32)
+    base = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def dots(raw, y):
+        return np.array([_core.gsq_dot_q8(raw[r].tobytes(), y, bits=3, slots=2, simd=False) for r in range(len(raw))],
+                        np.float32)
+
+    x_ref = base + dots(raws[0], a)
+    y = _rms_norm_ref(x_ref, norm_w, 1e-6)
+    g, up = dots(raws[1], y), dots(raws[2], y)
+    glu_ref = g / (1 + np.exp(-g)) * up
+    rb = gpu_row_bytes(tid, n)
+    a_d, x_d, norm_d = cp.asarray(a), cp.zeros(n, cp.float32), cp.asarray(norm_w)
+    out = cp.zeros(rows1, cp.float32)
+    d0 = K.mat_descs([(ws[0].data.ptr, 0, x_d.data.ptr, rb, tid, rows0)])
+    d1 = K.mat_descs([(ws[1].data.ptr, 0, out.data.ptr, rb, tid, rows1),
+                      (ws[2].data.ptr, 0, out.data.ptr, rb, tid, rows1)])
+    bar, sums = cp.zeros(1, cp.uint32), cp.zeros(1, cp.float64)
+    for _ in range(2):
+        x_d[:] = cp.asarray(base)
+        out[:] = 0
+        bar[:] = 0
+        sums[:] = 0
+        assert K.gemv_chain(d0, 1, rows0, d1, 2, rows1, n, a_d.data.ptr, x_d.data.ptr, norm_d.data.ptr, 1e-6, 0,
+                            bar.data.ptr, sums.data.ptr)
+        got_x = x_d.get()
+        assert nmse(got_x, x_ref) < 1e-6
+        assert float(sums.get()[0]) == pytest.approx(float(np.sum(got_x.astype(np.float64) ** 2)), rel=1e-6)
+        assert nmse(out.get(), glu_ref) < 1e-5
+
+
+@needs_cuda
 @pytest.mark.parametrize("bits,slots", GSQ_LAYOUTS)
 def test_gsq_dequantize_to_f16_equals_cpu_dequantize(bits: int, slots: int) -> None:
     import cupy as cp

@@ -30,8 +30,8 @@ from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
 from ninfer.backends import launch
-from ninfer.backends.layouts import (ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type, gsq_pairs_type, layout,
-                                     to_gpu)
+from ninfer.backends.layouts import (ACT_GSQ8, ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type,
+                                     gsq_pairs_type, layout, to_gpu)
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -241,6 +241,11 @@ class CudaEngine:
         self.norm_sums = cp.zeros(2 * len(self.layers), cp.float64) \
             if K._define("GEMV_STREAM_NORM_SUMS", 0) and self.layers else None
         self._norm_sums_written: dict[int, bool] = {}
+        # GEMV_STREAM_CHAIN (a trial): per layer the barrier counter and the sum of squares of the launch that runs
+        # the output projection and gate/up together (K.gemv_chain), zeroed at the start of each decode step.
+        chain = K._define("GEMV_STREAM_CHAIN", 0) and self.layers
+        self.chain_bar = cp.zeros(len(self.layers), cp.uint32) if chain else None
+        self.chain_sums = cp.zeros(len(self.layers), cp.float64) if chain else None
         # Step inputs and outputs in mapped pinned memory. Decode steps alternate between two slots of position
         # and token (parity p: position in_pos[p], token read from tok[p], greedy result written to tok[1 - p]), so
         # a step can be queued while the previous one runs (step()).
@@ -590,6 +595,38 @@ class CudaEngine:
         if sums_out:
             self._norm_sums_written[sums_out] = wrote
 
+    def _chain_ops(self, il: int, lw: dict, att: int) -> list[Callable[[], None]] | None:
+        """Layer il's output projection (+ residual into x) and gate/up (+ GLU into act) as one launch of the
+        streamed kernel (K.gemv_chain), or None where this build or the matrices do not allow it: 3-bit lane-pair
+        GSQ-RCO, one kind, equal widths and row sizes. Where the launcher still declines (the ring's plan), the op
+        launches the two products apart."""
+        if self.chain_bar is None:
+            return None
+        wo, gate, up = lw["wo"], lw["w_gate"], lw["w_up"]
+        mats = (wo, gate, up)
+        if len({(m.act, m.type, m.cols, m.row_bytes) for m in mats}) != 1 or wo.act != ACT_GSQ8 or \
+                not all(gsq_pairs_type(m.type) for m in mats) or not K.gsq_pairs(wo.cols, wo.rows) or \
+                not K.gsq_pairs(wo.cols, gate.rows):
+            return None
+        s = self.spec
+        x, act = self.x.data.ptr, self.act.data.ptr
+        glu_act = 0 if s["activation"] == "silu" else 1
+        d0 = K.mat_descs([(wo.ptr, 0, x, wo.row_bytes, wo.type, wo.rows)])
+        d1 = K.mat_descs([(gate.ptr, 0, act, gate.row_bytes, gate.type, gate.rows),
+                          (up.ptr, 0, act, up.row_bytes, up.type, up.rows)])
+        self._keep += [d0, d1]
+        apart = self._matmul_vec([wo], [x], att, 0, K.MODE_ADD, sums=(0, self._sums(il, "o"))) + \
+            self._matmul_vec([gate, up], [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU, glu_act,
+                             sums=(self._sums(il, "o"), 0))
+        bar, sums = self.chain_bar.data.ptr + 4 * il, self.chain_sums.data.ptr + 8 * il
+
+        def run() -> None:
+            if not K.gemv_chain(d0, 1, wo.rows, d1, 2, gate.rows, wo.cols, att, x, lw["ptr"]["ffn_norm"],
+                                s["rms_eps"], glu_act, bar, sums):
+                for f in apart:
+                    f()
+        return [run]
+
     def _sums(self, layer: int, after: str) -> int:
         """The device address of x's sum of squares after `layer`'s "o" or "down" residual add (0: none kept)."""
         if self.norm_sums is None or layer < 0:
@@ -616,8 +653,9 @@ class CudaEngine:
             ops.extend((kind, layer, f) for f in fns)
 
         tok_in, tok_out = self.tok.dev_ptr + 4 * parity, self.tok.dev_ptr + 4 * (1 - parity)
-        if self.norm_sums is not None:
-            add("other", -1, [lambda: launch.memset(self.norm_sums.data.ptr, self.norm_sums.nbytes)])
+        for buf in (self.norm_sums, self.chain_bar, self.chain_sums):
+            if buf is not None:
+                add("other", -1, [lambda buf=buf: launch.memset(buf.data.ptr, buf.nbytes)])
         if self.embd_gpu is not None:  # the token's embedding row, dequantized on the GPU
             m = self.embd_gpu
             add("other", -1, [lambda: K.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x)])
@@ -644,6 +682,12 @@ class CudaEngine:
             self._keep.append(params)
             add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
                                                                     s["head_dim"], True, group)])
+            chained = self._chain_ops(il, lw, att) if not post_a and not post_f else None
+            if chained:  # the output projection and gate/up in one launch (GEMV_STREAM_CHAIN)
+                add("matmul", il, chained)
+                add("matmul", il, self._matmul_vec([lw["w_down"]], [x], act, 0, K.MODE_ADD, prequantize=True,
+                                                   sums=(0, self._sums(il, "down"))))
+                continue
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
                                                K.MODE_STORE if post_a else K.MODE_ADD,

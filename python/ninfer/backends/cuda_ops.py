@@ -276,7 +276,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
                                                      P(pq), P(pd), I(u), *stream_norm_sums_args(norm_sums),
-                                                     *stream_trace_arg(mode, total_rows, n_cols)),
+                                                     *stream_chain_args(None), *stream_trace_arg(mode, total_rows, n_cols)),
                           shared_mem=smem, dependent=True)
             return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
@@ -298,6 +298,53 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
     return False
+
+
+def stream_chain_args(chain: tuple | None) -> tuple:
+    """The streamed kernel's second-product arguments in GEMV_STREAM_CHAIN builds: chain = (descs, n_mats,
+    total_rows, mode, x, norm_w, glu_act, barrier, sums) or None (one product); none in other builds."""
+    if not _define("GEMV_STREAM_CHAIN", 0):
+        return ()
+    descs, n_mats, rows, mode, x, norm_w, glu_act, bar, sums = chain or (0, 0, 0, 0, 0, 0, 0, 0, 0)
+    return (descs if chain else P(0), I(n_mats), I(rows), I(mode), P(x), P(norm_w), I(glu_act), P(bar), P(sums))
+
+
+def gemv_chain(descs0, n_mats0: int, rows0: int, descs1, n_mats1: int, rows1: int, n_cols: int, x0: int, x1: int,
+               norm_w1: int, eps: float, glu_act: int, bar: int, sums: int, consumers: int = 0) -> bool:
+    """One launch of kernels/gemv_stream.cu for two products back to back (GEMV_STREAM_CHAIN builds): a residual
+    add (x1 += W0 . q(x0), x0 quantized in the prologue) and then gate/up with the GLU on RMSNorm(x1) * norm_w1,
+    the norm's sum of squares left in `sums` by the first product, the blocks meeting at `barrier` (a u32) between
+    them; both zero before the launch (the engine zeroes them each step). Both products 3-bit lane-pair GSQ-RCO of
+    n_cols columns. False (nothing launched) where this build, the GPU or the shapes do not allow it: the caller
+    then launches the two products apart."""
+    if not _define("GEMV_STREAM_CHAIN", 0) or not (gsq_stream(MODE_ADD) and gsq_stream(MODE_GLU)):
+        return False
+    import cupy as cp
+
+    sfn = function("gemv_gsq8_stream")
+    team = _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM)
+    consumers = consumers or _define("GEMV_STREAM_CHAIN_WARPS", GEMV_STREAM_LONG_WARPS)
+    groups0, groups1 = -(-rows0 // GEMV_ROWS_PER_WARP), rows1  # (GLU: a gate and an up row an output)
+    ks = gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups0)
+    if ks != gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups1) or not gsq_stream_walk_full(n_cols, ks):
+        return False
+    plan = gemv_stream_plan(sfn, n_cols, groups0, team, ks, _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES),
+                            consumers // team)
+    threads = 32 * (consumers + 1)
+    if plan is None or threads > sfn.max_threads_per_block:
+        return False
+    _, stages, smem = plan
+    _allow_smem(sfn, smem)
+    # every block must be resident at once (they meet at a barrier): one an SM, no more than the GPU holds
+    grid = min(groups0, groups1, resident_blocks(sfn, threads, smem), cp.cuda.Device().attributes["MultiProcessorCount"])
+    u = gsq_stream_lane_records(n_cols, ks)
+    chain = (descs1, n_mats1, rows1, MODE_GLU, x1, norm_w1, glu_act, bar, sums)
+    launch.kernel(sfn, (grid,), (threads,), (descs0, I(n_mats0), I(rows0), I(n_cols), P(x0), P(0), F(eps),
+                                             I(MODE_ADD), I(0), I(ks), I(team), I(stages), P(0), P(0), I(u),
+                                             *stream_norm_sums_args(None), *stream_chain_args(chain),
+                                             *stream_trace_arg(MODE_ADD, rows0, n_cols)),
+                  shared_mem=smem, dependent=True)
+    return True
 
 
 def stream_norm_sums_args(norm_sums: tuple[int, int] | None) -> tuple:

@@ -61,6 +61,19 @@
 // A trial, not yet run on a GPU (cuda_ops.stream_norm_sums_args; the engine wires it where both launches stream).
 #define GEMV_STREAM_NORM_SUMS 0
 #endif
+#ifndef GEMV_STREAM_CHAIN
+// 1: a launch may run a second product after its first (cuda_ops.gemv_chain: the output projection's residual add
+// into x, then gate/up with the GLU on RMSNorm(x); both 5,120 wide, so one ring geometry serves both). The producer
+// walks the second product's chunks right after the first's, so its weights stream in while the first one's last
+// chunks are computed; the consumers, done with the first, add their sums of squares of what they wrote and meet at
+// a grid-wide barrier (a counter the engine zeroes each step; every block is resident: one a SM), then build the
+// second activation from x and that sum (norm_quant_v<4, true>, no block-wide reduction) and go on. What it
+// removes: gate/up's launch, its grid's arrival and dependency wait, its norm's first pass, and the ring's refill
+// after the boundary (the trace: about 1.1 + 0.4 + 0.6 µs and most of an 8.6 µs prologue). A trial, not yet run
+// on a GPU.
+#define GEMV_STREAM_CHAIN 0
+#endif
+#define GEMV_STREAM_SQ (GEMV_STREAM_NORM_SUMS || GEMV_STREAM_CHAIN)  // residual adds keep their sums of squares
 #ifndef GEMV_STREAM_EARLY_CHUNKS
 // Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
 // before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
@@ -174,6 +187,13 @@ __device__ __forceinline__ void team_sync(int team, int n_threads) {
 #endif
 
 #if __CUDA_ARCH__ >= 900
+// What a consumer needs of the product it computes: its matrices and how their rows make groups and outputs.
+struct StreamProduct {
+    const MatDesc* mats;
+    int n_mats, total_rows, mode, glu_act, per_group, g1;  // g1: the product's row groups
+    bool is_glu;
+};
+
 // A consumer warp's side of the ring (gemv_gsq8_stream): it takes its team's chunks in turn and computes its group
 // of each. A struct with a template method, so each record count a lane takes (U) is its own loop.
 // (Tried and dropped, 2026-12-02: computing a lane's record offsets once per launch where a row pair takes one round
@@ -191,41 +211,81 @@ struct StreamConsumer {
     const float* d;
 #if GEMV_STREAM_NORM_SUMS
     double* sums_out;  // MODE_ADD: where the block's sum of squares of what it wrote goes (0: nowhere)
+#endif
+#if GEMV_STREAM_SQ
     double* sq_part;   // shared: a consumer warp's share
+#endif
+#if GEMV_STREAM_CHAIN
+    // The second product (mats1 == 0: none), from chunk n_st0 of this block on: its matrices and mode, its input
+    // (normed by norm_w1 with the launch-wide sum of squares), the grid barrier and that sum.
+    const MatDesc* mats1;
+    int n_mats1, total_rows1, mode1, glu_act1, n_st0, n_cols;
+    const float* x1;
+    const float* norm_w1;
+    float eps;
+    unsigned* chain_bar;
+    double* chain_sums;
 #endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
 
-    // U: records a lane loads before it computes any.
-    template <int U>
-    __device__ __forceinline__ void run() const {
-        constexpr int R = GEMV_R;
-        // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
-        // (at most `stages`) instead of two divisions a chunk.
-        int s = team;
-        u32 parity = 0;
-#if GEMV_STREAM_NORM_SUMS
-        double sq = 0.0;  // (lane 0 of a group's first warp: the squares of the values it wrote)
+#if GEMV_STREAM_CHAIN
+    // Between the products: the block's sum of squares of the first product's output into chain_sums, every block
+    // at the barrier, then the second product's activation in place of the first's (every consumer warp comes here
+    // once, done with the first product's chunks).
+    __device__ __forceinline__ void next_product(double sq) const {
+        const int n_used = n_teams * team_warps;
+        if (lane == 0) sq_part[warp] = sq;
+        asm volatile("bar.sync 14, %0;" ::"r"(n_used * WARP) : "memory");
+        if (warp == 0 && lane == 0) {
+            double t = 0.0;
+            for (int j = 0; j < n_used; ++j) t += sq_part[j];
+            atomicAdd(chain_sums, t);
+            __threadfence();
+            atomicAdd(chain_bar, 1u);
+            unsigned v;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(chain_bar) : "memory");
+            } while (v < gridDim.x);
+        }
+        asm volatile("bar.sync 14, %0;" ::"r"(n_used * WARP) : "memory");
+        float* dd = (float*)d;
+        norm_quant_v<4, true>(x1, norm_w1, eps, n_cols, ACT_GSQ8_PAIRS, (i8*)aq, dd, (float2*)(dd + (n_cols >> 5)),
+                              0, 0, __ldcg(chain_sums), n_used);
+        asm volatile("bar.sync 14, %0;" ::"r"(n_used * WARP) : "memory");
+    }
 #endif
-        for (int i = team; i < n_st; i += n_teams, s += n_teams) {
+
+    // This warp's chunks i0, i0 + n_teams, ... below i_end, of product p from chunk ibase on, chunk i0 in slot s0
+    // of parity parity0; returns the chunk it stopped at. (s0 and parity0 by value: by reference, the default
+    // build's SASS came out reordered.)
+    template <int U, class Product>
+    __device__ __forceinline__ int walk(const Product& p, int i0, int i_end, int ibase, int s0, u32 parity0,
+                                        double& sq) const {
+        int s = s0;
+        u32 parity = parity0;
+        constexpr int R = GEMV_R;
+        int i = i0;
+        for (; i < i_end; i += n_teams, s += n_teams) {
             if (s >= stages) {
                 s -= stages;
                 parity ^= 1;
             }
+            const int ic = i - ibase;  // the chunk's place in its product
             mbar_wait(smem_u32(&full[s]), parity);
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-            const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
+            const int g = slot < per_step ? g0 + ic * cstride + slot : p.g1;  // (warps past ks * per_step: none)
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-            if (g < g1) {
+            if (g < p.g1) {
                 static_assert(R == 2, "a half-warp a row");
                 const int hw = lane >> 4;  // this lane's row of the group
-                const u32 wrow = base + (is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
+                const u32 wrow = base + (p.is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
                 const int p = (lane >> 1) & 7, cstep = 8 * ks;
                 float a = 0.0f;
                 for (int c0 = 8 * sub; c0 < n_rec; c0 += U * cstep) {  // (warp-uniform)
@@ -265,20 +325,20 @@ struct StreamConsumer {
                 }
                 team_sync(team, team_warps * WARP);
             }
-            if (lane != 0 || sub != 0 || g >= g1) continue;
-            const int first = g * per_group;
-            if (is_glu) {
-                mats[0].out[first] = glu(acc[0], acc[1], glu_act);
+            if (lane != 0 || sub != 0 || g >= p.g1) continue;
+            const int first = g * p.per_group;
+            if (p.is_glu) {
+                p.mats[0].out[first] = glu(acc[0], acc[1], p.glu_act);
                 continue;
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (first + r < total_rows) {
-                    const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
+                if (first + r < p.total_rows) {
+                    const MatDesc& m = p.mats[mat_of(p.mats, p.n_mats, first + r)];
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                    if (mode == MODE_ADD) {
-#if GEMV_STREAM_NORM_SUMS
+                    if (p.mode == MODE_ADD) {
+#if GEMV_STREAM_SQ
                         const float nv = m.out[local] + v;
                         m.out[local] = nv;
                         sq += (double)(nv * nv);  // (as norm_quant_v's own pass adds them)
@@ -291,6 +351,28 @@ struct StreamConsumer {
                 }
             }
         }
+        return i;
+    }
+
+    // U: records a lane loads before it computes any.
+    template <int U>
+    __device__ __forceinline__ void run() const {
+        // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
+        // (at most `stages`) instead of two divisions a chunk (walk), from s = team, parity 0.
+        double sq = 0.0;  // (GEMV_STREAM_SQ, lane 0 of a group's first warp: the squares of the values it wrote)
+#if GEMV_STREAM_CHAIN
+        const int i = walk<U>(*this, team, mats1 ? n_st0 : n_st, 0, team, 0, sq);  // (its own fields: product 0)
+        if (mats1) {
+            next_product(sq);
+            const int pg1 = mode1 == MODE_GLU ? GEMV_R / 2 : GEMV_R;
+            const StreamProduct p1{mats1, n_mats1, total_rows1, mode1, glu_act1, pg1, (total_rows1 + pg1 - 1) / pg1,
+                                   mode1 == MODE_GLU};
+            double sq1 = 0.0;
+            walk<U>(p1, i, n_st, n_st0, i % stages, (u32)((i / stages) & 1), sq1);
+        }
+#else
+        walk<U>(*this, team, n_st, 0, team, 0, sq);
+#endif
 #if GEMV_STREAM_NORM_SUMS
         if (sums_out) {  // the block's consumers' shares in a fixed order, then one atomic
             if (lane == 0) sq_part[warp] = sq;
@@ -319,6 +401,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #if GEMV_STREAM_NORM_SUMS
                                             , const double* sums_in, double* sums_out  // (0: none)
 #endif
+#if GEMV_STREAM_CHAIN
+                                            , const MatDesc* mats1, int n_mats1, int total_rows1, int mode1,
+                                            const float* x1, const float* norm_w1, int glu_act1,
+                                            unsigned* chain_bar, double* chain_sums  // (mats1 = 0: one product)
+#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -328,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     extern __shared__ __align__(128) int4 stream_sm[];
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ float partial[32][R];
-#if GEMV_STREAM_NORM_SUMS
+#if GEMV_STREAM_SQ
     __shared__ double sq_part[32];
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
@@ -338,7 +425,14 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
     // Chunk i of this block: groups [g0 + i cstride, + per_step), none at or past g1
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
-    const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
+    const int n_st0 = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
+#if GEMV_STREAM_CHAIN
+    const int per_group1 = mode1 == MODE_GLU ? R / 2 : R;
+    const int n_groups1 = mats1 ? (total_rows1 + per_group1 - 1) / per_group1 : 0;
+    const int n_st = n_st0 + (g0 < n_groups1 ? (n_groups1 - g0 + cstride - 1) / cstride : 0);
+#else
+    const int n_st = n_st0;
+#endif
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
     const u32 stage_bytes = (u32)per_step * R * rb;
@@ -368,19 +462,30 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
     auto issue = [&](int i) {
         const int s = i % stages;
-        const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
+#if GEMV_STREAM_CHAIN
+        const bool p1 = i >= n_st0;  // (chunks of the second product follow the first's)
+        const MatDesc* pm = p1 ? mats1 : mats;
+        const int pn = p1 ? n_mats1 : n_mats, prows = p1 ? total_rows1 : total_rows, pg1 = p1 ? n_groups1 : g1;
+        const bool pglu = p1 ? mode1 == MODE_GLU : is_glu;
+        const int ic = p1 ? i - n_st0 : i;
+#else
+        const MatDesc* pm = mats;
+        const int pn = n_mats, prows = total_rows, pg1 = g1, ic = i;
+        const bool pglu = is_glu;
+#endif
+        const int ga = g0 + ic * cstride, gb = min(ga + per_step, pg1);
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
-        if (is_glu) {
+        if (pglu) {
             const u32 bytes = (u32)(gb - ga) * rb;
             mbar_expect_tx(bar, 2 * bytes);
-            bulk_copy(dst, mats[0].w + (long long)ga * rb, bytes, bar);
-            bulk_copy(dst + per_step * rb, mats[1].w + (long long)ga * rb, bytes, bar);
+            bulk_copy(dst, pm[0].w + (long long)ga * rb, bytes, bar);
+            bulk_copy(dst + per_step * rb, pm[1].w + (long long)ga * rb, bytes, bar);
             return;
         }
-        const int ra = ga * R, re = min(gb * R, total_rows);
+        const int ra = ga * R, re = min(gb * R, prows);
         mbar_expect_tx(bar, (u32)(re - ra) * rb);
         for (int r = ra; r < re;) {
-            const MatDesc& m = mats[mat_of(mats, n_mats, r)];
+            const MatDesc& m = pm[mat_of(pm, pn, r)];
             const int end = min(re, m.row0 + m.rows);
             bulk_copy(dst + (u32)(r - ra) * rb, m.w + (long long)(r - m.row0) * rb, (u32)(end - r) * rb, bar);
             r = end;
@@ -437,7 +542,14 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
 #if GEMV_STREAM_NORM_SUMS
-                              , mode == MODE_ADD ? sums_out : nullptr, sq_part
+                              , mode == MODE_ADD ? sums_out : nullptr
+#endif
+#if GEMV_STREAM_SQ
+                              , sq_part
+#endif
+#if GEMV_STREAM_CHAIN
+                              , mats1, n_mats1, total_rows1, mode1, glu_act1, n_st0, n_cols, x1, norm_w1, eps,
+                              chain_bar, chain_sums
 #endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
