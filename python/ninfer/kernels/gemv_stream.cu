@@ -257,11 +257,11 @@ struct StreamConsumer {
     }
 #endif
 
-    // This warp's chunks i0, i0 + n_teams, ... below i_end, of product p from chunk ibase on, chunk i0 in slot s0
+    // This warp's chunks i0, i0 + n_teams, ... below i_end, of product `prod` from chunk ibase on, chunk i0 in slot s0
     // of parity parity0; returns the chunk it stopped at. (s0 and parity0 by value: by reference, the default
     // build's SASS came out reordered.)
     template <int U, class Product>
-    __device__ __forceinline__ int walk(const Product& p, int i0, int i_end, int ibase, int s0, u32 parity0,
+    __device__ __forceinline__ int walk(const Product& prod, int i0, int i_end, int ibase, int s0, u32 parity0,
                                         double& sq) const {
         int s = s0;
         u32 parity = parity0;
@@ -277,15 +277,15 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-            const int g = slot < per_step ? g0 + ic * cstride + slot : p.g1;  // (warps past ks * per_step: none)
+            const int g = slot < per_step ? g0 + ic * cstride + slot : prod.g1;  // (warps past ks * per_step: none)
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-            if (g < p.g1) {
+            if (g < prod.g1) {
                 static_assert(R == 2, "a half-warp a row");
                 const int hw = lane >> 4;  // this lane's row of the group
-                const u32 wrow = base + (p.is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
+                const u32 wrow = base + (prod.is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
                 const int p = (lane >> 1) & 7, cstep = 8 * ks;
                 float a = 0.0f;
                 for (int c0 = 8 * sub; c0 < n_rec; c0 += U * cstep) {  // (warp-uniform)
@@ -325,19 +325,19 @@ struct StreamConsumer {
                 }
                 team_sync(team, team_warps * WARP);
             }
-            if (lane != 0 || sub != 0 || g >= p.g1) continue;
-            const int first = g * p.per_group;
-            if (p.is_glu) {
-                p.mats[0].out[first] = glu(acc[0], acc[1], p.glu_act);
+            if (lane != 0 || sub != 0 || g >= prod.g1) continue;
+            const int first = g * prod.per_group;
+            if (prod.is_glu) {
+                prod.mats[0].out[first] = glu(acc[0], acc[1], prod.glu_act);
                 continue;
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (first + r < p.total_rows) {
-                    const MatDesc& m = p.mats[mat_of(p.mats, p.n_mats, first + r)];
+                if (first + r < prod.total_rows) {
+                    const MatDesc& m = prod.mats[mat_of(prod.mats, prod.n_mats, first + r)];
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                    if (p.mode == MODE_ADD) {
+                    if (prod.mode == MODE_ADD) {
 #if GEMV_STREAM_SQ
                         const float nv = m.out[local] + v;
                         m.out[local] = nv;
