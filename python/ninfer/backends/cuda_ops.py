@@ -342,7 +342,8 @@ def gemv_chain(descs0, n_mats0: int, rows0: int, descs1, n_mats1: int, rows1: in
     launch.kernel(sfn, (grid,), (threads,), (descs0, I(n_mats0), I(rows0), I(n_cols), P(x0), P(0), F(eps),
                                              I(MODE_ADD), I(0), I(ks), I(team), I(stages), P(0), P(0), I(u),
                                              *stream_norm_sums_args(None), *stream_chain_args(chain),
-                                             *stream_trace_arg(MODE_ADD, rows0, n_cols)),
+                                             *stream_trace_arg(MODE_ADD, rows0, n_cols,
+                                                               f"add {rows0}x{n_cols} + glu {rows1}x{n_cols}")),
                   shared_mem=smem, dependent=True)
     return True
 
@@ -356,14 +357,15 @@ def stream_norm_sums_args(norm_sums: tuple[int, int] | None) -> tuple:
     return (P(sums_in), P(sums_out))
 
 
-def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
+def stream_trace_arg(mode: int, total_rows: int, n_cols: int, label: str = "") -> tuple:
     """The streamed kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
-    stream_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""
+    stream_trace_labels, modulo the kernel's buffer; `label` names it instead of its mode and shape); none in other
+    builds, whose kernel has no such argument."""
     if not _define("GEMV_STREAM_TRACE", 0):
         return ()
     from .stream_trace import TRACE_LAUNCHES
 
-    stream_trace_labels.append(f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}")
+    stream_trace_labels.append(label or f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}")
     return (I((len(stream_trace_labels) - 1) % TRACE_LAUNCHES),)
 
 
