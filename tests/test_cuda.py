@@ -115,9 +115,10 @@ def test_stream_consumers_for_rounds_of_row_groups() -> None:
     assert stream_consumers_for_rounds(27648, 1, 132, 24, 0) == 24
 
 
-def test_streamed_kernel_takes_no_trace_argument_by_default() -> None:
-    """The streamed kernel's trace argument exists only in GEMV_STREAM_TRACE builds (kernels/gemv_stream.cu); the
-    launcher must pass none otherwise, or every launch's arguments would be misread."""
+def test_streamed_kernel_takes_no_trial_arguments_by_default() -> None:
+    """The streamed kernel's trial arguments exist only in builds with their switch (kernels/gemv_stream.cu:
+    GEMV_STREAM_TRACE, NORM_SUMS, PREFETCH_TAIL, CHAIN); the launcher must pass none otherwise, or every launch's
+    arguments would be misread."""
     from ninfer.backends import cuda_ops as K
 
     if any("GEMV_STREAM_TRACE" in d for d in K._DEFINES):
@@ -126,11 +127,15 @@ def test_streamed_kernel_takes_no_trace_argument_by_default() -> None:
     assert K.stream_trace_labels == []
     if not any("GEMV_STREAM_NORM_SUMS" in d for d in K._DEFINES):
         assert K.stream_norm_sums_args((1, 2)) == ()
+    if not any("GEMV_STREAM_PREFETCH_TAIL" in d for d in K._DEFINES):
+        assert K.stream_prefetch_args((1234, 3, 65536)) == ()
+    if not any("GEMV_STREAM_CHAIN" in d for d in K._DEFINES):
+        assert K.stream_chain_args(None) == ()
 
 
-def test_streamed_kernel_trace_argument_matches_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In trace builds the launcher appends what the kernel's signature adds, (int trace_slot), the slot counting
-    launches from 0."""
+def test_streamed_kernel_trial_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the trial builds the launcher appends what the kernel's signature adds, in its C types: (int trace_slot),
+    the slot counting launches from 0; (sums_in, sums_out); (pf, n_pf, pf_cap); the chain's second product."""
     from ninfer.backends import cuda_ops as K
 
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
@@ -138,10 +143,17 @@ def test_streamed_kernel_trace_argument_matches_its_signature(monkeypatch: pytes
     first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
     assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
     assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_NORM_SUMS=1"])
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_NORM_SUMS=1", "-DGEMV_STREAM_PREFETCH_TAIL=15",
+                                        "-DGEMV_STREAM_CHAIN=1"])
     sums = K.stream_norm_sums_args((1234, 5678))
     assert [type(a) for a in sums] == [np.uint64, np.uint64] and [int(a) for a in sums] == [1234, 5678]
     assert [int(a) for a in K.stream_norm_sums_args(None)] == [0, 0]
+    pf = K.stream_prefetch_args((1234, 3, 65536))  # (const u64* pf, int n_pf, int pf_cap)
+    assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
+    assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
+    chain = K.stream_chain_args(None)  # (mats1, n_mats1, total_rows1, mode1, x1, norm_w1, glu_act1, bar, sums)
+    assert [type(a) for a in chain] == [np.uint64, np.int32, np.int32, np.int32, np.uint64, np.uint64, np.int32,
+                                        np.uint64, np.uint64] and not any(int(a) for a in chain)
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:

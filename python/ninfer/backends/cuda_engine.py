@@ -557,13 +557,21 @@ class CudaEngine:
 
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
-                    prequantize: bool = False, sums: tuple[int, int] = (0, 0)) -> list[Callable[[], None]]:
+                    prequantize: bool = False, sums: tuple[int, int] = (0, 0),
+                    prefetch: list[_Matrix] | None = None, prefetch_cap: int = 0) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
         (they must live as long as a graph that launches them). `sums` = (sums_in, sums_out): x's sum of squares
-        for the norm where the launch that wrote it left one (GEMV_STREAM_NORM_SUMS builds; see _sums)."""
+        for the norm where the launch that wrote it left one (GEMV_STREAM_NORM_SUMS builds; see _sums).
+        `prefetch`: a later launch's matrices for a streamed GEMV to ask L2 for at its end (each block its share,
+        its first prefetch_cap bytes if > 0; GEMV_STREAM_PREFETCH_TAIL builds)."""
         keep = self._keep if keep is None else keep
+        pf = None
+        if prefetch:
+            regions = K.prefetch_regions([(m.ptr, m.rows * m.row_bytes) for m in prefetch])
+            keep.append(regions)
+            pf = (regions.data.ptr, len(prefetch), prefetch_cap)
         ops: list[Callable[[], None]] = []
         n = mats[0].cols
         kinds = sorted({m.act for m in mats})
@@ -582,7 +590,8 @@ class CudaEngine:
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
                 ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
             ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: self._gemv_summed(
-                sums, kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs))
+                sums, kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs,
+                prefetch=pf))
         return ops
 
     def _gemv_summed(self, sums: tuple[int, int], *args: Any, **kw: Any) -> None:
@@ -666,13 +675,18 @@ class CudaEngine:
         glu_act = 0 if s["activation"] == "silu" else 1
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
         group = s["n_head"] // s["n_head_kv"]
+        # GEMV_STREAM_PREFETCH_TAIL (a trial): which streamed launches ask L2 for a later one's weights at their end
+        # (bits: kernels/gemv_stream.cu), capped at GEMV_STREAM_PREFETCH_CAP bytes a block for the large ones
+        pf_bits, pf_cap = K._define("GEMV_STREAM_PREFETCH_TAIL", 0), K._define("GEMV_STREAM_PREFETCH_CAP", 65536)
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
             gate_up = [lw["w_gate"], lw["w_up"]]
+            nxt = self.layers[il + 1] if il + 1 < len(self.layers) else None
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE, sums=(self._sums(il - 1, "down"), 0)))
+                                               K.MODE_STORE, sums=(self._sums(il - 1, "down"), 0),
+                                               prefetch=[lw["wo"]] if pf_bits & 2 else None))
             params = K.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
@@ -683,20 +697,24 @@ class CudaEngine:
             add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
                                                                     s["head_dim"], True, group)])
             chained = self._chain_ops(il, lw, att) if not post_a and not post_f else None
+            down_pf = [nxt["wq"], nxt["wk"], nxt["wv"]] if pf_bits & 1 and nxt is not None else None
             if chained:  # the output projection and gate/up in one launch (GEMV_STREAM_CHAIN)
                 add("matmul", il, chained)
                 add("matmul", il, self._matmul_vec([lw["w_down"]], [x], act, 0, K.MODE_ADD, prequantize=True,
-                                                   sums=(0, self._sums(il, "down"))))
+                                                   sums=(0, self._sums(il, "down")), prefetch=down_pf))
                 continue
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
                                                K.MODE_STORE if post_a else K.MODE_ADD,
-                                               sums=(0, 0 if post_a else self._sums(il, "o"))))
+                                               sums=(0, 0 if post_a else self._sums(il, "o")),
+                                               prefetch=gate_up if pf_bits & 4 else None, prefetch_cap=pf_cap))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act, sums=(self._sums(il, "o"), 0)))
+                                                   glu_act, sums=(self._sums(il, "o"), 0),
+                                                   prefetch=[lw["w_down"]] if pf_bits & 8 else None,
+                                                   prefetch_cap=pf_cap))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
@@ -704,7 +722,7 @@ class CudaEngine:
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
                                                K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
-                                               sums=(0, 0 if post_f else self._sums(il, "down"))))
+                                               sums=(0, 0 if post_f else self._sums(il, "down")), prefetch=down_pf))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:

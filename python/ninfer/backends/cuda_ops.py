@@ -214,7 +214,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
-         lane_records: int = 0, norm_sums: tuple[int, int] | None = None) -> bool:
+         lane_records: int = 0, norm_sums: tuple[int, int] | None = None,
+         prefetch: tuple[int, int, int] | None = None) -> bool:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -228,7 +229,9 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     GEMV_STREAM_* constants by default). norm_sums = (sums_in, sums_out), device doubles (0: none), in
     GEMV_STREAM_NORM_SUMS builds: the sum of squares of x a streamed launch takes instead of computing it, and
     where a streamed residual add adds that of the vector it writes (ignored elsewhere). True when the streamed
-    kernel took the launch (only then is sums_out written)."""
+    kernel took the launch (only then is sums_out written). prefetch = (regions, n, cap): a later launch's weights
+    for a streamed launch to ask L2 for at its end (prefetch_regions' array; GEMV_STREAM_PREFETCH_TAIL builds only,
+    ignored elsewhere)."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -276,7 +279,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
                                                      F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
                                                      P(pq), P(pd), I(u), *stream_norm_sums_args(norm_sums),
-                                                     *stream_chain_args(None), *stream_trace_arg(mode, total_rows, n_cols)),
+                                                     *stream_prefetch_args(prefetch), *stream_chain_args(None),
+                                                     *stream_trace_arg(mode, total_rows, n_cols)),
                           shared_mem=smem, dependent=True)
             return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
@@ -298,6 +302,23 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                                             I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
                   shared_mem=smem, dependent=True)
     return False
+
+
+def prefetch_regions(regions: list[tuple[int, int]]):
+    """A device array of (address, bytes) pairs for gemv(prefetch=...): the weights a streamed launch asks L2 for
+    on behalf of a later launch (kernels/gemv_stream.cu GEMV_STREAM_PREFETCH_TAIL)."""
+    import cupy as cp
+
+    return cp.asarray(np.array(regions, np.uint64).reshape(-1, 2))
+
+
+def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
+    """The streamed kernel's prefetch arguments in GEMV_STREAM_PREFETCH_TAIL builds ((regions, n, cap), or none
+    asked: n = 0); none in other builds, whose kernel has no such arguments."""
+    if not _define("GEMV_STREAM_PREFETCH_TAIL", 0):
+        return ()
+    regions, n, cap = prefetch or (0, 0, 0)
+    return (P(regions), I(n), I(cap))
 
 
 def stream_chain_args(chain: tuple | None) -> tuple:
@@ -336,12 +357,14 @@ def gemv_chain(descs0, n_mats0: int, rows0: int, descs1, n_mats1: int, rows1: in
     _, stages, smem = plan
     _allow_smem(sfn, smem)
     # every block must be resident at once (they meet at a barrier): one an SM, no more than the GPU holds
-    grid = min(groups0, groups1, resident_blocks(sfn, threads, smem), cp.cuda.Device().attributes["MultiProcessorCount"])
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    grid = min(groups0, groups1, resident_blocks(sfn, threads, smem), sms)
     u = gsq_stream_lane_records(n_cols, ks)
     chain = (descs1, n_mats1, rows1, MODE_GLU, x1, norm_w1, glu_act, bar, sums)
     launch.kernel(sfn, (grid,), (threads,), (descs0, I(n_mats0), I(rows0), I(n_cols), P(x0), P(0), F(eps),
                                              I(MODE_ADD), I(0), I(ks), I(team), I(stages), P(0), P(0), I(u),
-                                             *stream_norm_sums_args(None), *stream_chain_args(chain),
+                                             *stream_norm_sums_args(None), *stream_prefetch_args(None),
+                                             *stream_chain_args(chain),
                                              *stream_trace_arg(MODE_ADD, rows0, n_cols,
                                                                f"add {rows0}x{n_cols} + glu {rows1}x{n_cols}")),
                   shared_mem=smem, dependent=True)

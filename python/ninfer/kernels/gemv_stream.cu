@@ -74,6 +74,17 @@
 #define GEMV_STREAM_CHAIN 0
 #endif
 #define GEMV_STREAM_SQ (GEMV_STREAM_NORM_SUMS || GEMV_STREAM_CHAIN)  // residual adds keep their sums of squares
+#ifndef GEMV_STREAM_PREFETCH_TAIL
+// Non-zero BITS: a streamed launch's producer, once it has asked for its own last chunk, asks L2
+// (cp.async.bulk.prefetch.L2) for its block's 1/grid share of a later launch's weights (cuda_ops.gemv's `prefetch`,
+// wired by the engine: bit 1 the down projection asks for the next layer's q/k/v, 2 q/k/v for o, 4 o for gate/up's
+// first GEMV_STREAM_PREFETCH_CAP bytes a block, 8 gate/up for down's), so they stream in during this launch's last
+// chunks, its tail and the next one's prologue, when the trace has the memory idle, and the next launch reads them
+// from L2. (Asked for at the start instead, PREFETCH_NEXT lost 3-4.5%: the prefetch then competed with this
+// launch's own stream; down's 70.8 MB and q/k/v's 18.4 MB at 4.5 TB/s are 4 µs apart, what q/k/v gained.) A trial,
+// not yet run on a GPU.
+#define GEMV_STREAM_PREFETCH_TAIL 0
+#endif
 #ifndef GEMV_STREAM_EARLY_CHUNKS
 // Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
 // before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
@@ -401,6 +412,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #if GEMV_STREAM_NORM_SUMS
                                             , const double* sums_in, double* sums_out  // (0: none)
 #endif
+#if GEMV_STREAM_PREFETCH_TAIL
+                                            , const u64* pf, int n_pf, int pf_cap  // (address, bytes) pairs
+#endif
 #if GEMV_STREAM_CHAIN
                                             , const MatDesc* mats1, int n_mats1, int total_rows1, int mode1,
                                             const float* x1, const float* norm_w1, int glu_act1,
@@ -527,6 +541,20 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
+#if GEMV_STREAM_PREFETCH_TAIL
+            // A later launch's weights into L2, this block's share of each region (its first pf_cap bytes when
+            // pf_cap > 0: the share the next launch's block of the same index starts with).
+            for (int r = 0; r < n_pf; ++r) {
+                const u64 base = pf[2 * r], len = pf[2 * r + 1];
+                u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
+                u64 e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
+                if (pf_cap > 0 && e > a + (u64)pf_cap) e = a + (u64)pf_cap;
+                for (; a < e; a += 32768) {
+                    const u32 bytes = (u32)min(e - a, 32768ull);
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
+                }
+            }
+#endif
         }
         return;
     }
