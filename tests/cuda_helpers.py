@@ -1,0 +1,45 @@
+"""What the CUDA tests share: the skip mark, the error measure, the CPU's RMSNorm and a GPU model teacher-forced
+along the CPU's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ninfer
+from ninfer import _core
+from ninfer.backends import cuda_unavailable_reason
+
+HAS_CUDA = cuda_unavailable_reason() is None
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason=f"no CUDA backend here: {cuda_unavailable_reason()}")
+
+
+def nmse(a: np.ndarray, ref: np.ndarray) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.sum((a - ref) ** 2) / max(np.sum(ref**2), 1e-30))
+
+
+def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """The CPU's RMSNorm: sum of squares in f64, y = (x * scale) * w in f32."""
+    ss = float(np.sum(x.astype(np.float64) ** 2))
+    scale = np.float32(1.0) / np.sqrt(np.float32(ss / len(x)) + np.float32(eps))
+    return (x * scale) * w
+
+
+def teacher_forced(path: Path, prompt: list[int], n: int, **kw) -> tuple[list[int], list[int], np.ndarray]:
+    """CPU greedy tokens, the GPU's greedy prediction at each of those steps (prefill, then decode steps fed the
+    CPU's tokens), and the CPU's top-2 margins."""
+    cpu_llm = ninfer.LLM(path, n_ctx=512, threads=8)
+    cpu = cpu_llm.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True).tokens
+    logits = cpu_llm.eval_logits(prompt + cpu[:-1], rows=list(range(len(prompt) - 1, len(prompt) + n - 1)))
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    margins = top2[:, 1] - top2[:, 0]
+    gpu_llm = ninfer.LLM(path, n_ctx=512, device="cuda", **kw)
+    eng = gpu_llm._engine
+    greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
+    gpu = [int(np.argmax(eng.prefill(0, prompt, 512)))]
+    for t in cpu[:-1]:
+        gpu.append(eng.step(0, t, greedy))
+    return cpu, gpu, margins

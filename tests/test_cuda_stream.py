@@ -1,0 +1,322 @@
+"""The streamed GEMV (kernels/gemv_stream.cu): the launcher's rules and trial arguments (no GPU needed), the trace's
+analysis, and on an sm_90 GPU the kernel against the CPU's scalar reference in every mode and shape, its trials
+(GEMV_STREAM_NORM_SUMS, GEMV_STREAM_CHAIN), and a 32B-shape model through it against the CPU. `bash
+scripts/gpu-check trialtests` runs this file once per trial build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ninfer import _core
+from ninfer.synth import write_synthetic
+
+from cuda_helpers import needs_cuda, nmse, rms_norm_ref, teacher_forced
+
+
+def test_streamed_gemv_only_where_its_walk_fills_its_rounds() -> None:
+    """The streamed 3-bit GEMV computes every slot of its last round, so the launcher keeps it to row widths whose
+    lane-pair walk fills at least two thirds of the slots (records of a row group against 16 pairs x ks warps x 5
+    or 4 records a lane, whichever fills better)."""
+    from ninfer.backends.cuda_ops import gsq_stream_lane_records, gsq_stream_walk_fill, gsq_stream_walk_full
+
+    assert gsq_stream_walk_fill(5120, 1, 5) == 1.0 and gsq_stream_lane_records(5120, 1) == 5  # 32B: 80 records
+    assert gsq_stream_walk_fill(27648, 4, 5) == 432 / 640 and gsq_stream_walk_fill(27648, 4, 4) == 432 / 512
+    assert gsq_stream_lane_records(27648, 4) == 4  # the 32B down projection split four ways
+    assert gsq_stream_lane_records(27648, 4, ["-DGEMV_STREAM_PICK_U=0"]) == 5
+    assert gsq_stream_walk_full(5120, 1) and gsq_stream_walk_full(27648, 4)
+    assert gsq_stream_walk_full(10240, 1) and gsq_stream_walk_full(10240, 2)
+    assert gsq_stream_walk_full(4096, 1) and gsq_stream_walk_full(8192, 1)  # 64 records: one round of 4 a lane
+    assert not gsq_stream_walk_full(5376, 1)  # Gemma-3-27B hidden: 84 records, 52% by 5, 66% by 4
+    assert not gsq_stream_walk_full(27648, 16)  # 432 of 1,280 or 1,024
+
+
+def test_stream_consumers_for_rounds_of_row_groups() -> None:
+    """Fewer consumers where 24 would take two rounds of row groups or more: the 32B gate/up (27,648 groups) and
+    down (2,560 groups of four warps) projections take 16; q/k/v (3,584) and o (2,560) keep 24; 0 turns it off."""
+    from ninfer.backends.cuda_ops import stream_consumers_for_rounds
+
+    assert stream_consumers_for_rounds(27648, 1, 132, 24, 16) == 16
+    assert stream_consumers_for_rounds(2560, 4, 132, 24, 16) == 16
+    assert stream_consumers_for_rounds(3584, 1, 132, 24, 16) == 24
+    assert stream_consumers_for_rounds(2560, 1, 132, 24, 16) == 24
+    assert stream_consumers_for_rounds(6336, 1, 132, 24, 16) == 16  # exactly two rounds
+    assert stream_consumers_for_rounds(6335, 1, 132, 24, 16) == 24
+    assert stream_consumers_for_rounds(27648, 1, 132, 24, 0) == 24
+
+
+def test_stream_consumers_for_one_round_of_row_groups() -> None:
+    """GEMV_STREAM_ONE_ROUND's rule: the 32B q/k/v launch (3,584 groups of two rows) on 132 SMs needs 28 consumers in
+    teams of four for one group a warp; o (2,560) needs 20, fewer than the default 24 it keeps; gate/up (27,648)
+    would need more warps than a block may have."""
+    from ninfer.backends.cuda_ops import stream_consumers_one_round
+
+    assert stream_consumers_one_round(3584, 1, 4, 132, 1024) == 28
+    assert stream_consumers_one_round(2560, 1, 4, 132, 1024) == 20
+    assert stream_consumers_one_round(27648, 1, 4, 132, 1024) == 0
+    assert stream_consumers_one_round(3584, 1, 4, 132, 800) == 0  # 25 warps at most: the producer and 24
+    assert stream_consumers_one_round(2560, 4, 4, 132, 1024) == 0  # rows split four ways: 80 warps
+
+
+def test_streamed_kernel_takes_no_trial_arguments_by_default() -> None:
+    """The streamed kernel's trial arguments exist only in builds with their switch (kernels/gemv_stream.cu:
+    GEMV_STREAM_TRACE, NORM_SUMS, PREFETCH_TAIL, CHAIN); the launcher must pass none otherwise, or every launch's
+    arguments would be misread."""
+    from ninfer.backends import cuda_ops as K
+
+    if any("GEMV_STREAM_TRACE" in d for d in K._DEFINES):
+        pytest.skip("a trace build (NINFER_CUDA_DEFINES)")
+    assert K.stream_trace_arg(K.MODE_STORE, 7168, 5120) == ()
+    assert K.stream_trace_labels == []
+    if not any("GEMV_STREAM_NORM_SUMS" in d for d in K._DEFINES):
+        assert K.stream_norm_sums_args((1, 2)) == ()
+    if not any("GEMV_STREAM_PREFETCH_TAIL" in d for d in K._DEFINES):
+        assert K.stream_prefetch_args((1234, 3, 65536)) == ()
+    if not any("GEMV_STREAM_CHAIN" in d for d in K._DEFINES):
+        assert K.stream_chain_args(None) == ()
+
+
+def test_streamed_kernel_trial_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the trial builds the launcher appends what the kernel's signature adds, in its C types: (int trace_slot),
+    the slot counting launches from 0; (sums_in, sums_out); (pf, n_pf, pf_cap); the chain's second product."""
+    from ninfer.backends import cuda_ops as K
+
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
+    monkeypatch.setattr(K, "stream_trace_labels", [])
+    first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
+    assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
+    assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_NORM_SUMS=1", "-DGEMV_STREAM_PREFETCH_TAIL=15",
+                                        "-DGEMV_STREAM_CHAIN=1"])
+    sums = K.stream_norm_sums_args((1234, 5678))
+    assert [type(a) for a in sums] == [np.uint64, np.uint64] and [int(a) for a in sums] == [1234, 5678]
+    assert [int(a) for a in K.stream_norm_sums_args(None)] == [0, 0]
+    pf = K.stream_prefetch_args((1234, 3, 65536))  # (const u64* pf, int n_pf, int pf_cap)
+    assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
+    assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
+    chain = K.stream_chain_args(None)  # (mats1, n_mats1, total_rows1, mode1, x1, norm_w1, glu_act1, bar, sums)
+    assert [type(a) for a in chain] == [np.uint64, np.int32, np.int32, np.int32, np.uint64, np.uint64, np.int32,
+                                        np.uint64, np.uint64] and not any(int(a) for a in chain)
+
+
+def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
+    """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
+    0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come
+    from one block's clock and the timeline from %globaltimer. A slot whose blocks did not all run is left out."""
+    from ninfer.backends import stream_trace as T
+
+    trace = np.zeros((3, T.TRACE_BLOCKS, len(T.EVENTS), 2), np.uint64)
+    offsets = [0, 100, 500, 1500, 2000, 8000, 9000]  # entry .. last_done, ns after the block's entry
+    for slot, start in ((0, 1000), (1, 10500)):
+        for b in range(2):
+            entry = start + 200 * b
+            for ev, off in enumerate(offsets):
+                t = entry + off + (1000 * b if ev == T.LAST_DONE else 0)
+                trace[slot, b, ev] = (t, 2 * (t - entry) + 777 * (b + 1))
+            trace[slot, b, T.SM] = (b, 2)
+    trace[2, 0, T.SM] = (0, 2)
+    trace[2, 0, T.ENTRY] = (50000, 1)  # block 1 of slot 2 never ran
+    launches = T.summarize(trace, ["store 8x256", "add 8x256", "store 8x256"])
+    assert [ln.label for ln in launches] == ["store 8x256", "add 8x256"]
+    a, b = launches
+    assert (a.start_ns, a.end_ns, a.end_spread_ns, a.entry_spread_ns) == (1000, 11200, 1200, 200)
+    assert b.start_ns == 10500
+    assert a.cycles == {"asked": 200, "dep_wait": 1000, "prologue": 2000, "first_chunk": 1000, "compute": 12000,
+                        "compute_last": 15000}
+    assert T.clock_ghz(trace, 2) == pytest.approx(2.0)
+    assert T.timer_step_ns(trace, 3) == 200
+    rows = {r["label"]: r for r in T.per_kind([launches], 2.0)}
+    assert rows["add 8x256"]["gap"] == pytest.approx(-0.7)  # 10.5 µs against the first's end at 11.2
+    assert np.isnan(rows["store 8x256"]["gap"])  # (the first launch has no predecessor)
+    assert rows["store 8x256"]["span"] == pytest.approx(10.2)
+    assert rows["store 8x256"]["prologue"] == pytest.approx(1.0)
+    assert rows["store 8x256"]["compute_last"] == pytest.approx(7.5)
+    apart = {r["label"]: r for r in T.per_kind([[a], [b]], 2.0)}  # two graphs: no gap between them
+    assert np.isnan(apart["add 8x256"]["gap"]) and apart["add 8x256"]["span"] == pytest.approx(10.2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [2048, 5120, 6144])
+@pytest.mark.parametrize("mode", ["store", "add", "glu", "pre"])
+def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
+    """The 3-bit GEMV whose weights stream into shared memory (kernels/gemv_stream.cu) against the CPU's scalar
+    reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
+    the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
+    warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
+    as well as the launcher's; 5 and 4 records a lane; block shapes past the kernel's launch bounds
+    (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
+    (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
+    rounds with one warp a group."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    rng = np.random.default_rng(7)
+    tid = gsq_type(3, 2)
+    shapes = {"store": [1001, 334, 333], "add": [8193], "glu": [777, 777], "pre": [1500]}[mode]
+    raws = [random_gsq_records(3, 2, r, n, n**-0.5, rng) for r in shapes]
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    y = rms_norm_ref(x, norm_w, 1e-6) if mode in ("add", "glu") else x
+    dots = [np.array([_core.gsq_dot_q8(raw[r].tobytes(), y, bits=3, slots=2, simd=False) for r in range(len(raw))],
+                     np.float32) for raw in raws]
+    bias = rng.standard_normal(shapes[1]).astype(np.float32) if mode == "store" else None
+    base = rng.standard_normal(shapes[0]).astype(np.float32) if mode == "add" else None
+    if mode == "glu":
+        ref = dots[0] / (1 + np.exp(-dots[0])) * dots[1]
+    elif mode == "store":
+        ref = np.concatenate([dots[0], dots[1] + bias, dots[2]])
+    else:
+        ref = dots[0] + (base if base is not None else 0)
+    ws = [to_gpu(raw, tid, r, n, f"w{i}") for i, (raw, r) in enumerate(zip(raws, shapes))]
+    out = cp.zeros(len(ref), cp.float32)
+    bias_d = cp.asarray(bias) if bias is not None else None
+    entries, off = [], 0
+    for i, (w, r) in enumerate(zip(ws, shapes)):
+        b = bias_d.data.ptr if (i == 1 and bias_d is not None) else 0
+        entries.append((w.data.ptr, b, out.data.ptr + 4 * off, gpu_row_bytes(tid, n), tid, r))
+        off += 0 if mode == "glu" else r
+    descs = K.mat_descs(entries)
+    total = shapes[0] if mode == "glu" else sum(shapes)
+    x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
+    kmode = {"store": K.MODE_STORE, "add": K.MODE_ADD, "glu": K.MODE_GLU, "pre": K.MODE_STORE}[mode]
+    pre = None
+    if mode == "pre":
+        aq, ad, as_ = cp.zeros(K.act_code_bytes(n, True), cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16,
+                                                                                                        cp.float32)
+        K.quant_act(x_d.data.ptr, n, ACT_GSQ8_PAIRS, aq.data.ptr, ad.data.ptr, as_.data.ptr)
+        pre = (aq.data.ptr, ad.data.ptr, as_.data.ptr)
+    norm = norm_d.data.ptr if mode in ("add", "glu") else 0
+    stream = K.function("gemv_gsq8_stream")
+    for consumers, team in ((24, 8), (16, 16), (16, 4), (12, 4), (8, 8)):
+        if 32 * (consumers + 1) > stream.max_threads_per_block:
+            continue
+        for ks in (0, 1, 2, 4):
+            for stages in (K.GEMV_STREAM_MAX_STAGES, max(2, consumers // team)):  # (the smallest ring)
+                assert K.gemv_stream_plan(stream, n, 1, team, ks, stages, consumers // team) is not None
+                for u in (K.GEMV_STREAM_U, K.GEMV_STREAM_U_ALT):
+                    out[:] = cp.asarray(base) if base is not None else 0
+                    K.gemv(ACT_GSQ8, descs, len(shapes), total, n, x_d.data.ptr, norm, 1e-6, kmode, pre=pre,
+                           gsq_pairs=True, stream=stream, warps_per_block=consumers, k_split=ks, max_stages=stages,
+                           stream_team=team, lane_records=u)
+                    got = out.get()
+                    assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
+
+
+@needs_cuda
+def test_gsq_stream_norm_sums() -> None:
+    """GEMV_STREAM_NORM_SUMS builds (kernels/gemv_stream.cu): a streamed residual add leaves the sum of squares of
+    the vector it wrote, and a streamed launch with a norm takes it instead of its own pass: the product equals the
+    scalar reference, and four times the sum halves it (so the given sum is what the norm used)."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K._define("GEMV_STREAM_NORM_SUMS", 0):
+        pytest.skip("not a GEMV_STREAM_NORM_SUMS build (NINFER_CUDA_DEFINES)")
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    rng = np.random.default_rng(11)
+    n, rows, tid = 5120, 5120, gsq_type(3, 2)
+    raw = random_gsq_records(3, 2, rows, n, n**-0.5, rng)
+    w = to_gpu(raw, tid, rows, n, "w")
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.zeros(rows, cp.float32)
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    sums = cp.zeros(2, cp.float64)
+    # the residual add without a norm (x as its activation): out = base + W x, and the sum of squares of out
+    base = rng.standard_normal(rows).astype(np.float32)
+    added = base + np.array([_core.gsq_dot_q8(raw[r].tobytes(), x, bits=3, slots=2, simd=False)
+                             for r in range(rows)], np.float32)
+    out[:] = cp.asarray(base)
+    assert K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ADD, gsq_pairs=True,
+                  norm_sums=(0, sums.data.ptr + 8))
+    got = out.get()
+    assert nmse(got, added) < 1e-6
+    assert float(sums[1].get()) == pytest.approx(float(np.sum(got.astype(np.float64) ** 2)), rel=1e-6)
+    # a norm launch given the sum of squares of x
+    ref = np.array([_core.gsq_dot_q8(raw[r].tobytes(), rms_norm_ref(x, norm_w, 1e-6), bits=3, slots=2,
+                                     simd=False) for r in range(rows)], np.float32)
+    for factor, expect in ((1.0, ref), (4.0, ref / 2)):
+        sums[0] = factor * float(np.sum(x.astype(np.float64) ** 2))
+        out[:] = 0
+        assert K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_STORE,
+                      gsq_pairs=True, norm_sums=(sums.data.ptr, 0))
+        assert nmse(out.get(), expect) < 1e-6, factor
+
+
+@needs_cuda
+def test_gsq_stream_chain_equals_two_launches() -> None:
+    """GEMV_STREAM_CHAIN builds: one launch running a residual add (x += W0 . q(a)) and then gate/up with the GLU
+    on RMSNorm(x) (kernels/gemv_stream.cu, cuda_ops.gemv_chain) gives what the scalar reference gives for the two
+    products in turn, twice in a row (the barrier and the sum zeroed in between, as the engine does each step)."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K._define("GEMV_STREAM_CHAIN", 0):
+        pytest.skip("not a GEMV_STREAM_CHAIN build (NINFER_CUDA_DEFINES)")
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    rng = np.random.default_rng(17)
+    n, rows0, rows1, tid = 5120, 5120, 6144, gsq_type(3, 2)
+    raws = [random_gsq_records(3, 2, r, n, n**-0.5, rng) for r in (rows0, rows1, rows1)]
+    ws = [to_gpu(raw, tid, r, n, f"w{i}") for i, (raw, r) in enumerate(zip(raws, (rows0, rows1, rows1)))]
+    a = rng.standard_normal(n).astype(np.float32)
+    base = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def dots(raw, y):
+        return np.array([_core.gsq_dot_q8(raw[r].tobytes(), y, bits=3, slots=2, simd=False) for r in range(len(raw))],
+                        np.float32)
+
+    x_ref = base + dots(raws[0], a)
+    y = rms_norm_ref(x_ref, norm_w, 1e-6)
+    g, up = dots(raws[1], y), dots(raws[2], y)
+    glu_ref = g / (1 + np.exp(-g)) * up
+    rb = gpu_row_bytes(tid, n)
+    a_d, x_d, norm_d = cp.asarray(a), cp.zeros(n, cp.float32), cp.asarray(norm_w)
+    out = cp.zeros(rows1, cp.float32)
+    d0 = K.mat_descs([(ws[0].data.ptr, 0, x_d.data.ptr, rb, tid, rows0)])
+    d1 = K.mat_descs([(ws[1].data.ptr, 0, out.data.ptr, rb, tid, rows1),
+                      (ws[2].data.ptr, 0, out.data.ptr, rb, tid, rows1)])
+    bar, sums = cp.zeros(1, cp.uint32), cp.zeros(1, cp.float64)
+    for _ in range(2):
+        x_d[:] = cp.asarray(base)
+        out[:] = 0
+        bar[:] = 0
+        sums[:] = 0
+        assert K.gemv_chain(d0, 1, rows0, d1, 2, rows1, n, a_d.data.ptr, x_d.data.ptr, norm_d.data.ptr, 1e-6, 0,
+                            bar.data.ptr, sums.data.ptr)
+        got_x = x_d.get()
+        assert nmse(got_x, x_ref) < 1e-6
+        assert float(sums.get()[0]) == pytest.approx(float(np.sum(got_x.astype(np.float64) ** 2)), rel=1e-6)
+        assert nmse(out.get(), glu_ref) < 1e-5
+
+
+@needs_cuda
+def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: Path) -> None:
+    """Two full-width Qwen2.5-32B layers in GSQ3: every product of the GPU's decode step goes through the streamed
+    kernel (kernels/gemv_stream.cu; the 1.5B shape's rows are too narrow for it), so this checks its launches as
+    the engine chains them (norm prologues, residual adds, the GLU, the pre-quantized down projection; in
+    GEMV_STREAM_NORM_SUMS builds the sums handed from each residual add to the next norm), against the CPU."""
+    from ninfer.backends import cuda_ops as K
+
+    if not K.gsq_stream(K.MODE_STORE):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    path = write_synthetic(tmp_path / "q32.gguf", "qwen2.5-32b", "GSQ3", n_layer=2, seed=13)
+    cpu, gpu, margins = teacher_forced(path, [17, 400, 9000, 123, 5555, 42, 7, 100000], 24)
+    differ = [i for i in range(24) if gpu[i] != cpu[i]]
+    assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
+    assert len(differ) <= 3, differ
