@@ -101,6 +101,36 @@ def test_streamed_kernel_trial_arguments_match_its_signature(monkeypatch: pytest
                                         np.uint64, np.uint64] and not any(int(a) for a in chain)
 
 
+def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda_ops._launch_stream, the one place gemv() and gemv_chain() build gemv_gsq8_stream's arguments: the
+    kernel's fifteen parameters in its order and C types, then each trial build's in the signature's order (NORM_SUMS,
+    PREFETCH_TAIL, CHAIN, TRACE), nothing of a trial whose switch is off."""
+    from ninfer.backends import cuda_ops as K
+
+    seen = []
+    monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append((grid, block, args, kw)))
+    monkeypatch.setattr(K, "stream_trace_labels", [])
+    u64, i32, f32 = np.uint64, np.int32, np.float32
+    base = [u64, i32, i32, i32, u64, u64, f32, i32, i32, i32, i32, i32, u64, u64, i32]
+    descs = np.uint64(77)  # (a device array in use; anything the launcher passes through)
+
+    def launch(**kw):
+        K._launch_stream("fn", 132, 544, 200_000, (descs, 1, 5120, K.MODE_ADD, 0), 5120, 11, 0, 1e-6, 1, 4, 8, 0, 0,
+                         5, **kw)
+        grid, block, args, extra = seen.pop()
+        assert (grid, block, extra) == ((132,), (544,), {"shared_mem": 200_000, "dependent": True})
+        assert [int(a) for a in args[:15]] == [77, 1, 5120, 5120, 11, 0, 0, K.MODE_ADD, 0, 1, 4, 8, 0, 0, 5]
+        return [type(a) for a in args]
+
+    monkeypatch.setattr(K, "_DEFINES", [])
+    assert launch(norm_sums=(1, 2), prefetch=(3, 4, 5)) == base
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_NORM_SUMS=1", "-DGEMV_STREAM_PREFETCH_TAIL=3",
+                                        "-DGEMV_STREAM_CHAIN=1", "-DGEMV_STREAM_TRACE=1"])
+    assert launch(label="chained") == base + [u64, u64] + [u64, i32, i32] + \
+        [u64, i32, i32, i32, u64, u64, i32, u64, u64] + [i32]
+    assert K.stream_trace_labels == ["chained"]
+
+
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
     0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come

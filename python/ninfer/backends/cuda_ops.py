@@ -276,12 +276,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             if u not in (GEMV_STREAM_U, GEMV_STREAM_U_ALT):
                 raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
                                  f"not {u}")
-            launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w),
-                                                     F(eps), I(mode), I(glu_act), I(ks), I(team), I(stages),
-                                                     P(pq), P(pd), I(u), *stream_norm_sums_args(norm_sums),
-                                                     *stream_prefetch_args(prefetch), *stream_chain_args(None),
-                                                     *stream_trace_arg(mode, total_rows, n_cols)),
-                          shared_mem=smem, dependent=True)
+            _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
+                           ks, team, stages, pq, pd, u, norm_sums=norm_sums, prefetch=prefetch)
             return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
@@ -359,16 +355,26 @@ def gemv_chain(descs0, n_mats0: int, rows0: int, descs1, n_mats1: int, rows1: in
     # every block must be resident at once (they meet at a barrier): one an SM, no more than the GPU holds
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     grid = min(groups0, groups1, resident_blocks(sfn, threads, smem), sms)
-    u = gsq_stream_lane_records(n_cols, ks)
-    chain = (descs1, n_mats1, rows1, MODE_GLU, x1, norm_w1, glu_act, bar, sums)
-    launch.kernel(sfn, (grid,), (threads,), (descs0, I(n_mats0), I(rows0), I(n_cols), P(x0), P(0), F(eps),
-                                             I(MODE_ADD), I(0), I(ks), I(team), I(stages), P(0), P(0), I(u),
-                                             *stream_norm_sums_args(None), *stream_prefetch_args(None),
-                                             *stream_chain_args(chain),
-                                             *stream_trace_arg(MODE_ADD, rows0, n_cols,
-                                                               f"add {rows0}x{n_cols} + glu {rows1}x{n_cols}")),
-                  shared_mem=smem, dependent=True)
+    _launch_stream(sfn, grid, threads, smem, (descs0, n_mats0, rows0, MODE_ADD, 0), n_cols, x0, 0, eps, ks, team,
+                   stages, 0, 0, gsq_stream_lane_records(n_cols, ks),
+                   chain=(descs1, n_mats1, rows1, MODE_GLU, x1, norm_w1, glu_act, bar, sums),
+                   label=f"add {rows0}x{n_cols} + glu {rows1}x{n_cols}")
     return True
+
+
+def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_cols: int, x: int, norm_w: int,
+                   eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
+                   norm_sums: tuple[int, int] | None = None, prefetch: tuple[int, int, int] | None = None,
+                   chain: tuple | None = None, label: str = "") -> None:
+    """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
+    mode, glu_act), then the trial builds' arguments where their switch is on (stream_*_args)."""
+    descs, n_mats, total_rows, mode, glu_act = product
+    launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
+                                             I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
+                                             I(u), *stream_norm_sums_args(norm_sums), *stream_prefetch_args(prefetch),
+                                             *stream_chain_args(chain),
+                                             *stream_trace_arg(mode, total_rows, n_cols, label)),
+                  shared_mem=smem, dependent=True)
 
 
 def stream_norm_sums_args(norm_sums: tuple[int, int] | None) -> tuple:
