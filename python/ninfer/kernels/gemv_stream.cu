@@ -241,18 +241,32 @@ struct StreamConsumer {
     int trace_slot;
 #endif
 
+#if GEMV_STREAM_SQ
+    // A barrier of the consumer warps alone (the producer has left by then).
+    __device__ __forceinline__ void consumers_sync() const {
+        asm volatile("bar.sync 15, %0;" ::"r"(n_teams * team_warps * WARP) : "memory");
+    }
+
+    // The block's sum of squares of what its consumers wrote (each warp's `sq`) added to *dst: the warps' shares
+    // in a fixed order, then one atomic, by thread 0 (every consumer warp calls this).
+    __device__ __forceinline__ void add_block_sum(double sq, double* dst) const {
+        if (lane == 0) sq_part[warp] = sq;
+        consumers_sync();
+        if (warp == 0 && lane == 0) {
+            double t = 0.0;
+            for (int j = 0; j < n_teams * team_warps; ++j) t += sq_part[j];
+            atomicAdd(dst, t);
+        }
+    }
+#endif
+
 #if GEMV_STREAM_CHAIN
     // Between the products: the block's sum of squares of the first product's output into chain_sums, every block
     // at the barrier, then the second product's activation in place of the first's (every consumer warp comes here
     // once, done with the first product's chunks).
     __device__ __forceinline__ void next_product(double sq) const {
-        const int n_used = n_teams * team_warps;
-        if (lane == 0) sq_part[warp] = sq;
-        asm volatile("bar.sync 14, %0;" ::"r"(n_used * WARP) : "memory");
+        add_block_sum(sq, chain_sums);
         if (warp == 0 && lane == 0) {
-            double t = 0.0;
-            for (int j = 0; j < n_used; ++j) t += sq_part[j];
-            atomicAdd(chain_sums, t);
             __threadfence();
             atomicAdd(chain_bar, 1u);
             unsigned v;
@@ -260,11 +274,11 @@ struct StreamConsumer {
                 asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(chain_bar) : "memory");
             } while (v < gridDim.x);
         }
-        asm volatile("bar.sync 14, %0;" ::"r"(n_used * WARP) : "memory");
+        consumers_sync();
         float* dd = (float*)d;
         norm_quant_v<4, true>(x1, norm_w1, eps, n_cols, ACT_GSQ8_PAIRS, (i8*)aq, dd, (float2*)(dd + (n_cols >> 5)),
-                              0, 0, __ldcg(chain_sums), n_used);
-        asm volatile("bar.sync 14, %0;" ::"r"(n_used * WARP) : "memory");
+                              0, 0, __ldcg(chain_sums), n_teams * team_warps);
+        consumers_sync();
     }
 #endif
 
@@ -385,15 +399,7 @@ struct StreamConsumer {
         walk<U>(*this, team, n_st, 0, team, 0, sq);
 #endif
 #if GEMV_STREAM_NORM_SUMS
-        if (sums_out) {  // the block's consumers' shares in a fixed order, then one atomic
-            if (lane == 0) sq_part[warp] = sq;
-            asm volatile("bar.sync 15, %0;" ::"r"(n_teams * team_warps * WARP) : "memory");
-            if (warp == 0 && lane == 0) {
-                double t = 0.0;
-                for (int j = 0; j < n_teams * team_warps; ++j) t += sq_part[j];
-                atomicAdd(sums_out, t);
-            }
-        }
+        if (sums_out) add_block_sum(sq, sums_out);
 #endif
 #if GEMV_STREAM_TRACE
         if (lane == 0) {
