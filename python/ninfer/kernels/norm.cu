@@ -130,14 +130,6 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     float scale = 1.0f;
     if (GIVEN) {
         scale = 1.0f / sqrtf((float)(sum_sq / (double)n) + eps);  // (as below, from the block's own sum)
-#pragma unroll
-        for (int j = 0; j < KEEP; ++j) {
-            const int g = warp + j * n_warps;
-            if (g < n_groups) {
-#pragma unroll
-                for (int k = 0; k < V; ++k) kept[j][k] = __ldcg(x + 32 * V * g + V * lane + k);
-            }
-        }
     } else if (w) {
         double s = 0.0;
         if (KEEP) {  // the second pass's mapping: the warp's groups, V consecutive elements a lane
@@ -178,13 +170,14 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         scale = s_scale;
     }
 #pragma unroll
-    for (int j = 0; j < KEEP; ++j) {  // the kept groups (read here where there was no norm pass)
+    for (int j = 0; j < KEEP; ++j) {  // the kept groups (read here where there was no first pass)
         const int g = warp + j * n_warps;
         if (g < n_groups) {
             const int i0 = 32 * V * g + V * lane;
             float y[V];
 #pragma unroll
-            for (int k = 0; k < V; ++k) y[k] = w ? (kept[j][k] * scale) * w[i0 + k] : __ldcg(x + i0 + k);
+            for (int k = 0; k < V; ++k)
+                y[k] = w ? ((GIVEN ? __ldcg(x + i0 + k) : kept[j][k]) * scale) * w[i0 + k] : __ldcg(x + i0 + k);
             quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
         }
     }
