@@ -1,7 +1,7 @@
 """The streamed GEMV (kernels/gemv_stream.cu): the launcher's rules and trial arguments (no GPU needed), the trace's
-analysis, and on an sm_90 GPU the kernel against the CPU's scalar reference in every mode and shape, its trials
-(GEMV_STREAM_NORM_SUMS, GEMV_STREAM_CHAIN), and a 32B-shape model through it against the CPU. `bash
-scripts/gpu-check trialtests` runs this file once per trial build."""
+analysis, and on an sm_90 GPU the kernel against the CPU's scalar reference in every mode and shape, and a
+32B-shape model through it against the CPU. `bash scripts/gpu-check trialtests` runs this file once per trial
+build."""
 
 from __future__ import annotations
 
@@ -60,58 +60,42 @@ def test_stream_consumers_for_one_round_of_row_groups() -> None:
     assert stream_consumers_one_round(2560, 4, 4, 132, 1024) == 0  # rows split four ways: 80 warps
 
 
-def test_streamed_kernel_takes_no_trial_arguments_by_default() -> None:
-    """The streamed kernel's trial arguments exist only in builds with their switch (kernels/gemv_stream.cu:
-    GEMV_STREAM_TRACE, NORM_SUMS, PREFETCH_TAIL, CHAIN); the launcher must pass none otherwise, or every launch's
-    arguments would be misread."""
+def test_streamed_kernel_takes_no_trace_argument_by_default() -> None:
+    """The streamed kernel's trace slot exists only in GEMV_STREAM_TRACE builds; the launcher must pass none
+    otherwise, or every launch's arguments would be misread."""
     from ninfer.backends import cuda_ops as K
 
     if any("GEMV_STREAM_TRACE" in d for d in K._DEFINES):
         pytest.skip("a trace build (NINFER_CUDA_DEFINES)")
     assert K.stream_trace_arg(K.MODE_STORE, 7168, 5120) == ()
     assert K.stream_trace_labels == []
-    if not any("GEMV_STREAM_NORM_SUMS" in d for d in K._DEFINES):
-        assert K.stream_norm_sums_args((1, 2)) == ()
-    if not any("GEMV_STREAM_PREFETCH_TAIL" in d for d in K._DEFINES):
-        assert K.stream_prefetch_args((1234, 3, 65536)) == ()
-    if not any("GEMV_STREAM_CHAIN" in d for d in K._DEFINES):
-        assert K.stream_chain_args(None) == ()
 
 
-def test_streamed_kernel_trial_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In the trial builds the launcher appends what the kernel's signature adds, in its C types: (int trace_slot),
-    the slot counting launches from 0; (sums_in, sums_out); (pf, n_pf, pf_cap); the chain's second product."""
+def test_streamed_kernel_prefetch_and_trace_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's (const u64* pf, int n_pf, int pf_cap), zeros where nothing is asked, and in trace builds
+    (int trace_slot), the slot counting launches from 0, in the kernel's C types."""
     from ninfer.backends import cuda_ops as K
 
+    pf = K.stream_prefetch_args((1234, 3, 65536))
+    assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
+    assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
     monkeypatch.setattr(K, "stream_trace_labels", [])
     first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
     assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
     assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_NORM_SUMS=1", "-DGEMV_STREAM_PREFETCH_TAIL=15",
-                                        "-DGEMV_STREAM_CHAIN=1"])
-    sums = K.stream_norm_sums_args((1234, 5678))
-    assert [type(a) for a in sums] == [np.uint64, np.uint64] and [int(a) for a in sums] == [1234, 5678]
-    assert [int(a) for a in K.stream_norm_sums_args(None)] == [0, 0]
-    pf = K.stream_prefetch_args((1234, 3, 65536))  # (const u64* pf, int n_pf, int pf_cap)
-    assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
-    assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
-    chain = K.stream_chain_args(None)  # (mats1, n_mats1, total_rows1, mode1, x1, norm_w1, glu_act1, bar, sums)
-    assert [type(a) for a in chain] == [np.uint64, np.int32, np.int32, np.int32, np.uint64, np.uint64, np.int32,
-                                        np.uint64, np.uint64] and not any(int(a) for a in chain)
 
 
 def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuda_ops._launch_stream, the one place gemv() and gemv_chain() build gemv_gsq8_stream's arguments: the
-    kernel's fifteen parameters in its order and C types, then each trial build's in the signature's order (NORM_SUMS,
-    PREFETCH_TAIL, CHAIN, TRACE), nothing of a trial whose switch is off."""
+    """cuda_ops._launch_stream, where gemv() builds gemv_gsq8_stream's arguments: the kernel's fifteen parameters
+    and the prefetch's three in its order and C types, then the trace slot in trace builds only."""
     from ninfer.backends import cuda_ops as K
 
     seen = []
     monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append((grid, block, args, kw)))
     monkeypatch.setattr(K, "stream_trace_labels", [])
     u64, i32, f32 = np.uint64, np.int32, np.float32
-    base = [u64, i32, i32, i32, u64, u64, f32, i32, i32, i32, i32, i32, u64, u64, i32]
+    base = [u64, i32, i32, i32, u64, u64, f32, i32, i32, i32, i32, i32, u64, u64, i32, u64, i32, i32]
     descs = np.uint64(77)  # (a device array in use; anything the launcher passes through)
 
     def launch(**kw):
@@ -120,15 +104,14 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
         grid, block, args, extra = seen.pop()
         assert (grid, block, extra) == ((132,), (544,), {"shared_mem": 200_000, "dependent": True})
         assert [int(a) for a in args[:15]] == [77, 1, 5120, 5120, 11, 0, 0, K.MODE_ADD, 0, 1, 4, 8, 0, 0, 5]
-        return [type(a) for a in args]
+        return [type(a) for a in args], [int(a) for a in args[15:18]]
 
     monkeypatch.setattr(K, "_DEFINES", [])
-    assert launch(norm_sums=(1, 2), prefetch=(3, 4, 5)) == base
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_NORM_SUMS=1", "-DGEMV_STREAM_PREFETCH_TAIL=3",
-                                        "-DGEMV_STREAM_CHAIN=1", "-DGEMV_STREAM_TRACE=1"])
-    assert launch(label="chained") == base + [u64, u64] + [u64, i32, i32] + \
-        [u64, i32, i32, i32, u64, u64, i32, u64, u64] + [i32]
-    assert K.stream_trace_labels == ["chained"]
+    assert launch(prefetch=(3, 4, 5)) == (base, [3, 4, 5])
+    assert launch() == (base, [0, 0, 0])
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
+    assert launch() == (base + [i32], [0, 0, 0])
+    assert K.stream_trace_labels == ["add 5120x5120"]
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
@@ -240,107 +223,11 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
 
 
 @needs_cuda
-def test_gsq_stream_norm_sums() -> None:
-    """GEMV_STREAM_NORM_SUMS builds (kernels/gemv_stream.cu): a streamed residual add leaves the sum of squares of
-    the vector it wrote, and a streamed launch with a norm takes it instead of its own pass: the product equals the
-    scalar reference, and four times the sum halves it (so the given sum is what the norm used)."""
-    import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
-    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_type, to_gpu
-    from ninfer.synth import random_gsq_records
-
-    if not K._define("GEMV_STREAM_NORM_SUMS", 0):
-        pytest.skip("not a GEMV_STREAM_NORM_SUMS build (NINFER_CUDA_DEFINES)")
-    if not K.gsq_stream(K.MODE_STORE):
-        pytest.skip("gemv_gsq8_stream needs sm_90")
-    rng = np.random.default_rng(11)
-    n, rows, tid = 5120, 5120, gsq_type(3, 2)
-    raw = random_gsq_records(3, 2, rows, n, n**-0.5, rng)
-    w = to_gpu(raw, tid, rows, n, "w")
-    x = rng.standard_normal(n).astype(np.float32)
-    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-    x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.zeros(rows, cp.float32)
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
-    sums = cp.zeros(2, cp.float64)
-    # the residual add without a norm (x as its activation): out = base + W x, and the sum of squares of out
-    base = rng.standard_normal(rows).astype(np.float32)
-    added = base + np.array([_core.gsq_dot_q8(raw[r].tobytes(), x, bits=3, slots=2, simd=False)
-                             for r in range(rows)], np.float32)
-    out[:] = cp.asarray(base)
-    assert K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ADD, gsq_pairs=True,
-                  norm_sums=(0, sums.data.ptr + 8))
-    got = out.get()
-    assert nmse(got, added) < 1e-6
-    assert float(sums[1].get()) == pytest.approx(float(np.sum(got.astype(np.float64) ** 2)), rel=1e-6)
-    # a norm launch given the sum of squares of x
-    ref = np.array([_core.gsq_dot_q8(raw[r].tobytes(), rms_norm_ref(x, norm_w, 1e-6), bits=3, slots=2,
-                                     simd=False) for r in range(rows)], np.float32)
-    for factor, expect in ((1.0, ref), (4.0, ref / 2)):
-        sums[0] = factor * float(np.sum(x.astype(np.float64) ** 2))
-        out[:] = 0
-        assert K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_STORE,
-                      gsq_pairs=True, norm_sums=(sums.data.ptr, 0))
-        assert nmse(out.get(), expect) < 1e-6, factor
-
-
-@needs_cuda
-def test_gsq_stream_chain_equals_two_launches() -> None:
-    """GEMV_STREAM_CHAIN builds: one launch running a residual add (x += W0 . q(a)) and then gate/up with the GLU
-    on RMSNorm(x) (kernels/gemv_stream.cu, cuda_ops.gemv_chain) gives what the scalar reference gives for the two
-    products in turn, twice in a row (the barrier and the sum zeroed in between, as the engine does each step)."""
-    import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
-    from ninfer.backends.layouts import gpu_row_bytes, gsq_type, to_gpu
-    from ninfer.synth import random_gsq_records
-
-    if not K._define("GEMV_STREAM_CHAIN", 0):
-        pytest.skip("not a GEMV_STREAM_CHAIN build (NINFER_CUDA_DEFINES)")
-    if not K.gsq_stream(K.MODE_STORE):
-        pytest.skip("gemv_gsq8_stream needs sm_90")
-    rng = np.random.default_rng(17)
-    n, rows0, rows1, tid = 5120, 5120, 6144, gsq_type(3, 2)
-    raws = [random_gsq_records(3, 2, r, n, n**-0.5, rng) for r in (rows0, rows1, rows1)]
-    ws = [to_gpu(raw, tid, r, n, f"w{i}") for i, (raw, r) in enumerate(zip(raws, (rows0, rows1, rows1)))]
-    a = rng.standard_normal(n).astype(np.float32)
-    base = rng.standard_normal(n).astype(np.float32)
-    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    def dots(raw, y):
-        return np.array([_core.gsq_dot_q8(raw[r].tobytes(), y, bits=3, slots=2, simd=False) for r in range(len(raw))],
-                        np.float32)
-
-    x_ref = base + dots(raws[0], a)
-    y = rms_norm_ref(x_ref, norm_w, 1e-6)
-    g, up = dots(raws[1], y), dots(raws[2], y)
-    glu_ref = g / (1 + np.exp(-g)) * up
-    rb = gpu_row_bytes(tid, n)
-    a_d, x_d, norm_d = cp.asarray(a), cp.zeros(n, cp.float32), cp.asarray(norm_w)
-    out = cp.zeros(rows1, cp.float32)
-    d0 = K.mat_descs([(ws[0].data.ptr, 0, x_d.data.ptr, rb, tid, rows0)])
-    d1 = K.mat_descs([(ws[1].data.ptr, 0, out.data.ptr, rb, tid, rows1),
-                      (ws[2].data.ptr, 0, out.data.ptr, rb, tid, rows1)])
-    bar, sums = cp.zeros(1, cp.uint32), cp.zeros(1, cp.float64)
-    for _ in range(2):
-        x_d[:] = cp.asarray(base)
-        out[:] = 0
-        bar[:] = 0
-        sums[:] = 0
-        assert K.gemv_chain(d0, 1, rows0, d1, 2, rows1, n, a_d.data.ptr, x_d.data.ptr, norm_d.data.ptr, 1e-6, 0,
-                            bar.data.ptr, sums.data.ptr)
-        got_x = x_d.get()
-        assert nmse(got_x, x_ref) < 1e-6
-        assert float(sums.get()[0]) == pytest.approx(float(np.sum(got_x.astype(np.float64) ** 2)), rel=1e-6)
-        assert nmse(out.get(), glu_ref) < 1e-5
-
-
-@needs_cuda
 def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: Path) -> None:
     """Two full-width Qwen2.5-32B layers in GSQ3: every product of the GPU's decode step goes through the streamed
     kernel (kernels/gemv_stream.cu; the 1.5B shape's rows are too narrow for it), so this checks its launches as
-    the engine chains them (norm prologues, residual adds, the GLU, the pre-quantized down projection; in
-    GEMV_STREAM_NORM_SUMS builds the sums handed from each residual add to the next norm), against the CPU."""
+    the engine chains them (norm prologues, residual adds, the GLU, the pre-quantized down projection, the L2
+    prefetches of the next launch's weights), against the CPU."""
     from ninfer.backends import cuda_ops as K
 
     if not K.gsq_stream(K.MODE_STORE):

@@ -30,8 +30,8 @@ from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
 from ninfer.backends import launch
-from ninfer.backends.layouts import (ACT_GSQ8, ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type,
-                                     gsq_pairs_type, layout, to_gpu)
+from ninfer.backends.layouts import (ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type, gsq_pairs_type, layout,
+                                     to_gpu)
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -235,17 +235,6 @@ class CudaEngine:
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)
-        # GEMV_STREAM_NORM_SUMS (a trial, kernels/gemv_stream.cu): per layer the sum of squares of x after the
-        # output projection's and the down projection's residual adds, zeroed at the start of each decode step;
-        # _norm_sums_written says which a streamed launch wrote (set as the step's launches are issued).
-        self.norm_sums = cp.zeros(2 * len(self.layers), cp.float64) \
-            if K._define("GEMV_STREAM_NORM_SUMS", 0) and self.layers else None
-        self._norm_sums_written: dict[int, bool] = {}
-        # GEMV_STREAM_CHAIN (a trial): per layer the barrier counter and the sum of squares of the launch that runs
-        # the output projection and gate/up together (K.gemv_chain), zeroed at the start of each decode step.
-        chain = K._define("GEMV_STREAM_CHAIN", 0) and self.layers
-        self.chain_bar = cp.zeros(len(self.layers), cp.uint32) if chain else None
-        self.chain_sums = cp.zeros(len(self.layers), cp.float64) if chain else None
         # Step inputs and outputs in mapped pinned memory. Decode steps alternate between two slots of position
         # and token (parity p: position in_pos[p], token read from tok[p], greedy result written to tok[1 - p]), so
         # a step can be queued while the previous one runs (step()).
@@ -557,15 +546,13 @@ class CudaEngine:
 
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
-                    prequantize: bool = False, sums: tuple[int, int] = (0, 0),
-                    prefetch: list[_Matrix] | None = None, prefetch_cap: int = 0) -> list[Callable[[], None]]:
+                    prequantize: bool = False, prefetch: list[_Matrix] | None = None,
+                    prefetch_cap: int = 0) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
-        (they must live as long as a graph that launches them). `sums` = (sums_in, sums_out): x's sum of squares
-        for the norm where the launch that wrote it left one (GEMV_STREAM_NORM_SUMS builds; see _sums).
-        `prefetch`: a later launch's matrices for a streamed GEMV to ask L2 for at its end (each block its share,
-        its first prefetch_cap bytes if > 0; GEMV_STREAM_PREFETCH_TAIL builds)."""
+        (they must live as long as a graph that launches them). `prefetch`: a later launch's matrices for a streamed
+        GEMV to ask L2 for at its end (each block its share of each, its first prefetch_cap bytes if > 0)."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
@@ -589,58 +576,9 @@ class CudaEngine:
                 pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
                 ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: self._gemv_summed(
-                sums, kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs,
-                prefetch=pf))
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
+                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf))
         return ops
-
-    def _gemv_summed(self, sums: tuple[int, int], *args: Any, **kw: Any) -> None:
-        """K.gemv with the norm sums of `sums`: sums_in only where a streamed launch did write it (when the ops
-        run, i.e. at capture for a graph), and a note of whether this launch wrote sums_out."""
-        sums_in, sums_out = sums
-        if sums_in and not self._norm_sums_written.get(sums_in, False):
-            sums_in = 0
-        wrote = K.gemv(*args, **kw, norm_sums=(sums_in, sums_out))
-        if sums_out:
-            self._norm_sums_written[sums_out] = wrote
-
-    def _chain_ops(self, il: int, lw: dict, att: int) -> list[Callable[[], None]] | None:
-        """Layer il's output projection (+ residual into x) and gate/up (+ GLU into act) as one launch of the
-        streamed kernel (K.gemv_chain), or None where this build or the matrices do not allow it: 3-bit lane-pair
-        GSQ-RCO, one kind, equal widths and row sizes. Where the launcher still declines (the ring's plan), the op
-        launches the two products apart."""
-        if self.chain_bar is None:
-            return None
-        wo, gate, up = lw["wo"], lw["w_gate"], lw["w_up"]
-        mats = (wo, gate, up)
-        if len({(m.act, m.type, m.cols, m.row_bytes) for m in mats}) != 1 or wo.act != ACT_GSQ8 or \
-                not all(gsq_pairs_type(m.type) for m in mats) or not K.gsq_pairs(wo.cols, wo.rows) or \
-                not K.gsq_pairs(wo.cols, gate.rows):
-            return None
-        s = self.spec
-        x, act = self.x.data.ptr, self.act.data.ptr
-        glu_act = 0 if s["activation"] == "silu" else 1
-        d0 = K.mat_descs([(wo.ptr, 0, x, wo.row_bytes, wo.type, wo.rows)])
-        d1 = K.mat_descs([(gate.ptr, 0, act, gate.row_bytes, gate.type, gate.rows),
-                          (up.ptr, 0, act, up.row_bytes, up.type, up.rows)])
-        self._keep += [d0, d1]
-        apart = self._matmul_vec([wo], [x], att, 0, K.MODE_ADD, sums=(0, self._sums(il, "o"))) + \
-            self._matmul_vec([gate, up], [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU, glu_act,
-                             sums=(self._sums(il, "o"), 0))
-        bar, sums = self.chain_bar.data.ptr + 4 * il, self.chain_sums.data.ptr + 8 * il
-
-        def run() -> None:
-            if not K.gemv_chain(d0, 1, wo.rows, d1, 2, gate.rows, wo.cols, att, x, lw["ptr"]["ffn_norm"],
-                                s["rms_eps"], glu_act, bar, sums):
-                for f in apart:
-                    f()
-        return [run]
-
-    def _sums(self, layer: int, after: str) -> int:
-        """The device address of x's sum of squares after `layer`'s "o" or "down" residual add (0: none kept)."""
-        if self.norm_sums is None or layer < 0:
-            return 0
-        return self.norm_sums.data.ptr + 8 * (2 * layer + (after == "down"))
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy, parity)
@@ -662,9 +600,6 @@ class CudaEngine:
             ops.extend((kind, layer, f) for f in fns)
 
         tok_in, tok_out = self.tok.dev_ptr + 4 * parity, self.tok.dev_ptr + 4 * (1 - parity)
-        for buf in (self.norm_sums, self.chain_bar, self.chain_sums):
-            if buf is not None:
-                add("other", -1, [lambda buf=buf: launch.memset(buf.data.ptr, buf.nbytes)])
         if self.embd_gpu is not None:  # the token's embedding row, dequantized on the GPU
             m = self.embd_gpu
             add("other", -1, [lambda: K.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x)])
@@ -675,18 +610,16 @@ class CudaEngine:
         glu_act = 0 if s["activation"] == "silu" else 1
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
         group = s["n_head"] // s["n_head_kv"]
-        # GEMV_STREAM_PREFETCH_TAIL (a trial): which streamed launches ask L2 for a later one's weights at their end
-        # (bits: kernels/gemv_stream.cu), capped at GEMV_STREAM_PREFETCH_CAP bytes a block for the large ones
-        pf_bits, pf_cap = K._define("GEMV_STREAM_PREFETCH_TAIL", 0), K._define("GEMV_STREAM_PREFETCH_CAP", 65536)
+        # The output projection asks L2 for part of gate/up's weights at its end, gate/up for part of down's
+        # (K.STREAM_PREFETCH_CAP bytes a block of each matrix; kernels/gemv_stream.cu, the producer's tail)
+        pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
             gate_up = [lw["w_gate"], lw["w_up"]]
-            nxt = self.layers[il + 1] if il + 1 < len(self.layers) else None
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE, sums=(self._sums(il - 1, "down"), 0),
-                                               prefetch=[lw["wo"]] if pf_bits & 2 else None))
+                                               K.MODE_STORE))
             params = K.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
@@ -696,33 +629,22 @@ class CudaEngine:
             self._keep.append(params)
             add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
                                                                     s["head_dim"], True, group)])
-            chained = self._chain_ops(il, lw, att) if not post_a and not post_f else None
-            down_pf = [nxt["wq"], nxt["wk"], nxt["wv"]] if pf_bits & 1 and nxt is not None else None
-            if chained:  # the output projection and gate/up in one launch (GEMV_STREAM_CHAIN)
-                add("matmul", il, chained)
-                add("matmul", il, self._matmul_vec([lw["w_down"]], [x], act, 0, K.MODE_ADD, prequantize=True,
-                                                   sums=(0, self._sums(il, "down")), prefetch=down_pf))
-                continue
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
-                                               K.MODE_STORE if post_a else K.MODE_ADD,
-                                               sums=(0, 0 if post_a else self._sums(il, "o")),
-                                               prefetch=gate_up if pf_bits & 4 else None, prefetch_cap=pf_cap))
+                                               K.MODE_STORE if post_a else K.MODE_ADD, prefetch=gate_up,
+                                               prefetch_cap=pf_cap))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act, sums=(self._sums(il, "o"), 0),
-                                                   prefetch=[lw["w_down"]] if pf_bits & 8 else None,
-                                                   prefetch_cap=pf_cap))
+                                                   glu_act, prefetch=[lw["w_down"]], prefetch_cap=pf_cap))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
                                                    K.MODE_STORE))
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
-                                               sums=(0, 0 if post_f else self._sums(il, "down")), prefetch=down_pf))
+                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:

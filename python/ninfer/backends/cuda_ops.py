@@ -52,6 +52,7 @@ GEMV_STREAM_LONG_WARPS = 16  # consumers where a launch's warps take two rounds 
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
 GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
+STREAM_PREFETCH_CAP = 65536  # bytes a block of each matrix a streamed launch asks L2 for on a later launch's behalf
 # GEMV_STREAM_TRACE builds (scripts/stream-trace): each streamed launch's label, by its trace slot (launch order)
 stream_trace_labels: list[str] = []
 
@@ -214,8 +215,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
-         lane_records: int = 0, norm_sums: tuple[int, int] | None = None,
-         prefetch: tuple[int, int, int] | None = None) -> bool:
+         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None) -> bool:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -226,12 +226,9 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
     max_stages caps its ring's slots, lane_records sets its records a lane (gsq_stream_lane_records' choice by
     default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
-    GEMV_STREAM_* constants by default). norm_sums = (sums_in, sums_out), device doubles (0: none), in
-    GEMV_STREAM_NORM_SUMS builds: the sum of squares of x a streamed launch takes instead of computing it, and
-    where a streamed residual add adds that of the vector it writes (ignored elsewhere). True when the streamed
-    kernel took the launch (only then is sums_out written). prefetch = (regions, n, cap): a later launch's weights
-    for a streamed launch to ask L2 for at its end (prefetch_regions' array; GEMV_STREAM_PREFETCH_TAIL builds only,
-    ignored elsewhere)."""
+    GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
+    launch to ask L2 for at its end (prefetch_regions' array; ignored where the streamed kernel does not take the
+    launch). True when the streamed kernel took the launch."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -277,7 +274,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
                                  f"not {u}")
             _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
-                           ks, team, stages, pq, pd, u, norm_sums=norm_sums, prefetch=prefetch)
+                           ks, team, stages, pq, pd, u, prefetch=prefetch)
             return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
@@ -302,99 +299,39 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
 
 def prefetch_regions(regions: list[tuple[int, int]]):
     """A device array of (address, bytes) pairs for gemv(prefetch=...): the weights a streamed launch asks L2 for
-    on behalf of a later launch (kernels/gemv_stream.cu GEMV_STREAM_PREFETCH_TAIL)."""
+    on behalf of a later launch (kernels/gemv_stream.cu, the producer's tail)."""
     import cupy as cp
 
     return cp.asarray(np.array(regions, np.uint64).reshape(-1, 2))
 
 
 def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
-    """The streamed kernel's prefetch arguments in GEMV_STREAM_PREFETCH_TAIL builds ((regions, n, cap), or none
-    asked: n = 0); none in other builds, whose kernel has no such arguments."""
-    if not _define("GEMV_STREAM_PREFETCH_TAIL", 0):
-        return ()
+    """The streamed kernel's prefetch arguments from (regions, n, cap), or none asked (n = 0)."""
     regions, n, cap = prefetch or (0, 0, 0)
     return (P(regions), I(n), I(cap))
 
 
-def stream_chain_args(chain: tuple | None) -> tuple:
-    """The streamed kernel's second-product arguments in GEMV_STREAM_CHAIN builds: chain = (descs, n_mats,
-    total_rows, mode, x, norm_w, glu_act, barrier, sums) or None (one product); none in other builds."""
-    if not _define("GEMV_STREAM_CHAIN", 0):
-        return ()
-    descs, n_mats, rows, mode, x, norm_w, glu_act, bar, sums = chain or (0, 0, 0, 0, 0, 0, 0, 0, 0)
-    return (descs if chain else P(0), I(n_mats), I(rows), I(mode), P(x), P(norm_w), I(glu_act), P(bar), P(sums))
-
-
-def gemv_chain(descs0, n_mats0: int, rows0: int, descs1, n_mats1: int, rows1: int, n_cols: int, x0: int, x1: int,
-               norm_w1: int, eps: float, glu_act: int, bar: int, sums: int, consumers: int = 0) -> bool:
-    """One launch of kernels/gemv_stream.cu for two products back to back (GEMV_STREAM_CHAIN builds): a residual
-    add (x1 += W0 . q(x0), x0 quantized in the prologue) and then gate/up with the GLU on RMSNorm(x1) * norm_w1,
-    the norm's sum of squares left in `sums` by the first product, the blocks meeting at `barrier` (a u32) between
-    them; both zero before the launch (the engine zeroes them each step). Both products 3-bit lane-pair GSQ-RCO of
-    n_cols columns. False (nothing launched) where this build, the GPU or the shapes do not allow it: the caller
-    then launches the two products apart."""
-    if not _define("GEMV_STREAM_CHAIN", 0) or not (gsq_stream(MODE_ADD) and gsq_stream(MODE_GLU)):
-        return False
-    import cupy as cp
-
-    sfn = function("gemv_gsq8_stream")
-    team = _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM)
-    consumers = consumers or _define("GEMV_STREAM_CHAIN_WARPS", GEMV_STREAM_LONG_WARPS)
-    groups0, groups1 = -(-rows0 // GEMV_ROWS_PER_WARP), rows1  # (GLU: a gate and an up row an output)
-    ks = gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups0)
-    if ks != gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups1) or not gsq_stream_walk_full(n_cols, ks):
-        return False
-    plan = gemv_stream_plan(sfn, n_cols, groups0, team, ks, _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES),
-                            consumers // team)
-    threads = 32 * (consumers + 1)
-    if plan is None or threads > sfn.max_threads_per_block:
-        return False
-    _, stages, smem = plan
-    _allow_smem(sfn, smem)
-    # every block must be resident at once (they meet at a barrier): one an SM, no more than the GPU holds
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    grid = min(groups0, groups1, resident_blocks(sfn, threads, smem), sms)
-    _launch_stream(sfn, grid, threads, smem, (descs0, n_mats0, rows0, MODE_ADD, 0), n_cols, x0, 0, eps, ks, team,
-                   stages, 0, 0, gsq_stream_lane_records(n_cols, ks),
-                   chain=(descs1, n_mats1, rows1, MODE_GLU, x1, norm_w1, glu_act, bar, sums),
-                   label=f"add {rows0}x{n_cols} + glu {rows1}x{n_cols}")
-    return True
-
-
 def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_cols: int, x: int, norm_w: int,
                    eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
-                   norm_sums: tuple[int, int] | None = None, prefetch: tuple[int, int, int] | None = None,
-                   chain: tuple | None = None, label: str = "") -> None:
+                   prefetch: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), then the trial builds' arguments where their switch is on (stream_*_args)."""
+    mode, glu_act), the prefetch's, then the trace slot in GEMV_STREAM_TRACE builds."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_norm_sums_args(norm_sums), *stream_prefetch_args(prefetch),
-                                             *stream_chain_args(chain),
-                                             *stream_trace_arg(mode, total_rows, n_cols, label)),
+                                             I(u), *stream_prefetch_args(prefetch),
+                                             *stream_trace_arg(mode, total_rows, n_cols)),
                   shared_mem=smem, dependent=True)
 
 
-def stream_norm_sums_args(norm_sums: tuple[int, int] | None) -> tuple:
-    """The streamed kernel's (sums_in, sums_out) in GEMV_STREAM_NORM_SUMS builds (zeros: none); none in other
-    builds, whose kernel has no such arguments."""
-    if not _define("GEMV_STREAM_NORM_SUMS", 0):
-        return ()
-    sums_in, sums_out = norm_sums or (0, 0)
-    return (P(sums_in), P(sums_out))
-
-
-def stream_trace_arg(mode: int, total_rows: int, n_cols: int, label: str = "") -> tuple:
+def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
     """The streamed kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
-    stream_trace_labels, modulo the kernel's buffer; `label` names it instead of its mode and shape); none in other
-    builds, whose kernel has no such argument."""
+    stream_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""
     if not _define("GEMV_STREAM_TRACE", 0):
         return ()
     from .stream_trace import TRACE_LAUNCHES
 
-    stream_trace_labels.append(label or f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}")
+    stream_trace_labels.append(f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}")
     return (I((len(stream_trace_labels) - 1) % TRACE_LAUNCHES),)
 
 

@@ -118,14 +118,6 @@ def kernel(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, 
     _state.after_kernel = True
 
 
-def memset(dst: int, nbytes: int) -> None:
-    """cudaMemsetAsync(dst, 0, nbytes) on CuPy's current stream (the next kernel then starts the ordinary way)."""
-    import cupy as cp
-
-    cp.cuda.runtime.memsetAsync(dst, 0, nbytes, cp.cuda.get_current_stream().ptr)
-    _state.after_kernel = False
-
-
 def copy(dst: int, src: int, nbytes: int, kind: int) -> None:
     """cudaMemcpyAsync on CuPy's current stream (the next kernel then starts the ordinary way)."""
     import cupy as cp

@@ -51,53 +51,12 @@
 #endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
-#ifndef GEMV_STREAM_NORM_SUMS
-// 1: a residual-add launch (MODE_ADD) also adds the sum of squares of the vector it wrote into `sums_out` (a double
-// the engine zeroes at the start of each step: a block's share, one atomic a block), and the launch after it, whose
-// norm reads that vector, takes it from `sums_in` instead of a first pass over x with a block-wide reduction: its
-// prologue then reads each group once (norm.cu norm_quant_v<V, true>). The trace had the norm prologues at 4.4
-// (q/k/v) and 7.3 µs (gate/up) where a pre-quantized copy takes 1.2. The double atomics' order varies, so the sum's
-// last bits may, but the f32 scale made from it does only when the sum sits within an ulp of a rounding boundary.
-// A trial, not yet run on a GPU (cuda_ops.stream_norm_sums_args; the engine wires it where both launches stream).
-#define GEMV_STREAM_NORM_SUMS 0
-#endif
-#ifndef GEMV_STREAM_CHAIN
-// 1: a launch may run a second product after its first (cuda_ops.gemv_chain: the output projection's residual add
-// into x, then gate/up with the GLU on RMSNorm(x); both 5,120 wide, so one ring geometry serves both). The producer
-// walks the second product's chunks right after the first's, so its weights stream in while the first one's last
-// chunks are computed; the consumers, done with the first, add their sums of squares of what they wrote and meet at
-// a grid-wide barrier (a counter the engine zeroes each step; every block is resident: one a SM), then build the
-// second activation from x and that sum (norm_quant_v<4, true>, no block-wide reduction) and go on. What it
-// removes: gate/up's launch, its grid's arrival and dependency wait, its norm's first pass, and the ring's refill
-// after the boundary (the trace: about 1.1 + 0.4 + 0.6 µs and most of an 8.6 µs prologue). A trial, not yet run
-// on a GPU.
-#define GEMV_STREAM_CHAIN 0
-#endif
-#define GEMV_STREAM_SQ (GEMV_STREAM_NORM_SUMS || GEMV_STREAM_CHAIN)  // residual adds keep their sums of squares
-#ifndef GEMV_STREAM_PREFETCH_TAIL
-// Non-zero BITS: a streamed launch's producer, once it has asked for its own last chunk, asks L2
-// (cp.async.bulk.prefetch.L2) for its block's 1/grid share of a later launch's weights (cuda_ops.gemv's `prefetch`,
-// wired by the engine: bit 1 the down projection asks for the next layer's q/k/v, 2 q/k/v for o, 4 o for gate/up's
-// first GEMV_STREAM_PREFETCH_CAP bytes a block, 8 gate/up for down's), so they stream in during this launch's last
-// chunks, its tail and the next one's prologue, when the trace has the memory idle, and the next launch reads them
-// from L2. (Asked for at the start instead, PREFETCH_NEXT lost 3-4.5%: the prefetch then competed with this
-// launch's own stream; down's 70.8 MB and q/k/v's 18.4 MB at 4.5 TB/s are 4 µs apart, what q/k/v gained.) A trial,
-// not yet run on a GPU.
-#define GEMV_STREAM_PREFETCH_TAIL 0
-#endif
 #ifndef GEMV_STREAM_EARLY_CHUNKS
 // Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
 // before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
 // prologues at 4.4 and 7.3 µs, a pre-quantized copy at 1.2). H200, 32B GSQ3 tg128: 2 chunks 162.86 / 162.86 /
 // 163.58 t/s, 1 161.05 / 161.00, 3 162.41 / 161.83, all of them 156.04 / 155.26 (2026-12-02).
 #define GEMV_STREAM_EARLY_CHUNKS 2
-#endif
-#ifndef GEMV_STREAM_EARLY_PLAIN
-// The same for launches without a norm (the output projection, whose prologue quantizes attention's output, and
-// the down projection, which copies quant_act's): their grid_dep_wait is long (attention, about 6 µs; quant_act,
-// about 4), so the whole ring's first fill (o: 99 KB a block) may be in before their prologue reads anything.
-// A trial: 0 (all of them first) against the 2 of the norm launches.
-#define GEMV_STREAM_EARLY_PLAIN GEMV_STREAM_EARLY_CHUNKS
 #endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
@@ -198,13 +157,6 @@ __device__ __forceinline__ void team_sync(int team, int n_threads) {
 #endif
 
 #if __CUDA_ARCH__ >= 900
-// What a consumer needs of the product it computes: its matrices and how their rows make groups and outputs.
-struct StreamProduct {
-    const MatDesc* mats;
-    int n_mats, total_rows, mode, glu_act, per_group, g1;  // g1: the product's row groups
-    bool is_glu;
-};
-
 // A consumer warp's side of the ring (gemv_gsq8_stream): it takes its team's chunks in turn and computes its group
 // of each. A struct with a template method, so each record count a lane takes (U) is its own loop.
 // (Tried and dropped, 2026-12-02: computing a lane's record offsets once per launch where a row pair takes one round
@@ -220,97 +172,36 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
-#if GEMV_STREAM_NORM_SUMS
-    double* sums_out;  // MODE_ADD: where the block's sum of squares of what it wrote goes (0: nowhere)
-#endif
-#if GEMV_STREAM_SQ
-    double* sq_part;   // shared: a consumer warp's share
-#endif
-#if GEMV_STREAM_CHAIN
-    // The second product (mats1 == 0: none), from chunk n_st0 of this block on: its matrices and mode, its input
-    // (normed by norm_w1 with the launch-wide sum of squares), the grid barrier and that sum.
-    const MatDesc* mats1;
-    int n_mats1, total_rows1, mode1, glu_act1, n_st0, n_cols;
-    const float* x1;
-    const float* norm_w1;
-    float eps;
-    unsigned* chain_bar;
-    double* chain_sums;
-#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
 
-#if GEMV_STREAM_SQ
-    // A barrier of the consumer warps alone (the producer has left by then).
-    __device__ __forceinline__ void consumers_sync() const {
-        asm volatile("bar.sync 15, %0;" ::"r"(n_teams * team_warps * WARP) : "memory");
-    }
-
-    // The block's sum of squares of what its consumers wrote (each warp's `sq`) added to *dst: the warps' shares
-    // in a fixed order, then one atomic, by thread 0 (every consumer warp calls this).
-    __device__ __forceinline__ void add_block_sum(double sq, double* dst) const {
-        if (lane == 0) sq_part[warp] = sq;
-        consumers_sync();
-        if (warp == 0 && lane == 0) {
-            double t = 0.0;
-            for (int j = 0; j < n_teams * team_warps; ++j) t += sq_part[j];
-            atomicAdd(dst, t);
-        }
-    }
-#endif
-
-#if GEMV_STREAM_CHAIN
-    // Between the products: the block's sum of squares of the first product's output into chain_sums, every block
-    // at the barrier, then the second product's activation in place of the first's (every consumer warp comes here
-    // once, done with the first product's chunks).
-    __device__ __forceinline__ void next_product(double sq) const {
-        add_block_sum(sq, chain_sums);
-        if (warp == 0 && lane == 0) {
-            __threadfence();
-            atomicAdd(chain_bar, 1u);
-            unsigned v;
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(chain_bar) : "memory");
-            } while (v < gridDim.x);
-        }
-        consumers_sync();
-        float* dd = (float*)d;
-        norm_quant_v<4, true>(x1, norm_w1, eps, n_cols, ACT_GSQ8_PAIRS, (i8*)aq, dd, (float2*)(dd + (n_cols >> 5)),
-                              0, 0, __ldcg(chain_sums), n_teams * team_warps);
-        consumers_sync();
-    }
-#endif
-
-    // This warp's chunks i0, i0 + n_teams, ... below i_end, of product `prod` from chunk ibase on, chunk i0 in slot s0
-    // of parity parity0; returns the chunk it stopped at. (s0 and parity0 by value: by reference, the default
-    // build's SASS came out reordered.)
-    template <int U, class Product>
-    __device__ __forceinline__ int walk(const Product& prod, int i0, int i_end, int ibase, int s0, u32 parity0,
-                                        double& sq) const {
-        int s = s0;
-        u32 parity = parity0;
+    // U: records a lane loads before it computes any.
+    template <int U>
+    __device__ __forceinline__ void run() const {
         constexpr int R = GEMV_R;
-        int i = i0;
-        for (; i < i_end; i += n_teams, s += n_teams) {
+        // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
+        // (at most `stages`) instead of two divisions a chunk.
+        int s = team;
+        u32 parity = 0;
+        for (int i = team; i < n_st; i += n_teams, s += n_teams) {
             if (s >= stages) {
                 s -= stages;
                 parity ^= 1;
             }
-            const int ic = i - ibase;  // the chunk's place in its product
             mbar_wait(smem_u32(&full[s]), parity);
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-            const int g = slot < per_step ? g0 + ic * cstride + slot : prod.g1;  // (warps past ks * per_step: none)
+            const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-            if (g < prod.g1) {
+            if (g < g1) {
                 static_assert(R == 2, "a half-warp a row");
                 const int hw = lane >> 4;  // this lane's row of the group
-                const u32 wrow = base + (prod.is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
+                const u32 wrow = base + (is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
                 const int p = (lane >> 1) & 7, cstep = 8 * ks;
                 float a = 0.0f;
                 for (int c0 = 8 * sub; c0 < n_rec; c0 += U * cstep) {  // (warp-uniform)
@@ -350,57 +241,23 @@ struct StreamConsumer {
                 }
                 team_sync(team, team_warps * WARP);
             }
-            if (lane != 0 || sub != 0 || g >= prod.g1) continue;
-            const int first = g * prod.per_group;
-            if (prod.is_glu) {
-                prod.mats[0].out[first] = glu(acc[0], acc[1], prod.glu_act);
+            if (lane != 0 || sub != 0 || g >= g1) continue;
+            const int first = g * per_group;
+            if (is_glu) {
+                mats[0].out[first] = glu(acc[0], acc[1], glu_act);
                 continue;
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (first + r < prod.total_rows) {
-                    const MatDesc& m = prod.mats[mat_of(prod.mats, prod.n_mats, first + r)];
+                if (first + r < total_rows) {
+                    const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                    if (prod.mode == MODE_ADD) {
-#if GEMV_STREAM_SQ
-                        const float nv = m.out[local] + v;
-                        m.out[local] = nv;
-                        sq += (double)(nv * nv);  // (as norm_quant_v's own pass adds them)
-#else
-                        m.out[local] += v;
-#endif
-                    } else {
-                        m.out[local] = v;
-                    }
+                    if (mode == MODE_ADD) m.out[local] += v;
+                    else m.out[local] = v;
                 }
             }
         }
-        return i;
-    }
-
-    // U: records a lane loads before it computes any.
-    template <int U>
-    __device__ __forceinline__ void run() const {
-        // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
-        // (at most `stages`) instead of two divisions a chunk (walk), from s = team, parity 0.
-        double sq = 0.0;  // (GEMV_STREAM_SQ, lane 0 of a group's first warp: the squares of the values it wrote)
-#if GEMV_STREAM_CHAIN
-        const int i = walk<U>(*this, team, mats1 ? n_st0 : n_st, 0, team, 0, sq);  // (its own fields: product 0)
-        if (mats1) {
-            next_product(sq);
-            const int pg1 = mode1 == MODE_GLU ? GEMV_R / 2 : GEMV_R;
-            const StreamProduct p1{mats1, n_mats1, total_rows1, mode1, glu_act1, pg1, (total_rows1 + pg1 - 1) / pg1,
-                                   mode1 == MODE_GLU};
-            double sq1 = 0.0;
-            walk<U>(p1, i, n_st, n_st0, i % stages, (u32)((i / stages) & 1), sq1);
-        }
-#else
-        walk<U>(*this, team, n_st, 0, team, 0, sq);
-#endif
-#if GEMV_STREAM_NORM_SUMS
-        if (sums_out) add_block_sum(sq, sums_out);
-#endif
 #if GEMV_STREAM_TRACE
         if (lane == 0) {
             if (warp == 0) STREAM_TRACE(trace_slot, 5);
@@ -414,18 +271,8 @@ struct StreamConsumer {
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
-                                            const float* pre_d, int u
-#if GEMV_STREAM_NORM_SUMS
-                                            , const double* sums_in, double* sums_out  // (0: none)
-#endif
-#if GEMV_STREAM_PREFETCH_TAIL
-                                            , const u64* pf, int n_pf, int pf_cap  // (address, bytes) pairs
-#endif
-#if GEMV_STREAM_CHAIN
-                                            , const MatDesc* mats1, int n_mats1, int total_rows1, int mode1,
-                                            const float* x1, const float* norm_w1, int glu_act1,
-                                            unsigned* chain_bar, double* chain_sums  // (mats1 = 0: one product)
-#endif
+                                            const float* pre_d, int u,
+                                            const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -435,9 +282,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     extern __shared__ __align__(128) int4 stream_sm[];
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ float partial[32][R];
-#if GEMV_STREAM_SQ
-    __shared__ double sq_part[32];
-#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
     const bool is_glu = mode == MODE_GLU;
     const int per_group = is_glu ? R / 2 : R;
@@ -445,14 +289,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
     // Chunk i of this block: groups [g0 + i cstride, + per_step), none at or past g1
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
-    const int n_st0 = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
-#if GEMV_STREAM_CHAIN
-    const int per_group1 = mode1 == MODE_GLU ? R / 2 : R;
-    const int n_groups1 = mats1 ? (total_rows1 + per_group1 - 1) / per_group1 : 0;
-    const int n_st = n_st0 + (g0 < n_groups1 ? (n_groups1 - g0 + cstride - 1) / cstride : 0);
-#else
-    const int n_st = n_st0;
-#endif
+    const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
     const u32 stage_bytes = (u32)per_step * R * rb;
@@ -482,38 +319,26 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
     auto issue = [&](int i) {
         const int s = i % stages;
-#if GEMV_STREAM_CHAIN
-        const bool p1 = i >= n_st0;  // (chunks of the second product follow the first's)
-        const MatDesc* pm = p1 ? mats1 : mats;
-        const int pn = p1 ? n_mats1 : n_mats, prows = p1 ? total_rows1 : total_rows, pg1 = p1 ? n_groups1 : g1;
-        const bool pglu = p1 ? mode1 == MODE_GLU : is_glu;
-        const int ic = p1 ? i - n_st0 : i;
-#else
-        const MatDesc* pm = mats;
-        const int pn = n_mats, prows = total_rows, pg1 = g1, ic = i;
-        const bool pglu = is_glu;
-#endif
-        const int ga = g0 + ic * cstride, gb = min(ga + per_step, pg1);
+        const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
-        if (pglu) {
+        if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
             mbar_expect_tx(bar, 2 * bytes);
-            bulk_copy(dst, pm[0].w + (long long)ga * rb, bytes, bar);
-            bulk_copy(dst + per_step * rb, pm[1].w + (long long)ga * rb, bytes, bar);
+            bulk_copy(dst, mats[0].w + (long long)ga * rb, bytes, bar);
+            bulk_copy(dst + per_step * rb, mats[1].w + (long long)ga * rb, bytes, bar);
             return;
         }
-        const int ra = ga * R, re = min(gb * R, prows);
+        const int ra = ga * R, re = min(gb * R, total_rows);
         mbar_expect_tx(bar, (u32)(re - ra) * rb);
         for (int r = ra; r < re;) {
-            const MatDesc& m = pm[mat_of(pm, pn, r)];
+            const MatDesc& m = mats[mat_of(mats, n_mats, r)];
             const int end = min(re, m.row0 + m.rows);
             bulk_copy(dst + (u32)(r - ra) * rb, m.w + (long long)(r - m.row0) * rb, (u32)(end - r) * rb, bar);
             r = end;
         }
     };
     const bool producer = warp == n_cons;
-    const int early_n = norm_w ? GEMV_STREAM_EARLY_CHUNKS : GEMV_STREAM_EARLY_PLAIN;
-    const int early = early_n ? min(early_n, stages) : stages;
+    const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
@@ -527,12 +352,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     i8* q = (i8*)stream_sm;
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
-#if GEMV_STREAM_NORM_SUMS
-        if (sums_in && norm_w)
-            norm_quant_v<4, true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0,
-                                  __ldcg(sums_in));
-        else
-#endif
         norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0);
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
@@ -547,9 +366,15 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
-#if GEMV_STREAM_PREFETCH_TAIL
-            // A later launch's weights into L2, this block's share of each region (its first pf_cap bytes when
-            // pf_cap > 0: the share the next launch's block of the same index starts with).
+            // Then a later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions:
+            // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
+            // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they
+            // stream in during this launch's last chunks, its tail and the next one's prologue, when the memory
+            // is otherwise idle. H200, 32B GSQ3 tg128 166.71 / 165.90 against 163.49 / 162.94 t/s (2026-12-02,
+            // three calls agreeing); measured and left out: the down projection asking for the next layer's
+            // q/k/v and q/k/v for o (1-2% slower), 128 KB a block (no better), the share's start moved to
+            // where the next launch's blocks start reading (1% slower than none; those lines are the next
+            // launch's own first copies), and all of it asked at a launch's start (3-4.5% slower).
             for (int r = 0; r < n_pf; ++r) {
                 const u64 base = pf[2 * r], len = pf[2 * r + 1];
                 u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
@@ -560,7 +385,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
                 }
             }
-#endif
         }
         return;
     }
@@ -575,16 +399,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
-#if GEMV_STREAM_NORM_SUMS
-                              , mode == MODE_ADD ? sums_out : nullptr
-#endif
-#if GEMV_STREAM_SQ
-                              , sq_part
-#endif
-#if GEMV_STREAM_CHAIN
-                              , mats1, n_mats1, total_rows1, mode1, glu_act1, n_st0, n_cols, x1, norm_w1, eps,
-                              chain_bar, chain_sums
-#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif

@@ -112,25 +112,19 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
 #define NORM_QUANT_KEEP 16
 #endif
 
-// GIVEN: the sum of squares of x is known (`sum_sq`, from the kernel that wrote x: gemv_stream.cu
-// GEMV_STREAM_NORM_SUMS), so there is no first pass: each group is read once, normed and quantized, and nothing
-// waits on a block barrier, so `given_warps` (> 0) of the block's first warps may do it alone.
-template <int V, bool GIVEN = false>
+template <int V>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                             float2* out_s, u16* out_h, float* out_f, double sum_sq = 0.0, int given_warps = 0) {
+                             float2* out_s, u16* out_h, float* out_f) {
     // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
     // 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy (67 -> 72, 121 -> 126).
     constexpr int KEEP = V == 4 ? NORM_QUANT_KEEP / V : 0;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n_warps = GIVEN && given_warps > 0 ? given_warps : blockDim.x >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
     const int n_groups = n / (32 * V);
     __shared__ double red[32];
     __shared__ float s_scale;
     float kept[KEEP > 0 ? KEEP : 1][V];
     float scale = 1.0f;
-    if (GIVEN) {
-        scale = 1.0f / sqrtf((float)(sum_sq / (double)n) + eps);  // (as below, from the block's own sum)
-    } else if (w) {
+    if (w) {
         double s = 0.0;
         if (KEEP) {  // the second pass's mapping: the warp's groups, V consecutive elements a lane
 #pragma unroll
@@ -170,14 +164,13 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         scale = s_scale;
     }
 #pragma unroll
-    for (int j = 0; j < KEEP; ++j) {  // the kept groups (read here where there was no first pass)
+    for (int j = 0; j < KEEP; ++j) {  // the kept groups (read here where there was no norm pass)
         const int g = warp + j * n_warps;
         if (g < n_groups) {
             const int i0 = 32 * V * g + V * lane;
             float y[V];
 #pragma unroll
-            for (int k = 0; k < V; ++k)
-                y[k] = w ? ((GIVEN ? __ldcg(x + i0 + k) : kept[j][k]) * scale) * w[i0 + k] : __ldcg(x + i0 + k);
+            for (int k = 0; k < V; ++k) y[k] = w ? (kept[j][k] * scale) * w[i0 + k] : __ldcg(x + i0 + k);
             quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
         }
     }
