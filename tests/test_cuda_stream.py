@@ -129,6 +129,9 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
                 t = entry + off + (1000 * b if ev == T.LAST_DONE else 0)
                 trace[slot, b, ev] = (t, 2 * (t - entry) + 777 * (b + 1))
             trace[slot, b, T.SM] = (b, 2)
+            if slot == 0:  # (a norm prologue: x loaded 300 ns and the scale 700 ns after the dependency wait)
+                for ev, off in ((T.X_LOADED, 800), (T.SCALED, 1200)):
+                    trace[slot, b, ev] = (entry + off, 2 * off + 777 * (b + 1))
     trace[2, 0, T.SM] = (0, 2)
     trace[2, 0, T.ENTRY] = (50000, 1)  # block 1 of slot 2 never ran
     launches = T.summarize(trace, ["store 8x256", "add 8x256", "store 8x256"])
@@ -137,7 +140,8 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     assert (a.start_ns, a.end_ns, a.end_spread_ns, a.entry_spread_ns) == (1000, 11200, 1200, 200)
     assert b.start_ns == 10500
     assert a.cycles == {"asked": 200, "dep_wait": 1000, "prologue": 2000, "first_chunk": 1000, "compute": 12000,
-                        "compute_last": 15000}
+                        "compute_last": 15000, "x_load": 600, "norm_sum": 800, "quantize": 600}
+    assert all(np.isnan(b.cycles[k]) for k in ("x_load", "norm_sum", "quantize"))  # (no norm prologue)
     assert T.clock_ghz(trace, 2) == pytest.approx(2.0)
     assert T.timer_step_ns(trace, 3) == 200
     rows = {r["label"]: r for r in T.per_kind([launches], 2.0)}

@@ -13,8 +13,9 @@ import numpy as np
 
 # kernels/gemv_stream.cu: the buffer's shape and its events
 TRACE_LAUNCHES, TRACE_BLOCKS = 2048, 256
-EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done", "last_done", "sm")
-ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM = range(len(EVENTS))
+EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done", "last_done", "sm", "x_loaded",
+          "scaled")
+ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM, X_LOADED, SCALED = range(len(EVENTS))
 
 
 def read_trace(n_slots: int) -> np.ndarray:
@@ -38,7 +39,10 @@ class Launch:
     end_ns: int
     end_spread_ns: int  # last block's end minus the first block's end: the launch's tail
     entry_spread_ns: int  # last block's entry minus the first's: how the grid arrived on the SMs
-    cycles: dict[str, float]  # "asked", "dep_wait", "prologue", "first_chunk", "compute", "compute_last"
+    # "asked", "dep_wait", "prologue", "first_chunk", "compute", "compute_last", and the norm prologue's parts
+    # (NaN in launches without a norm): "x_load" (thread 0's loads of x), "norm_sum" (the block's reduction),
+    # "quantize" (the normed groups quantized and the block's barrier)
+    cycles: dict[str, float]
 
 
 def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) -> list[Launch]:
@@ -66,6 +70,9 @@ def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) 
             "first_chunk": med(c[:, ACT_READY], c[:, FIRST_CHUNK]),
             "compute": med(c[:, FIRST_CHUNK], c[:, WARP0_DONE]),
             "compute_last": med(c[:, FIRST_CHUNK], c[:, LAST_DONE]),
+            "x_load": med(c[:, DEP_WAIT], c[:, X_LOADED]),
+            "norm_sum": med(c[:, X_LOADED], c[:, SCALED]),
+            "quantize": med(c[:, SCALED], c[:, ACT_READY]),
         }
         ends = g[:, LAST_DONE]
         out.append(Launch(label, grid, int(g[:, ENTRY].min()), int(ends.max()), int(ends.max() - ends.min()),

@@ -66,10 +66,11 @@
 #if GEMV_STREAM_TRACE
 #define GEMV_STREAM_TRACE_LAUNCHES 2048  // backends/stream_trace.py TRACE_LAUNCHES, TRACE_BLOCKS
 #define GEMV_STREAM_TRACE_BLOCKS 256
-#define GEMV_STREAM_TRACE_EVENTS 8
+#define GEMV_STREAM_TRACE_EVENTS 10
 // [launch slot][block][event][globaltimer ns, clock64]. Events: 0 entry, 1 the first chunks asked for (producer),
 // 2 past grid_dep_wait, 3 the activation ready (past the prologue's barrier), 4 consumer warp 0's first chunk
-// arrived, 5 consumer warp 0 done, 6 the last consumer warp done (atomicMax), 7 (the SM id, the grid size).
+// arrived, 5 consumer warp 0 done, 6 the last consumer warp done (atomicMax), 7 (the SM id, the grid size); in the
+// norm prologue, thread 0's 8 loads of x summed and 9 the block's scale known (norm.cu norm_quant_v's marks).
 __device__ unsigned long long gemv_stream_trace[GEMV_STREAM_TRACE_LAUNCHES * GEMV_STREAM_TRACE_BLOCKS *
                                                 GEMV_STREAM_TRACE_EVENTS * 2];
 
@@ -352,7 +353,14 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     i8* q = (i8*)stream_sm;
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
+#if GEMV_STREAM_TRACE
+        norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0,
+                        [&](int stage) {
+                            if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 8 + stage);
+                        });
+#else
         norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0);
+#endif
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }

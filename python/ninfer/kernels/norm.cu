@@ -112,9 +112,15 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
 #define NORM_QUANT_KEEP 16
 #endif
 
-template <int V>
+// norm_quant_v's stage marks (0: this thread's loads of x summed, 1: the block's scale known): nothing, except in
+// the streamed GEMV's trace builds (kernels/gemv_stream.cu GEMV_STREAM_TRACE), whose timeline splits the prologue.
+struct NoMark {
+    __device__ __forceinline__ void operator()(int) const {}
+};
+
+template <int V, class Mark = NoMark>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                             float2* out_s, u16* out_h, float* out_f) {
+                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark()) {
     // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
     // 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy (67 -> 72, 121 -> 126).
     constexpr int KEEP = V == 4 ? NORM_QUANT_KEEP / V : 0;
@@ -152,6 +158,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
                 s += (double)(v * v);
             }
         }
+        mark(0);
         s = warp_sum_d(s);
         if (lane == 0) red[warp] = s;
         __syncthreads();
@@ -162,6 +169,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         }
         __syncthreads();
         scale = s_scale;
+        mark(1);
     }
 #pragma unroll
     for (int j = 0; j < KEEP; ++j) {  // the kept groups (read here where there was no norm pass)
