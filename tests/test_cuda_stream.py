@@ -112,6 +112,12 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
     assert launch() == (base + [i32], [0, 0, 0])
     assert K.stream_trace_labels == ["add 5120x5120"]
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_GLU_QUANT=1", "-DGEMV_STREAM_TRACE=1"])
+    assert launch(glu_quant=(6, 7, 8)) == (base + [u64, u64, u64, i32], [0, 0, 0])
+    assert [int(v) for v in K.stream_glu_quant_args((6, 7, 8))] == [6, 7, 8]
+    assert [int(v) for v in K.stream_glu_quant_args(None)] == [0, 0, 0]
+    monkeypatch.setattr(K, "_DEFINES", [])
+    assert K.stream_glu_quant_args((6, 7, 8)) == ()  # (the shipped kernel has no such parameters)
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
@@ -241,3 +247,37 @@ def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: 
     differ = [i for i in range(24) if gpu[i] != cpu[i]]
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 3, differ
+
+
+@needs_cuda
+def test_gsq_stream_glu_quant_equals_quant_act() -> None:
+    """GEMV_STREAM_GLU_QUANT builds: a streamed gate/up launch that also quantizes its output for the down
+    projection (after a grid-wide barrier) writes the codes, int16 sums and scales quant_act(ACT_GSQ8_PAIRS) writes
+    from the same output, byte for byte; three launches in a row (the barrier leaves its words as found)."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K.gsq_stream(K.MODE_GLU):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    if not K._define("GEMV_STREAM_GLU_QUANT", 0):
+        pytest.skip("not a GEMV_STREAM_GLU_QUANT build (NINFER_CUDA_DEFINES)")
+    rng = np.random.default_rng(11)
+    tid, n, rows = gsq_type(3, 2), 5120, 27648
+    ws = [to_gpu(random_gsq_records(3, 2, rows, n, n**-0.5, rng), tid, rows, n, f"w{i}") for i in range(2)]
+    act = cp.zeros(rows, cp.float32)
+    descs = K.mat_descs([(w.data.ptr, 0, act.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in ws])
+    bar = cp.zeros(2, cp.uint32)
+    norm_d = cp.asarray((1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+    for step in range(3):
+        x_d = cp.asarray(rng.standard_normal(n).astype(np.float32))
+        q, d = cp.full(K.act_code_bytes(rows, True), 99, cp.int8), cp.full(rows // 32, -1, cp.float32)
+        assert K.gemv(ACT_GSQ8, descs, 2, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_GLU, gsq_pairs=True,
+                      stream=True, glu_quant=(q.data.ptr, d.data.ptr, bar.data.ptr))
+        q_ref, d_ref, s_ref = cp.full_like(q, 99), cp.full_like(d, -1), cp.zeros(rows // 16, cp.float32)
+        K.quant_act(act.data.ptr, rows, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
+        assert float(cp.abs(act).max()) > 0, step
+        assert (q.get() == q_ref.get()).all() and (d.get() == d_ref.get()).all(), step
+        assert bar.get().tolist() == [0, step + 1]

@@ -235,6 +235,9 @@ class CudaEngine:
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)
+        # GEMV_STREAM_GLU_QUANT (a trial): the grid barrier of the gate/up launches that quantize the down
+        # projection's input themselves (two u32, left as found)
+        self.glu_quant_bar = cp.zeros(2, cp.uint32) if K._define("GEMV_STREAM_GLU_QUANT", 0) else None
         # Step inputs and outputs in mapped pinned memory. Decode steps alternate between two slots of position
         # and token (parity p: position in_pos[p], token read from tok[p], greedy result written to tok[1 - p]), so
         # a step can be queued while the previous one runs (step()).
@@ -547,12 +550,15 @@ class CudaEngine:
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
                     prequantize: bool = False, prefetch: list[_Matrix] | None = None,
-                    prefetch_cap: int = 0) -> list[Callable[[], None]]:
+                    prefetch_cap: int = 0, quantized: list[bool] | None = None) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
         (they must live as long as a graph that launches them). `prefetch`: a later launch's matrices for a streamed
-        GEMV to ask L2 for at its end (each block its share of each, its first prefetch_cap bytes if > 0)."""
+        GEMV to ask L2 for at its end (each block its share of each, its first prefetch_cap bytes if > 0).
+        `quantized` (GEMV_STREAM_GLU_QUANT builds): with a GLU launch, a flag it sets when its launch also wrote
+        x quantized for the down projection (ACT_GSQ8_PAIRS); with a prequantized launch, the flag that then
+        replaces its quant_act."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
@@ -575,9 +581,19 @@ class CudaEngine:
             if prequantize and not norm and kind in QUANTIZED_ACTS:
                 pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
-                ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
-                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf))
+                done = quantized if pairs else None  # (a GLU launch writes only the pairs' layout)
+                ops.append(lambda q_kind=q_kind, pre=pre, done=done: None if done and done[0] else
+                           K.quant_act(x, n, q_kind, *pre))
+            gq = None
+            if quantized is not None and mode == K.MODE_GLU and self.glu_quant_bar is not None:
+                gq = (self.aq.data.ptr, self.ad.data.ptr, self.glu_quant_bar.data.ptr)
+
+            def run(kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs, gq=gq) -> None:
+                took = K.gemv(kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs,
+                              prefetch=pf, glu_quant=gq)
+                if gq is not None:
+                    quantized[0] = took
+            ops.append(run)
         return ops
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
@@ -635,16 +651,19 @@ class CudaEngine:
                                                prefetch_cap=pf_cap))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
+            glu_quantized = [False] if self.glu_quant_bar is not None else None
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act, prefetch=[lw["w_down"]], prefetch_cap=pf_cap))
+                                                   glu_act, prefetch=[lw["w_down"]], prefetch_cap=pf_cap,
+                                                   quantized=glu_quantized))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
                                                    K.MODE_STORE))
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True))
+                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
+                                               quantized=glu_quantized))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:
