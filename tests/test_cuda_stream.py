@@ -120,6 +120,30 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     assert K.stream_glu_quant_args((6, 7, 8)) == ()  # (the shipped kernel has no such parameters)
 
 
+def test_engine_prefetch_plan() -> None:
+    """What each streamed launch of a layer asks L2 for (CudaEngine._prefetch_regions, no GPU): by default the
+    output projection gate/up's weights and gate/up the down projection's, `cap` bytes a block of each; the
+    GEMV_STREAM_PREFETCH_MORE bits add q/k/v's and down's asks and double o's and gate/up's bytes."""
+    from types import SimpleNamespace
+
+    from ninfer.backends.cuda_engine import CudaEngine
+
+    def mat(ptr: int) -> SimpleNamespace:
+        return SimpleNamespace(ptr=ptr, rows=10, row_bytes=1000)
+
+    lw = {k: mat(p) for k, p in (("w_gate", 1 << 20), ("w_up", 2 << 20), ("w_down", 3 << 20), ("wo", 4 << 20),
+                                  ("wq", 5 << 20))}
+    nxt = {"wq": mat(9 << 20)}
+    gate_up, down = [(1 << 20, 10000), (2 << 20, 10000)], [(3 << 20, 10000)]
+    plan = CudaEngine._prefetch_regions(lw, nxt, 4096)
+    assert plan == {"qkv": {"prefetch": [], "prefetch_cap": 4096}, "o": {"prefetch": gate_up, "prefetch_cap": 4096},
+                    "gate_up": {"prefetch": down, "prefetch_cap": 4096}, "down": {"prefetch": [], "prefetch_cap": 4096}}
+    plan = CudaEngine._prefetch_regions(lw, nxt, 4096, 31)
+    assert plan["qkv"]["prefetch"] == gate_up + [(4 << 20, 10000)] and plan["down"]["prefetch"] == [(9 << 20, 10000)]
+    assert (plan["o"]["prefetch_cap"], plan["gate_up"]["prefetch_cap"]) == (8192, 8192)
+    assert CudaEngine._prefetch_regions(lw, None, 4096, 4)["down"]["prefetch"] == []  # (the last layer)
+
+
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
     0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come

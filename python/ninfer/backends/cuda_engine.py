@@ -549,20 +549,21 @@ class CudaEngine:
 
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
-                    prequantize: bool = False, prefetch: list[_Matrix] | None = None,
+                    prequantize: bool = False, prefetch: list[tuple[int, int]] | None = None,
                     prefetch_cap: int = 0, quantized: list[bool] | None = None) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
-        (they must live as long as a graph that launches them). `prefetch`: a later launch's matrices for a streamed
-        GEMV to ask L2 for at its end (each block its share of each, its first prefetch_cap bytes if > 0).
+        (they must live as long as a graph that launches them). `prefetch`: (address, bytes) regions of a later
+        launch's weights for a streamed GEMV to ask L2 for at its end (each block its share of each, its first
+        prefetch_cap bytes if > 0; _prefetch_regions).
         `quantized` (GEMV_STREAM_GLU_QUANT builds): with a GLU launch, a flag it sets when its launch also wrote
         x quantized for the down projection (ACT_GSQ8_PAIRS); with a prequantized launch, the flag that then
         replaces its quant_act."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
-            regions = K.prefetch_regions([(m.ptr, m.rows * m.row_bytes) for m in prefetch])
+            regions = K.prefetch_regions(prefetch)
             keep.append(regions)
             pf = (regions.data.ptr, len(prefetch), prefetch_cap)
         ops: list[Callable[[], None]] = []
@@ -596,6 +597,29 @@ class CudaEngine:
             ops.append(run)
         return ops
 
+    @staticmethod
+    def _prefetch_regions(lw: dict, nxt: dict | None, cap: int,
+                          more: int = 0) -> dict[str, dict[str, Any]]:
+        """What each of a layer's streamed launches asks L2 for at its end, as _matmul_vec's prefetch and
+        prefetch_cap (regions, and bytes a block of each)
+        (kernels/gemv_stream.cu: each block the first that many bytes of its 1/grid share of each region): the
+        output projection gate/up's weights, gate/up the down projection's. The shares' lines are read all through
+        the next launch, so what comes in while the memory idles at the boundary is read from L2 later (H200, 32B
+        GSQ3 tg128 +1.9%; docs/gsq-rco.md). `more` (GEMV_STREAM_PREFETCH_MORE, a trial, not yet measured) adds, by
+        bit: 1 q/k/v asks for gate/up's pieces too (earlier, with attention's idle time after it), 2 q/k/v for
+        o's, 4 down for the next layer's wq's, 8 o asks twice the bytes, 16 gate/up twice the bytes."""
+        def regions(mats: list) -> list[tuple[int, int]]:
+            return [(m.ptr, m.rows * m.row_bytes) for m in mats]
+
+        gate_up = regions([lw["w_gate"], lw["w_up"]])
+        qkv = (gate_up if more & 1 else []) + (regions([lw["wo"]]) if more & 2 else [])
+        down = regions([nxt["wq"]]) if more & 4 and nxt is not None else []
+        def ask(regs: list[tuple[int, int]], n: int) -> dict[str, Any]:
+            return {"prefetch": regs, "prefetch_cap": n}
+
+        return {"qkv": ask(qkv, cap), "o": ask(gate_up, 2 * cap if more & 8 else cap),
+                "gate_up": ask(regions([lw["w_down"]]), 2 * cap if more & 16 else cap), "down": ask(down, cap)}
+
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy, parity)
         if key not in self._op_lists:
@@ -626,16 +650,18 @@ class CudaEngine:
         glu_act = 0 if s["activation"] == "silu" else 1
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
         group = s["n_head"] // s["n_head_kv"]
-        # The output projection asks L2 for part of gate/up's weights at its end, gate/up for part of down's
-        # (K.STREAM_PREFETCH_CAP bytes a block of each matrix; kernels/gemv_stream.cu, the producer's tail)
+        # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
+        more = K._define("GEMV_STREAM_PREFETCH_MORE", 0)
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
             gate_up = [lw["w_gate"], lw["w_up"]]
+            nxt = self.layers[il + 1] if il + 1 < len(self.layers) else None
+            pf = self._prefetch_regions(lw, nxt, pf_cap, more)
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE))
+                                               K.MODE_STORE, **pf["qkv"]))
             params = K.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
@@ -647,15 +673,13 @@ class CudaEngine:
                                                                     s["head_dim"], True, group)])
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
-                                               K.MODE_STORE if post_a else K.MODE_ADD, prefetch=gate_up,
-                                               prefetch_cap=pf_cap))
+                                               K.MODE_STORE if post_a else K.MODE_ADD, **pf["o"]))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
             glu_quantized = [False] if self.glu_quant_bar is not None else None
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act, prefetch=[lw["w_down"]], prefetch_cap=pf_cap,
-                                                   quantized=glu_quantized))
+                                                   glu_act, quantized=glu_quantized, **pf["gate_up"]))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
@@ -663,7 +687,7 @@ class CudaEngine:
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
                                                K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
-                                               quantized=glu_quantized))
+                                               quantized=glu_quantized, **pf["down"]))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:
