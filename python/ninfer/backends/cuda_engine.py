@@ -600,22 +600,23 @@ class CudaEngine:
     @staticmethod
     def _prefetch_regions(lw: dict, nxt: dict | None, cap: int,
                           more: int = 0) -> dict[str, dict[str, Any]]:
-        """What each of a layer's streamed launches asks L2 for at its end, as _matmul_vec's prefetch and
-        prefetch_cap (regions, and bytes a block of each)
-        (kernels/gemv_stream.cu: each block the first that many bytes of its 1/grid share of each region): the
-        output projection gate/up's weights, gate/up the down projection's. The shares' lines are read all through
-        the next launch, so what comes in while the memory idles at the boundary is read from L2 later (H200, 32B
-        GSQ3 tg128 +1.9%; docs/gsq-rco.md). `more` (GEMV_STREAM_PREFETCH_MORE, a trial, not yet measured) adds, by
-        bit: 1 q/k/v asks for gate/up's pieces too (earlier, with attention's idle time after it), 2 q/k/v for
-        o's, 4 down for the next layer's wq's, 8 o asks twice the bytes, 16 gate/up twice the bytes."""
+        """What each of a layer's streamed launches asks L2 for at its end, as _matmul_vec's `prefetch` (regions)
+        and `prefetch_cap` (bytes a block of each: kernels/gemv_stream.cu has each block ask for the first that
+        many bytes of its 1/grid share of each region): the output projection gate/up's weights, gate/up the down
+        projection's. The shares' lines are read all through the next launch, so what comes in while the memory
+        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/gsq-rco.md). `more`
+        (GEMV_STREAM_PREFETCH_MORE, a trial, not yet measured) adds, by bit: 1 q/k/v asks for gate/up's pieces too
+        (earlier, with attention's idle time after it), 2 q/k/v for o's, 4 down for the next layer's wq's, 8 o
+        asks twice the bytes, 16 gate/up twice the bytes."""
         def regions(mats: list) -> list[tuple[int, int]]:
             return [(m.ptr, m.rows * m.row_bytes) for m in mats]
+
+        def ask(regs: list[tuple[int, int]], n: int) -> dict[str, Any]:
+            return {"prefetch": regs, "prefetch_cap": n}
 
         gate_up = regions([lw["w_gate"], lw["w_up"]])
         qkv = (gate_up if more & 1 else []) + (regions([lw["wo"]]) if more & 2 else [])
         down = regions([nxt["wq"]]) if more & 4 and nxt is not None else []
-        def ask(regs: list[tuple[int, int]], n: int) -> dict[str, Any]:
-            return {"prefetch": regs, "prefetch_cap": n}
 
         return {"qkv": ask(qkv, cap), "o": ask(gate_up, 2 * cap if more & 8 else cap),
                 "gate_up": ask(regions([lw["w_down"]]), 2 * cap if more & 16 else cap), "down": ask(down, cap)}

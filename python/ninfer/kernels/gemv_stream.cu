@@ -396,13 +396,13 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
 #if GEMV_STREAM_TRACE
-        norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0,
-                        [&](int stage) {
-                            if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 8 + stage);
-                        });
+        const auto mark = [&](int stage) {
+            if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 8 + stage);
+        };
 #else
-        norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0);
+        const NoMark mark;
 #endif
+        norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0, mark);
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }
