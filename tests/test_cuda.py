@@ -511,6 +511,25 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
                 ref = _attention_ref(qh, k_cache[lo : p + 1, h // g], v_cache[lo : p + 1, h // g], hd**-0.5)
                 assert nmse(got[i, h], ref) < 1e-6, (rep, i, h, nmse(got[i, h], ref))
     assert (tickets.get() == 0).all()
+    if hd != 128:
+        return
+    # With out_q / out_d (head size 128) the output is also quantized for the output projection: the codes, int16
+    # sums and scales quant_act(ACT_GSQ8_PAIRS) writes from it, byte for byte, and the same f32 output.
+    from ninfer.backends.layouts import ACT_GSQ8_PAIRS
+
+    n = rows * n_head * hd
+    q_att, d_att = cp.full(K.act_code_bytes(n, True), 99, cp.int8), cp.full(n // 32, -1, cp.float32)
+    out2 = cp.zeros_like(out)
+    params_q = K.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
+                             table_stride=0, row_seq=row_seq.data.ptr, pos=pos_d.data.ptr, window=window,
+                             page_size=page, out=out2.data.ptr, part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr,
+                             tickets=tickets.data.ptr, out_q=q_att.data.ptr, out_d=d_att.data.ptr)
+    K.attention(params_q, rows, n_split, n_kv, hd, False, n_head // n_kv)
+    q_ref, d_ref, s_ref = cp.full_like(q_att, 99), cp.full_like(d_att, -1), cp.zeros(n // 16, cp.float32)
+    K.quant_act(out2.data.ptr, n, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
+    assert (out2.get() == out.get()).all()
+    assert (q_att.get() == q_ref.get()).all() and (d_att.get() == d_ref.get()).all()
+    assert (d_att.get() > 0).all() and (tickets.get() == 0).all()
 
 
 # ---- whole models: greedy tokens on the GPU equal the CPU's --------------------------------------------------

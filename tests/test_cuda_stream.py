@@ -112,18 +112,12 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
     assert launch() == (base + [i32], [0, 0, 0])
     assert K.stream_trace_labels == ["add 5120x5120"]
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_GLU_QUANT=1", "-DGEMV_STREAM_TRACE=1"])
-    assert launch(glu_quant=(6, 7, 8)) == (base + [u64, u64, u64, i32], [0, 0, 0])
-    assert [int(v) for v in K.stream_glu_quant_args((6, 7, 8))] == [6, 7, 8]
-    assert [int(v) for v in K.stream_glu_quant_args(None)] == [0, 0, 0]
-    monkeypatch.setattr(K, "_DEFINES", [])
-    assert K.stream_glu_quant_args((6, 7, 8)) == ()  # (the shipped kernel has no such parameters)
 
 
 def test_engine_prefetch_plan() -> None:
-    """What each streamed launch of a layer asks L2 for (CudaEngine._prefetch_regions, no GPU): by default the
-    output projection gate/up's weights and gate/up the down projection's, `cap` bytes a block of each; the
-    GEMV_STREAM_PREFETCH_MORE bits add q/k/v's and down's asks and double o's and gate/up's bytes."""
+    """What each streamed launch of a layer asks L2 for (CudaEngine._prefetch_regions, no GPU): the output
+    projection gate/up's weights and gate/up the down projection's, `cap` bytes a block of each; with o_early
+    (GEMV_STREAM_O_PREFETCH_EARLY) the output projection asks at its start, the kernel's sign for it a negative cap."""
     from types import SimpleNamespace
 
     from ninfer.backends.cuda_engine import CudaEngine
@@ -133,15 +127,40 @@ def test_engine_prefetch_plan() -> None:
 
     lw = {k: mat(p) for k, p in (("w_gate", 1 << 20), ("w_up", 2 << 20), ("w_down", 3 << 20), ("wo", 4 << 20),
                                   ("wq", 5 << 20))}
-    nxt = {"wq": mat(9 << 20)}
     gate_up, down = [(1 << 20, 10000), (2 << 20, 10000)], [(3 << 20, 10000)]
-    plan = CudaEngine._prefetch_regions(lw, nxt, 4096)
-    assert plan == {"qkv": {"prefetch": [], "prefetch_cap": 4096}, "o": {"prefetch": gate_up, "prefetch_cap": 4096},
-                    "gate_up": {"prefetch": down, "prefetch_cap": 4096}, "down": {"prefetch": [], "prefetch_cap": 4096}}
-    plan = CudaEngine._prefetch_regions(lw, nxt, 4096, 31)
-    assert plan["qkv"]["prefetch"] == gate_up + [(4 << 20, 10000)] and plan["down"]["prefetch"] == [(9 << 20, 10000)]
-    assert (plan["o"]["prefetch_cap"], plan["gate_up"]["prefetch_cap"]) == (8192, 8192)
-    assert CudaEngine._prefetch_regions(lw, None, 4096, 4)["down"]["prefetch"] == []  # (the last layer)
+    plan = CudaEngine._prefetch_regions(lw, 4096)
+    assert plan == {"qkv": {}, "o": {"prefetch": gate_up, "prefetch_cap": 4096},
+                    "gate_up": {"prefetch": down, "prefetch_cap": 4096}, "down": {}}
+    plan = CudaEngine._prefetch_regions(lw, 4096, 131072)
+    assert plan["o"] == {"prefetch": gate_up, "prefetch_cap": -131072} and plan["gate_up"]["prefetch_cap"] == 4096
+
+
+def test_attention_quantizes_the_output_projections_input_only_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaEngine._att_quantizes_o (no GPU): with GEMV_ATT_QUANT, the attention kernel writes the output
+    projection's input quantized only for head size 128 (a head is one activation group) and a 3-bit GSQ-RCO
+    output projection that the lane-pair or streamed kernel takes (ACT_GSQ8_PAIRS); never without the switch."""
+    from types import SimpleNamespace
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.cuda_engine import CudaEngine
+    from ninfer.backends.layouts import ACT_GSQ8, ACT_Q8_K, gsq_type
+
+    def engine(head_dim: int) -> SimpleNamespace:
+        return SimpleNamespace(spec={"head_dim": head_dim})
+
+    def lw(act: int, type_id: int) -> dict:
+        return {"wo": SimpleNamespace(act=act, type=type_id, cols=5120, rows=5120)}
+
+    gsq3, gsq4 = gsq_type(3, 2), gsq_type(4, 2)
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_ATT_QUANT=1"])
+    assert CudaEngine._att_quantizes_o(engine(128), lw(ACT_GSQ8, gsq3))
+    assert not CudaEngine._att_quantizes_o(engine(64), lw(ACT_GSQ8, gsq3))
+    assert not CudaEngine._att_quantizes_o(engine(128), lw(ACT_GSQ8, gsq4))  # (4-bit records: not by pairs)
+    assert not CudaEngine._att_quantizes_o(engine(128), lw(ACT_Q8_K, 12))
+    small = {"wo": SimpleNamespace(act=ACT_GSQ8, type=gsq3, cols=1536, rows=1536)}  # (by units: ACT_GSQ8)
+    assert not CudaEngine._att_quantizes_o(engine(128), small)
+    monkeypatch.setattr(K, "_DEFINES", [])
+    assert not CudaEngine._att_quantizes_o(engine(128), lw(ACT_GSQ8, gsq3))
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
@@ -271,37 +290,3 @@ def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: 
     differ = [i for i in range(24) if gpu[i] != cpu[i]]
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 3, differ
-
-
-@needs_cuda
-def test_gsq_stream_glu_quant_equals_quant_act() -> None:
-    """GEMV_STREAM_GLU_QUANT builds: a streamed gate/up launch that also quantizes its output for the down
-    projection (after a grid-wide barrier) writes the codes, int16 sums and scales quant_act(ACT_GSQ8_PAIRS) writes
-    from the same output, byte for byte; three launches in a row (the barrier leaves its words as found)."""
-    import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
-    from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_type, to_gpu
-    from ninfer.synth import random_gsq_records
-
-    if not K.gsq_stream(K.MODE_GLU):
-        pytest.skip("gemv_gsq8_stream needs sm_90")
-    if not K._define("GEMV_STREAM_GLU_QUANT", 0):
-        pytest.skip("not a GEMV_STREAM_GLU_QUANT build (NINFER_CUDA_DEFINES)")
-    rng = np.random.default_rng(11)
-    tid, n, rows = gsq_type(3, 2), 5120, 27648
-    ws = [to_gpu(random_gsq_records(3, 2, rows, n, n**-0.5, rng), tid, rows, n, f"w{i}") for i in range(2)]
-    act = cp.zeros(rows, cp.float32)
-    descs = K.mat_descs([(w.data.ptr, 0, act.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in ws])
-    bar = cp.zeros(2, cp.uint32)
-    norm_d = cp.asarray((1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-    for step in range(3):
-        x_d = cp.asarray(rng.standard_normal(n).astype(np.float32))
-        q, d = cp.full(K.act_code_bytes(rows, True), 99, cp.int8), cp.full(rows // 32, -1, cp.float32)
-        assert K.gemv(ACT_GSQ8, descs, 2, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_GLU, gsq_pairs=True,
-                      stream=True, glu_quant=(q.data.ptr, d.data.ptr, bar.data.ptr))
-        q_ref, d_ref, s_ref = cp.full_like(q, 99), cp.full_like(d, -1), cp.zeros(rows // 16, cp.float32)
-        K.quant_act(act.data.ptr, rows, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
-        assert float(cp.abs(act).max()) > 0, step
-        assert (q.get() == q_ref.get()).all() and (d.get() == d_ref.get()).all(), step
-        assert bar.get().tolist() == [0, step + 1]

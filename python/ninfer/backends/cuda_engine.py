@@ -30,8 +30,8 @@ from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
 from ninfer.backends import launch
-from ninfer.backends.layouts import (ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type, gsq_pairs_type, layout,
-                                     to_gpu)
+from ninfer.backends.layouts import (ACT_GSQ8, ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type,
+                                     gsq_pairs_type, layout, to_gpu)
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -235,9 +235,6 @@ class CudaEngine:
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)
-        # GEMV_STREAM_GLU_QUANT (a trial): the grid barrier of the gate/up launches that quantize the down
-        # projection's input themselves (two u32, left as found)
-        self.glu_quant_bar = cp.zeros(2, cp.uint32) if K._define("GEMV_STREAM_GLU_QUANT", 0) else None
         # Step inputs and outputs in mapped pinned memory. Decode steps alternate between two slots of position
         # and token (parity p: position in_pos[p], token read from tok[p], greedy result written to tok[1 - p]), so
         # a step can be queued while the previous one runs (step()).
@@ -550,16 +547,14 @@ class CudaEngine:
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
                     prequantize: bool = False, prefetch: list[tuple[int, int]] | None = None,
-                    prefetch_cap: int = 0, quantized: list[bool] | None = None) -> list[Callable[[], None]]:
+                    prefetch_cap: int = 0, quantized: bool = False) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
         (they must live as long as a graph that launches them). `prefetch`: (address, bytes) regions of a later
         launch's weights for a streamed GEMV to ask L2 for at its end (each block its share of each, its first
-        prefetch_cap bytes if > 0; _prefetch_regions).
-        `quantized` (GEMV_STREAM_GLU_QUANT builds): with a GLU launch, a flag it sets when its launch also wrote
-        x quantized for the down projection (ACT_GSQ8_PAIRS); with a prequantized launch, the flag that then
-        replaces its quant_act."""
+        prefetch_cap bytes if > 0; _prefetch_regions). `quantized`: x is already in aq / ad as ACT_GSQ8_PAIRS (the
+        attention kernel wrote it; only for a launch _att_quantizes_o accepts)."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
@@ -579,47 +574,37 @@ class CudaEngine:
             total = group[0][0].rows if mode == K.MODE_GLU else sum(m.rows for m, _ in group)
             pairs = K.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
             pre = None
-            if prequantize and not norm and kind in QUANTIZED_ACTS:
+            if quantized:
+                pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
+            elif prequantize and not norm and kind in QUANTIZED_ACTS:
                 pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
-                done = quantized if pairs else None  # (a GLU launch writes only the pairs' layout)
-                ops.append(lambda q_kind=q_kind, pre=pre, done=done: None if done and done[0] else
-                           K.quant_act(x, n, q_kind, *pre))
-            gq = None
-            if quantized is not None and mode == K.MODE_GLU and self.glu_quant_bar is not None:
-                gq = (self.aq.data.ptr, self.ad.data.ptr, self.glu_quant_bar.data.ptr)
-
-            def run(kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs, gq=gq) -> None:
-                took = K.gemv(kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs,
-                              prefetch=pf, glu_quant=gq)
-                if gq is not None:
-                    quantized[0] = took
-            ops.append(run)
+                ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
+                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf))
         return ops
 
     @staticmethod
-    def _prefetch_regions(lw: dict, nxt: dict | None, cap: int,
-                          more: int = 0) -> dict[str, dict[str, Any]]:
+    def _prefetch_regions(lw: dict, cap: int, o_early: int = 0) -> dict[str, dict[str, Any]]:
         """What each of a layer's streamed launches asks L2 for at its end, as _matmul_vec's `prefetch` (regions)
         and `prefetch_cap` (bytes a block of each: kernels/gemv_stream.cu has each block ask for the first that
         many bytes of its 1/grid share of each region): the output projection gate/up's weights, gate/up the down
         projection's. The shares' lines are read all through the next launch, so what comes in while the memory
-        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/gsq-rco.md). `more`
-        (GEMV_STREAM_PREFETCH_MORE, a trial, not yet measured) adds, by bit: 1 q/k/v asks for gate/up's pieces too
-        (earlier, with attention's idle time after it), 2 q/k/v for o's, 4 down for the next layer's wq's, 8 o
-        asks twice the bytes, 16 gate/up twice the bytes."""
-        def regions(mats: list) -> list[tuple[int, int]]:
-            return [(m.ptr, m.rows * m.row_bytes) for m in mats]
+        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/gsq-rco.md). `o_early`
+        (GEMV_STREAM_O_PREFETCH_EARLY, a trial): the output projection asks for gate/up's shares at its start
+        instead, o_early bytes a block of each, while attention runs (the kernel's sign for it: a negative cap)."""
+        def ask(mats: list, n: int) -> dict[str, Any]:
+            return {"prefetch": [(m.ptr, m.rows * m.row_bytes) for m in mats], "prefetch_cap": n}
 
-        def ask(regs: list[tuple[int, int]], n: int) -> dict[str, Any]:
-            return {"prefetch": regs, "prefetch_cap": n}
+        return {"qkv": {}, "o": ask([lw["w_gate"], lw["w_up"]], -o_early if o_early else cap),
+                "gate_up": ask([lw["w_down"]], cap), "down": {}}
 
-        gate_up = regions([lw["w_gate"], lw["w_up"]])
-        qkv = (gate_up if more & 1 else []) + (regions([lw["wo"]]) if more & 2 else [])
-        down = regions([nxt["wq"]]) if more & 4 and nxt is not None else []
-
-        return {"qkv": ask(qkv, cap), "o": ask(gate_up, 2 * cap if more & 8 else cap),
-                "gate_up": ask(regions([lw["w_down"]]), 2 * cap if more & 16 else cap), "down": ask(down, cap)}
+    def _att_quantizes_o(self, lw: dict) -> bool:
+        """Whether the attention kernel writes the output projection's input quantized (GEMV_ATT_QUANT, a trial):
+        head size 128 (a head is one activation group) and an output projection that reads ACT_GSQ8_PAIRS."""
+        wo, s = lw["wo"], self.spec
+        return (bool(K._define("GEMV_ATT_QUANT", 0)) and s["head_dim"] == 128 and wo.act == ACT_GSQ8
+                and gsq_pairs_type(wo.type) and K.gsq_pairs(wo.cols, wo.rows))
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy, parity)
@@ -653,13 +638,13 @@ class CudaEngine:
         group = s["n_head"] // s["n_head_kv"]
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
-        more = K._define("GEMV_STREAM_PREFETCH_MORE", 0)
+        o_early = K._define("GEMV_STREAM_O_PREFETCH_EARLY", 0)
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
             gate_up = [lw["w_gate"], lw["w_up"]]
-            nxt = self.layers[il + 1] if il + 1 < len(self.layers) else None
-            pf = self._prefetch_regions(lw, nxt, pf_cap, more)
+            pf = self._prefetch_regions(lw, pf_cap, o_early)
+            att_quant = self._att_quantizes_o(lw)
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
                                                K.MODE_STORE, **pf["qkv"]))
@@ -668,27 +653,26 @@ class CudaEngine:
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
                 page_tables=table, table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
                 window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,
-                part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att)
+                part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att,
+                **({"out_q": self.aq.data.ptr, "out_d": self.ad.data.ptr} if att_quant else {}))
             self._keep.append(params)
             add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
                                                                     s["head_dim"], True, group)])
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
-                                               K.MODE_STORE if post_a else K.MODE_ADD, **pf["o"]))
+                                               K.MODE_STORE if post_a else K.MODE_ADD, quantized=att_quant, **pf["o"]))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
-            glu_quantized = [False] if self.glu_quant_bar is not None else None
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act, quantized=glu_quantized, **pf["gate_up"]))
+                                                   glu_act, **pf["gate_up"]))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
                                                    K.MODE_STORE))
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
-                                               quantized=glu_quantized, **pf["down"]))
+                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True, **pf["down"]))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:

@@ -134,7 +134,8 @@ ATTN_PARAMS = np.dtype(
                           "page_tables", "row_seq", "pos", "part_ml", "part_acc", "tickets", "out")]
     + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "qkv_stride",
                             "rope_dims", "neox")]
-    + [(k, "<f4") for k in ("scale", "eps", "theta_scale", "freq_scale", "q_scale")] + [("pad", "<i4")], align=True)
+    + [(k, "<f4") for k in ("scale", "eps", "theta_scale", "freq_scale", "q_scale")] + [("pad", "<i4")]
+    + [(k, "<u8") for k in ("out_q", "out_d")], align=True)
 
 
 def device_struct(dtype: np.dtype, **fields):
@@ -215,8 +216,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
-         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None,
-         glu_quant: tuple[int, int, int] | None = None) -> bool:
+         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None) -> bool:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -229,9 +229,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
     GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
     launch to ask L2 for at its end (prefetch_regions' array; ignored where the streamed kernel does not take the
-    launch). glu_quant = (codes, scales, barrier) in GEMV_STREAM_GLU_QUANT builds: a streamed GLU launch also
-    writes its output quantized as quant_act(ACT_GSQ8_PAIRS) would (the barrier: two zeroed u32 the kernel leaves
-    as found; ignored elsewhere). True when the streamed kernel took the launch (only then did glu_quant happen)."""
+    launch). True when the streamed kernel took the launch."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -277,8 +275,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
                                  f"not {u}")
             _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
-                           ks, team, stages, pq, pd, u, prefetch=prefetch,
-                           glu_quant=glu_quant if mode == MODE_GLU else None)
+                           ks, team, stages, pq, pd, u, prefetch=prefetch)
             return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
@@ -317,26 +314,15 @@ def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
 
 def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_cols: int, x: int, norm_w: int,
                    eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
-                   prefetch: tuple[int, int, int] | None = None,
-                   glu_quant: tuple[int, int, int] | None = None) -> None:
+                   prefetch: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), the prefetch's, glu_quant's in GEMV_STREAM_GLU_QUANT builds, then the trace slot in
-    GEMV_STREAM_TRACE builds."""
+    mode, glu_act), the prefetch's, then the trace slot in GEMV_STREAM_TRACE builds."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_prefetch_args(prefetch), *stream_glu_quant_args(glu_quant),
+                                             I(u), *stream_prefetch_args(prefetch),
                                              *stream_trace_arg(mode, total_rows, n_cols)),
                   shared_mem=smem, dependent=True)
-
-
-def stream_glu_quant_args(glu_quant: tuple[int, int, int] | None) -> tuple:
-    """The streamed kernel's (qa_q, qa_d, qa_bar) in GEMV_STREAM_GLU_QUANT builds (zeros: none asked); none in
-    other builds, whose kernel has no such arguments."""
-    if not _define("GEMV_STREAM_GLU_QUANT", 0):
-        return ()
-    q, d, bar = glu_quant or (0, 0, 0)
-    return (P(q), P(d), P(bar))
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
@@ -442,8 +428,9 @@ def attention_smem(hd: int) -> int:
 def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_stride: int, row_seq: int, pos: int,
                 window: int, page_size: int, out: int, q: int = 0, qkv: int = 0, qkv_stride: int = 0,
                 layer: dict | None = None, theta_scale: float = 0.0, part_ml: int = 0, part_acc: int = 0,
-                tickets: int = 0):
-    """The AttnParams struct of one attention launch (layer: the decode form's biases, norms, RoPE factors)."""
+                tickets: int = 0, out_q: int = 0, out_d: int = 0):
+    """The AttnParams struct of one attention launch (layer: the decode form's biases, norms, RoPE factors; out_q,
+    out_d: with head size 128, `out` quantized for the output projection too, as quant_act(ACT_GSQ8_PAIRS))."""
     lw = layer or {}
     return device_struct(
         ATTN_PARAMS, q=q, qkv=qkv, bias_q=lw.get("bq", 0), bias_k=lw.get("bk", 0), bias_v=lw.get("bv", 0),
@@ -452,7 +439,8 @@ def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_st
         out=out, table_stride=table_stride,
         window=window, n_head=s["n_head"], n_head_kv=s["n_head_kv"], page_size=page_size, qkv_stride=qkv_stride,
         rope_dims=s["rope_dims"], neox=int(s["rope_neox"]), scale=s["attn_scale"], eps=s["rms_eps"],
-        theta_scale=theta_scale, freq_scale=lw.get("rope_freq_scale", 1.0), q_scale=s["q_scale"])
+        theta_scale=theta_scale, freq_scale=lw.get("rope_freq_scale", 1.0), q_scale=s["q_scale"], out_q=out_q,
+        out_d=out_d)
 
 
 def attention_max_split(hd: int, group: int) -> int:

@@ -40,6 +40,10 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
     int table_stride, window, n_head, n_head_kv, page_size, qkv_stride, rope_dims, neox;
     float scale, eps, theta_scale, freq_scale, q_scale;
     int pad;
+    // With HD = 128 and out_q set, `out` also quantized for the output projection as quant_act(ACT_GSQ8_PAIRS)
+    // would (a head is one 128-value group): codes and int16 sums to out_q, scales to out_d (a float per 32)
+    i8* out_q;
+    float* out_d;
 };
 
 #define ATT_WARPS 8
@@ -421,6 +425,18 @@ __device__ void attend(const AttnParams& P) {
 #endif
         warp_keys_fma<HD, NG>(W);
     __syncthreads();
+    // out quantized too (AttnParams.out_q): each head's outputs meet in pt (free after the key loop) and a warp a
+    // head quantizes them as quant_act does, so the output projection's launch copies them in instead of
+    // quantizing 5,120 values in every block.
+    const bool quant = HD == 128 && P.out_q;
+    const auto quantize_heads = [&](long long oh0) {
+        for (int h = warp; h < ng; h += ATT_WARPS) {
+            float y[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) y[k] = pt[h * HD + 4 * lane + k];
+            quantize_group<4>(ACT_GSQ8_PAIRS, (int)(oh0 + h), y, P.out_q, P.out_d, 0, 0, 0);
+        }
+    };
     for (int i = tid; i < ng * HD; i += blockDim.x) {
         const int h = i / HD, d = i % HD;
         float M = -INFINITY;
@@ -438,12 +454,19 @@ __device__ void attend(const AttnParams& P) {
         const long long oh = (long long)row * n_head + g * ng + h;
         if (n_used == 1) {
             out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
+            if (quant) pt[i] = L > 0.0f ? A / L : 0.0f;
         } else {
             part_acc[(oh * n_split + split) * HD + d] = A;
             if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
         }
     }
-    if (n_used == 1) return;
+    if (n_used == 1) {
+        if (quant) {
+            __syncthreads();
+            quantize_heads((long long)row * n_head + g * ng);
+        }
+        return;
+    }
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -511,9 +534,11 @@ __device__ void attend(const AttnParams& P) {
             for (int j = 0; j < S; ++j) A += att_sm[j * HD + tid];
             const float L = wml[h];
             out[(oh0 + h) * HD + tid] = L > 0.0f ? A / L : 0.0f;
+            if (quant) pt[h * HD + tid] = L > 0.0f ? A / L : 0.0f;
         }
         __syncthreads();
     }
+    if (quant) quantize_heads(oh0);
 }
 
 // One kernel per head size and group size (query heads per KV head), compiled on demand as a module of its own

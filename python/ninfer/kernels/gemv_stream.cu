@@ -58,15 +58,6 @@
 // 163.58 t/s, 1 161.05 / 161.00, 3 162.41 / 161.83, all of them 156.04 / 155.26 (2026-12-02).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_GLU_QUANT
-// 1 (a trial, not yet run on a GPU): a GLU launch given `qa_q` also quantizes its output for the down projection
-// as quant_act does (ACT_GSQ8_PAIRS, byte for byte), so quant_act's launch goes: once its consumers are done, the
-// blocks meet at a grid-wide barrier (every block is resident, one an SM; `qa_bar`: a count and a generation word,
-// left as found, so nothing needs zeroing between steps) and each block's consumer warps quantize a 128-value group
-// apiece, groups blockIdx.x, + gridDim.x, ... (216 for the 32B shape's 27,648 outputs: one or two a block). The
-// trace had the down projection's dependency wait, glu's tail plus quant_act, at 3.8 µs.
-#define GEMV_STREAM_GLU_QUANT 0
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -278,44 +269,11 @@ struct StreamConsumer {
 };
 #endif
 
-#if GEMV_STREAM_GLU_QUANT && __CUDA_ARCH__ >= 900
-// GEMV_STREAM_GLU_QUANT: every block's GLU outputs `act` (n values) written, quantized as quant_act would, by the
-// block's n_warps consumer warps (the producer has left) after a grid-wide barrier on bar[0] (arrivals) and bar[1]
-// (generation).
-__device__ void glu_quant_tail(const float* act, int n, i8* out_q, float* out_d, unsigned* bar, int n_warps) {
-    asm volatile("bar.sync 15, %0;" ::"r"(32 * n_warps) : "memory");
-    if (threadIdx.x == 0) {
-        unsigned gen, now;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(bar + 1) : "memory");
-        __threadfence();  // (the block's outputs, ordered by the barrier above, before its arrival)
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 1), "r"(gen + 1) : "memory");
-        } else {
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 1) : "memory");
-            } while (now == gen);
-        }
-    }
-    asm volatile("bar.sync 15, %0;" ::"r"(32 * n_warps) : "memory");
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = blockIdx.x + warp * gridDim.x; g < n / 128; g += n_warps * gridDim.x) {  // (warp-uniform)
-        float y[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) y[k] = __ldcg(act + 128 * g + 4 * lane + k);  // (L2: other blocks wrote it)
-        quantize_group<4>(ACT_GSQ8_PAIRS, g, y, out_q, out_d, 0, 0, 0);
-    }
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u,
                                             const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
-#if GEMV_STREAM_GLU_QUANT
-                                            , i8* qa_q, float* qa_d, unsigned* qa_bar  // (qa_q = 0: none)
-#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -380,10 +338,27 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
             r = end;
         }
     };
+    // A later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions: this block's
+    // 1/grid share of each, its first `cap` bytes where cap > 0.
+    auto ask_l2 = [&](int cap) {
+        for (int r = 0; r < n_pf; ++r) {
+            const u64 base = pf[2 * r], len = pf[2 * r + 1];
+            u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
+            u64 e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
+            if (cap > 0 && e > a + (u64)cap) e = a + (u64)cap;
+            for (; a < e; a += 32768) {
+                const u32 bytes = (u32)min(e - a, 32768ull);
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
+            }
+        }
+    };
     const bool producer = warp == n_cons;
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
+        // (a trial, GEMV_STREAM_O_PREFETCH_EARLY in the engine: a negative pf_cap asks for the prefetch here,
+        // -pf_cap bytes a block, while the previous kernel runs: the output projection's blocks wait on attention)
+        if (pf_cap < 0) ask_l2(-pf_cap);
         STREAM_TRACE(trace_slot, 1);
     }
 
@@ -416,25 +391,15 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
-            // Then a later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions:
-            // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
-            // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they
-            // stream in during this launch's last chunks, its tail and the next one's prologue, when the memory
-            // is otherwise idle. H200, 32B GSQ3 tg128 166.71 / 165.90 against 163.49 / 162.94 t/s (2026-12-02,
-            // three calls agreeing); measured and left out: the down projection asking for the next layer's
-            // q/k/v and q/k/v for o (1-2% slower), 128 KB a block (no better), the share's start moved to
-            // where the next launch's blocks start reading (1% slower than none; those lines are the next
-            // launch's own first copies), and all of it asked at a launch's start (3-4.5% slower).
-            for (int r = 0; r < n_pf; ++r) {
-                const u64 base = pf[2 * r], len = pf[2 * r + 1];
-                u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
-                u64 e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
-                if (pf_cap > 0 && e > a + (u64)pf_cap) e = a + (u64)pf_cap;
-                for (; a < e; a += 32768) {
-                    const u32 bytes = (u32)min(e - a, 32768ull);
-                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
-                }
-            }
+            // Then a later launch's weights (ask_l2): the engine has the output projection ask for gate/up's and
+            // gate/up for down's, 64 KB a block of each matrix: they stream in during this launch's last chunks,
+            // its tail and the next one's prologue, when the memory is otherwise idle. H200, 32B GSQ3 tg128
+            // 166.71 / 165.90 against 163.49 / 162.94 t/s (2026-12-02, three calls agreeing); measured and left
+            // out: the down projection asking for the next layer's q/k/v and q/k/v for o, or for gate/up (0.5-2%
+            // slower), 128 KB a block (no better), the share's start moved to where the next launch's blocks start
+            // reading (1% slower than none; those lines are the next launch's own first copies), and all of it
+            // asked at a launch's start (3-4.5% slower).
+            if (pf_cap >= 0) ask_l2(pf_cap);
         }
         return;
     }
@@ -455,9 +420,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                               };
     if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>();
     else cons.run<GEMV_STREAM_U>();
-#if GEMV_STREAM_GLU_QUANT
-    if (qa_q && is_glu) glu_quant_tail(mats[0].out, total_rows, qa_q, qa_d, qa_bar, n_teams * team_warps);
-#endif
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif

@@ -112,6 +112,37 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
 #define NORM_QUANT_KEEP 16
 #endif
 
+#ifndef NORM_QUANT_VEC
+// 1: the GSQ8 and Q8_K kinds read x and the norm weights by 16-byte vectors (their rows are multiples of 128 floats,
+// so every group's V floats are 16-byte aligned), one request where four scalar loads of a warp asked for the same
+// 512 bytes four times. 0: scalar loads, as before (a trial switch, not yet measured on a GPU).
+#define NORM_QUANT_VEC 1
+#endif
+#ifndef NORM_W_EARLY
+// 1 (a trial, not yet measured): the norm weights of the groups kept in registers are loaded with x in the first
+// pass, so the quantization after the block's reduction waits on no load.
+#define NORM_W_EARLY 0
+#endif
+
+// V consecutive floats at p (16-byte aligned where V is a multiple of 4 and NORM_QUANT_VEC), through L2 only (cg:
+// a vector the previous kernel just wrote) or the read-only path (the norm weights).
+template <int V, bool CG>
+__device__ __forceinline__ void load_floats(const float* p, float (&v)[V]) {
+    if constexpr (V % 4 == 0 && NORM_QUANT_VEC) {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+            const float4 t = CG ? __ldcg((const float4*)(p + k)) : __ldg((const float4*)(p + k));
+            v[k] = t.x;
+            v[k + 1] = t.y;
+            v[k + 2] = t.z;
+            v[k + 3] = t.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] = CG ? __ldcg(p + k) : p[k];
+    }
+}
+
 // norm_quant_v's stage marks (0: this thread's loads of x summed, 1: the block's scale known): nothing, except in
 // the streamed GEMV's trace builds (kernels/gemv_stream.cu GEMV_STREAM_TRACE), whose timeline splits the prologue.
 struct NoMark {
@@ -129,6 +160,8 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     __shared__ double red[32];
     __shared__ float s_scale;
     float kept[KEEP > 0 ? KEEP : 1][V];
+    constexpr int KEEP_W = NORM_W_EARLY ? KEEP : 0;
+    float kept_w[KEEP_W > 0 ? KEEP_W : 1][V];
     float scale = 1.0f;
     if (w) {
         double s = 0.0;
@@ -137,19 +170,22 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
             for (int j = 0; j < KEEP; ++j) {
                 const int g = warp + j * n_warps;
                 if (g < n_groups) {
+                    load_floats<V, true>(x + 32 * V * g + V * lane, kept[j]);
+                    if constexpr (KEEP_W > 0) load_floats<V, false>(w + 32 * V * g + V * lane, kept_w[j]);
+                }
+            }
 #pragma unroll
-                    for (int k = 0; k < V; ++k) {
-                        kept[j][k] = __ldcg(x + 32 * V * g + V * lane + k);
-                        s += (double)(kept[j][k] * kept[j][k]);
-                    }
+            for (int j = 0; j < KEEP; ++j) {
+                if (warp + j * n_warps < n_groups) {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) s += (double)(kept[j][k] * kept[j][k]);
                 }
             }
             for (int g = warp + KEEP * n_warps; g < n_groups; g += n_warps) {
+                float v[V];
+                load_floats<V, true>(x + 32 * V * g + V * lane, v);
 #pragma unroll
-                for (int k = 0; k < V; ++k) {
-                    const float v = __ldcg(x + 32 * V * g + V * lane + k);
-                    s += (double)(v * v);
-                }
+                for (int k = 0; k < V; ++k) s += (double)(v[k] * v[k]);
             }
         } else {
 #pragma unroll 4
@@ -176,9 +212,19 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         const int g = warp + j * n_warps;
         if (g < n_groups) {
             const int i0 = 32 * V * g + V * lane;
-            float y[V];
+            float y[V], wv[V];
+            if (w) {
+                if constexpr (KEEP_W > 0) {
 #pragma unroll
-            for (int k = 0; k < V; ++k) y[k] = w ? (kept[j][k] * scale) * w[i0 + k] : __ldcg(x + i0 + k);
+                    for (int k = 0; k < V; ++k) wv[k] = kept_w[j < KEEP_W ? j : 0][k];
+                } else {
+                    load_floats<V, false>(w + i0, wv);
+                }
+#pragma unroll
+                for (int k = 0; k < V; ++k) y[k] = (kept[j][k] * scale) * wv[k];
+            } else {
+                load_floats<V, true>(x + i0, y);
+            }
             quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
         }
     }
@@ -186,8 +232,13 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     for (int g = warp + KEEP * n_warps; g < n_groups; g += n_warps) {
         const int i0 = 32 * V * g + V * lane;
         float y[V];
+        load_floats<V, true>(x + i0, y);
+        if (w) {
+            float wv[V];
+            load_floats<V, false>(w + i0, wv);
 #pragma unroll
-        for (int k = 0; k < V; ++k) y[k] = w ? (__ldcg(x + i0 + k) * scale) * w[i0 + k] : __ldcg(x + i0 + k);
+            for (int k = 0; k < V; ++k) y[k] = (y[k] * scale) * wv[k];
+        }
         quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
     }
 }
