@@ -116,8 +116,7 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
 
 def test_engine_prefetch_plan() -> None:
     """What each streamed launch of a layer asks L2 for (CudaEngine._prefetch_regions, no GPU): the output
-    projection gate/up's weights and gate/up the down projection's, `cap` bytes a block of each; with o_early
-    (GEMV_STREAM_O_PREFETCH_EARLY) the output projection asks at its start, the kernel's sign for it a negative cap."""
+    projection gate/up's weights and gate/up the down projection's, `cap` bytes a block of each."""
     from types import SimpleNamespace
 
     from ninfer.backends.cuda_engine import CudaEngine
@@ -131,17 +130,14 @@ def test_engine_prefetch_plan() -> None:
     plan = CudaEngine._prefetch_regions(lw, 4096)
     assert plan == {"qkv": {}, "o": {"prefetch": gate_up, "prefetch_cap": 4096},
                     "gate_up": {"prefetch": down, "prefetch_cap": 4096}, "down": {}}
-    plan = CudaEngine._prefetch_regions(lw, 4096, 131072)
-    assert plan["o"] == {"prefetch": gate_up, "prefetch_cap": -131072} and plan["gate_up"]["prefetch_cap"] == 4096
 
 
-def test_attention_quantizes_the_output_projections_input_only_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CudaEngine._att_quantizes_o (no GPU): with GEMV_ATT_QUANT, the attention kernel writes the output
-    projection's input quantized only for head size 128 (a head is one activation group) and a 3-bit GSQ-RCO
-    output projection that the lane-pair or streamed kernel takes (ACT_GSQ8_PAIRS); never without the switch."""
+def test_attention_quantizes_the_output_projections_input_only_where_it_can() -> None:
+    """CudaEngine._att_quantizes_o (no GPU): the attention kernel writes the output projection's input quantized
+    only for head size 128 (a head is one activation group) and a 3-bit GSQ-RCO output projection that the
+    lane-pair or streamed kernel takes (ACT_GSQ8_PAIRS)."""
     from types import SimpleNamespace
 
-    from ninfer.backends import cuda_ops as K
     from ninfer.backends.cuda_engine import CudaEngine
     from ninfer.backends.layouts import ACT_GSQ8, ACT_Q8_K, gsq_type
 
@@ -152,15 +148,12 @@ def test_attention_quantizes_the_output_projections_input_only_where_it_can(monk
         return {"wo": SimpleNamespace(act=act, type=type_id, cols=5120, rows=5120)}
 
     gsq3, gsq4 = gsq_type(3, 2), gsq_type(4, 2)
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_ATT_QUANT=1"])
     assert CudaEngine._att_quantizes_o(engine(128), lw(ACT_GSQ8, gsq3))
     assert not CudaEngine._att_quantizes_o(engine(64), lw(ACT_GSQ8, gsq3))
     assert not CudaEngine._att_quantizes_o(engine(128), lw(ACT_GSQ8, gsq4))  # (4-bit records: not by pairs)
     assert not CudaEngine._att_quantizes_o(engine(128), lw(ACT_Q8_K, 12))
     small = {"wo": SimpleNamespace(act=ACT_GSQ8, type=gsq3, cols=1536, rows=1536)}  # (by units: ACT_GSQ8)
     assert not CudaEngine._att_quantizes_o(engine(128), small)
-    monkeypatch.setattr(K, "_DEFINES", [])
-    assert not CudaEngine._att_quantizes_o(engine(128), lw(ACT_GSQ8, gsq3))
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:

@@ -585,26 +585,26 @@ class CudaEngine:
         return ops
 
     @staticmethod
-    def _prefetch_regions(lw: dict, cap: int, o_early: int = 0) -> dict[str, dict[str, Any]]:
+    def _prefetch_regions(lw: dict, cap: int) -> dict[str, dict[str, Any]]:
         """What each of a layer's streamed launches asks L2 for at its end, as _matmul_vec's `prefetch` (regions)
         and `prefetch_cap` (bytes a block of each: kernels/gemv_stream.cu has each block ask for the first that
         many bytes of its 1/grid share of each region): the output projection gate/up's weights, gate/up the down
         projection's. The shares' lines are read all through the next launch, so what comes in while the memory
-        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/gsq-rco.md). `o_early`
-        (GEMV_STREAM_O_PREFETCH_EARLY, a trial): the output projection asks for gate/up's shares at its start
-        instead, o_early bytes a block of each, while attention runs (the kernel's sign for it: a negative cap)."""
+        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/gsq-rco.md)."""
         def ask(mats: list, n: int) -> dict[str, Any]:
             return {"prefetch": [(m.ptr, m.rows * m.row_bytes) for m in mats], "prefetch_cap": n}
 
-        return {"qkv": {}, "o": ask([lw["w_gate"], lw["w_up"]], -o_early if o_early else cap),
+        return {"qkv": {}, "o": ask([lw["w_gate"], lw["w_up"]], cap),
                 "gate_up": ask([lw["w_down"]], cap), "down": {}}
 
     def _att_quantizes_o(self, lw: dict) -> bool:
-        """Whether the attention kernel writes the output projection's input quantized (GEMV_ATT_QUANT, a trial):
-        head size 128 (a head is one activation group) and an output projection that reads ACT_GSQ8_PAIRS."""
-        wo, s = lw["wo"], self.spec
-        return (bool(K._define("GEMV_ATT_QUANT", 0)) and s["head_dim"] == 128 and wo.act == ACT_GSQ8
-                and gsq_pairs_type(wo.type) and K.gsq_pairs(wo.cols, wo.rows))
+        """Whether the attention kernel writes the output projection's input quantized (AttnParams.out_q), so the
+        projection's launch copies it in instead of every block quantizing it: head size 128 (a head is one
+        activation group) and an output projection that reads ACT_GSQ8_PAIRS (3-bit GSQ-RCO by lane pairs or
+        streamed). H200, 32B GSQ3 tg128 173.3 / 173.7 against 172.5 / 172.1 t/s (2026-12-02)."""
+        wo = lw["wo"]
+        return (self.spec["head_dim"] == 128 and wo.act == ACT_GSQ8 and gsq_pairs_type(wo.type)
+                and K.gsq_pairs(wo.cols, wo.rows))
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy, parity)
@@ -638,12 +638,11 @@ class CudaEngine:
         group = s["n_head"] // s["n_head_kv"]
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
-        o_early = K._define("GEMV_STREAM_O_PREFETCH_EARLY", 0)
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
             gate_up = [lw["w_gate"], lw["w_up"]]
-            pf = self._prefetch_regions(lw, pf_cap, o_early)
+            pf = self._prefetch_regions(lw, pf_cap)
             att_quant = self._att_quantizes_o(lw)
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],

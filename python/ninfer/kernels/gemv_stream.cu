@@ -338,27 +338,10 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
             r = end;
         }
     };
-    // A later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions: this block's
-    // 1/grid share of each, its first `cap` bytes where cap > 0.
-    auto ask_l2 = [&](int cap) {
-        for (int r = 0; r < n_pf; ++r) {
-            const u64 base = pf[2 * r], len = pf[2 * r + 1];
-            u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
-            u64 e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
-            if (cap > 0 && e > a + (u64)cap) e = a + (u64)cap;
-            for (; a < e; a += 32768) {
-                const u32 bytes = (u32)min(e - a, 32768ull);
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
-            }
-        }
-    };
     const bool producer = warp == n_cons;
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
-        // (a trial, GEMV_STREAM_O_PREFETCH_EARLY in the engine: a negative pf_cap asks for the prefetch here,
-        // -pf_cap bytes a block, while the previous kernel runs: the output projection's blocks wait on attention)
-        if (pf_cap < 0) ask_l2(-pf_cap);
         STREAM_TRACE(trace_slot, 1);
     }
 
@@ -391,15 +374,26 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
-            // Then a later launch's weights (ask_l2): the engine has the output projection ask for gate/up's and
-            // gate/up for down's, 64 KB a block of each matrix: they stream in during this launch's last chunks,
-            // its tail and the next one's prologue, when the memory is otherwise idle. H200, 32B GSQ3 tg128
-            // 166.71 / 165.90 against 163.49 / 162.94 t/s (2026-12-02, three calls agreeing); measured and left
-            // out: the down projection asking for the next layer's q/k/v and q/k/v for o, or for gate/up (0.5-2%
-            // slower), 128 KB a block (no better), the share's start moved to where the next launch's blocks start
-            // reading (1% slower than none; those lines are the next launch's own first copies), and all of it
-            // asked at a launch's start (3-4.5% slower).
-            if (pf_cap >= 0) ask_l2(pf_cap);
+            // Then a later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions:
+            // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
+            // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they
+            // stream in during this launch's last chunks, its tail and the next one's prologue, when the memory
+            // is otherwise idle. H200, 32B GSQ3 tg128 166.71 / 165.90 against 163.49 / 162.94 t/s (2026-12-02,
+            // three calls agreeing); measured and left out: the down projection asking for the next layer's
+            // q/k/v and q/k/v for o, or for gate/up (0.5-2% slower), 128 KB a block (no better), the share's start
+            // moved to where the next launch's blocks start reading (1% slower than none; those lines are the
+            // next launch's own first copies), and all of it asked at a launch's start (3-4.5% slower; the output
+            // projection asking for gate/up's shares at its start, while attention runs: 0.8-2% slower).
+            for (int r = 0; r < n_pf; ++r) {
+                const u64 base = pf[2 * r], len = pf[2 * r + 1];
+                u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;
+                u64 e = (base + len * (blockIdx.x + 1) / gridDim.x) & ~15ull;
+                if (pf_cap > 0 && e > a + (u64)pf_cap) e = a + (u64)pf_cap;
+                for (; a < e; a += 32768) {
+                    const u32 bytes = (u32)min(e - a, 32768ull);
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
+                }
+            }
         }
         return;
     }

@@ -112,23 +112,13 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
 #define NORM_QUANT_KEEP 16
 #endif
 
-#ifndef NORM_QUANT_VEC
-// 1: the GSQ8 and Q8_K kinds read x and the norm weights by 16-byte vectors (their rows are multiples of 128 floats,
-// so every group's V floats are 16-byte aligned), one request where four scalar loads of a warp asked for the same
-// 512 bytes four times. 0: scalar loads, as before (a trial switch, not yet measured on a GPU).
-#define NORM_QUANT_VEC 1
-#endif
-#ifndef NORM_W_EARLY
-// 1 (a trial, not yet measured): the norm weights of the groups kept in registers are loaded with x in the first
-// pass, so the quantization after the block's reduction waits on no load.
-#define NORM_W_EARLY 0
-#endif
-
-// V consecutive floats at p (16-byte aligned where V is a multiple of 4 and NORM_QUANT_VEC), through L2 only (cg:
-// a vector the previous kernel just wrote) or the read-only path (the norm weights).
+// V consecutive floats at p, through L2 only (cg: a vector the previous kernel just wrote) or the read-only path
+// (the norm weights). Where V is a multiple of 4 (the GSQ8 and Q8_K kinds, whose rows are multiples of 128 floats, so
+// every group is 16-byte aligned) by 16-byte vectors: one request where a warp's four scalar loads asked for the same
+// 512 bytes four times (H200, 32B GSQ3 tg128 169.2 / 169.6 against 167.0 / 166.6 t/s, 2026-12-02).
 template <int V, bool CG>
 __device__ __forceinline__ void load_floats(const float* p, float (&v)[V]) {
-    if constexpr (V % 4 == 0 && NORM_QUANT_VEC) {
+    if constexpr (V % 4 == 0) {
 #pragma unroll
         for (int k = 0; k < V; k += 4) {
             const float4 t = CG ? __ldcg((const float4*)(p + k)) : __ldg((const float4*)(p + k));
@@ -159,9 +149,9 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     const int n_groups = n / (32 * V);
     __shared__ double red[32];
     __shared__ float s_scale;
-    float kept[KEEP > 0 ? KEEP : 1][V];
-    constexpr int KEEP_W = NORM_W_EARLY ? KEEP : 0;
-    float kept_w[KEEP_W > 0 ? KEEP_W : 1][V];
+    // The kept groups' norm weights are loaded with x in the first pass, so the quantization after the block's
+    // reduction waits on no load (H200, 32B GSQ3 tg128 172.3 / 172.1 against 169.2 / 169.6 t/s, 2026-12-02).
+    float kept[KEEP > 0 ? KEEP : 1][V], kept_w[KEEP > 0 ? KEEP : 1][V];
     float scale = 1.0f;
     if (w) {
         double s = 0.0;
@@ -171,7 +161,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
                 const int g = warp + j * n_warps;
                 if (g < n_groups) {
                     load_floats<V, true>(x + 32 * V * g + V * lane, kept[j]);
-                    if constexpr (KEEP_W > 0) load_floats<V, false>(w + 32 * V * g + V * lane, kept_w[j]);
+                    load_floats<V, false>(w + 32 * V * g + V * lane, kept_w[j]);
                 }
             }
 #pragma unroll
@@ -212,16 +202,10 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         const int g = warp + j * n_warps;
         if (g < n_groups) {
             const int i0 = 32 * V * g + V * lane;
-            float y[V], wv[V];
+            float y[V];
             if (w) {
-                if constexpr (KEEP_W > 0) {
 #pragma unroll
-                    for (int k = 0; k < V; ++k) wv[k] = kept_w[j < KEEP_W ? j : 0][k];
-                } else {
-                    load_floats<V, false>(w + i0, wv);
-                }
-#pragma unroll
-                for (int k = 0; k < V; ++k) y[k] = (kept[j][k] * scale) * wv[k];
+                for (int k = 0; k < V; ++k) y[k] = (kept[j][k] * scale) * kept_w[j][k];
             } else {
                 load_floats<V, true>(x + i0, y);
             }
