@@ -226,6 +226,7 @@ class CudaEngine:
         self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         group = s["n_head"] // s["n_head_kv"]
+        self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)
         # Key splits of decode attention: as many blocks as the GPU holds at once, over the KV heads
         # (NINFER_CUDA_ATT_SPLIT overrides, for measuring other choices).
@@ -547,14 +548,15 @@ class CudaEngine:
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
                     prequantize: bool = False, prefetch: list[tuple[int, int]] | None = None,
-                    prefetch_cap: int = 0, quantized: bool = False) -> list[Callable[[], None]]:
+                    prefetch_cap: int = 0, quantized: bool = False, max_grid: int = 0) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
         (they must live as long as a graph that launches them). `prefetch`: (address, bytes) regions of a later
         launch's weights for a streamed GEMV to ask L2 for at its end (each block its share of each, its first
         prefetch_cap bytes if > 0; _prefetch_regions). `quantized`: x is already in aq / ad as ACT_GSQ8_PAIRS (the
-        attention kernel wrote it; only for a launch _att_quantizes_o accepts)."""
+        attention kernel wrote it; only for a launch _att_quantizes_o accepts). max_grid: at most that many blocks
+        for a streamed launch (cuda_ops.gemv)."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
@@ -581,7 +583,8 @@ class CudaEngine:
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
                 ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
             ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
-                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf))
+                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf,
+                max_grid=max_grid))
         return ops
 
     @staticmethod
@@ -644,6 +647,9 @@ class CudaEngine:
             gate_up = [lw["w_gate"], lw["w_up"]]
             pf = self._prefetch_regions(lw, pf_cap)
             att_quant = self._att_quantizes_o(lw)
+            # (GEMV_STREAM_O_ROOM, a trial: the output projection on the SMs attention's blocks leave free, so none
+            # of its blocks waits for attention's SM)
+            o_grid = self.sms - s["n_head_kv"] if K._define("GEMV_STREAM_O_ROOM", 1) else 0
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
                                                K.MODE_STORE, **pf["qkv"]))
@@ -659,7 +665,8 @@ class CudaEngine:
                                                                     s["head_dim"], True, group)])
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
-                                               K.MODE_STORE if post_a else K.MODE_ADD, quantized=att_quant, **pf["o"]))
+                                               K.MODE_STORE if post_a else K.MODE_ADD, quantized=att_quant,
+                                               max_grid=o_grid, **pf["o"]))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused

@@ -216,7 +216,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
-         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None) -> bool:
+         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None, max_grid: int = 0) -> bool:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -229,7 +229,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
     GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
     launch to ask L2 for at its end (prefetch_regions' array; ignored where the streamed kernel does not take the
-    launch). True when the streamed kernel took the launch."""
+    launch). max_grid: at most that many blocks for a streamed launch (0: one an SM). True when the streamed kernel
+    took the launch."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -239,12 +240,17 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
 
         sfn = function("gemv_gsq8_stream") if stream is None or stream is True else stream
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        sms = min(sms, max_grid) if max_grid else sms
         consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
         if not warps_per_block:
-            consumers = stream_consumers_for_rounds(
-                groups, k_split or gemv_k_split(n_cols, _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM),
-                                                gsq_pairs=True, groups=groups),
-                sms, consumers, _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
+            ks_team = k_split or gemv_k_split(n_cols, _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM), gsq_pairs=True,
+                                              groups=groups)
+            consumers = stream_consumers_for_rounds(groups, ks_team, sms, consumers,
+                                                    _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
+            if ks_team > 1 and _define("GEMV_STREAM_SPLIT_WARPS", 0):
+                # (a trial: fewer consumers where rows are split between a team's warps, the 32B down projection,
+                # so its 27.6 KB ring slots number two a team instead of one)
+                consumers = _define("GEMV_STREAM_SPLIT_WARPS", 0)
         team = min(consumers, stream_team or _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM))
         consumers -= consumers % team  # whole teams
         stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
@@ -268,7 +274,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             ks, stages, smem = plan
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
-            grid = min(groups, resident_blocks(sfn, threads, smem))
+            grid = min(groups, resident_blocks(sfn, threads, smem), sms)
             pq, pd, _ = pre or (0, 0, 0)
             u = lane_records or gsq_stream_lane_records(n_cols, ks)
             if u not in (GEMV_STREAM_U, GEMV_STREAM_U_ALT):
@@ -461,7 +467,8 @@ def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bo
     name = f"attention_step_hd{hd}_g{group}" if step else f"attention_hd{hd}_g{group}"
     fn, smem = function(name), attention_smem(hd)
     _allow_smem(fn, smem)  # head dim 256: 82 KB
-    launch.kernel(fn, (n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,), shared_mem=smem, dependent=True)
+    grid = (n_head_kv, n_split, rows) if _define("ATT_KV_FIRST", 0) else (n_split, n_head_kv, rows)
+    launch.kernel(fn, grid, (32 * ATT_WARPS,), (params,), shared_mem=smem, dependent=True)
 
 
 def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int) -> None:

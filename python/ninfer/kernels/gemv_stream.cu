@@ -58,6 +58,11 @@
 // 163.58 t/s, 1 161.05 / 161.00, 3 162.41 / 161.83, all of them 156.04 / 155.26 (2026-12-02).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
+#ifndef GEMV_STREAM_EARLY_PRE
+// The same for launches whose input is already quantized (the output and down projections: their prologue is a
+// copy). A trial switch, not yet measured on a GPU.
+#define GEMV_STREAM_EARLY_PRE GEMV_STREAM_EARLY_CHUNKS
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -339,7 +344,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         }
     };
     const bool producer = warp == n_cons;
-    const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
+    const int early_n = pre_q ? GEMV_STREAM_EARLY_PRE : GEMV_STREAM_EARLY_CHUNKS;
+    const int early = early_n ? min(early_n, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
