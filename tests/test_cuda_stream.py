@@ -156,6 +156,24 @@ def test_attention_quantizes_the_output_projections_input_only_where_it_can() ->
     assert not CudaEngine._att_quantizes_o(engine(128), small)
 
 
+def test_output_projection_leaves_attentions_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaEngine._o_grid (no GPU): the streamed output projection takes the SMs less one a KV head (attention's
+    blocks at a short depth), none where that would be more than a quarter of the SMs, and one an SM (0) with
+    GEMV_STREAM_O_ROOM=0."""
+    from types import SimpleNamespace
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.cuda_engine import CudaEngine
+
+    def grid(sms: int, n_kv: int) -> int:
+        return CudaEngine._o_grid(SimpleNamespace(sms=sms, spec={"n_head_kv": n_kv}))
+
+    monkeypatch.setattr(K, "_DEFINES", [])
+    assert (grid(132, 8), grid(132, 2), grid(132, 33), grid(132, 34), grid(20, 8)) == (124, 130, 99, 0, 0)
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_O_ROOM=0"])
+    assert grid(132, 8) == 0
+
+
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
     0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come

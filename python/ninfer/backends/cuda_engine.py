@@ -609,6 +609,17 @@ class CudaEngine:
         return (self.spec["head_dim"] == 128 and wo.act == ACT_GSQ8 and gsq_pairs_type(wo.type)
                 and K.gsq_pairs(wo.cols, wo.rows))
 
+    def _o_grid(self) -> int:
+        """Blocks for a streamed output projection (cuda_ops.gemv max_grid; 0: one an SM): the SMs that attention's
+        blocks leave free (at a short depth one block a KV head), so that none of the projection's blocks, one an
+        SM, waits for an attention block to leave its SM while the others have started. H200, 32B GSQ3 tg128 175.7 /
+        175.3 against 174.5 / 174.3 t/s (8 of 132 SMs left; 2026-12-02). Not where that would take more than a
+        quarter of the SMs; GEMV_STREAM_O_ROOM=0 (NINFER_CUDA_DEFINES) turns it off."""
+        n_kv = self.spec["n_head_kv"]
+        if not K._define("GEMV_STREAM_O_ROOM", 1) or 4 * n_kv > self.sms:
+            return 0
+        return self.sms - n_kv
+
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy, parity)
         if key not in self._op_lists:
@@ -647,9 +658,7 @@ class CudaEngine:
             gate_up = [lw["w_gate"], lw["w_up"]]
             pf = self._prefetch_regions(lw, pf_cap)
             att_quant = self._att_quantizes_o(lw)
-            # (GEMV_STREAM_O_ROOM, a trial: the output projection on the SMs attention's blocks leave free, so none
-            # of its blocks waits for attention's SM)
-            o_grid = self.sms - s["n_head_kv"] if K._define("GEMV_STREAM_O_ROOM", 1) else 0
+            o_grid = self._o_grid()
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
                                                K.MODE_STORE, **pf["qkv"]))

@@ -243,14 +243,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         sms = min(sms, max_grid) if max_grid else sms
         consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
         if not warps_per_block:
-            ks_team = k_split or gemv_k_split(n_cols, _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM), gsq_pairs=True,
-                                              groups=groups)
-            consumers = stream_consumers_for_rounds(groups, ks_team, sms, consumers,
-                                                    _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
-            if ks_team > 1 and _define("GEMV_STREAM_SPLIT_WARPS", 0):
-                # (a trial: fewer consumers where rows are split between a team's warps, the 32B down projection,
-                # so its 27.6 KB ring slots number two a team instead of one)
-                consumers = _define("GEMV_STREAM_SPLIT_WARPS", 0)
+            consumers = stream_consumers_for_rounds(
+                groups, k_split or gemv_k_split(n_cols, _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM),
+                                                gsq_pairs=True, groups=groups),
+                sms, consumers, _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
         team = min(consumers, stream_team or _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM))
         consumers -= consumers % team  # whole teams
         stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
@@ -467,8 +463,7 @@ def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bo
     name = f"attention_step_hd{hd}_g{group}" if step else f"attention_hd{hd}_g{group}"
     fn, smem = function(name), attention_smem(hd)
     _allow_smem(fn, smem)  # head dim 256: 82 KB
-    grid = (n_head_kv, n_split, rows) if _define("ATT_KV_FIRST", 0) else (n_split, n_head_kv, rows)
-    launch.kernel(fn, grid, (32 * ATT_WARPS,), (params,), shared_mem=smem, dependent=True)
+    launch.kernel(fn, (n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,), shared_mem=smem, dependent=True)
 
 
 def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int) -> None:

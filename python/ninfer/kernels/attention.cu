@@ -51,9 +51,6 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 #ifndef ATT_MMA
 #define ATT_MMA 1
 #endif
-#ifndef ATT_KV_FIRST
-#define ATT_KV_FIRST 0
-#endif
 
 // The cache cell of position `key` for KV head g: its K and V rows start at cell * HD in the pools.
 __device__ __forceinline__ long long kv_cell(const int* table, int key, int page_size, int n_head_kv, int g) {
@@ -343,10 +340,7 @@ __device__ void attend(const AttnParams& P) {
     float2* part_ml = P.part_ml;
     float* part_acc = P.part_acc;
     float* out = P.out;
-    // (ATT_KV_FIRST, a trial: the grid as (KV heads, splits, rows), so the blocks that hold keys at a short depth,
-    // split 0 of each KV head, are dispatched first instead of after every empty split of the KV heads before)
-    const int split = ATT_KV_FIRST ? blockIdx.y : blockIdx.x, g = ATT_KV_FIRST ? blockIdx.x : blockIdx.y;
-    const int row = blockIdx.z, n_split = ATT_KV_FIRST ? gridDim.y : gridDim.x;
+    const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     constexpr int ng = NG;  // query heads per KV head: a template parameter, so loops over heads unroll exactly
     extern __shared__ float att_sm[];

@@ -55,13 +55,10 @@
 // Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
 // before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
 // prologues at 4.4 and 7.3 µs, a pre-quantized copy at 1.2). H200, 32B GSQ3 tg128: 2 chunks 162.86 / 162.86 /
-// 163.58 t/s, 1 161.05 / 161.00, 3 162.41 / 161.83, all of them 156.04 / 155.26 (2026-12-02).
+// 163.58 t/s, 1 161.05 / 161.00, 3 162.41 / 161.83, all of them 156.04 / 155.26 (2026-12-02). Also for the
+// launches whose prologue is a copy (the output and down projections): 4 or the whole ring there, 170.2 and
+// 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
-#endif
-#ifndef GEMV_STREAM_EARLY_PRE
-// The same for launches whose input is already quantized (the output and down projections: their prologue is a
-// copy). A trial switch, not yet measured on a GPU.
-#define GEMV_STREAM_EARLY_PRE GEMV_STREAM_EARLY_CHUNKS
 #endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
@@ -344,8 +341,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         }
     };
     const bool producer = warp == n_cons;
-    const int early_n = pre_q ? GEMV_STREAM_EARLY_PRE : GEMV_STREAM_EARLY_CHUNKS;
-    const int early = early_n ? min(early_n, stages) : stages;
+    const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
