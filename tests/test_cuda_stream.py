@@ -84,6 +84,12 @@ def test_streamed_kernel_prefetch_and_trace_arguments_match_its_signature(monkey
     first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
     assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
     assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
+    # the attention kernel's own slot (kernels/attention.cu), numbered apart
+    monkeypatch.setattr(K, "att_trace_labels", [])
+    slots = K.att_trace_arg("attention_step_hd128_g5") + K.att_trace_arg("attention_step_hd128_g5")
+    assert [type(a) for a in slots] == [np.int32, np.int32] and [int(a) for a in slots] == [0, 1]
+    monkeypatch.setattr(K, "_DEFINES", [])
+    assert K.att_trace_arg("attention_step_hd128_g5") == () and len(K.att_trace_labels) == 2
 
 
 def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,6 +118,12 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
     assert launch() == (base + [i32], [0, 0, 0])
     assert K.stream_trace_labels == ["add 5120x5120"]
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_GLU_ARRIVE=1", "-DGEMV_STREAM_TRACE=1"])
+    assert launch(glu_quant=(6, 7, 8)) == (base + [u64, u64, u64, i32], [0, 0, 0])
+    assert [int(v) for v in K.stream_glu_quant_args((6, 7, 8))] == [6, 7, 8]
+    assert [int(v) for v in K.stream_glu_quant_args(None)] == [0, 0, 0]
+    monkeypatch.setattr(K, "_DEFINES", [])
+    assert K.stream_glu_quant_args((6, 7, 8)) == ()  # (the shipped kernel has no such parameters)
 
 
 def test_engine_prefetch_plan() -> None:
@@ -156,6 +168,21 @@ def test_attention_quantizes_the_output_projections_input_only_where_it_can() ->
     assert not CudaEngine._att_quantizes_o(engine(128), small)
 
 
+def test_balanced_grid_gives_every_block_as_many_chunks() -> None:
+    """cuda_ops.stream_balanced_grid (GEMV_STREAM_BALANCE): the 32B shape's gate/up (6,912 chunks) and down (2,560)
+    on 128 of 132 SMs, 54 and 20 chunks a block; a one-round launch and a count with no divisor within 5% keep the
+    grid."""
+    from ninfer.backends import cuda_ops as K
+
+    assert (K.stream_balanced_grid(6912, 132), K.stream_balanced_grid(2560, 132)) == (128, 128)
+    assert K.stream_balanced_grid(896, 132) == 128 and K.stream_balanced_grid(640, 124) == 124
+    assert K.stream_balanced_grid(100, 132) == 132  # (one round)
+    assert K.stream_balanced_grid(2 * 131, 132) == 131 and K.stream_balanced_grid(1009, 132) == 132  # (a prime)
+    for chunks, grid in ((6912, 132), (2560, 132), (5000, 100)):
+        g = K.stream_balanced_grid(chunks, grid)
+        assert grid >= g >= 0.95 * grid and (chunks % g == 0 or g == grid)
+
+
 def test_output_projection_leaves_attentions_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaEngine._o_grid (no GPU): the streamed output projection takes the SMs less one a KV head (attention's
     blocks at a short depth), none where that would be more than a quarter of the SMs, and one an SM (0) with
@@ -198,6 +225,7 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     assert [ln.label for ln in launches] == ["store 8x256", "add 8x256"]
     a, b = launches
     assert (a.start_ns, a.end_ns, a.end_spread_ns, a.entry_spread_ns) == (1000, 11200, 1200, 200)
+    assert a.dep_wait_ns == 1600  # (the median of the blocks past grid_dep_wait at 1500 and 1700)
     assert b.start_ns == 10500
     assert a.cycles == {"asked": 200, "dep_wait": 1000, "prologue": 2000, "first_chunk": 1000, "compute": 12000,
                         "compute_last": 15000, "x_load": 600, "norm_sum": 800, "quantize": 600}
@@ -212,6 +240,29 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     assert rows["store 8x256"]["compute_last"] == pytest.approx(7.5)
     apart = {r["label"]: r for r in T.per_kind([[a], [b]], 2.0)}  # two graphs: no gap between them
     assert np.isnan(apart["add 8x256"]["gap"]) and apart["add 8x256"]["span"] == pytest.approx(10.2)
+
+
+def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
+    """backends/stream_trace.py's attention part on a hand-made trace (no GPU): two blocks with keys of one launch
+    and one launch no block recorded fully; the boundaries against hand-made q/k/v and output projection launches."""
+    from ninfer.backends import stream_trace as T
+
+    att = np.zeros((2, T.ATT_TRACE_BLOCKS, len(T.ATT_EVENTS)), np.uint64)
+    att[0, 0] = [20_000, 20_500, 22_000, 23_000, 25_000, 26_000]
+    att[0, 9] = [21_000, 21_700, 22_200, 23_400, 25_800, 26_600]  # (block 9: split 1 of eight KV heads)
+    att[1, 3, :3] = [1, 2, 3]  # (never reached its end)
+    a, none = T.summarize_attention(att, range(2))
+    assert none is None and (a.blocks, a.start_ns, a.end_ns) == (2, 20_000, 26_600)
+    assert a.stages == {"before_wait": 600, "dep_wait": 1000, "rope": 1100, "keys": 2200, "out": 900}
+
+    def launch(end_ns: int, dep_wait_ns: int) -> T.Launch:
+        return T.Launch("x", 132, 0, end_ns, 0, 0, dep_wait_ns, {})
+
+    b = T.attention_boundaries([(launch(19_000, 0), a, launch(40_000, 27_600)), (launch(0, 0), None, launch(0, 0))])
+    assert b["layers"] == 1 and b["qkv_end_to_entry"] == pytest.approx(1.0)
+    assert b["keys"] == pytest.approx(2.2) and b["span"] == pytest.approx(6.6)
+    assert b["end_to_o_wait"] == pytest.approx(1.0)
+    assert T.attention_boundaries([(launch(0, 0), None, launch(0, 0))]) == {}
 
 
 @needs_cuda
@@ -301,3 +352,74 @@ def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: 
     differ = [i for i in range(24) if gpu[i] != cpu[i]]
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 3, differ
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [27648, 4096 + 384])
+def test_gsq_stream_glu_arrive_equals_quant_act(rows: int) -> None:
+    """GEMV_STREAM_GLU_ARRIVE builds: a streamed gate/up launch that also quantizes its output for the down
+    projection (the block completing a 128-value group's count quantizes it) writes the codes, int16 sums and
+    scales quant_act(ACT_GSQ8_PAIRS) writes from the same output, byte for byte; three launches in a row, the
+    counters left at 0. 4,480 rows: 1,120 chunks of four outputs on the grid, groups of 32 chunks from many blocks."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_type, to_gpu
+    from ninfer.synth import random_gsq_records
+
+    if not K.gsq_stream(K.MODE_GLU):
+        pytest.skip("gemv_gsq8_stream needs sm_90")
+    if not K._define("GEMV_STREAM_GLU_ARRIVE", 0):
+        pytest.skip("not a GEMV_STREAM_GLU_ARRIVE build (NINFER_CUDA_DEFINES)")
+    rng = np.random.default_rng(11)
+    tid, n = gsq_type(3, 2), 5120
+    ws = [to_gpu(random_gsq_records(3, 2, rows, n, n**-0.5, rng), tid, rows, n, f"w{i}") for i in range(2)]
+    act = cp.zeros(rows, cp.float32)
+    descs = K.mat_descs([(w.data.ptr, 0, act.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in ws])
+    cnt = cp.zeros(rows // 128, cp.uint32)
+    norm_d = cp.asarray((1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+    for step in range(3):
+        x_d = cp.asarray(rng.standard_normal(n).astype(np.float32))
+        q, d = cp.full(K.act_code_bytes(rows, True), 99, cp.int8), cp.full(rows // 32, -1, cp.float32)
+        assert K.gemv(ACT_GSQ8, descs, 2, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_GLU, gsq_pairs=True,
+                      stream=True, glu_quant=(q.data.ptr, d.data.ptr, cnt.data.ptr))
+        q_ref, d_ref, s_ref = cp.full_like(q, 99), cp.full_like(d, -1), cp.zeros(rows // 16, cp.float32)
+        K.quant_act(act.data.ptr, rows, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
+        assert float(cp.abs(act).max()) > 0, step
+        assert (q.get() == q_ref.get()).all() and (d.get() == d_ref.get()).all(), step
+        assert (cnt.get() == 0).all(), step
+
+
+@needs_cuda
+def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
+    """GEMV_STREAM_TRACE builds: decode steps of the two-layer 32B-shape model leave, for every attention launch of
+    a step, its blocks' six stages in order on the GPU's timer, after the q/k/v launch began and before the output
+    projection's blocks are past their dependency wait (what scripts/stream-trace reads)."""
+    import ninfer
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import stream_trace as T
+
+    if not K._define("GEMV_STREAM_TRACE", 0):
+        pytest.skip("not a GEMV_STREAM_TRACE build (NINFER_CUDA_DEFINES)")
+    path = write_synthetic(tmp_path / "q32.gguf", "qwen2.5-32b", "GSQ3", n_layer=2, seed=13)
+    eng = ninfer.LLM(path, n_ctx=512, device="cuda")._engine
+    greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
+    eng.prefill(0, [17, 400, 9000], 512)
+    att_first, first = len(K.att_trace_labels), len(K.stream_trace_labels)
+    eng.step(0, 5, greedy)  # (the first decode step runs uncaptured, then captures: its slots' last writes)
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+    spec = eng.spec
+    slots = range(att_first, len(K.att_trace_labels))
+    att = T.read_att_trace(spec["head_dim"], spec["n_head"] // spec["n_head_kv"], len(K.att_trace_labels))
+    done = [a for a in T.summarize_attention(att, slots) if a is not None]
+    assert len(done) == len(slots) and len(slots) >= 2
+    for a in done:
+        assert a.blocks >= spec["n_head_kv"] and a.end_ns > a.start_ns
+        assert all(v >= 0 for v in a.stages.values())
+    launches = T.summarize(T.read_trace(len(K.stream_trace_labels)), K.stream_trace_labels,
+                           range(first, len(K.stream_trace_labels)))
+    qkv, o = launches[0], launches[1]  # (the first layer's q/k/v and output projection)
+    a = T.summarize_attention(att, range(att_first, att_first + 1))[0]
+    assert qkv.start_ns < a.start_ns and a.end_ns <= o.dep_wait_ns

@@ -3,7 +3,9 @@ block of each launch was when, inside a captured decode step, which no profiler 
 scripts/stream-trace; the analysis works on the array alone, so it is tested without a GPU.
 
 Per block and event the kernel stores two clocks: %globaltimer (ns, one clock for the whole GPU: launches and blocks
-against each other) and clock64 (the SM's cycles: exact durations inside a block)."""
+against each other) and clock64 (the SM's cycles: exact durations inside a block). The same builds' attention
+kernel (kernels/attention.cu) records its blocks' stages on %globaltimer, so attention sits on the same timeline
+between the q/k/v launch and the output projection's."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ TRACE_LAUNCHES, TRACE_BLOCKS = 2048, 256
 EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done", "last_done", "sm", "x_loaded",
           "scaled")
 ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM, X_LOADED, SCALED = range(len(EVENTS))
+# kernels/attention.cu's trace: [slot][block: split * n_head_kv + KV head][event], %globaltimer only (blocks with keys)
+ATT_TRACE_LAUNCHES, ATT_TRACE_BLOCKS = 512, 64
+ATT_EVENTS = ("entry", "asked", "dep_wait", "roped", "keys", "out")
 
 
 def read_trace(n_slots: int) -> np.ndarray:
@@ -39,6 +44,7 @@ class Launch:
     end_ns: int
     end_spread_ns: int  # last block's end minus the first block's end: the launch's tail
     entry_spread_ns: int  # last block's entry minus the first's: how the grid arrived on the SMs
+    dep_wait_ns: int  # when the median block was past its grid_dep_wait (the previous kernel's results there)
     # "asked", "dep_wait", "prologue", "first_chunk", "compute", "compute_last", and the norm prologue's parts
     # (NaN in launches without a norm): "x_load" (thread 0's loads of x), "norm_sum" (the block's reduction),
     # "quantize" (the normed groups quantized and the block's barrier)
@@ -75,8 +81,10 @@ def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) 
             "quantize": med(c[:, SCALED], c[:, ACT_READY]),
         }
         ends = g[:, LAST_DONE]
+        waits = g[:, DEP_WAIT][g[:, DEP_WAIT] > 0]
         out.append(Launch(label, grid, int(g[:, ENTRY].min()), int(ends.max()), int(ends.max() - ends.min()),
-                          int(g[:, ENTRY].max() - g[:, ENTRY].min()), cycles))
+                          int(g[:, ENTRY].max() - g[:, ENTRY].min()),
+                          int(np.median(waits)) if len(waits) else 0, cycles))
     return out
 
 
@@ -125,3 +133,59 @@ def per_kind(graphs: list[list[Launch]], ghz: float) -> list[dict]:
             r[k] /= r["n"]
         r["gap"] = r["gap"] / r["n_gap"] if r["n_gap"] else float("nan")
     return list(rows.values())
+
+
+def read_att_trace(hd: int, group: int, n_slots: int) -> np.ndarray:
+    """The first n_slots attention launches' records (the module of head size hd, group size `group`): uint64
+    [slots, blocks, events], ns."""
+    import cupy as cp
+
+    from .kernels import _attention_module
+
+    ptr = _attention_module(hd, group).get_global("att_trace")
+    arr = cp.ndarray((ATT_TRACE_LAUNCHES, ATT_TRACE_BLOCKS, len(ATT_EVENTS)), cp.uint64, memptr=ptr)
+    return arr[:min(n_slots, ATT_TRACE_LAUNCHES)].get()
+
+
+@dataclass
+class Attention:
+    """One attention launch: its blocks with keys (those that recorded every event), the first one's entry and the
+    last one's end (ns), and the median block's stages (ns): "before_wait" (entry to the work before grid_dep_wait
+    done), "dep_wait", "rope" (queries roped, the new K / V row written), "keys", "out" (output written)."""
+    blocks: int
+    start_ns: int
+    end_ns: int
+    stages: dict[str, float]
+
+
+def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]:
+    """An Attention per slot of `att` (read_att_trace's array), None where no block recorded every event."""
+    out: list[Attention | None] = []
+    for slot in slots:
+        t = att[slot].astype(np.int64)
+        ok = (t > 0).all(axis=1)
+        if not ok.any():
+            out.append(None)
+            continue
+        t = t[ok]
+        d = np.diff(t, axis=1)
+        names = ("before_wait", "dep_wait", "rope", "keys", "out")
+        out.append(Attention(int(ok.sum()), int(t[:, 0].min()), int(t[:, -1].max()),
+                             {k: float(np.median(d[:, i])) for i, k in enumerate(names)}))
+    return out
+
+
+def attention_boundaries(layers: list[tuple[Launch, Attention | None, Launch]]) -> dict[str, float]:
+    """Mean over layers, µs, of attention between the launch before it (q/k/v) and after it (the output
+    projection), from (q/k/v, attention, o) triples: "qkv_end_to_entry" (q/k/v's last block's end to attention's
+    first block's entry; negative: it entered before), attention's median stages, "span" (first entry to last
+    end) and "end_to_o_wait" (attention's end to the median output projection block past its grid_dep_wait)."""
+    rows = [(q, a, o) for q, a, o in layers if a is not None]
+    if not rows:
+        return {}
+    res = {"layers": float(len(rows)),
+           "qkv_end_to_entry": float(np.mean([(a.start_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
+           **{k: float(np.mean([a.stages[k] / 1e3 for _, a, _ in rows])) for k in rows[0][1].stages},
+           "span": float(np.mean([(a.end_ns - a.start_ns) / 1e3 for _, a, _ in rows])),
+           "end_to_o_wait": float(np.mean([(o.dep_wait_ns - a.end_ns) / 1e3 for _, a, o in rows]))}
+    return res

@@ -52,6 +52,37 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 #define ATT_MMA 1
 #endif
 
+#ifndef GEMV_STREAM_TRACE
+#define GEMV_STREAM_TRACE 0
+#endif
+#if GEMV_STREAM_TRACE
+// Trace builds (NINFER_CUDA_DEFINES=-DGEMV_STREAM_TRACE=1, as for kernels/gemv_stream.cu): each launch's blocks with
+// keys record when they reached each stage, %globaltimer (ns), so scripts/stream-trace puts attention on the same
+// timeline as the streamed products. [launch slot][block: split * n_head_kv + KV head][event]; events: 0 entry,
+// 1 the work before grid_dep_wait done, 2 past grid_dep_wait, 3 queries roped and the new K / V row written (the
+// block's barrier), 4 the keys done (the merge's barrier), 5 the output written (and quantized), or this split's
+// part handed to the merge. backends/stream_trace.py ATT_TRACE_* mirrors the sizes.
+#define ATT_TRACE_LAUNCHES 512
+#define ATT_TRACE_BLOCKS 64
+#define ATT_TRACE_EVENTS 6
+__device__ unsigned long long att_trace[ATT_TRACE_LAUNCHES * ATT_TRACE_BLOCKS * ATT_TRACE_EVENTS];
+
+__device__ __forceinline__ unsigned long long att_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Thread 0's record of event `ev` (time t) of block `blk` in launch slot `slot` (slot < 0: not traced).
+__device__ __forceinline__ void att_mark(int slot, int blk, int ev, unsigned long long t) {
+    if (slot >= 0 && threadIdx.x == 0 && blk < ATT_TRACE_BLOCKS)
+        att_trace[((size_t)(slot % ATT_TRACE_LAUNCHES) * ATT_TRACE_BLOCKS + blk) * ATT_TRACE_EVENTS + ev] = t;
+}
+#define ATT_MARK(ev) att_mark(trace_slot, trace_blk, ev, att_now())
+#else
+#define ATT_MARK(ev)
+#endif
+
 // The cache cell of position `key` for KV head g: its K and V rows start at cell * HD in the pools.
 __device__ __forceinline__ long long kv_cell(const int* table, int key, int page_size, int n_head_kv, int g) {
     return ((long long)table[key / page_size] * n_head_kv + g) * page_size + key % page_size;
@@ -332,7 +363,7 @@ __device__ __forceinline__ void warp_keys_mma(const WarpKeys& W) {
 }
 
 template <int HD, int NG, bool STEP>
-__device__ void attend(const AttnParams& P) {
+__device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
     const float scale = P.scale;
     const u16* k_pool = P.k_pool;
@@ -342,6 +373,10 @@ __device__ void attend(const AttnParams& P) {
     float* out = P.out;
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if GEMV_STREAM_TRACE
+    const unsigned long long t_entry = att_now();
+    const int trace_blk = row == 0 ? split * gridDim.y + g : ATT_TRACE_BLOCKS;  // (decode: one row)
+#endif
     constexpr int ng = NG;  // query heads per KV head: a template parameter, so loops over heads unroll exactly
     extern __shared__ float att_sm[];
     float* qs = att_sm;                                  // [ng][HD]
@@ -358,6 +393,9 @@ __device__ void attend(const AttnParams& P) {
     const int per = max((((kend - kbeg) + n_split - 1) / n_split + 31) & ~31, 32 * ATT_WARPS);
     const int n_used = (kend - kbeg + per - 1) / per;
     if (split >= n_used) return;
+#if GEMV_STREAM_TRACE
+    att_mark(trace_slot, trace_blk, 0, t_entry);
+#endif
     if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
         grid_dep_wait();
         for (int i = tid; i < ng * HD; i += blockDim.x)
@@ -378,8 +416,10 @@ __device__ void attend(const AttnParams& P) {
     // The rotation angles depend on the position alone: computed before the wait too.
     RopeCS cs;
     if (STEP) cs = rope_cs(p, P.rope_dims, P.theta_scale, P.freq_scale);
+    ATT_MARK(1);
     grid_dep_launch();
     grid_dep_wait();
+    ATT_MARK(2);
 
     if (STEP) {
         // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
@@ -417,6 +457,7 @@ __device__ void attend(const AttnParams& P) {
             qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
     }
     __syncthreads();
+    ATT_MARK(3);
     const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp, lane};
 #if ATT_MMA
     if constexpr (HD % 64 == 0 && HD <= 128)
@@ -425,6 +466,7 @@ __device__ void attend(const AttnParams& P) {
 #endif
         warp_keys_fma<HD, NG>(W);
     __syncthreads();
+    ATT_MARK(4);
     // out quantized too (AttnParams.out_q): each head's outputs meet in pt (free after the key loop) and a warp a
     // head quantizes them as quant_act does, so the output projection's launch copies them in instead of
     // quantizing 5,120 values in every block.
@@ -465,6 +507,7 @@ __device__ void attend(const AttnParams& P) {
             __syncthreads();
             quantize_heads((long long)row * n_head + g * ng);
         }
+        ATT_MARK(5);
         return;
     }
     __threadfence();
@@ -475,7 +518,10 @@ __device__ void attend(const AttnParams& P) {
         if (last_block) *ticket = 0;
     }
     __syncthreads();
-    if (!last_block) return;
+    if (!last_block) {
+        ATT_MARK(5);
+        return;
+    }
     __threadfence();
     // The last block merges the splits that held keys (the others are empty). Each split's weight
     // exp(m_s - M) per head goes to shared memory first (wacc is free again), so the per-dimension sums below are
@@ -539,20 +585,30 @@ __device__ void attend(const AttnParams& P) {
         __syncthreads();
     }
     if (quant) quantize_heads(oh0);
+    ATT_MARK(5);
 }
 
 // One kernel per head size and group size (query heads per KV head), compiled on demand as a module of its own
 // (backends/kernels.py defines ATT_HD and ATT_NG): attention_hd128_g6 and attention_step_hd128_g6 serve
 // Qwen2.5-1.5B. Each is small: decode kernels run once per token, so their code is fetched cold on every SM each
 // launch, and loops unrolled for every possible group size cost more in instruction fetch than they save.
+#if GEMV_STREAM_TRACE
+#define ATT_TRACE_PARAM , int trace_slot  // (cuda_ops passes it in trace builds only)
+#define ATT_TRACE_ARG , trace_slot
+#else
+#define ATT_TRACE_PARAM
+#define ATT_TRACE_ARG
+#endif
 #define ATTN_KERNEL(HD, NG)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_hd##HD##_g##NG(const AttnParams* p) {           \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_hd##HD##_g##NG(const AttnParams* p   \
+                                                                                          ATT_TRACE_PARAM) {    \
         const AttnParams P = *p;                                                                               \
-        attend<HD, NG, false>(P);                                                                              \
+        attend<HD, NG, false>(P ATT_TRACE_ARG);                                                                \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_step_hd##HD##_g##NG(const AttnParams* p) {      \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_step_hd##HD##_g##NG(                \
+        const AttnParams* p ATT_TRACE_PARAM) {                                                                 \
         const AttnParams P = *p;                                                                               \
-        attend<HD, NG, true>(P);                                                                               \
+        attend<HD, NG, true>(P ATT_TRACE_ARG);                                                                 \
     }
 #define ATTN_KERNEL_OF(HD, NG) ATTN_KERNEL(HD, NG)
 

@@ -60,6 +60,14 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
+#ifndef GEMV_STREAM_GLU_ARRIVE
+// 1 (a trial, not yet run on a GPU): a GLU launch given `qa_q` also quantizes its output for the down projection
+// as quant_act(ACT_GSQ8_PAIRS) does, byte for byte, without quant_act's launch and without a grid barrier (the
+// barrier version, GEMV_STREAM_GLU_QUANT, held every block on its SM until the slowest arrived and lost 1.5%): once
+// a block's consumers are done it counts its chunks into the 128-value groups they wrote (`qa_cnt`, a counter a
+// group), and the block that completes a group's count quantizes that group and puts its counter back to 0.
+#define GEMV_STREAM_GLU_ARRIVE 0
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -271,11 +279,51 @@ struct StreamConsumer {
 };
 #endif
 
+#if GEMV_STREAM_GLU_ARRIVE && __CUDA_ARCH__ >= 900
+// GEMV_STREAM_GLU_ARRIVE: after this block's n_warps consumer warps have written their GLU outputs `act` (n_out
+// values; block chunks i = 0 .. n_st - 1 hold outputs [g0 + i cstride, + per_step)), count each chunk into the
+// 128-value groups it overlaps; the block whose count completes a group quantizes it (a warp a group) and resets its
+// counter for the next launch.
+__device__ void glu_arrive_quant(const float* act, int n_out, int per_step, int g0, int cstride, int n_st, i8* out_q,
+                                 float* out_d, unsigned* cnt, int n_warps) {
+    constexpr int MAX_DONE = 256;
+    __shared__ int done[MAX_DONE], n_done;
+    const int tid = threadIdx.x, n_threads = 32 * n_warps;
+    __threadfence();  // (this thread's outputs before any count of the block)
+    if (tid == 0) n_done = 0;
+    asm volatile("bar.sync 15, %0;" ::"r"(n_threads) : "memory");
+    for (int i = tid; i < n_st; i += n_threads) {
+        const int a = g0 + i * cstride, b = min(a + per_step, n_out);
+        for (int G = a >> 7; G <= (b - 1) >> 7; ++G) {
+            const int chunks = (min(128 * G + 128, n_out) - 1) / per_step - 128 * G / per_step + 1;
+            if (atomicAdd(cnt + G, 1u) == (unsigned)chunks - 1) {
+                const int k = atomicAdd(&n_done, 1);
+                if (k < MAX_DONE) done[k] = G;
+                else __trap();  // (the launcher keeps a block's chunks, at most two groups each, within MAX_DONE)
+            }
+        }
+    }
+    asm volatile("bar.sync 15, %0;" ::"r"(n_threads) : "memory");
+    __threadfence();  // (the other blocks' outputs, counted before ours, are read after it)
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int k = warp; k < n_done; k += n_warps) {
+        const int G = done[k];
+        const float4 v = __ldcg((const float4*)(act + 128 * G) + lane);
+        float y[4] = {v.x, v.y, v.z, v.w};
+        quantize_group<4>(ACT_GSQ8_PAIRS, G, y, out_q, out_d, 0, 0, 0);
+        if (lane == 0) cnt[G] = 0;
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u,
                                             const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
+#if GEMV_STREAM_GLU_ARRIVE
+                                            , i8* qa_q, float* qa_d, unsigned* qa_cnt  // (qa_q = 0: none)
+#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -416,6 +464,10 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                               };
     if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>();
     else cons.run<GEMV_STREAM_U>();
+#if GEMV_STREAM_GLU_ARRIVE
+    if (qa_q && is_glu)
+        glu_arrive_quant(mats[0].out, n_groups, per_step, g0, cstride, n_st, qa_q, qa_d, qa_cnt, n_teams * team_warps);
+#endif
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif
