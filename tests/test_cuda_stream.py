@@ -124,6 +124,13 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     assert [int(v) for v in K.stream_glu_quant_args(None)] == [0, 0, 0]
     monkeypatch.setattr(K, "_DEFINES", [])
     assert K.stream_glu_quant_args((6, 7, 8)) == ()  # (the shipped kernel has no such parameters)
+    assert K.stream_sched_args() == ()
+    from types import SimpleNamespace
+
+    counter = SimpleNamespace(data=SimpleNamespace(ptr=4242))  # (a GEMV_STREAM_STEAL build's counter pair)
+    monkeypatch.setattr(K, "_stream_sched", [counter])
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_STEAL=10", "-DGEMV_STREAM_TRACE=1"])
+    assert launch() == (base + [u64, i32], [0, 0, 0]) and int(K.stream_sched_args()[0]) == 4242
 
 
 def test_engine_prefetch_plan() -> None:
@@ -274,7 +281,7 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
     warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
     as well as the launcher's; 5 and 4 records a lane; block shapes past the kernel's launch bounds
-    (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
+    (GEMV_STREAM_MAX_WARPS) left out. (GEMV_STREAM_STEAL builds: the last chunks from the counter, left at zero.) 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
     (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
     rounds with one warp a group."""
     import cupy as cp
@@ -335,6 +342,8 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
                            stream_team=team, lane_records=u)
                     got = out.get()
                     assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
+                    if K._define("GEMV_STREAM_STEAL", 0):  # (the chunk counter left at zero for the next launch)
+                        assert K._stream_sched[0].get().tolist() == [0, 0], (consumers, team, ks, stages, u)
 
 
 @needs_cuda

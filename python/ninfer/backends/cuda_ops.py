@@ -287,7 +287,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             # (GEMV_STREAM_GLU_ARRIVE: a block's chunks count into at most two groups each, kernels/gemv_stream.cu
             # glu_arrive_quant's list of 256)
             arrive = (glu_quant is not None and mode == MODE_GLU and groups % 128 == 0
-                      and -(-groups // (team // ks) // grid) <= 128)
+                      and -(-groups // (team // ks) // grid) <= 128 and not _define("GEMV_STREAM_STEAL", 0))
             _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
                            ks, team, stages, pq, pd, u, prefetch=prefetch, glu_quant=glu_quant if arrive else None)
             return arrive if glu_quant is not None else True
@@ -331,12 +331,13 @@ def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_co
                    prefetch: tuple[int, int, int] | None = None,
                    glu_quant: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), the prefetch's, glu_quant's in GEMV_STREAM_GLU_ARRIVE builds, then the trace slot in
-    GEMV_STREAM_TRACE builds."""
+    mode, glu_act), the prefetch's, glu_quant's in GEMV_STREAM_GLU_ARRIVE builds, the chunk counter in
+    GEMV_STREAM_STEAL builds, then the trace slot in GEMV_STREAM_TRACE builds."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
                                              I(u), *stream_prefetch_args(prefetch), *stream_glu_quant_args(glu_quant),
+                                             *stream_sched_args(),
                                              *stream_trace_arg(mode, total_rows, n_cols)),
                   shared_mem=smem, dependent=True)
 
@@ -348,6 +349,22 @@ def stream_glu_quant_args(glu_quant: tuple[int, int, int] | None) -> tuple:
         return ()
     q, d, cnt = glu_quant or (0, 0, 0)
     return (P(q), P(d), P(cnt))
+
+
+_stream_sched: list = []  # (GEMV_STREAM_STEAL: the one counter pair of every streamed launch, on first use)
+
+
+def stream_sched_args() -> tuple:
+    """The streamed kernel's chunk counter in GEMV_STREAM_STEAL builds: [next chunk, blocks done], zeroed once and
+    left zero by each launch (kernels/gemv_stream.cu; one pair serves every launch in a stream, each touching it
+    only after the previous one completed); none in other builds, whose kernel has no such argument."""
+    if not _define("GEMV_STREAM_STEAL", 0):
+        return ()
+    if not _stream_sched:
+        import cupy as cp
+
+        _stream_sched.append(cp.zeros(2, cp.int32))
+    return (P(_stream_sched[0].data.ptr),)
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
