@@ -484,17 +484,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                 slot_free(i);
                 issue(i, c);
             }
-            // None left: each team's next slot says so (teams take slots in turn, one each of the next n_teams).
-            for (const int end = i + n_teams; i < end; ++i) {
-                slot_free(i);
-                chunk_of[i % stages] = -1;
-                mbar_arrive(smem_u32(&full[i % stages]));
-            }
-            // This block grabs no more; the last one to get here sets the counter back for the next launch.
-            if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
-                sched[0] = 0;
-                sched[1] = 0;
-            }
 #else
             for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
             for (int i = stages; i < n_st; ++i) {
@@ -522,6 +511,19 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
                 }
             }
+#if GEMV_STREAM_STEAL
+            // None left: each team's next slot says so (teams take slots in turn, one each of the next n_teams).
+            for (const int end = i + n_teams; i < end; ++i) {
+                slot_free(i);
+                chunk_of[i % stages] = -1;
+                mbar_arrive(smem_u32(&full[i % stages]));
+            }
+            // This block grabs no more; the last one to get here sets the counter back for the next launch.
+            if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
+                sched[0] = 0;
+                sched[1] = 0;
+            }
+#endif
         }
         return;
     }
