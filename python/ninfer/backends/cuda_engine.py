@@ -582,11 +582,12 @@ class CudaEngine:
             keep.append(descs)
             total = group[0][0].rows if mode == K.MODE_GLU else sum(m.rows for m, _ in group)
             pairs = K.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
+            staged = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)  # (codes, scales, sums)
             pre = None
             if quantized:
-                pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
+                pre = staged
             elif prequantize and not norm and kind in QUANTIZED_ACTS:
-                pre = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)
+                pre = staged
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
                 done = glu_done if pairs else None  # (a GLU launch writes only the pairs' layout)
                 ops.append(lambda q_kind=q_kind, pre=pre, done=done: None if done and done[0] else
@@ -668,13 +669,13 @@ class CudaEngine:
         group = s["n_head"] // s["n_head_kv"]
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
+        o_grid = self._o_grid()
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
             gate_up = [lw["w_gate"], lw["w_up"]]
             pf = self._prefetch_regions(lw, pf_cap)
             att_quant = self._att_quantizes_o(lw)
-            o_grid = self._o_grid()
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
                                                K.MODE_STORE, **pf["qkv"]))

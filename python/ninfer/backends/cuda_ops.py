@@ -277,8 +277,9 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
             grid = min(groups, resident_blocks(sfn, threads, smem), sms)
+            chunks = -(-groups // (team // ks))  # (a chunk: a team's row groups, team // ks of them)
             if _define("GEMV_STREAM_BALANCE", 0):
-                grid = stream_balanced_grid(-(-groups // (team // ks)), grid)
+                grid = stream_balanced_grid(chunks, grid)
             pq, pd, _ = pre or (0, 0, 0)
             u = lane_records or gsq_stream_lane_records(n_cols, ks)
             if u not in (GEMV_STREAM_U, GEMV_STREAM_U_ALT):
@@ -287,7 +288,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             # (GEMV_STREAM_GLU_ARRIVE: a block's chunks count into at most two groups each, kernels/gemv_stream.cu
             # glu_arrive_quant's list of 256)
             arrive = (glu_quant is not None and mode == MODE_GLU and groups % 128 == 0
-                      and -(-groups // (team // ks) // grid) <= 128 and not _define("GEMV_STREAM_STEAL", 0))
+                      and -(-chunks // grid) <= 128 and not _define("GEMV_STREAM_STEAL", 0))
             _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
                            ks, team, stages, pq, pd, u, prefetch=prefetch, glu_quant=glu_quant if arrive else None)
             return arrive if glu_quant is not None else True
@@ -370,12 +371,19 @@ def stream_sched_args() -> tuple:
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
     """The streamed kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
     stream_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""
-    if not _define("GEMV_STREAM_TRACE", 0):
-        return ()
     from .stream_trace import TRACE_LAUNCHES
 
-    stream_trace_labels.append(f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}")
-    return (I((len(stream_trace_labels) - 1) % TRACE_LAUNCHES),)
+    return _trace_slot(stream_trace_labels, f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}",
+                       TRACE_LAUNCHES)
+
+
+def _trace_slot(labels: list[str], label: str, slots: int) -> tuple:
+    """In GEMV_STREAM_TRACE builds, `label` appended to `labels` and the launch's trace slot (its place there,
+    modulo the kernel's `slots`) as the kernel's int argument; nothing in other builds."""
+    if not _define("GEMV_STREAM_TRACE", 0):
+        return ()
+    labels.append(label)
+    return (I((len(labels) - 1) % slots),)
 
 
 def stream_consumers_for_rounds(groups: int, ks: int, sms: int, consumers: int, long_warps: int) -> int:
@@ -523,12 +531,9 @@ def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bo
 def att_trace_arg(name: str) -> tuple:
     """The attention kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
     att_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""
-    if not _define("GEMV_STREAM_TRACE", 0):
-        return ()
     from .stream_trace import ATT_TRACE_LAUNCHES
 
-    att_trace_labels.append(name)
-    return (I((len(att_trace_labels) - 1) % ATT_TRACE_LAUNCHES),)
+    return _trace_slot(att_trace_labels, name, ATT_TRACE_LAUNCHES)
 
 
 def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int) -> None:

@@ -332,8 +332,8 @@ __device__ void glu_arrive_quant(const float* act, int n_out, int per_step, int 
     const int warp = tid >> 5, lane = tid & 31;
     for (int k = warp; k < n_done; k += n_warps) {
         const int G = done[k];
-        const float4 v = __ldcg((const float4*)(act + 128 * G) + lane);
-        float y[4] = {v.x, v.y, v.z, v.w};
+        float y[4];
+        load_floats<4, true>(act + 128 * G + 4 * lane, y);
         quantize_group<4>(ACT_GSQ8_PAIRS, G, y, out_q, out_d, 0, 0, 0);
         if (lane == 0) cnt[G] = 0;
     }
