@@ -118,19 +118,6 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
     assert launch() == (base + [i32], [0, 0, 0])
     assert K.stream_trace_labels == ["add 5120x5120"]
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_GLU_ARRIVE=1", "-DGEMV_STREAM_TRACE=1"])
-    assert launch(glu_quant=(6, 7, 8)) == (base + [u64, u64, u64, i32], [0, 0, 0])
-    assert [int(v) for v in K.stream_glu_quant_args((6, 7, 8))] == [6, 7, 8]
-    assert [int(v) for v in K.stream_glu_quant_args(None)] == [0, 0, 0]
-    monkeypatch.setattr(K, "_DEFINES", [])
-    assert K.stream_glu_quant_args((6, 7, 8)) == ()  # (the shipped kernel has no such parameters)
-    assert K.stream_sched_args() == ()
-    from types import SimpleNamespace
-
-    counter = SimpleNamespace(data=SimpleNamespace(ptr=4242))  # (a GEMV_STREAM_STEAL build's counter pair)
-    monkeypatch.setattr(K, "_stream_sched", [counter])
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_STEAL=10", "-DGEMV_STREAM_TRACE=1"])
-    assert launch() == (base + [u64, i32], [0, 0, 0]) and int(K.stream_sched_args()[0]) == 4242
 
 
 def test_engine_prefetch_plan() -> None:
@@ -173,21 +160,6 @@ def test_attention_quantizes_the_output_projections_input_only_where_it_can() ->
     assert not CudaEngine._att_quantizes_o(engine(128), lw(ACT_Q8_K, 12))
     small = {"wo": SimpleNamespace(act=ACT_GSQ8, type=gsq3, cols=1536, rows=1536)}  # (by units: ACT_GSQ8)
     assert not CudaEngine._att_quantizes_o(engine(128), small)
-
-
-def test_balanced_grid_gives_every_block_as_many_chunks() -> None:
-    """cuda_ops.stream_balanced_grid (GEMV_STREAM_BALANCE): the 32B shape's gate/up (6,912 chunks) and down (2,560)
-    on 128 of 132 SMs, 54 and 20 chunks a block; a one-round launch and a count with no divisor within 5% keep the
-    grid."""
-    from ninfer.backends import cuda_ops as K
-
-    assert (K.stream_balanced_grid(6912, 132), K.stream_balanced_grid(2560, 132)) == (128, 128)
-    assert K.stream_balanced_grid(896, 132) == 128 and K.stream_balanced_grid(640, 124) == 124
-    assert K.stream_balanced_grid(100, 132) == 132  # (one round)
-    assert K.stream_balanced_grid(2 * 131, 132) == 131 and K.stream_balanced_grid(1009, 132) == 132  # (a prime)
-    for chunks, grid in ((6912, 132), (2560, 132), (5000, 100)):
-        g = K.stream_balanced_grid(chunks, grid)
-        assert grid >= g >= 0.95 * grid and (chunks % g == 0 or g == grid)
 
 
 def test_output_projection_leaves_attentions_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,7 +253,7 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
     warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
     as well as the launcher's; 5 and 4 records a lane; block shapes past the kernel's launch bounds
-    (GEMV_STREAM_MAX_WARPS) left out. (GEMV_STREAM_STEAL builds: the last chunks from the counter, left at zero.) 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
+    (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
     (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
     rounds with one warp a group."""
     import cupy as cp
@@ -342,8 +314,6 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
                            stream_team=team, lane_records=u)
                     got = out.get()
                     assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
-                    if K._define("GEMV_STREAM_STEAL", 0):  # (the chunk counter left at zero for the next launch)
-                        assert K._stream_sched[0].get().tolist() == [0, 0], (consumers, team, ks, stages, u)
 
 
 @needs_cuda
@@ -361,42 +331,6 @@ def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: 
     differ = [i for i in range(24) if gpu[i] != cpu[i]]
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 3, differ
-
-
-@needs_cuda
-@pytest.mark.parametrize("rows", [27648, 4096 + 384])
-def test_gsq_stream_glu_arrive_equals_quant_act(rows: int) -> None:
-    """GEMV_STREAM_GLU_ARRIVE builds: a streamed gate/up launch that also quantizes its output for the down
-    projection (the block completing a 128-value group's count quantizes it) writes the codes, int16 sums and
-    scales quant_act(ACT_GSQ8_PAIRS) writes from the same output, byte for byte; three launches in a row, the
-    counters left at 0. 4,480 rows: 1,120 chunks of four outputs on the grid, groups of 32 chunks from many blocks."""
-    import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
-    from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_type, to_gpu
-    from ninfer.synth import random_gsq_records
-
-    if not K.gsq_stream(K.MODE_GLU):
-        pytest.skip("gemv_gsq8_stream needs sm_90")
-    if not K._define("GEMV_STREAM_GLU_ARRIVE", 0):
-        pytest.skip("not a GEMV_STREAM_GLU_ARRIVE build (NINFER_CUDA_DEFINES)")
-    rng = np.random.default_rng(11)
-    tid, n = gsq_type(3, 2), 5120
-    ws = [to_gpu(random_gsq_records(3, 2, rows, n, n**-0.5, rng), tid, rows, n, f"w{i}") for i in range(2)]
-    act = cp.zeros(rows, cp.float32)
-    descs = K.mat_descs([(w.data.ptr, 0, act.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in ws])
-    cnt = cp.zeros(rows // 128, cp.uint32)
-    norm_d = cp.asarray((1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-    for step in range(3):
-        x_d = cp.asarray(rng.standard_normal(n).astype(np.float32))
-        q, d = cp.full(K.act_code_bytes(rows, True), 99, cp.int8), cp.full(rows // 32, -1, cp.float32)
-        assert K.gemv(ACT_GSQ8, descs, 2, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_GLU, gsq_pairs=True,
-                      stream=True, glu_quant=(q.data.ptr, d.data.ptr, cnt.data.ptr))
-        q_ref, d_ref, s_ref = cp.full_like(q, 99), cp.full_like(d, -1), cp.zeros(rows // 16, cp.float32)
-        K.quant_act(act.data.ptr, rows, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
-        assert float(cp.abs(act).max()) > 0, step
-        assert (q.get() == q_ref.get()).all() and (d.get() == d_ref.get()).all(), step
-        assert (cnt.get() == 0).all(), step
 
 
 @needs_cuda

@@ -227,10 +227,6 @@ class CudaEngine:
         self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         group = s["n_head"] // s["n_head_kv"]
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        # GEMV_STREAM_GLU_ARRIVE (a trial): a counter a 128-value group of the feed-forward activation, for the
-        # gate/up launches that quantize the down projection's input themselves (each left at 0)
-        self.glu_quant_cnt = (cp.zeros(-(-self.n_ff // 128), cp.uint32) if K._define("GEMV_STREAM_GLU_ARRIVE", 0)
-                              else None)
         self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)
         # Key splits of decode attention: as many blocks as the GPU holds at once, over the KV heads
         # (NINFER_CUDA_ATT_SPLIT overrides, for measuring other choices).
@@ -552,8 +548,7 @@ class CudaEngine:
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
                     prequantize: bool = False, prefetch: list[tuple[int, int]] | None = None,
-                    prefetch_cap: int = 0, quantized: bool = False, max_grid: int = 0,
-                    glu_done: list[bool] | None = None) -> list[Callable[[], None]]:
+                    prefetch_cap: int = 0, quantized: bool = False, max_grid: int = 0) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
@@ -561,9 +556,7 @@ class CudaEngine:
         launch's weights for a streamed GEMV to ask L2 for at its end (each block its share of each, its first
         prefetch_cap bytes if > 0; _prefetch_regions). `quantized`: x is already in aq / ad as ACT_GSQ8_PAIRS (the
         attention kernel wrote it; only for a launch _att_quantizes_o accepts). max_grid: at most that many blocks
-        for a streamed launch (cuda_ops.gemv). `glu_done` (GEMV_STREAM_GLU_ARRIVE builds): with a GLU launch, a
-        flag set when it also wrote x quantized for the down projection (ACT_GSQ8_PAIRS, in aq / ad); with a
-        prequantized launch, the flag that then replaces its quant_act."""
+        for a streamed launch (cuda_ops.gemv)."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
@@ -589,19 +582,10 @@ class CudaEngine:
             elif prequantize and not norm and kind in QUANTIZED_ACTS:
                 pre = staged
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
-                done = glu_done if pairs else None  # (a GLU launch writes only the pairs' layout)
-                ops.append(lambda q_kind=q_kind, pre=pre, done=done: None if done and done[0] else
-                           K.quant_act(x, n, q_kind, *pre))
-            gq = None
-            if glu_done is not None and mode == K.MODE_GLU and self.glu_quant_cnt is not None:
-                gq = (self.aq.data.ptr, self.ad.data.ptr, self.glu_quant_cnt.data.ptr)
-
-            def run(kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs, gq=gq) -> None:
-                took = K.gemv(kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs,
-                              prefetch=pf, max_grid=max_grid, glu_quant=gq)
-                if gq is not None:
-                    glu_done[0] = took
-            ops.append(run)
+                ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
+            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
+                kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf,
+                max_grid=max_grid))
         return ops
 
     @staticmethod
@@ -695,18 +679,16 @@ class CudaEngine:
                                                max_grid=o_grid, **pf["o"]))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
-            glu_done = [False] if self.glu_quant_cnt is not None else None
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
                 add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
-                                                   glu_act, glu_done=glu_done, **pf["gate_up"]))
+                                                   glu_act, **pf["gate_up"]))
             else:
                 gu = self.gu.data.ptr
                 add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
                                                    K.MODE_STORE))
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
-                                               glu_done=glu_done, **pf["down"]))
+                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True, **pf["down"]))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:

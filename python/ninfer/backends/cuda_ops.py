@@ -8,7 +8,6 @@ type of the kernel's parameter here."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -219,8 +218,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
          glu_act: int = 0, best: int = 0, pre: tuple[int, int, int] | None = None, kernel=None,
          rows_per_warp: int = GEMV_ROWS_PER_WARP, warps_per_block: int = 0, k_split: int = 0,
          gsq_pairs: bool = False, stream=None, max_stages: int = 0, stream_team: int = 0,
-         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None, max_grid: int = 0,
-         glu_quant: tuple[int, int, int] | None = None) -> bool:
+         lane_records: int = 0, prefetch: tuple[int, int, int] | None = None, max_grid: int = 0) -> bool:
     """out = W . y for the matrices in `descs`, y = RMSNorm(x) * norm_w (norm_w = 0: y = x) quantized as `act`
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
@@ -233,10 +231,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
     GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
     launch to ask L2 for at its end (prefetch_regions' array; ignored where the streamed kernel does not take the
-    launch). max_grid: at most that many blocks for a streamed launch (0: one an SM). glu_quant = (codes, scales,
-    counters) in GEMV_STREAM_GLU_ARRIVE builds: a streamed GLU launch also writes its output quantized as
-    quant_act(ACT_GSQ8_PAIRS) would (counters: a zeroed u32 a 128-value group, left zeroed; ignored elsewhere).
-    Returns whether glu_quant was done, or without glu_quant whether the streamed kernel took the launch."""
+    launch). max_grid: at most that many blocks for a streamed launch (0: one an SM). True when the streamed kernel
+    took the launch."""
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -277,21 +273,14 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             _allow_smem(sfn, smem)
             threads = 32 * (consumers + 1)
             grid = min(groups, resident_blocks(sfn, threads, smem), sms)
-            chunks = -(-groups // (team // ks))  # (a chunk: a team's row groups, team // ks of them)
-            if _define("GEMV_STREAM_BALANCE", 0):
-                grid = stream_balanced_grid(chunks, grid)
             pq, pd, _ = pre or (0, 0, 0)
             u = lane_records or gsq_stream_lane_records(n_cols, ks)
             if u not in (GEMV_STREAM_U, GEMV_STREAM_U_ALT):
                 raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
                                  f"not {u}")
-            # (GEMV_STREAM_GLU_ARRIVE: a block's chunks count into at most two groups each, kernels/gemv_stream.cu
-            # glu_arrive_quant's list of 256)
-            arrive = (glu_quant is not None and mode == MODE_GLU and groups % 128 == 0
-                      and -(-chunks // grid) <= 128 and not _define("GEMV_STREAM_STEAL", 0))
             _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
-                           ks, team, stages, pq, pd, u, prefetch=prefetch, glu_quant=glu_quant if arrive else None)
-            return arrive if glu_quant is not None else True
+                           ks, team, stages, pq, pd, u, prefetch=prefetch)
+            return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
     _allow_smem(fn, smem)
@@ -329,43 +318,15 @@ def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
 
 def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_cols: int, x: int, norm_w: int,
                    eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
-                   prefetch: tuple[int, int, int] | None = None,
-                   glu_quant: tuple[int, int, int] | None = None) -> None:
+                   prefetch: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), the prefetch's, glu_quant's in GEMV_STREAM_GLU_ARRIVE builds, the chunk counter in
-    GEMV_STREAM_STEAL builds, then the trace slot in GEMV_STREAM_TRACE builds."""
+    mode, glu_act), the prefetch's, then the trace slot in GEMV_STREAM_TRACE builds."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_prefetch_args(prefetch), *stream_glu_quant_args(glu_quant),
-                                             *stream_sched_args(),
+                                             I(u), *stream_prefetch_args(prefetch),
                                              *stream_trace_arg(mode, total_rows, n_cols)),
                   shared_mem=smem, dependent=True)
-
-
-def stream_glu_quant_args(glu_quant: tuple[int, int, int] | None) -> tuple:
-    """The streamed kernel's (qa_q, qa_d, qa_cnt) in GEMV_STREAM_GLU_ARRIVE builds (zeros: none asked); none in
-    other builds, whose kernel has no such arguments."""
-    if not _define("GEMV_STREAM_GLU_ARRIVE", 0):
-        return ()
-    q, d, cnt = glu_quant or (0, 0, 0)
-    return (P(q), P(d), P(cnt))
-
-
-_stream_sched: list = []  # (GEMV_STREAM_STEAL: the one counter pair of every streamed launch, on first use)
-
-
-def stream_sched_args() -> tuple:
-    """The streamed kernel's chunk counter in GEMV_STREAM_STEAL builds: [next chunk, blocks done], zeroed once and
-    left zero by each launch (kernels/gemv_stream.cu; one pair serves every launch in a stream, each touching it
-    only after the previous one completed); none in other builds, whose kernel has no such argument."""
-    if not _define("GEMV_STREAM_STEAL", 0):
-        return ()
-    if not _stream_sched:
-        import cupy as cp
-
-        _stream_sched.append(cp.zeros(2, cp.int32))
-    return (P(_stream_sched[0].data.ptr),)
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
@@ -396,19 +357,6 @@ def stream_consumers_for_rounds(groups: int, ks: int, sms: int, consumers: int, 
     if long_warps and groups * ks >= 2 * consumers * sms:
         return long_warps
     return consumers
-
-
-def stream_balanced_grid(chunks: int, grid: int, min_share: float = 0.95) -> int:
-    """Blocks for a streamed launch of `chunks` chunks (GEMV_STREAM_BALANCE, a trial not yet run on a GPU): the most
-    blocks, at most `grid` and at least min_share of it, that take the chunks in equal numbers (block b takes
-    chunks b, b + grid, ...), so no block computes one chunk more than the others while they wait (the 32B gate/up's
-    6,912 and down's 2,560 chunks on 128 of the H200's 132 SMs: 54 and 20 each, where 132 blocks leave a round of
-    one chunk on 48 and 52 of them; the trace had their tails at 3.8 and 3.4 µs); `grid` where none does or the
-    launch is one round."""
-    if chunks <= grid:
-        return grid
-    lowest = max(1, math.ceil(min_share * grid))
-    return next((g for g in range(grid, lowest - 1, -1) if chunks % g == 0), grid)
 
 
 def stream_consumers_one_round(groups: int, ks: int, team: int, sms: int, max_threads: int) -> int:

@@ -60,29 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_GLU_ARRIVE
-// 1 (a trial, not yet run on a GPU): a GLU launch given `qa_q` also quantizes its output for the down projection
-// as quant_act(ACT_GSQ8_PAIRS) does, byte for byte, without quant_act's launch and without a grid barrier (the
-// barrier version, GEMV_STREAM_GLU_QUANT, held every block on its SM until the slowest arrived and lost 1.5%): once
-// a block's consumers are done it counts its chunks into the 128-value groups they wrote (`qa_cnt`, a counter a
-// group), and the block that completes a group's count quantizes that group and puts its counter back to 0.
-#define GEMV_STREAM_GLU_ARRIVE 0
-#endif
-#ifndef GEMV_STREAM_STEAL
-// P > 0 (a trial, not yet run on a GPU): the last P% of a launch's chunks handed out at run time. Every block takes
-// the same number of the first chunks by the interleaved split (b, b + grid, ...), then, past grid_dep_wait, grabs
-// one chunk at a time from a counter (`sched`: [next, blocks done], one pair for every launch, since a launch
-// touches it only after the previous one completed; the last block to finish grabbing sets it back to zero), the
-// next grab issued before the current chunk's copy so its round trip hides behind the slot's wait. A block on a
-// slower SM, or that arrived late, then takes fewer of the last chunks: the trace has the 32B gate/up's and down's
-// blocks ending over 3.8 and 3.4 µs. (Chunks from a counter after the first ring fill, GEMV_STREAM_DYNAMIC on branch
-// stream-dynamic, shrank down's tail from 6.1 to 2.1 µs but cost 0.5-0.8% overall: most chunks paid the atomic.)
-// The consumers read each slot's chunk from `chunk_of` (-1: none left, the team stops).
-#define GEMV_STREAM_STEAL 0
-#endif
-#if GEMV_STREAM_STEAL && GEMV_STREAM_GLU_ARRIVE
-#error "GEMV_STREAM_GLU_ARRIVE counts the interleaved split's chunks: not with GEMV_STREAM_STEAL"
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -198,9 +175,6 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
-#if GEMV_STREAM_STEAL
-    const int* chunk_of;  // a ring slot's chunk (GEMV_STREAM_STEAL; -1: none left, the team stops)
-#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -222,13 +196,7 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-#if GEMV_STREAM_STEAL
-            const int chunk = ((const volatile int*)chunk_of)[s];  // (written before the producer's arrival)
-            if (chunk < 0) break;
-            const int g = slot < per_step ? chunk * per_step + slot : g1;
-#else
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
-#endif
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
@@ -303,54 +271,11 @@ struct StreamConsumer {
 };
 #endif
 
-#if GEMV_STREAM_GLU_ARRIVE && __CUDA_ARCH__ >= 900
-// GEMV_STREAM_GLU_ARRIVE: after this block's n_warps consumer warps have written their GLU outputs `act` (n_out
-// values; block chunks i = 0 .. n_st - 1 hold outputs [g0 + i cstride, + per_step)), count each chunk into the
-// 128-value groups it overlaps; the block whose count completes a group quantizes it (a warp a group) and resets its
-// counter for the next launch.
-__device__ void glu_arrive_quant(const float* act, int n_out, int per_step, int g0, int cstride, int n_st, i8* out_q,
-                                 float* out_d, unsigned* cnt, int n_warps) {
-    constexpr int MAX_DONE = 256;
-    __shared__ int done[MAX_DONE], n_done;
-    const int tid = threadIdx.x, n_threads = 32 * n_warps;
-    __threadfence();  // (this thread's outputs before any count of the block)
-    if (tid == 0) n_done = 0;
-    asm volatile("bar.sync 15, %0;" ::"r"(n_threads) : "memory");
-    for (int i = tid; i < n_st; i += n_threads) {
-        const int a = g0 + i * cstride, b = min(a + per_step, n_out);
-        for (int G = a >> 7; G <= (b - 1) >> 7; ++G) {
-            const int chunks = (min(128 * G + 128, n_out) - 1) / per_step - 128 * G / per_step + 1;
-            if (atomicAdd(cnt + G, 1u) == (unsigned)chunks - 1) {
-                const int k = atomicAdd(&n_done, 1);
-                if (k < MAX_DONE) done[k] = G;
-                else __trap();  // (the launcher keeps a block's chunks, at most two groups each, within MAX_DONE)
-            }
-        }
-    }
-    asm volatile("bar.sync 15, %0;" ::"r"(n_threads) : "memory");
-    __threadfence();  // (the other blocks' outputs, counted before ours, are read after it)
-    const int warp = tid >> 5, lane = tid & 31;
-    for (int k = warp; k < n_done; k += n_warps) {
-        const int G = done[k];
-        float y[4];
-        load_floats<4, true>(act + 128 * G + 4 * lane, y);
-        quantize_group<4>(ACT_GSQ8_PAIRS, G, y, out_q, out_d, 0, 0, 0);
-        if (lane == 0) cnt[G] = 0;
-    }
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u,
                                             const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
-#if GEMV_STREAM_GLU_ARRIVE
-                                            , i8* qa_q, float* qa_d, unsigned* qa_cnt  // (qa_q = 0: none)
-#endif
-#if GEMV_STREAM_STEAL
-                                            , int* sched  // [next chunk, blocks done], zero between launches
-#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -367,16 +292,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
     // Chunk i of this block: groups [g0 + i cstride, + per_step), none at or past g1
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
-#if GEMV_STREAM_STEAL
-    // chunk c: groups [c per_step, + per_step); every block's first n_fixed chunks by the interleaved split, the
-    // chunks from n_fixed * grid on by the counter; each slot's chunk in chunk_of
-    __shared__ int chunk_of[GEMV_STREAM_MAX_STAGES];
-    const int n_chunks = (n_groups + per_step - 1) / per_step;
-    const int n_fixed = n_chunks * (100 - GEMV_STREAM_STEAL) / 100 / (int)gridDim.x;
-    const int n_st = 0x7fffffff;  // (the consumers stop at a slot marked -1)
-#else
     const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
-#endif
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
     const u32 stage_bytes = (u32)per_step * R * rb;
@@ -403,18 +319,10 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     }
     __syncthreads();
 
-    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch (GEMV_STREAM_STEAL: the block's
-    // i-th chunk, launch-wide chunk c).
-#if GEMV_STREAM_STEAL
-    auto issue = [&](int i, int c) {
-        const int s = i % stages;
-        const int ga = c * per_step, gb = min(ga + per_step, g1);
-        chunk_of[s] = c;  // (before the arrival below, which releases it to the consumers)
-#else
+    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
     auto issue = [&](int i) {
         const int s = i % stages;
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
-#endif
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
@@ -435,11 +343,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const bool producer = warp == n_cons;
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
-#if GEMV_STREAM_STEAL
-        for (int i = 0; i < min(early, n_fixed); ++i) issue(i, (int)blockIdx.x + i * (int)gridDim.x);
-#else
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
-#endif
         STREAM_TRACE(trace_slot, 1);
     }
 
@@ -467,30 +371,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
-#if GEMV_STREAM_STEAL
-            auto slot_free = [&](int i) {
-                if (i >= stages) mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
-            };
-            int i = min(early, n_fixed);
-            for (; i < n_fixed; ++i) {
-                slot_free(i);
-                issue(i, (int)blockIdx.x + i * (int)gridDim.x);
-            }
-            const int dyn0 = n_fixed * (int)gridDim.x;
-            int next = dyn0 < n_chunks ? dyn0 + atomicAdd(&sched[0], 1) : n_chunks;
-            for (; next < n_chunks; ++i) {
-                const int c = next;
-                next = dyn0 + atomicAdd(&sched[0], 1);  // (the next grab's round trip under this slot's wait)
-                slot_free(i);
-                issue(i, c);
-            }
-#else
             for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
             for (int i = stages; i < n_st; ++i) {
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
-#endif
             // Then a later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions:
             // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
             // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they
@@ -511,19 +396,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
                 }
             }
-#if GEMV_STREAM_STEAL
-            // None left: each team's next slot says so (teams take slots in turn, one each of the next n_teams).
-            for (const int end = i + n_teams; i < end; ++i) {
-                slot_free(i);
-                chunk_of[i % stages] = -1;
-                mbar_arrive(smem_u32(&full[i % stages]));
-            }
-            // This block grabs no more; the last one to get here sets the counter back for the next launch.
-            if (atomicAdd(&sched[1], 1) == (int)gridDim.x - 1) {
-                sched[0] = 0;
-                sched[1] = 0;
-            }
-#endif
         }
         return;
     }
@@ -538,19 +410,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
-#if GEMV_STREAM_STEAL
-                              , chunk_of
-#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
                               };
     if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>();
     else cons.run<GEMV_STREAM_U>();
-#if GEMV_STREAM_GLU_ARRIVE
-    if (qa_q && is_glu)
-        glu_arrive_quant(mats[0].out, n_groups, per_step, g0, cstride, n_st, qa_q, qa_d, qa_cnt, n_teams * team_warps);
-#endif
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif
