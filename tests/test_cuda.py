@@ -103,6 +103,14 @@ def test_dependent_launch_arguments_keep_the_kernels_parameter_types() -> None:
         assert isinstance(arg, ctype) and bytes(arg) == raw
     with pytest.raises(TypeError, match="wrap scalars in their numpy type"):
         launch._c_arg(7)
+    # a struct by value (the attention kernels' AttnParams): its C layout's bytes, fields at C's offsets
+    from ninfer.backends import cuda_ops as K
+
+    params = K.struct_value(K.ATTN_PARAMS, k_pool=5, scale=0.25, out_d=7)
+    arg = launch._c_arg(params)
+    assert ctypes.sizeof(arg) == K.ATTN_PARAMS.itemsize == 200 and bytes(arg) == params.tobytes()
+    assert bytes(arg)[56:64] == (5).to_bytes(8, "little") and bytes(arg)[192:] == (7).to_bytes(8, "little")
+    assert bytes(arg)[160:164] == np.float32(0.25).tobytes()
     assert ctypes.sizeof(launch._LaunchConfig) == 56 and launch._LaunchConfig.attrs.offset == 40
     assert ctypes.sizeof(launch._LaunchAttribute) == 72 and launch._LaunchAttribute.value.offset == 8
 
@@ -530,6 +538,75 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
     assert (out2.get() == out.get()).all()
     assert (q_att.get() == q_ref.get()).all() and (d_att.get() == d_ref.get()).all()
     assert (d_att.get() > 0).all() and (tickets.get() == 0).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("hd,rope,n_head,n_kv,neox,norms,biases,length,n_split", [
+    (64, 64, 9, 3, False, False, True, 37, 1), (128, 128, 40, 8, True, False, True, 100, 1),
+    (128, 128, 12, 2, False, True, True, 700, 3), (256, 256, 4, 1, True, True, False, 260, 2),
+    (128, 64, 8, 2, True, False, True, 50, 1)])
+def test_decode_step_attention_equals_rope_kv_then_prompt_attention(hd: int, rope: int, n_head: int, n_kv: int,
+                                                                     neox: bool, norms: bool, biases: bool,
+                                                                     length: int, n_split: int) -> None:
+    """The decode form (attention_step_*: RoPE of the query heads and the new key, its K / V write and attention in
+    one launch) against rope_kv for that row and then the prompt form: the same cache bytes and the same output, bit
+    for bit, with and without biases and per-head norms, both RoPE layouts (neox and adjacent pairs), RoPE over the
+    whole head and over half of it, one key split (a warp a head merges) and several (the last block merges)."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+
+    rng = np.random.default_rng(hd + length + n_head)
+    page = 256
+    n_pages = -(-length // page) + 1
+    spec = {"n_head": n_head, "n_head_kv": n_kv, "head_dim": hd, "head_dim_v": hd, "rms_eps": 1e-6,
+            "rope_dims": rope, "rope_neox": neox, "q_scale": 0.5 if norms else 1.0, "attn_scale": hd**-0.5}
+    qkv_dim = (n_head + 2 * n_kv) * hd
+    keep = []  # device arrays bound while kernels use them
+
+    def dev(a: np.ndarray) -> int:
+        keep.append(cp.asarray(a.astype(np.float32)))
+        return keep[-1].data.ptr
+
+    layer = {"bq": 0, "bk": 0, "bv": 0, "q_norm": 0, "k_norm": 0, "rope_freq_scale": 0.75}
+    if biases:
+        layer |= {"bq": dev(rng.standard_normal(n_head * hd)), "bk": dev(rng.standard_normal(n_kv * hd)),
+                  "bv": dev(rng.standard_normal(n_kv * hd))}
+    if norms:
+        layer |= {"q_norm": dev(1 + 0.3 * rng.standard_normal(hd)), "k_norm": dev(1 + 0.3 * rng.standard_normal(hd))}
+    qkv = cp.asarray(rng.standard_normal((length, qkv_dim)).astype(np.float32))
+    table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
+    theta_scale = float(np.float32(1e4) ** (np.float32(-2.0) / np.float32(rope)))
+    pos_all = cp.arange(length, dtype=cp.int32)
+    last = length - 1
+    pos_last, row_seq = cp.asarray([last], cp.int32), cp.zeros(1, cp.int32)
+    outs, caches = [], []
+    for step in (False, True):
+        kp = cp.zeros((n_pages, n_kv, page, hd), cp.uint16)
+        vp = cp.zeros_like(kp)
+        q_rot = cp.zeros((length, n_head * hd), cp.float32)
+        out = cp.zeros(n_head * hd, cp.float32)
+        part_ml = cp.zeros(2 * n_head * n_split, cp.float32)
+        part_acc = cp.zeros(n_head * n_split * hd, cp.float32)
+        tickets = cp.zeros(n_kv, cp.int32)
+        rows = last if step else length  # (the decode form writes the last row's K and V itself)
+        K.rope_kv(rows, qkv.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
+                  vp.data.ptr, table.data.ptr, page, theta_scale)
+        common = dict(k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr, table_stride=0,
+                      row_seq=row_seq.data.ptr, pos=pos_last.data.ptr, window=0, page_size=page, out=out.data.ptr,
+                      part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr, tickets=tickets.data.ptr)
+        if step:
+            params = K.attn_params(spec, qkv=qkv.data.ptr + 4 * last * qkv_dim, qkv_stride=qkv_dim, layer=layer,
+                                   theta_scale=theta_scale, **common)
+        else:
+            params = K.attn_params(spec, q=q_rot.data.ptr + 4 * last * n_head * hd, **common)
+        K.attention(params, 1, n_split, n_kv, hd, step, n_head // n_kv)
+        outs.append(out.get())
+        caches.append((kp.get(), vp.get()))
+        assert (tickets.get() == 0).all()
+    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    assert (caches[1][0] == caches[0][0]).all() and (caches[1][1] == caches[0][1]).all()
+    assert (outs[1] == outs[0]).all(), float(np.abs(outs[1] - outs[0]).max())
 
 
 # ---- whole models: greedy tokens on the GPU equal the CPU's --------------------------------------------------

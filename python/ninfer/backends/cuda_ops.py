@@ -140,14 +140,12 @@ ATTN_PARAMS = np.dtype(
     + [(k, "<u8") for k in ("out_q", "out_d")], align=True)
 
 
-def device_struct(dtype: np.dtype, **fields):
-    """One C struct in device memory (a kernel reads its parameters from it)."""
-    import cupy as cp
-
+def struct_value(dtype: np.dtype, **fields) -> np.void:
+    """One C struct as a kernel parameter passed by value (launch.kernel passes its bytes); unnamed fields 0."""
     a = np.zeros(1, dtype=dtype)
     for k, v in fields.items():
         a[0][k] = v
-    return cp.asarray(a.view(np.uint8))
+    return a[0]
 
 
 def P(ptr: int) -> np.uint64:
@@ -439,11 +437,11 @@ def attention_smem(hd: int) -> int:
 def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_stride: int, row_seq: int, pos: int,
                 window: int, page_size: int, out: int, q: int = 0, qkv: int = 0, qkv_stride: int = 0,
                 layer: dict | None = None, theta_scale: float = 0.0, part_ml: int = 0, part_acc: int = 0,
-                tickets: int = 0, out_q: int = 0, out_d: int = 0):
+                tickets: int = 0, out_q: int = 0, out_d: int = 0) -> np.void:
     """The AttnParams struct of one attention launch (layer: the decode form's biases, norms, RoPE factors; out_q,
     out_d: with head size 128, `out` quantized for the output projection too, as quant_act(ACT_GSQ8_PAIRS))."""
     lw = layer or {}
-    return device_struct(
+    return struct_value(
         ATTN_PARAMS, q=q, qkv=qkv, bias_q=lw.get("bq", 0), bias_k=lw.get("bk", 0), bias_v=lw.get("bv", 0),
         q_norm=lw.get("q_norm", 0), k_norm=lw.get("k_norm", 0), k_pool=k_pool, v_pool=v_pool,
         page_tables=page_tables, row_seq=row_seq, pos=pos, part_ml=part_ml, part_acc=part_acc, tickets=tickets,

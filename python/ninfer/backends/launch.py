@@ -84,7 +84,9 @@ _C_TYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_i
             np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float}
 
 
-def _c_arg(a: Any) -> ctypes._SimpleCData:
+def _c_arg(a: Any) -> ctypes._SimpleCData | ctypes.Array:
+    if isinstance(a, np.void):  # a C struct passed by value: its bytes (a structured dtype laid out as C's)
+        return (ctypes.c_char * a.dtype.itemsize).from_buffer_copy(a.tobytes())
     if isinstance(a, np.generic):
         return _C_TYPES[a.dtype](a.item())
     if hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its device pointer
@@ -95,8 +97,10 @@ def _c_arg(a: Any) -> ctypes._SimpleCData:
 def kernel(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
            dependent: bool = False) -> None:
     """Launch `fn` (a CuPy RawKernel) on CuPy's current stream; as a programmatic dependent of the previous
-    kernel when `dependent` (the kernel waits for it itself) and dependent_launches is on."""
-    if not (dependent and _state.enabled and _state.after_kernel):
+    kernel when `dependent` (the kernel waits for it itself) and dependent_launches is on. A structured numpy
+    scalar (np.void) in `args` is a struct passed by value; those launches go through the driver here too."""
+    pdl = dependent and _state.enabled and _state.after_kernel
+    if not pdl and not any(isinstance(a, np.void) for a in args):
         fn(grid, block, args, shared_mem=shared_mem)
         _state.after_kernel = True
         return
@@ -106,7 +110,7 @@ def kernel(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, 
     b = tuple(block) + (1,) * (3 - len(block))
     attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
-                        ctypes.c_void_p(cp.cuda.get_current_stream().ptr), ctypes.pointer(attr), 1)
+                        ctypes.c_void_p(cp.cuda.get_current_stream().ptr), ctypes.pointer(attr), int(pdl))
     values = [_c_arg(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     drv = _cuda_driver()
