@@ -362,13 +362,6 @@ __device__ __forceinline__ void warp_keys_mma(const WarpKeys& W) {
     }
 }
 
-#ifndef ATT_LAUNCH_LATE
-// 1 (a trial): the blocks with keys let the next launch (the output projection) start only once their keys are
-// done, so that its blocks' first weight copies are not in the memory's queue while attention waits for its K and
-// V rows; 2: once the queries are roped (before the keys' loads); 0: before grid_dep_wait.
-#define ATT_LAUNCH_LATE 0
-#endif
-
 template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
@@ -424,7 +417,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     RopeCS cs;
     if (STEP) cs = rope_cs(p, P.rope_dims, P.theta_scale, P.freq_scale);
     ATT_MARK(1);
-    if (!ATT_LAUNCH_LATE) grid_dep_launch();
+    grid_dep_launch();
     grid_dep_wait();
     ATT_MARK(2);
 
@@ -465,7 +458,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     }
     __syncthreads();
     ATT_MARK(3);
-    if (ATT_LAUNCH_LATE == 2) grid_dep_launch();
     const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp, lane};
 #if ATT_MMA
     if constexpr (HD % 64 == 0 && HD <= 128)
@@ -475,7 +467,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
         warp_keys_fma<HD, NG>(W);
     __syncthreads();
     ATT_MARK(4);
-    if (ATT_LAUNCH_LATE == 1) grid_dep_launch();
     // out quantized too (AttnParams.out_q): a warp a head quantizes the head's outputs as quant_act does (a head
     // is one 128-value group), so the output projection's launch copies them in instead of quantizing 5,120 values
     // in every block.
