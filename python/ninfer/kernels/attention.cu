@@ -362,6 +362,25 @@ __device__ __forceinline__ void warp_keys_mma(const WarpKeys& W) {
     }
 }
 
+#ifndef ATT_LEAN_ROPE
+// 1 (a trial, not yet run on a GPU): the decode form's RoPE code for the pairs its head size can have (HD / 64 a
+// lane, not 4) and the per-head norms called out of line, so less code lies on the path before grid_dep_wait (the
+// angles: 1,127 instructions, four unrolled copies of the running product and a precise sine and cosine) and in
+// the RoPE stage (576, both norms inline though Qwen2 and Llama have none): the same values, fewer instructions to
+// fetch cold (docs/gsq-rco.md: the short chain's stages look bound by that fetch).
+#define ATT_LEAN_ROPE 0
+#endif
+#if ATT_LEAN_ROPE
+#define ATT_ROPE_K ((HD + 63) / 64)
+__device__ __noinline__ void head_rms_norm_outlined(float* v, const float* w, int dim, float eps) {
+    head_rms_norm(v, w, dim, eps);
+}
+#define ATT_HEAD_RMS_NORM head_rms_norm_outlined
+#else
+#define ATT_ROPE_K 4
+#define ATT_HEAD_RMS_NORM head_rms_norm
+#endif
+
 template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
@@ -415,7 +434,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     }
     // The rotation angles depend on the position alone: computed before the wait too.
     RopeCS cs;
-    if (STEP) cs = rope_cs(p, P.rope_dims, P.theta_scale, P.freq_scale);
+    if (STEP) cs = rope_cs<ATT_ROPE_K>(p, P.rope_dims, P.theta_scale, P.freq_scale);
     ATT_MARK(1);
     grid_dep_launch();
     grid_dep_wait();
@@ -430,8 +449,8 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             const int head = g * ng + h;
             for (int i = lane; i < HD; i += WARP) v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
             __syncwarp();
-            if (P.q_norm) head_rms_norm(v, P.q_norm, HD, P.eps);
-            rope_apply(v, cs, P.rope_dims, P.neox);
+            if (P.q_norm) ATT_HEAD_RMS_NORM(v, P.q_norm, HD, P.eps);
+            rope_apply<ATT_ROPE_K>(v, cs, P.rope_dims, P.neox);
             for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
             __syncwarp();
         }
@@ -442,8 +461,8 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                 const float* ks = src + n_head * HD + g * HD;
                 for (int i = lane; i < HD; i += WARP) v[i] = ks[i] + (P.bias_k ? P.bias_k[g * HD + i] : 0.0f);
                 __syncwarp();
-                if (P.k_norm) head_rms_norm(v, P.k_norm, HD, P.eps);
-                rope_apply(v, cs, P.rope_dims, P.neox);
+                if (P.k_norm) ATT_HEAD_RMS_NORM(v, P.k_norm, HD, P.eps);
+                rope_apply<ATT_ROPE_K>(v, cs, P.rope_dims, P.neox);
                 for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
             } else if (warp == ATT_WARPS - 2) {
                 const float* vs = src + (n_head + n_head_kv) * HD + g * HD;

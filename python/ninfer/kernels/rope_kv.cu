@@ -7,19 +7,22 @@
 // sequence's page table maps position / PAGE to a page.
 
 // cos and sin of this lane's rotation angles (pair i = lane + 32k, k < 4: rope_dims <= 256, as the engine checks
-// head_dim), computed apart from the rotation so a kernel can do it before its inputs are ready.
+// head_dim), computed apart from the rotation so a kernel can do it before its inputs are ready. K < 4: only the
+// first K pairs a lane (a kernel whose head size bounds rope_dims by 64 K), less code for the same values.
 struct RopeCS {
     float c[4], s[4];
 };
 
+template <int K = 4>
 __device__ __forceinline__ RopeCS rope_cs(int pos, int rope_dims, float theta_scale, float freq_scale) {
     const int lane = threadIdx.x & 31, half = rope_dims / 2;
     RopeCS r;
     float theta = (float)pos;
     for (int k = 0; k < lane; ++k) theta *= theta_scale;  // the CPU's running product, step by step
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        r.c[k] = r.s[k] = 0.0f;
+    for (int k = 0; k < 4; ++k) r.c[k] = r.s[k] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
         if (lane + 32 * k < half) {
             const float t = freq_scale * theta;
             r.c[k] = cosf(t);
@@ -30,10 +33,11 @@ __device__ __forceinline__ RopeCS rope_cs(int pos, int rope_dims, float theta_sc
     return r;
 }
 
+template <int K = 4>
 __device__ __forceinline__ void rope_apply(float* v, const RopeCS& r, int rope_dims, int neox) {
     const int lane = threadIdx.x & 31, half = rope_dims / 2;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < K; ++k) {
         const int i = lane + 32 * k;
         if (i < half) {
             const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
