@@ -195,8 +195,9 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
                 t = entry + off + (1000 * b if ev == T.LAST_DONE else 0)
                 trace[slot, b, ev] = (t, 2 * (t - entry) + 777 * (b + 1))
             trace[slot, b, T.SM] = (b, 2)
-            if slot == 0:  # (a norm prologue: x loaded 300 ns and the scale 700 ns after the dependency wait)
-                for ev, off in ((T.X_LOADED, 800), (T.SCALED, 1200)):
+            if slot == 0:  # (a norm prologue: x loaded 300 ns and the scale 700 ns after the dependency wait;
+                # the first chunk seen landed at the scale's mark, 1.1 µs after it was asked)
+                for ev, off in ((T.X_LOADED, 800), (T.SCALED, 1200), (T.LANDED, 1200)):
                     trace[slot, b, ev] = (entry + off, 2 * off + 777 * (b + 1))
     trace[2, 0, T.SM] = (0, 2)
     trace[2, 0, T.ENTRY] = (50000, 1)  # block 1 of slot 2 never ran
@@ -207,8 +208,9 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     assert a.dep_wait_ns == 1600  # (the median of the blocks past grid_dep_wait at 1500 and 1700)
     assert b.start_ns == 10500
     assert a.cycles == {"asked": 200, "dep_wait": 1000, "prologue": 2000, "first_chunk": 1000, "compute": 12000,
-                        "compute_last": 15000, "x_load": 600, "norm_sum": 800, "quantize": 600}
-    assert all(np.isnan(b.cycles[k]) for k in ("x_load", "norm_sum", "quantize"))  # (no norm prologue)
+                        "compute_last": 15000, "x_load": 600, "norm_sum": 800, "quantize": 600, "landed": 2200}
+    assert all(np.isnan(b.cycles[k]) for k in ("x_load", "norm_sum", "quantize", "landed"))  # (no norm prologue;
+    assert (a.unlanded, b.unlanded) == (0.0, 1.0)  # the second launch's first chunks not landed by its end)
     assert T.clock_ghz(trace, 2) == pytest.approx(2.0)
     assert T.timer_step_ns(trace, 3) == 200
     rows = {r["label"]: r for r in T.per_kind([launches], 2.0)}
@@ -217,6 +219,7 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     assert rows["store 8x256"]["span"] == pytest.approx(10.2)
     assert rows["store 8x256"]["prologue"] == pytest.approx(1.0)
     assert rows["store 8x256"]["compute_last"] == pytest.approx(7.5)
+    assert (rows["store 8x256"]["landed"], rows["add 8x256"]["unlanded"]) == (pytest.approx(1.1), 1.0)
     apart = {r["label"]: r for r in T.per_kind([[a], [b]], 2.0)}  # two graphs: no gap between them
     assert np.isnan(apart["add 8x256"]["gap"]) and apart["add 8x256"]["span"] == pytest.approx(10.2)
 

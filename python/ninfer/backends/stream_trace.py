@@ -16,8 +16,8 @@ import numpy as np
 # kernels/gemv_stream.cu: the buffer's shape and its events
 TRACE_LAUNCHES, TRACE_BLOCKS = 2048, 256
 EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done", "last_done", "sm", "x_loaded",
-          "scaled")
-ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM, X_LOADED, SCALED = range(len(EVENTS))
+          "scaled", "landed")
+ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM, X_LOADED, SCALED, LANDED = range(len(EVENTS))
 # kernels/attention.cu's trace: [slot][block: split * n_head_kv + KV head][event], %globaltimer only (blocks with keys)
 ATT_TRACE_LAUNCHES, ATT_TRACE_BLOCKS = 512, 64
 ATT_EVENTS = ("entry", "asked", "dep_wait", "roped", "keys", "out")
@@ -47,8 +47,10 @@ class Launch:
     dep_wait_ns: int  # when the median block was past its grid_dep_wait (the previous kernel's results there)
     # "asked", "dep_wait", "prologue", "first_chunk", "compute", "compute_last", and the norm prologue's parts
     # (NaN in launches without a norm): "x_load" (thread 0's loads of x), "norm_sum" (the block's reduction),
-    # "quantize" (the normed groups quantized and the block's barrier)
+    # "quantize" (the normed groups quantized and the block's barrier); "landed": from the first chunks' ask to the
+    # first of thread 0's checks that found slot 0 complete (blocks where one did)
     cycles: dict[str, float]
+    unlanded: float = 0.0  # the share of blocks whose first chunk had not landed by the end of the prologue
 
 
 def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) -> list[Launch]:
@@ -79,12 +81,15 @@ def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) 
             "x_load": med(c[:, DEP_WAIT], c[:, X_LOADED]),
             "norm_sum": med(c[:, X_LOADED], c[:, SCALED]),
             "quantize": med(c[:, SCALED], c[:, ACT_READY]),
+            "landed": med(c[:, ASKED], c[:, LANDED]),
         }
+        asked = g[:, ASKED] > 0
+        unlanded = float(np.mean(g[asked, LANDED] == 0)) if asked.any() else float("nan")
         ends = g[:, LAST_DONE]
         waits = g[:, DEP_WAIT][g[:, DEP_WAIT] > 0]
         out.append(Launch(label, grid, int(g[:, ENTRY].min()), int(ends.max()), int(ends.max() - ends.min()),
                           int(g[:, ENTRY].max() - g[:, ENTRY].min()),
-                          int(np.median(waits)) if len(waits) else 0, cycles))
+                          int(np.median(waits)) if len(waits) else 0, cycles, unlanded))
     return out
 
 
@@ -109,7 +114,8 @@ def per_kind(graphs: list[list[Launch]], ghz: float) -> list[dict]:
     """Mean over the launches of each label, in µs, from one list of launches per captured graph (in launch order):
     the span, the gap from the previous launch's end to its start within its graph (negative: overlap; the
     non-streamed launches between them, attention and quant_act, fall in these gaps), the grid's arrival spread, the
-    tail, and each stage of a block (median over blocks, then mean over launches)."""
+    tail, and each stage of a block (median over blocks, then mean over launches); "unlanded", the mean share of
+    blocks whose first chunk had not landed by the end of their prologue (a fraction, not µs)."""
     rows: dict[str, dict] = {}
     stages: list[str] = []
     for launches in graphs:
@@ -117,8 +123,10 @@ def per_kind(graphs: list[list[Launch]], ghz: float) -> list[dict]:
         for ln in launches:
             stages = list(ln.cycles)
             r = rows.setdefault(ln.label, {"label": ln.label, "n": 0, "span": 0.0, "gap": 0.0, "n_gap": 0,
-                                           "tail": 0.0, "arrival": 0.0, **{k: 0.0 for k in ln.cycles}})
+                                           "tail": 0.0, "arrival": 0.0, "unlanded": 0.0,
+                                           **{k: 0.0 for k in ln.cycles}})
             r["n"] += 1
+            r["unlanded"] += ln.unlanded
             r["span"] += (ln.end_ns - ln.start_ns) / 1e3
             r["tail"] += ln.end_spread_ns / 1e3
             r["arrival"] += ln.entry_spread_ns / 1e3
@@ -129,7 +137,7 @@ def per_kind(graphs: list[list[Launch]], ghz: float) -> list[dict]:
             for k, v in ln.cycles.items():
                 r[k] += v / ghz / 1e3
     for r in rows.values():
-        for k in ("span", "tail", "arrival", *stages):
+        for k in ("span", "tail", "arrival", "unlanded", *stages):
             r[k] /= r["n"]
         r["gap"] = r["gap"] / r["n_gap"] if r["n_gap"] else float("nan")
     return list(rows.values())

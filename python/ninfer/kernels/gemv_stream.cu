@@ -68,11 +68,13 @@
 #if GEMV_STREAM_TRACE
 #define GEMV_STREAM_TRACE_LAUNCHES 2048  // backends/stream_trace.py TRACE_LAUNCHES, TRACE_BLOCKS
 #define GEMV_STREAM_TRACE_BLOCKS 256
-#define GEMV_STREAM_TRACE_EVENTS 10
+#define GEMV_STREAM_TRACE_EVENTS 11
 // [launch slot][block][event][globaltimer ns, clock64]. Events: 0 entry, 1 the first chunks asked for (producer),
 // 2 past grid_dep_wait, 3 the activation ready (past the prologue's barrier), 4 consumer warp 0's first chunk
 // arrived, 5 consumer warp 0 done, 6 the last consumer warp done (atomicMax), 7 (the SM id, the grid size); in the
-// norm prologue, thread 0's 8 loads of x summed and 9 the block's scale known (norm.cu norm_quant_v's marks).
+// norm prologue, thread 0's 8 loads of x summed and 9 the block's scale known (norm.cu norm_quant_v's marks); 10 the
+// block's first chunk (slot 0, asked before grid_dep_wait) seen landed by thread 0, at the first of its checks past
+// events 2, 8, 9 and 3 that found it so (0: not by the end of the prologue).
 __device__ unsigned long long gemv_stream_trace[GEMV_STREAM_TRACE_LAUNCHES * GEMV_STREAM_TRACE_BLOCKS *
                                                 GEMV_STREAM_TRACE_EVENTS * 2];
 
@@ -303,6 +305,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         STREAM_TRACE(trace_slot, 0);
         unsigned long long* t = stream_trace_at(trace_slot, 6);
         t[0] = t[1] = 0;  // (the consumers' atomicMax starts after the block's first barrier)
+        t = stream_trace_at(trace_slot, 10);
+        t[0] = t[1] = 0;  // (stays 0 where the first chunk lands after the prologue)
         u32 smid;
         asm("mov.u32 %0, %%smid;" : "=r"(smid));
         t = stream_trace_at(trace_slot, 7);
@@ -350,6 +354,21 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     grid_dep_launch();
     grid_dep_wait();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
+#if GEMV_STREAM_TRACE
+    // (event 10: thread 0 tests slot 0's barrier without waiting, after each of its prologue marks)
+    bool landed = false;
+    const auto check_landed = [&]() {
+        if (threadIdx.x != 0 || landed || n_st == 0) return;
+        u32 done;
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.test_wait.parity.shared::cta.b64 p, [%1], 0;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(&full[0])) : "memory");
+        if (done) {
+            landed = true;
+            STREAM_TRACE(trace_slot, 10);
+        }
+    };
+    check_landed();
+#endif
 
     // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
     i8* q = (i8*)stream_sm;
@@ -358,6 +377,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #if GEMV_STREAM_TRACE
         const auto mark = [&](int stage) {
             if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 8 + stage);
+            check_landed();
         };
 #else
         const NoMark mark;
@@ -368,6 +388,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     }
     __syncthreads();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 3);
+#if GEMV_STREAM_TRACE
+    check_landed();
+#endif
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
