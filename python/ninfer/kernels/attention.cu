@@ -533,8 +533,8 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
         ATT_MARK(5);
         return;
     }
-    // Several splits: the last block merges them below and leaves each head's outputs in pt (free after the key
-    // loop) for this.
+    // Several splits: this block's part (its warps merged) for the last block to finish, which merges the splits
+    // and leaves each head's outputs in pt (free after the key loop) for this.
     const auto quantize_heads = [&](long long oh0) {
         for (int h = warp; h < ng; h += ATT_WARPS) {
             float y[4];
@@ -558,21 +558,8 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             }
         }
         const long long oh = (long long)row * n_head + g * ng + h;
-        if (n_used == 1) {
-            out[oh * HD + d] = L > 0.0f ? A / L : 0.0f;
-            if (quant) pt[i] = L > 0.0f ? A / L : 0.0f;
-        } else {
-            part_acc[(oh * n_split + split) * HD + d] = A;
-            if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
-        }
-    }
-    if (n_used == 1) {
-        if (quant) {
-            __syncthreads();
-            quantize_heads((long long)row * n_head + g * ng);
-        }
-        ATT_MARK(5);
-        return;
+        part_acc[(oh * n_split + split) * HD + d] = A;
+        if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
     }
     __threadfence();
     __syncthreads();
