@@ -654,6 +654,9 @@ class CudaEngine:
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
         o_grid = self._o_grid()
+        # (GEMV_STREAM_QKV_ROOM=1, a trial for ATT_WARM: q/k/v on those SMs too, so attention's blocks wait on
+        # theirs for the whole q/k/v launch; 177.52 / 177.29 against 177.58 / 177.54 t/s alone, 2026-12-02)
+        qkv_grid = o_grid if K._define("GEMV_STREAM_QKV_ROOM", 0) else 0
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
@@ -662,7 +665,7 @@ class CudaEngine:
             att_quant = self._att_quantizes_o(lw)
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE, **pf["qkv"]))
+                                               K.MODE_STORE, max_grid=qkv_grid, **pf["qkv"]))
             params = K.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,

@@ -381,6 +381,16 @@ __device__ __noinline__ void head_rms_norm_outlined(float* v, const float* w, in
 #define ATT_HEAD_RMS_NORM head_rms_norm
 #endif
 
+#ifndef ATT_WARM
+// 1 (a trial, not yet run on a GPU; with GEMV_STREAM_QKV_ROOM=1, which leaves attention's SMs free during q/k/v):
+// a one-split decode block runs its path after grid_dep_wait once before it, on whatever the q/k/v buffer and the
+// cache hold (nothing written to global memory), so that the path's code is in its SM's instruction cache when
+// the real pass starts. The trace's stages at short depth look bound by that code's cold fetch, not by memory
+// (ATT_KV_SMEM: the keys stage the same with its rows in shared memory), and with q/k/v leaving attention's SMs
+// free its blocks wait there for the whole q/k/v launch. One copy of the code serves both passes (a rolled loop).
+#define ATT_WARM 0
+#endif
+
 template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
@@ -437,8 +447,22 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     if (STEP) cs = rope_cs<ATT_ROPE_K>(p, P.rope_dims, P.theta_scale, P.freq_scale);
     ATT_MARK(1);
     grid_dep_launch();
-    grid_dep_wait();
-    ATT_MARK(2);
+#if ATT_WARM
+    int pass = STEP && n_used == 1 ? 0 : 1;
+    asm volatile("" : "+r"(pass));  // (opaque: the loop is not split into a dry and a real copy)
+#pragma unroll 1
+    for (;; ++pass) {
+        const bool dry = pass == 0;
+        if (!dry) {
+            grid_dep_wait();
+            ATT_MARK(2);
+        }
+#else
+    {
+        constexpr bool dry = false;
+        grid_dep_wait();
+        ATT_MARK(2);
+#endif
 
     if (STEP) {
         // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
@@ -463,8 +487,9 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                 __syncwarp();
                 if (P.k_norm) ATT_HEAD_RMS_NORM(v, P.k_norm, HD, P.eps);
                 rope_apply<ATT_ROPE_K>(v, cs, P.rope_dims, P.neox);
-                for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
-            } else if (warp == ATT_WARPS - 2) {
+                if (!dry)
+                    for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
+            } else if (warp == ATT_WARPS - 2 && !dry) {
                 const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
                 for (int i = lane; i < HD; i += WARP)
                     P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
@@ -476,7 +501,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
     }
     __syncthreads();
-    ATT_MARK(3);
+    if (!dry) ATT_MARK(3);
     const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp, lane};
 #if ATT_MMA
     if constexpr (HD % 64 == 0 && HD <= 128)
@@ -485,7 +510,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
 #endif
         warp_keys_fma<HD, NG>(W);
     __syncthreads();
-    ATT_MARK(4);
+    if (!dry) ATT_MARK(4);
     // out quantized too (AttnParams.out_q): a warp a head quantizes the head's outputs as quant_act does (a head
     // is one 128-value group), so the output projection's launch copies them in instead of quantizing 5,120 values
     // in every block.
@@ -525,11 +550,20 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             float y[VPL];
 #pragma unroll
             for (int k = 0; k < VPL; ++k) y[k] = L > 0.0f ? A[k] / L : 0.0f;
+#if ATT_WARM
+            if (dry) continue;
+#endif
 #pragma unroll
             for (int k = 0; k < VPL; ++k) out[oh * HD + VPL * lane + k] = y[k];
             if constexpr (VPL == 4)
                 if (quant) quantize_group<4>(ACT_GSQ8_PAIRS, (int)oh, y, P.out_q, P.out_d, 0, 0, 0);
         }
+#if ATT_WARM
+        if (dry) {
+            __syncthreads();  // (the real pass writes the shared memory the dry one read)
+            continue;
+        }
+#endif
         ATT_MARK(5);
         return;
     }
@@ -637,6 +671,10 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     }
     if (quant) quantize_heads(oh0);
     ATT_MARK(5);
+#if ATT_WARM
+    return;  // (several splits: no dry pass)
+#endif
+    }
 }
 
 // One kernel per head size and group size (query heads per KV head), compiled on demand as a module of its own
