@@ -463,7 +463,8 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
         grid_dep_wait();
         ATT_MARK(2);
 #endif
-
+    // (The rest of the function is that loop's or block's body, left at this indentation while ATT_WARM is a trial;
+    // `dry` is false in every pass that writes to global memory.)
     if (STEP) {
         // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
         // holds position p, write the new token's K and V for this KV head.
