@@ -673,7 +673,6 @@ class CudaEngine:
                 window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,
                 part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att,
                 **({"out_q": self.aq.data.ptr, "out_d": self.ad.data.ptr} if att_quant else {}))
-            self._keep.append(params)
             add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
                                                                     s["head_dim"], True, group)])
             # output projection + residual (or into o for gemma's post-attention norm)
