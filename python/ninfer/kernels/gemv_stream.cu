@@ -60,11 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_NORM_WARM
-// 1 (trial, not yet measured on a GPU): a norm prologue runs once on stale x before grid_dep_wait so that its real
-// pass runs from a warm instruction cache (attention.cu ATT_WARM's question for the norm prologues).
-#define GEMV_STREAM_NORM_WARM 0
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -356,21 +351,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         STREAM_TRACE(trace_slot, 1);
     }
 
-    // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
-    i8* q = (i8*)stream_sm;
-    float* d = (float*)(q + gsq8_pairs_at(n_cols));
     grid_dep_launch();
-#if GEMV_STREAM_NORM_WARM
-    // Pass 0, before grid_dep_wait, runs the norm prologue on whatever x holds then (only shared memory written;
-    // the real pass overwrites it), so that pass 1 finds the prologue's code in the SM's instruction cache. One copy
-    // of the code in a rolled loop: an unrolled second copy would be fetched cold again.
-#pragma unroll 1
-    for (int pass = pre_q ? 1 : 0; pass < 2; ++pass) {
-    if (pass == 1) grid_dep_wait();
-#else
-    {
     grid_dep_wait();
-#endif
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
 #if GEMV_STREAM_TRACE
     // (event 10: thread 0 tests slot 0's barrier without waiting, after each of its prologue marks)
@@ -388,6 +370,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     check_landed();
 #endif
 
+    // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
+    i8* q = (i8*)stream_sm;
+    float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
 #if GEMV_STREAM_TRACE
         const auto mark = [&](int stage) {
@@ -406,7 +391,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #if GEMV_STREAM_TRACE
     check_landed();
 #endif
-    }  // (GEMV_STREAM_NORM_WARM's passes)
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {

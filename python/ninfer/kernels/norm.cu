@@ -111,11 +111,6 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
 // 0: both passes read x (H200, 32B GSQ3 tg128 136.2 / 136.0 against 137.7 / 138.1 t/s kept, 2026-12-02).
 #define NORM_QUANT_KEEP 16
 #endif
-#ifndef NORM_ONE_BARRIER
-// 1 (trial, not yet measured on a GPU): the norm's block reduction with one barrier: each warp sums the warps'
-// partial sums itself (same order, same scale) instead of warp 0 publishing the scale behind a second barrier.
-#define NORM_ONE_BARRIER 0
-#endif
 
 // V consecutive floats at p, through L2 only (cg: a vector the previous kernel just wrote) or the read-only path
 // (the norm weights). Where V is a multiple of 4 (the GSQ8 and Q8_K kinds, whose rows are multiples of 128 floats, so
@@ -153,9 +148,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
     const int n_groups = n / (32 * V);
     __shared__ double red[32];
-#if !NORM_ONE_BARRIER
     __shared__ float s_scale;
-#endif
     // The kept groups' norm weights are loaded with x in the first pass, so the quantization after the block's
     // reduction waits on no load (H200, 32B GSQ3 tg128 172.3 / 172.1 against 169.2 / 169.6 t/s, 2026-12-02).
     float kept[KEEP > 0 ? KEEP : 1][V], kept_w[KEEP > 0 ? KEEP : 1][V];
@@ -195,13 +188,6 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         s = warp_sum_d(s);
         if (lane == 0) red[warp] = s;
         __syncthreads();
-#if NORM_ONE_BARRIER
-        {  // every warp adds the warps' sums itself, in warp 0's order: the same scale, one barrier fewer
-            double t = lane < n_warps ? red[lane] : 0.0;
-            t = warp_sum_d(t);
-            scale = 1.0f / sqrtf((float)(t / (double)n) + eps);
-        }
-#else
         if (warp == 0) {
             double t = lane < n_warps ? red[lane] : 0.0;
             t = warp_sum_d(t);
@@ -209,7 +195,6 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
         }
         __syncthreads();
         scale = s_scale;
-#endif
         mark(1);
     }
 #pragma unroll
