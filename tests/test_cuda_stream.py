@@ -162,21 +162,21 @@ def test_attention_quantizes_the_output_projections_input_only_where_it_can() ->
     assert not CudaEngine._att_quantizes_o(engine(128), small)
 
 
-def test_output_projection_leaves_attentions_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CudaEngine._o_grid (no GPU): the streamed output projection takes the SMs less one a KV head (attention's
-    blocks at a short depth), none where that would be more than a quarter of the SMs, and one an SM (0) with
-    GEMV_STREAM_O_ROOM=0."""
+def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaEngine._room_grid (no GPU): the streamed q/k/v and output projections take the SMs less one a KV head
+    (attention's blocks at a short depth), none where that would be more than a quarter of the SMs, and one an SM
+    (0) with GEMV_STREAM_ATT_ROOM=0."""
     from types import SimpleNamespace
 
     from ninfer.backends import cuda_ops as K
     from ninfer.backends.cuda_engine import CudaEngine
 
     def grid(sms: int, n_kv: int) -> int:
-        return CudaEngine._o_grid(SimpleNamespace(sms=sms, spec={"n_head_kv": n_kv}))
+        return CudaEngine._room_grid(SimpleNamespace(sms=sms, spec={"n_head_kv": n_kv}))
 
     monkeypatch.setattr(K, "_DEFINES", [])
     assert (grid(132, 8), grid(132, 2), grid(132, 33), grid(132, 34), grid(20, 8)) == (124, 130, 99, 0, 0)
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_O_ROOM=0"])
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_ROOM=0"])
     assert grid(132, 8) == 0
 
 

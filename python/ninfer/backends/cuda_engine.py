@@ -610,14 +610,17 @@ class CudaEngine:
         return (self.spec["head_dim"] == 128 and wo.act == ACT_GSQ8 and gsq_pairs_type(wo.type)
                 and K.gsq_pairs(wo.cols, wo.rows))
 
-    def _o_grid(self) -> int:
-        """Blocks for a streamed output projection (cuda_ops.gemv max_grid; 0: one an SM): the SMs that attention's
-        blocks leave free (at a short depth one block a KV head), so that none of the projection's blocks, one an
-        SM, waits for an attention block to leave its SM while the others have started. H200, 32B GSQ3 tg128 175.7 /
-        175.3 against 174.5 / 174.3 t/s (8 of 132 SMs left; 2026-12-02). Not where that would take more than a
-        quarter of the SMs; GEMV_STREAM_O_ROOM=0 (NINFER_CUDA_DEFINES) turns it off."""
+    def _room_grid(self) -> int:
+        """Blocks for the streamed launches on either side of attention, q/k/v and the output projection
+        (cuda_ops.gemv max_grid; 0: one an SM): the SMs less those attention's blocks take (at a short depth one
+        block a KV head). The output projection's blocks, one an SM, then all start together instead of some
+        waiting for an attention block to leave its SM (H200, 32B GSQ3 tg128 175.7 / 175.3 against 174.5 / 174.3
+        t/s, 8 of 132 SMs left; 2026-12-02); and attention's blocks start on their free SMs under q/k/v and run
+        their code once before its results land (kernels/attention.cu, the dry pass: 179.1 / 179.2 against 177.5 /
+        177.2). Not where that would take more than a quarter of the SMs; GEMV_STREAM_ATT_ROOM=0
+        (NINFER_CUDA_DEFINES) turns it off."""
         n_kv = self.spec["n_head_kv"]
-        if not K._define("GEMV_STREAM_O_ROOM", 1) or 4 * n_kv > self.sms:
+        if not K._define("GEMV_STREAM_ATT_ROOM", 1) or 4 * n_kv > self.sms:
             return 0
         return self.sms - n_kv
 
@@ -653,10 +656,7 @@ class CudaEngine:
         group = s["n_head"] // s["n_head_kv"]
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
-        o_grid = self._o_grid()
-        # (GEMV_STREAM_QKV_ROOM=1, a trial for ATT_WARM: q/k/v on those SMs too, so attention's blocks wait on
-        # theirs for the whole q/k/v launch; 177.52 / 177.29 against 177.58 / 177.54 t/s alone, 2026-12-02)
-        qkv_grid = o_grid if K._define("GEMV_STREAM_QKV_ROOM", 0) else 0
+        room = self._room_grid()
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
@@ -665,7 +665,7 @@ class CudaEngine:
             att_quant = self._att_quantizes_o(lw)
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE, max_grid=qkv_grid, **pf["qkv"]))
+                                               K.MODE_STORE, max_grid=room, **pf["qkv"]))
             params = K.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
@@ -678,7 +678,7 @@ class CudaEngine:
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
                                                K.MODE_STORE if post_a else K.MODE_ADD, quantized=att_quant,
-                                               max_grid=o_grid, **pf["o"]))
+                                               max_grid=room, **pf["o"]))
             if post_a:
                 add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused

@@ -362,34 +362,11 @@ __device__ __forceinline__ void warp_keys_mma(const WarpKeys& W) {
     }
 }
 
-#ifndef ATT_LEAN_ROPE
-// 1 (a trial, not yet run on a GPU): the decode form's RoPE code for the pairs its head size can have (HD / 64 a
-// lane, not 4) and the per-head norms called out of line, so less code lies on the path before grid_dep_wait (the
-// angles: 1,127 instructions, four unrolled copies of the running product and a precise sine and cosine) and in
-// the RoPE stage (576, both norms inline though Qwen2 and Llama have none): the same values, fewer instructions to
-// fetch cold (docs/gsq-rco.md: the short chain's stages look bound by that fetch).
-#define ATT_LEAN_ROPE 0
-#endif
-#if ATT_LEAN_ROPE
-#define ATT_ROPE_K ((HD + 63) / 64)
+// The per-head norms (gemma3) called out of line from the decode form: Qwen2 and Llama have none, and inlined they
+// were code on the RoPE stage's path that every launch fetched cold.
 __device__ __noinline__ void head_rms_norm_outlined(float* v, const float* w, int dim, float eps) {
     head_rms_norm(v, w, dim, eps);
 }
-#define ATT_HEAD_RMS_NORM head_rms_norm_outlined
-#else
-#define ATT_ROPE_K 4
-#define ATT_HEAD_RMS_NORM head_rms_norm
-#endif
-
-#ifndef ATT_WARM
-// 1 (a trial, not yet run on a GPU; with GEMV_STREAM_QKV_ROOM=1, which leaves attention's SMs free during q/k/v):
-// a one-split decode block runs its path after grid_dep_wait once before it, on whatever the q/k/v buffer and the
-// cache hold (nothing written to global memory), so that the path's code is in its SM's instruction cache when
-// the real pass starts. The trace's stages at short depth look bound by that code's cold fetch, not by memory
-// (ATT_KV_SMEM: the keys stage the same with its rows in shared memory), and with q/k/v leaving attention's SMs
-// free its blocks wait there for the whole q/k/v launch. One copy of the code serves both passes (a rolled loop).
-#define ATT_WARM 0
-#endif
 
 template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P, int trace_slot = -1) {
@@ -442,239 +419,238 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             prefetch_l2_range(((i & 1) ? v_pool : k_pool) + cell * HD, (u32)((b - a) * HD * 2));
         }
     }
-    // The rotation angles depend on the position alone: computed before the wait too.
+    // The rotation angles depend on the position alone: computed before the wait too
+    // (rope_cs / rope_apply for the pairs this head size can have, HD / 64 a lane instead of 4, and the norms out of
+    // line: the same values, the step kernel for the 32B shape 4,416 instructions instead of 4,976, 697 of them
+    // before grid_dep_wait instead of 1,127; H200, 32B GSQ3 tg128 178.2 / 178.3 against 177.5 / 177.2 t/s,
+    // 2026-12-02).
+    constexpr int RK = (HD + 63) / 64;
     RopeCS cs;
-    if (STEP) cs = rope_cs<ATT_ROPE_K>(p, P.rope_dims, P.theta_scale, P.freq_scale);
+    if (STEP) cs = rope_cs<RK>(p, P.rope_dims, P.theta_scale, P.freq_scale);
     ATT_MARK(1);
     grid_dep_launch();
-#if ATT_WARM
+    // A one-split decode block (short contexts) runs its path after grid_dep_wait once before it: a dry pass on
+    // whatever the q/k/v buffer and the cache hold then, nothing written to global memory, so that the real pass
+    // finds that code in its SM's instruction cache. At short depth the stages after the wait are bound by the
+    // code's cold fetch, not by memory (with the share's K/V rows in shared memory the keys stage took as long;
+    // docs/gsq-rco.md), and the engine leaves attention's SMs free during q/k/v (CudaEngine._room_grid), so the dry
+    // pass runs under q/k/v. One copy of the code serves both passes: the loop stays rolled, since a second copy
+    // would be fetched cold again. H200, 32B GSQ3 tg128 179.1 / 179.2 against 177.5 / 177.2 t/s (2026-12-02).
     int pass = STEP && n_used == 1 ? 0 : 1;
     asm volatile("" : "+r"(pass));  // (opaque: the loop is not split into a dry and a real copy)
 #pragma unroll 1
     for (;; ++pass) {
-        const bool dry = pass == 0;
+        const bool dry = pass == 0;  // (false in every pass that writes to global memory)
         if (!dry) {
             grid_dep_wait();
             ATT_MARK(2);
         }
-#else
-    {
-        constexpr bool dry = false;
-        grid_dep_wait();
-        ATT_MARK(2);
-#endif
-    // (The rest of the function is that loop's or block's body, left at this indentation while ATT_WARM is a trial;
-    // `dry` is false in every pass that writes to global memory.)
-    if (STEP) {
-        // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose share
-        // holds position p, write the new token's K and V for this KV head.
-        const float* src = P.qkv + (long long)row * P.qkv_stride;
-        for (int h = warp; h < ng; h += ATT_WARPS) {
-            float* v = qs + h * HD;
-            const int head = g * ng + h;
-            for (int i = lane; i < HD; i += WARP) v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
-            __syncwarp();
-            if (P.q_norm) ATT_HEAD_RMS_NORM(v, P.q_norm, HD, P.eps);
-            rope_apply<ATT_ROPE_K>(v, cs, P.rope_dims, P.neox);
-            for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
-            __syncwarp();
-        }
-        if (s0 <= p && p < s1) {
-            const long long cell = kv_cell(table, p, page_size, n_head_kv, g);
-            if (warp == ATT_WARPS - 1) {
-                float* v = wacc;  // scratch: the warps' merge area is not in use yet
-                const float* ks = src + n_head * HD + g * HD;
-                for (int i = lane; i < HD; i += WARP) v[i] = ks[i] + (P.bias_k ? P.bias_k[g * HD + i] : 0.0f);
-                __syncwarp();
-                if (P.k_norm) ATT_HEAD_RMS_NORM(v, P.k_norm, HD, P.eps);
-                rope_apply<ATT_ROPE_K>(v, cs, P.rope_dims, P.neox);
-                if (!dry)
-                    for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
-            } else if (warp == ATT_WARPS - 2 && !dry) {
-                const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
+        if (STEP) {
+            // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose
+            // share holds position p, write the new token's K and V for this KV head.
+            const float* src = P.qkv + (long long)row * P.qkv_stride;
+            for (int h = warp; h < ng; h += ATT_WARPS) {
+                float* v = qs + h * HD;
+                const int head = g * ng + h;
                 for (int i = lane; i < HD; i += WARP)
-                    P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
+                    v[i] = src[head * HD + i] + (P.bias_q ? P.bias_q[head * HD + i] : 0.0f);
+                __syncwarp();
+                if (P.q_norm) head_rms_norm_outlined(v, P.q_norm, HD, P.eps);
+                rope_apply<RK>(v, cs, P.rope_dims, P.neox);
+                for (int i = lane; i < HD; i += WARP) v[i] = f16_round(P.q_scale != 1.0f ? v[i] * P.q_scale : v[i]);
+                __syncwarp();
             }
+            if (s0 <= p && p < s1) {
+                const long long cell = kv_cell(table, p, page_size, n_head_kv, g);
+                if (warp == ATT_WARPS - 1) {
+                    float* v = wacc;  // scratch: the warps' merge area is not in use yet
+                    const float* ks = src + n_head * HD + g * HD;
+                    for (int i = lane; i < HD; i += WARP) v[i] = ks[i] + (P.bias_k ? P.bias_k[g * HD + i] : 0.0f);
+                    __syncwarp();
+                    if (P.k_norm) head_rms_norm_outlined(v, P.k_norm, HD, P.eps);
+                    rope_apply<RK>(v, cs, P.rope_dims, P.neox);
+                    if (!dry)
+                        for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
+                } else if (warp == ATT_WARPS - 2 && !dry) {
+                    const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
+                    for (int i = lane; i < HD; i += WARP)
+                        P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
+                }
+            }
+            __threadfence_block();
+        } else {
+            for (int i = tid; i < ng * HD; i += blockDim.x)
+                qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
         }
-        __threadfence_block();
-    } else {
-        for (int i = tid; i < ng * HD; i += blockDim.x)
-            qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
-    }
-    __syncthreads();
-    if (!dry) ATT_MARK(3);
-    const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp, lane};
+        __syncthreads();
+        if (!dry) ATT_MARK(3);
+        const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp,
+                            lane};
 #if ATT_MMA
-    if constexpr (HD % 64 == 0 && HD <= 128)
-        warp_keys_mma<HD, NG>(W);
-    else
+        if constexpr (HD % 64 == 0 && HD <= 128)
+            warp_keys_mma<HD, NG>(W);
+        else
 #endif
-        warp_keys_fma<HD, NG>(W);
-    __syncthreads();
-    if (!dry) ATT_MARK(4);
-    // out quantized too (AttnParams.out_q): a warp a head quantizes the head's outputs as quant_act does (a head
-    // is one 128-value group), so the output projection's launch copies them in instead of quantizing 5,120 values
-    // in every block.
-    const bool quant = HD == 128 && P.out_q;
-    if (n_used == 1) {
-        // One split: a warp a query head merges the key warps. Every lane reads the warps' (max, sum) of the head
-        // (the same words: broadcast loads) and its HD / 32 output dims of each warp, all before any use, then
-        // sums them in the warps' order, as the block-wide merge below does (the same values), writes them and
-        // quantizes the head from its registers: no shuffles, no barrier. (H200, 32B GSQ3 tg128 177.6 / 177.5
-        // against 176.9 / 176.8 t/s with the block-wide merge, a thread a value, then a barrier, 2026-12-02.)
-        constexpr int VPL = HD / 32;
-        for (int h = warp; h < ng; h += ATT_WARPS) {
-            float2 ml[ATT_WARPS];
-            float a[ATT_WARPS][VPL];
+            warp_keys_fma<HD, NG>(W);
+        __syncthreads();
+        if (!dry) ATT_MARK(4);
+        // out quantized too (AttnParams.out_q): a warp a head quantizes the head's outputs as quant_act does (a head
+        // is one 128-value group), so the output projection's launch copies them in instead of quantizing 5,120 values
+        // in every block.
+        const bool quant = HD == 128 && P.out_q;
+        if (n_used == 1) {
+            // One split: a warp a query head merges the key warps. Every lane reads the warps' (max, sum) of the head
+            // (the same words: broadcast loads) and its HD / 32 output dims of each warp, all before any use, then
+            // sums them in the warps' order, as the block-wide merge below does (the same values), writes them and
+            // quantizes the head from its registers: no shuffles, no barrier. (H200, 32B GSQ3 tg128 177.6 / 177.5
+            // against 176.9 / 176.8 t/s with the block-wide merge, a thread a value, then a barrier, 2026-12-02.)
+            constexpr int VPL = HD / 32;
+            for (int h = warp; h < ng; h += ATT_WARPS) {
+                float2 ml[ATT_WARPS];
+                float a[ATT_WARPS][VPL];
 #pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                ml[w] = *(const float2*)(wml + (w * MAX_GROUP + h) * 2);
-                const float* src = wacc + (w * MAX_GROUP + h) * HD + VPL * lane;  // (16-byte aligned)
+                for (int w = 0; w < ATT_WARPS; ++w) {
+                    ml[w] = *(const float2*)(wml + (w * MAX_GROUP + h) * 2);
+                    const float* src = wacc + (w * MAX_GROUP + h) * HD + VPL * lane;  // (16-byte aligned)
 #pragma unroll
-                for (int k = 0; k < VPL; ++k) a[w][k] = src[k];
+                    for (int k = 0; k < VPL; ++k) a[w][k] = src[k];
+                }
+                float M = -INFINITY;
+#pragma unroll
+                for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, ml[w].x);
+                float L = 0.0f, A[VPL];
+#pragma unroll
+                for (int k = 0; k < VPL; ++k) A[k] = 0.0f;
+#pragma unroll
+                for (int w = 0; w < ATT_WARPS; ++w) {
+                    if (ml[w].x == -INFINITY) continue;
+                    const float f = expf(ml[w].x - M);
+                    L += ml[w].y * f;
+#pragma unroll
+                    for (int k = 0; k < VPL; ++k) A[k] += a[w][k] * f;
+                }
+                const long long oh = (long long)row * n_head + g * ng + h;
+                float y[VPL];
+#pragma unroll
+                for (int k = 0; k < VPL; ++k) y[k] = L > 0.0f ? A[k] / L : 0.0f;
+                if (dry) continue;
+#pragma unroll
+                for (int k = 0; k < VPL; ++k) out[oh * HD + VPL * lane + k] = y[k];
+                if constexpr (VPL == 4)
+                    if (quant) quantize_group<4>(ACT_GSQ8_PAIRS, (int)oh, y, P.out_q, P.out_d, 0, 0, 0);
             }
+            if (dry) {
+                __syncthreads();  // (the real pass writes the shared memory the dry one read)
+                continue;
+            }
+            ATT_MARK(5);
+            return;
+        }
+        // Several splits: this block's part (its warps merged) for the last block to finish, which merges the splits
+        // and leaves each head's outputs in pt (free after the key loop) for this.
+        const auto quantize_heads = [&](long long oh0) {
+            for (int h = warp; h < ng; h += ATT_WARPS) {
+                float y[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) y[k] = pt[h * HD + 4 * lane + k];
+                quantize_group<4>(ACT_GSQ8_PAIRS, (int)(oh0 + h), y, P.out_q, P.out_d, 0, 0, 0);
+            }
+        };
+        for (int i = tid; i < ng * HD; i += blockDim.x) {
+            const int h = i / HD, d = i % HD;
             float M = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, ml[w].x);
-            float L = 0.0f, A[VPL];
-#pragma unroll
-            for (int k = 0; k < VPL; ++k) A[k] = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                if (ml[w].x == -INFINITY) continue;
-                const float f = expf(ml[w].x - M);
-                L += ml[w].y * f;
-#pragma unroll
-                for (int k = 0; k < VPL; ++k) A[k] += a[w][k] * f;
+            for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wml[(w * MAX_GROUP + h) * 2]);
+            float L = 0.0f, A = 0.0f;
+            if (M != -INFINITY) {
+                for (int w = 0; w < ATT_WARPS; ++w) {
+                    float mw = wml[(w * MAX_GROUP + h) * 2];
+                    if (mw == -INFINITY) continue;
+                    float f = expf(mw - M);
+                    L += wml[(w * MAX_GROUP + h) * 2 + 1] * f;
+                    A += wacc[(w * MAX_GROUP + h) * HD + d] * f;
+                }
             }
             const long long oh = (long long)row * n_head + g * ng + h;
-            float y[VPL];
-#pragma unroll
-            for (int k = 0; k < VPL; ++k) y[k] = L > 0.0f ? A[k] / L : 0.0f;
-#if ATT_WARM
-            if (dry) continue;
-#endif
-#pragma unroll
-            for (int k = 0; k < VPL; ++k) out[oh * HD + VPL * lane + k] = y[k];
-            if constexpr (VPL == 4)
-                if (quant) quantize_group<4>(ACT_GSQ8_PAIRS, (int)oh, y, P.out_q, P.out_d, 0, 0, 0);
+            part_acc[(oh * n_split + split) * HD + d] = A;
+            if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
         }
-#if ATT_WARM
-        if (dry) {
-            __syncthreads();  // (the real pass writes the shared memory the dry one read)
-            continue;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            int* ticket = P.tickets + row * n_head_kv + g;
+            last_block = atomicAdd(ticket, 1) == n_used - 1;
+            if (last_block) *ticket = 0;
         }
-#endif
-        ATT_MARK(5);
-        return;
-    }
-    // Several splits: this block's part (its warps merged) for the last block to finish, which merges the splits
-    // and leaves each head's outputs in pt (free after the key loop) for this.
-    const auto quantize_heads = [&](long long oh0) {
-        for (int h = warp; h < ng; h += ATT_WARPS) {
-            float y[4];
+        __syncthreads();
+        if (!last_block) {
+            ATT_MARK(5);
+            return;
+        }
+        __threadfence();
+        // The last block merges the splits that held keys (the others are empty). Each split's weight
+        // exp(m_s - M) per head goes to shared memory first (wacc is free again), so the per-dimension sums below are
+        // independent loads that stay in flight together. (The launcher keeps ng * n_split <= ATT_WARPS * MAX_GROUP *
+        // HD / 2, cuda_ops.attention_max_split.)
+        float2* wf = (float2*)wacc;  // [ng][n_used]: (m, l), then (weight, l)
+        for (int i = tid; i < ng * n_used; i += blockDim.x) {
+            const int h = i / n_used, sp = i % n_used;
+            wf[i] = __ldcg(part_ml + ((long long)row * n_head + g * ng + h) * n_split + sp);
+        }
+        __syncthreads();
+        for (int h = warp; h < ng; h += ATT_WARPS) {  // a warp per head, its lanes over the splits
+            float M = -INFINITY;
+            for (int sp = lane; sp < n_used; sp += WARP) M = fmaxf(M, wf[h * n_used + sp].x);
+            M = warp_max(M);
+            float L = 0.0f;
+            for (int sp = lane; sp < n_used; sp += WARP) {
+                const float2 ml = wf[h * n_used + sp];
+                const float f = ml.x == -INFINITY ? 0.0f : expf(ml.x - M);
+                L += ml.y * f;
+                wf[h * n_used + sp].x = f;
+            }
+            L = warp_sum(L);
+            if (lane == 0) wml[h] = L;
+        }
+        __syncthreads();
+        // Then every thread sums a float4 of one head's output over a share of the splits (C4 chunks of a head, S
+        // threads a chunk): NG loads a split in flight per thread, where one thread per output dimension walking all
+        // the splits was a chain of round trips (~30 us a layer at 32K keys). The S partial sums meet in shared
+        // memory (qs and pt are free again: S * HD = 4 * blockDim floats).
+        constexpr int C4 = HD / 4, S = 32 * ATT_WARPS / C4;
+        const int c4 = tid % C4, s4 = tid / C4;
+        float4 a4[NG];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) y[k] = pt[h * HD + 4 * lane + k];
-            quantize_group<4>(ACT_GSQ8_PAIRS, (int)(oh0 + h), y, P.out_q, P.out_d, 0, 0, 0);
-        }
-    };
-    for (int i = tid; i < ng * HD; i += blockDim.x) {
-        const int h = i / HD, d = i % HD;
-        float M = -INFINITY;
-        for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, wml[(w * MAX_GROUP + h) * 2]);
-        float L = 0.0f, A = 0.0f;
-        if (M != -INFINITY) {
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                float mw = wml[(w * MAX_GROUP + h) * 2];
-                if (mw == -INFINITY) continue;
-                float f = expf(mw - M);
-                L += wml[(w * MAX_GROUP + h) * 2 + 1] * f;
-                A += wacc[(w * MAX_GROUP + h) * HD + d] * f;
+        for (int h = 0; h < NG; ++h) a4[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const long long oh0 = (long long)row * n_head + g * ng;
+#pragma unroll 2
+        for (int sp = s4; sp < n_used; sp += S) {
+#pragma unroll
+            for (int h = 0; h < NG; ++h) {
+                const float4 v = __ldcg((const float4*)(part_acc + ((oh0 + h) * n_split + sp) * HD) + c4);
+                const float f = wf[h * n_used + sp].x;
+                a4[h].x = fmaf(v.x, f, a4[h].x);
+                a4[h].y = fmaf(v.y, f, a4[h].y);
+                a4[h].z = fmaf(v.z, f, a4[h].z);
+                a4[h].w = fmaf(v.w, f, a4[h].w);
             }
         }
-        const long long oh = (long long)row * n_head + g * ng + h;
-        part_acc[(oh * n_split + split) * HD + d] = A;
-        if (d == 0) part_ml[oh * n_split + split] = make_float2(M, L);
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        int* ticket = P.tickets + row * n_head_kv + g;
-        last_block = atomicAdd(ticket, 1) == n_used - 1;
-        if (last_block) *ticket = 0;
-    }
-    __syncthreads();
-    if (!last_block) {
-        ATT_MARK(5);
-        return;
-    }
-    __threadfence();
-    // The last block merges the splits that held keys (the others are empty). Each split's weight
-    // exp(m_s - M) per head goes to shared memory first (wacc is free again), so the per-dimension sums below are
-    // independent loads that stay in flight together. (The launcher keeps ng * n_split <= ATT_WARPS * MAX_GROUP *
-    // HD / 2, cuda_ops.attention_max_split.)
-    float2* wf = (float2*)wacc;  // [ng][n_used]: (m, l), then (weight, l)
-    for (int i = tid; i < ng * n_used; i += blockDim.x) {
-        const int h = i / n_used, sp = i % n_used;
-        wf[i] = __ldcg(part_ml + ((long long)row * n_head + g * ng + h) * n_split + sp);
-    }
-    __syncthreads();
-    for (int h = warp; h < ng; h += ATT_WARPS) {  // a warp per head, its lanes over the splits
-        float M = -INFINITY;
-        for (int sp = lane; sp < n_used; sp += WARP) M = fmaxf(M, wf[h * n_used + sp].x);
-        M = warp_max(M);
-        float L = 0.0f;
-        for (int sp = lane; sp < n_used; sp += WARP) {
-            const float2 ml = wf[h * n_used + sp];
-            const float f = ml.x == -INFINITY ? 0.0f : expf(ml.x - M);
-            L += ml.y * f;
-            wf[h * n_used + sp].x = f;
-        }
-        L = warp_sum(L);
-        if (lane == 0) wml[h] = L;
-    }
-    __syncthreads();
-    // Then every thread sums a float4 of one head's output over a share of the splits (C4 chunks of a head, S
-    // threads a chunk): NG loads a split in flight per thread, where one thread per output dimension walking all
-    // the splits was a chain of round trips (~30 us a layer at 32K keys). The S partial sums meet in shared
-    // memory (qs and pt are free again: S * HD = 4 * blockDim floats).
-    constexpr int C4 = HD / 4, S = 32 * ATT_WARPS / C4;
-    const int c4 = tid % C4, s4 = tid / C4;
-    float4 a4[NG];
-#pragma unroll
-    for (int h = 0; h < NG; ++h) a4[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const long long oh0 = (long long)row * n_head + g * ng;
-#pragma unroll 2
-    for (int sp = s4; sp < n_used; sp += S) {
+        float4* red = (float4*)att_sm;  // [S][C4]
 #pragma unroll
         for (int h = 0; h < NG; ++h) {
-            const float4 v = __ldcg((const float4*)(part_acc + ((oh0 + h) * n_split + sp) * HD) + c4);
-            const float f = wf[h * n_used + sp].x;
-            a4[h].x = fmaf(v.x, f, a4[h].x);
-            a4[h].y = fmaf(v.y, f, a4[h].y);
-            a4[h].z = fmaf(v.z, f, a4[h].z);
-            a4[h].w = fmaf(v.w, f, a4[h].w);
+            red[s4 * C4 + c4] = a4[h];
+            __syncthreads();
+            if (tid < HD) {
+                float A = 0.0f;
+                for (int j = 0; j < S; ++j) A += att_sm[j * HD + tid];
+                const float L = wml[h];
+                out[(oh0 + h) * HD + tid] = L > 0.0f ? A / L : 0.0f;
+                if (quant) pt[h * HD + tid] = L > 0.0f ? A / L : 0.0f;
+            }
+            __syncthreads();
         }
-    }
-    float4* red = (float4*)att_sm;  // [S][C4]
-#pragma unroll
-    for (int h = 0; h < NG; ++h) {
-        red[s4 * C4 + c4] = a4[h];
-        __syncthreads();
-        if (tid < HD) {
-            float A = 0.0f;
-            for (int j = 0; j < S; ++j) A += att_sm[j * HD + tid];
-            const float L = wml[h];
-            out[(oh0 + h) * HD + tid] = L > 0.0f ? A / L : 0.0f;
-            if (quant) pt[h * HD + tid] = L > 0.0f ? A / L : 0.0f;
-        }
-        __syncthreads();
-    }
-    if (quant) quantize_heads(oh0);
-    ATT_MARK(5);
-#if ATT_WARM
-    return;  // (several splits: no dry pass)
-#endif
+        if (quant) quantize_heads(oh0);
+        ATT_MARK(5);
+        return;  // (several splits: no dry pass)
     }
 }
 
