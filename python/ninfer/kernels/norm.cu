@@ -245,12 +245,19 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float eps,
 }
 
 // Quantization without a norm is local to each unit (Q8_K: to each 256-element block), so a long vector (the
-// feed-forward activation before the down projection) is quantized by many blocks at once, 2048 elements each.
+// feed-forward activation before the down projection) is quantized by many blocks at once, QUANT_ACT_BLOCK
+// elements each (cuda_ops.quant_act launches them, 256 threads a block).
+#ifndef QUANT_ACT_BLOCK
+// (1024, a trial not yet measured on a GPU: a GSQ8 block's warps one 128-value group each, so each warp's load
+// of x is one round trip; at 2048 each warp loads and quantizes two groups in turn, two round trips on the path
+// between gate/up's end and the down projection's wait.)
+#define QUANT_ACT_BLOCK 2048
+#endif
 extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, float* out_d, float2* out_s,
                                      float* out_f) {
     grid_dep_launch();
     grid_dep_wait();
-    const int off = blockIdx.x * 2048, len = min(2048, n - off);
+    const int off = blockIdx.x * QUANT_ACT_BLOCK, len = min(QUANT_ACT_BLOCK, n - off);
     const int q_off = act == ACT_GSQ8_PAIRS ? gsq8_pairs_at(off) : off;
     norm_quant_cta(x + off, 0, 0.0f, len, act, out_q ? out_q + q_off : 0, out_d + off / 32, out_s + off / 32, 0,
                    out_f ? out_f + off : 0);
