@@ -383,9 +383,9 @@ def gsq_pairs_warps(plan_w: tuple[int, int, int], plan_2w: tuple[int, int, int])
 
 
 def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_f: int = 0) -> None:
-    """Quantize a long vector without a norm, QUANT_ACT_BLOCK (2048) elements per block (kernels/norm.cu
+    """Quantize a long vector without a norm, QUANT_ACT_BLOCK (1024) elements per block (kernels/norm.cu
     quant_act)."""
-    per_block = _define("QUANT_ACT_BLOCK", 2048)
+    per_block = _define("QUANT_ACT_BLOCK", 1024)
     launch.kernel(function("quant_act"), (-(-n // per_block),), (256,),
                   (P(x), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_f)), dependent=True)
 

@@ -477,7 +477,15 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                         P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
                 }
             }
+#ifndef ATT_NO_FENCE
+// 1 (a trial, not yet run on a GPU): no fence before the barrier after the new K/V row's write. __syncthreads
+// already makes a block's global writes visible to the block, and the fence (MEMBAR.SC.CTA in the SASS) may wait
+// for the stores.
+#define ATT_NO_FENCE 0
+#endif
+#if !ATT_NO_FENCE
             __threadfence_block();
+#endif
         } else {
             for (int i = tid; i < ng * HD; i += blockDim.x)
                 qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);

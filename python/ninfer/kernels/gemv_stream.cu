@@ -60,13 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_CONS_WARM
-// 1 (trial, not yet measured on a GPU): the consumer warps of a launch whose prologue is a copy (the output and down
-// projections, which wait several µs in grid_dep_wait) compute one chunk dry before the wait, so that their code is
-// warm when the first chunk is theirs (the trace: 0.6-0.8 µs from the prologue's barrier to consumer warp 0 past
-// its first wait, with that chunk already landed); 2: in every launch.
-#define GEMV_STREAM_CONS_WARM 0
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -190,7 +183,7 @@ struct StreamConsumer {
 
     // U: records a lane loads before it computes any.
     template <int U>
-    __device__ __forceinline__ void run(bool dry) const {
+    __device__ __forceinline__ void run() const {
         constexpr int R = GEMV_R;
         // Chunk i sits in slot s = i % stages, filled for the (i / stages)-th time: both kept by steps of n_teams
         // (at most `stages`) instead of two divisions a chunk.
@@ -201,9 +194,9 @@ struct StreamConsumer {
                 s -= stages;
                 parity ^= 1;
             }
-            if (!dry) mbar_wait(smem_u32(&full[s]), parity);
+            mbar_wait(smem_u32(&full[s]), parity);
 #if GEMV_STREAM_TRACE
-            if (warp == 0 && lane == 0 && i == team && !dry) STREAM_TRACE(trace_slot, 4);
+            if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
             const u32 base = ring + s * stage_bytes;
@@ -236,7 +229,7 @@ struct StreamConsumer {
                 acc[1] = warp_sum(hw == 1 ? a : 0.0f);
             }
             __syncwarp();
-            if (lane == 0 && !dry) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
+            if (lane == 0) mbar_arrive(smem_u32(&empty[s]));  // this warp is done with the slot
             if (ks > 1) {  // the K-split warps of a group add up through shared memory
                 if (lane == 0) {
 #pragma unroll
@@ -253,7 +246,6 @@ struct StreamConsumer {
                 }
                 team_sync(team, team_warps * WARP);
             }
-            if (dry) break;  // (GEMV_STREAM_CONS_WARM's dry pass: one chunk, nothing written)
             if (lane != 0 || sub != 0 || g >= g1) continue;
             const int first = g * per_group;
             if (is_glu) {
@@ -272,7 +264,7 @@ struct StreamConsumer {
             }
         }
 #if GEMV_STREAM_TRACE
-        if (lane == 0 && !dry) {
+        if (lane == 0) {
             if (warp == 0) STREAM_TRACE(trace_slot, 5);
             stream_trace(trace_slot, 6, true);
         }
@@ -280,21 +272,6 @@ struct StreamConsumer {
     }
 };
 #endif
-
-#if GEMV_STREAM_TRACE
-#define STREAM_TRACE_ARG , trace_slot
-#else
-#define STREAM_TRACE_ARG
-#endif
-// A consumer warp's place in the ring (nothing in it reads the previous launch's results).
-#define STREAM_CONSUMER                                                                                          \
-    const int team = warp / team_warps, tw = warp % team_warps;                                                \
-    const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;                                \
-    const StreamConsumer cons {                                                                                \
-        mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps, stages, per_step, \
-            slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring, stage_bytes, rb, full, empty,    \
-            partial, (const int*)q, d STREAM_TRACE_ARG                                                         \
-    }
 
 extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gsq8_stream(const MatDesc* mats, int n_mats, int total_rows, int n_cols,
                                             const float* x, const float* norm_w, float eps, int mode, int glu_act,
@@ -375,21 +352,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     }
 
     grid_dep_launch();
-    // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
-    i8* q = (i8*)stream_sm;
-    float* d = (float*)(q + gsq8_pairs_at(n_cols));
-#if GEMV_STREAM_CONS_WARM
-    STREAM_CONSUMER;
-    // Pass 0 (consumer warps of a launch whose prologue is a copy, or of every launch with 2): one chunk computed
-    // before grid_dep_wait from whatever its slot and the activation area hold, no barrier waited on or arrived
-    // at, nothing written to global memory, so that pass 1 finds the consumer's code in the instruction cache. One
-    // copy of the code serves both passes (a rolled loop), as attention's dry pass.
-    int pass = !producer && team < n_teams && (pre_q || GEMV_STREAM_CONS_WARM == 2) ? 0 : 1;
-    asm volatile("" : "+r"(pass));  // (opaque: the loop is not split into two copies)
-#pragma unroll 1
-    for (;; ++pass) {
-    if (pass == 1) {
-#endif
     grid_dep_wait();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
 #if GEMV_STREAM_TRACE
@@ -408,6 +370,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     check_landed();
 #endif
 
+    // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
+    i8* q = (i8*)stream_sm;
+    float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
 #if GEMV_STREAM_TRACE
         const auto mark = [&](int stage) {
@@ -462,28 +427,18 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     // launcher's rule): a team then meets each of its slots' phases in order, and a parity wait cannot mistake a
     // slot's previous chunk for the one it waits for.
     if (stages % n_teams) __trap();
-#if GEMV_STREAM_CONS_WARM
-    if (team >= n_teams) return;  // (warps past whole teams: none with the launcher's shapes)
-#else
     const int team = warp / team_warps, tw = warp % team_warps;
-    if (team >= n_teams) return;
+    if (team >= n_teams) return;  // (warps past whole teams: none with the launcher's shapes)
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
-                              stage_bytes, rb, full, empty, partial, (const int*)q, d STREAM_TRACE_ARG};
+                              stage_bytes, rb, full, empty, partial, (const int*)q, d
+#if GEMV_STREAM_TRACE
+                              , trace_slot
 #endif
-#if GEMV_STREAM_CONS_WARM
-    }  // (pass 1's prologue)
-    const bool dry = pass == 0;
-#else
-    constexpr bool dry = false;
-#endif
-    if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>(dry);
-    else cons.run<GEMV_STREAM_U>(dry);
-#if GEMV_STREAM_CONS_WARM
-    if (!dry) return;
-    }
-#endif
+                              };
+    if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>();
+    else cons.run<GEMV_STREAM_U>();
 #else
     __trap();  // the launcher picks this kernel on sm_90 and later only
 #endif

@@ -248,10 +248,11 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float eps,
 // feed-forward activation before the down projection) is quantized by many blocks at once, QUANT_ACT_BLOCK
 // elements each (cuda_ops.quant_act launches them, 256 threads a block).
 #ifndef QUANT_ACT_BLOCK
-// (1024, a trial not yet measured on a GPU: a GSQ8 block's warps one 128-value group each, so each warp's load
-// of x is one round trip; at 2048 each warp loads and quantizes two groups in turn, two round trips on the path
-// between gate/up's end and the down projection's wait.)
-#define QUANT_ACT_BLOCK 2048
+// 1024: a GSQ8 block's eight warps one 128-value group each, so each warp's load of x is one round trip on the path
+// between gate/up's end and the down projection's wait; at 2048 each warp loaded and quantized two groups in turn
+// (H200, 32B GSQ3 tg128 180.45 / 180.43 against 179.38 / 179.31 t/s; the down projection's wait 3.25 against 3.82
+// µs in the trace; 2026-12-02).
+#define QUANT_ACT_BLOCK 1024
 #endif
 extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, float* out_d, float2* out_s,
                                      float* out_f) {
