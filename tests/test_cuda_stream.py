@@ -230,21 +230,27 @@ def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
     from ninfer.backends import stream_trace as T
 
     att = np.zeros((2, T.ATT_TRACE_BLOCKS, len(T.ATT_EVENTS)), np.uint64)
-    att[0, 0] = [20_000, 20_500, 22_000, 23_000, 25_000, 26_000]
-    att[0, 9] = [21_000, 21_700, 22_200, 23_400, 25_800, 26_600]  # (block 9: split 1 of eight KV heads)
+    att[0, 0] = [20_000, 20_500, 22_000, 23_000, 25_000, 26_000, 21_500]  # (its dry pass done at 21,500)
+    att[0, 9] = [21_000, 21_700, 22_200, 23_400, 25_800, 26_600, 0]  # (block 9: split 1 of eight KV heads; none)
     att[1, 3, :3] = [1, 2, 3]  # (never reached its end)
     a, none = T.summarize_attention(att, range(2))
     assert none is None and (a.blocks, a.start_ns, a.end_ns) == (2, 20_000, 26_600)
     assert a.stages == {"before_wait": 600, "dep_wait": 1000, "rope": 1100, "keys": 2200, "out": 900}
+    assert (a.entry_ns, a.dry_ns, a.wait_ns) == (20_500, 21_500, 22_100)
 
     def launch(end_ns: int, dep_wait_ns: int) -> T.Launch:
         return T.Launch("x", 132, 0, end_ns, 0, 0, dep_wait_ns, {})
 
     b = T.attention_boundaries([(launch(19_000, 0), a, launch(40_000, 27_600)), (launch(0, 0), None, launch(0, 0))])
     assert b["layers"] == 1 and b["qkv_end_to_entry"] == pytest.approx(1.0)
+    assert (b["qkv_end_to_median_entry"], b["qkv_end_to_dry_done"], b["qkv_end_to_wait"]) == pytest.approx(
+        (1.5, 2.5, 3.1))
     assert b["keys"] == pytest.approx(2.2) and b["span"] == pytest.approx(6.6)
     assert b["end_to_o_wait"] == pytest.approx(1.0)
     assert T.attention_boundaries([(launch(0, 0), None, launch(0, 0))]) == {}
+    att[0, 0, 6] = 0  # (no block ran a dry pass: NaN, not a time)
+    b = T.attention_boundaries([(launch(19_000, 0), T.summarize_attention(att, range(1))[0], launch(40_000, 0))])
+    assert np.isnan(b["qkv_end_to_dry_done"]) and b["qkv_end_to_wait"] == pytest.approx(3.1)
 
 
 @needs_cuda
@@ -339,8 +345,9 @@ def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: 
 @needs_cuda
 def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
     """GEMV_STREAM_TRACE builds: decode steps of the two-layer 32B-shape model leave, for every attention launch of
-    a step, its blocks' six stages in order on the GPU's timer, after the q/k/v launch began and before the output
-    projection's blocks are past their dependency wait (what scripts/stream-trace reads)."""
+    a step, its blocks' six stages in order on the GPU's timer and their dry pass done between their entry and
+    their grid_dep_wait, after the q/k/v launch began and before the output projection's blocks are past their
+    dependency wait (what scripts/stream-trace reads)."""
     import ninfer
     from ninfer.backends import cuda_ops as K
     from ninfer.backends import stream_trace as T
@@ -364,6 +371,8 @@ def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
     for a in done:
         assert a.blocks >= spec["n_head_kv"] and a.end_ns > a.start_ns
         assert all(v >= 0 for v in a.stages.values())
+        # (a few keys: one split, so every block ran its dry pass before grid_dep_wait)
+        assert a.entry_ns < a.dry_ns < a.wait_ns
     launches = T.summarize(T.read_trace(len(K.stream_trace_labels)), K.stream_trace_labels,
                            range(first, len(K.stream_trace_labels)))
     qkv, o = launches[0], launches[1]  # (the first layer's q/k/v and output projection)

@@ -20,7 +20,8 @@ EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done"
 ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM, X_LOADED, SCALED, LANDED = range(len(EVENTS))
 # kernels/attention.cu's trace: [slot][block: split * n_head_kv + KV head][event], %globaltimer only (blocks with keys)
 ATT_TRACE_LAUNCHES, ATT_TRACE_BLOCKS = 512, 64
-ATT_EVENTS = ("entry", "asked", "dep_wait", "roped", "keys", "out")
+ATT_EVENTS = ("entry", "asked", "dep_wait", "roped", "keys", "out", "dry_done")
+ATT_STAGE_EVENTS = 6  # (the stages run through "out"; "dry_done" is 0 where no dry pass ran)
 
 
 def read_trace(n_slots: int) -> np.ndarray:
@@ -157,13 +158,18 @@ def read_att_trace(hd: int, group: int, n_slots: int) -> np.ndarray:
 
 @dataclass
 class Attention:
-    """One attention launch: its blocks with keys (those that recorded every event), the first one's entry and the
-    last one's end (ns), and the median block's stages (ns): "before_wait" (entry to the work before grid_dep_wait
-    done), "dep_wait", "rope" (queries roped, the new K / V row written), "keys", "out" (output written)."""
+    """One attention launch: its blocks with keys (those that recorded every stage), the first one's entry and the
+    last one's end (ns), the median block's stages (ns): "before_wait" (entry to the work before grid_dep_wait
+    done), "dep_wait", "rope" (queries roped, the new K / V row written), "keys", "out" (output written); and on
+    the timer, the blocks' median entry, median end of the dry pass (kernels/attention.cu: a one-split decode block
+    runs its path once before grid_dep_wait; 0 where none did) and median return from grid_dep_wait (ns)."""
     blocks: int
     start_ns: int
     end_ns: int
     stages: dict[str, float]
+    entry_ns: int = 0
+    dry_ns: int = 0
+    wait_ns: int = 0
 
 
 def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]:
@@ -171,28 +177,39 @@ def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]
     out: list[Attention | None] = []
     for slot in slots:
         t = att[slot].astype(np.int64)
-        ok = (t > 0).all(axis=1)
+        ok = (t[:, :ATT_STAGE_EVENTS] > 0).all(axis=1)
         if not ok.any():
             out.append(None)
             continue
         t = t[ok]
+        dry = t[:, ATT_EVENTS.index("dry_done")]
+        t = t[:, :ATT_STAGE_EVENTS]
         d = np.diff(t, axis=1)
         names = ("before_wait", "dep_wait", "rope", "keys", "out")
         out.append(Attention(int(ok.sum()), int(t[:, 0].min()), int(t[:, -1].max()),
-                             {k: float(np.median(d[:, i])) for i, k in enumerate(names)}))
+                             {k: float(np.median(d[:, i])) for i, k in enumerate(names)},
+                             int(np.median(t[:, 0])), int(np.median(dry[dry > 0])) if (dry > 0).any() else 0,
+                             int(np.median(t[:, ATT_EVENTS.index("dep_wait")]))))
     return out
 
 
 def attention_boundaries(layers: list[tuple[Launch, Attention | None, Launch]]) -> dict[str, float]:
     """Mean over layers, µs, of attention between the launch before it (q/k/v) and after it (the output
     projection), from (q/k/v, attention, o) triples: "qkv_end_to_entry" (q/k/v's last block's end to attention's
-    first block's entry; negative: it entered before), attention's median stages, "span" (first entry to last
-    end) and "end_to_o_wait" (attention's end to the median output projection block past its grid_dep_wait)."""
+    first block's entry; negative: it entered before), from q/k/v's end to attention's median entry
+    ("qkv_end_to_median_entry"), median dry pass done ("qkv_end_to_dry_done", over the layers that ran one; NaN
+    where none did) and median return from grid_dep_wait ("qkv_end_to_wait"), attention's median stages, "span"
+    (first entry to last end) and "end_to_o_wait" (attention's end to the median output projection block past its
+    grid_dep_wait)."""
     rows = [(q, a, o) for q, a, o in layers if a is not None]
     if not rows:
         return {}
     res = {"layers": float(len(rows)),
            "qkv_end_to_entry": float(np.mean([(a.start_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
+           "qkv_end_to_median_entry": float(np.mean([(a.entry_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
+           "qkv_end_to_dry_done": float(np.mean([(a.dry_ns - q.end_ns) / 1e3 for q, a, _ in rows if a.dry_ns]))
+           if any(a.dry_ns for _, a, _ in rows) else float("nan"),
+           "qkv_end_to_wait": float(np.mean([(a.wait_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
            **{k: float(np.mean([a.stages[k] / 1e3 for _, a, _ in rows])) for k in rows[0][1].stages},
            "span": float(np.mean([(a.end_ns - a.start_ns) / 1e3 for _, a, _ in rows])),
            "end_to_o_wait": float(np.mean([(o.dep_wait_ns - a.end_ns) / 1e3 for _, a, o in rows]))}

@@ -61,10 +61,11 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 // timeline as the streamed products. [launch slot][block: split * n_head_kv + KV head][event]; events: 0 entry,
 // 1 the work before grid_dep_wait done, 2 past grid_dep_wait, 3 queries roped and the new K / V row written (the
 // block's barrier), 4 the keys done (the merge's barrier), 5 the output written (and quantized), or this split's
-// part handed to the merge. backends/stream_trace.py ATT_TRACE_* mirrors the sizes.
+// part handed to the merge, 6 the dry pass done (0 where the block ran none). backends/stream_trace.py ATT_TRACE_*
+// mirrors the sizes.
 #define ATT_TRACE_LAUNCHES 512
 #define ATT_TRACE_BLOCKS 64
-#define ATT_TRACE_EVENTS 6
+#define ATT_TRACE_EVENTS 7
 __device__ unsigned long long att_trace[ATT_TRACE_LAUNCHES * ATT_TRACE_BLOCKS * ATT_TRACE_EVENTS];
 
 __device__ __forceinline__ unsigned long long att_now() {
@@ -401,6 +402,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     if (split >= n_used) return;
 #if GEMV_STREAM_TRACE
     att_mark(trace_slot, trace_blk, 0, t_entry);
+    att_mark(trace_slot, trace_blk, 6, 0);  // (set where a dry pass runs)
 #endif
     if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
         grid_dep_wait();
@@ -477,15 +479,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                         P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
                 }
             }
-#ifndef ATT_NO_FENCE
-// 1 (a trial, not yet run on a GPU): no fence before the barrier after the new K/V row's write. __syncthreads
-// already makes a block's global writes visible to the block, and the fence (MEMBAR.SC.CTA in the SASS) may wait
-// for the stores.
-#define ATT_NO_FENCE 0
-#endif
-#if !ATT_NO_FENCE
             __threadfence_block();
-#endif
         } else {
             for (int i = tid; i < ng * HD; i += blockDim.x)
                 qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
@@ -549,6 +543,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             }
             if (dry) {
                 __syncthreads();  // (the real pass writes the shared memory the dry one read)
+                ATT_MARK(6);
                 continue;
             }
             ATT_MARK(5);
