@@ -162,6 +162,22 @@ def test_attention_quantizes_the_output_projections_input_only_where_it_can() ->
     assert not CudaEngine._att_quantizes_o(engine(128), small)
 
 
+def test_stream_activation_bytes_and_filled_teams() -> None:
+    """cuda_ops.stream_act_bytes (no GPU), as kernels/gemv_stream.cu's act_bytes: the pair codes (144 bytes a
+    record) and 12 bytes a 32-value unit, or under GEMV_STREAM_COMPACT_D 4 bytes a record, 128-byte aligned; the 32B
+    down projection's 27,648 columns 41,472 against 32,000 bytes, room for a seventh 27,648-byte ring slot in the
+    H200's 232,448 (less the kernel's static shared memory, under 1 KB). stream_fill_teams: a team a slot, within
+    1,024 threads."""
+    from ninfer.backends import cuda_ops as K
+
+    assert (K.stream_act_bytes(27648, []), K.stream_act_bytes(27648, ["-DGEMV_STREAM_COMPACT_D=1"])) == (41472, 32000)
+    assert (K.stream_act_bytes(5120, []), K.stream_act_bytes(5120, ["-DGEMV_STREAM_COMPACT_D=1"])) == (7680, 6016)
+    assert [(232448 - 1024 - a) // 27648 for a in (41472, 32000)] == [6, 7]
+    assert (K.stream_fill_teams(7, 4, 1024), K.stream_fill_teams(9, 4, 1024), K.stream_fill_teams(6, 4, 1024)) == (
+        7, 7, 6)
+    assert K.stream_fill_teams(0, 4, 1024) == 1
+
+
 def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaEngine._room_grid (no GPU): the streamed q/k/v and output projections take the SMs less one a KV head
     (attention's blocks at a short depth), none where that would be more than a quarter of the SMs, and one an SM

@@ -116,10 +116,27 @@ def gemv_stream_plan(fn, n_cols: int, groups: int, team: int = GEMV_STREAM_TEAM,
 
     ks = k_split or gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups)
     stage = team // ks * GEMV_ROWS_PER_WARP * (n_cols // 2)
-    act = -(-gemv_smem(ACT_GSQ8, n_cols, True) // 128) * 128
+    act = stream_act_bytes(n_cols)
     budget = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] - fn.shared_size_bytes
     stages = min(max_stages, (budget - act) // stage) // teams * teams
     return (ks, stages, act + stages * stage) if stages >= max(2, teams) else None
+
+
+def stream_act_bytes(n_cols: int, defines: list[str] | None = None) -> int:
+    """Shared memory of gemv_gsq8_stream's activation (kernels/gemv_stream.cu act_bytes, 128-byte aligned): the pair
+    layout's codes with their int16 sums, then a scale and two sums a 32-value unit (gemv_smem), or one scale a
+    128-value record under GEMV_STREAM_COMPACT_D."""
+    if _define("GEMV_STREAM_COMPACT_D", 0, defines):
+        b = act_code_bytes(n_cols, True) + 4 * (n_cols // 128)
+    else:
+        b = gemv_smem(ACT_GSQ8, n_cols, True)
+    return -(-b // 128) * 128
+
+
+def stream_fill_teams(fit_stages: int, team: int, max_threads: int) -> int:
+    """Teams for a streamed launch that would leave each team one ring slot (GEMV_STREAM_FILL_TEAMS, a trial): as
+    many as the slots that fit (a team each), within the kernel's launch bounds (its producer warp included)."""
+    return max(1, min(fit_stages, (max_threads // 32 - 1) // team))
 
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
@@ -260,6 +277,15 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 wider = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, one_round // team)
                 if wider is not None:
                     consumers, plan = one_round, wider
+        if plan is not None and not warps_per_block and _define("GEMV_STREAM_FILL_TEAMS", 0) \
+                and plan[1] < 2 * (consumers // team):
+            # (a trial: a launch whose teams get one slot each, the 32B down projection's 27.6 KB chunks, takes
+            # a team for every slot that fits instead; with GEMV_STREAM_COMPACT_D seven instead of four)
+            fit = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, 1)
+            teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block) if fit else 0
+            filled = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, teams) if teams else None
+            if filled is not None and teams * team > consumers:
+                consumers, plan = teams * team, filled
         fits = plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block
         if stream and not fits:  # asked for by name (a test, scripts/gemv-bench): say so, not the pair kernel's time
             raise ValueError(f"gemv_gsq8_stream cannot take this launch ({consumers} consumers in teams of {team}, "
