@@ -278,9 +278,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 if wider is not None:
                     consumers, plan = one_round, wider
         if plan is not None and not warps_per_block and _define("GEMV_STREAM_FILL_TEAMS", 0) \
-                and plan[1] < 2 * (consumers // team):
-            # (a trial: a launch whose teams get one slot each, the 32B down projection's 27.6 KB chunks, takes
-            # a team for every slot that fits instead; with GEMV_STREAM_COMPACT_D seven instead of four)
+                and plan[1] < 2 * (consumers // team) and groups * plan[0] >= 2 * consumers * sms:
+            # (a trial: a launch of several rounds whose teams get one slot each, the 32B down projection's 27.6 KB
+            # chunks, takes a team for every slot that fits instead; with GEMV_STREAM_COMPACT_D seven instead of
+            # four. One-round launches, q/k/v and o, keep their teams: each team takes about one chunk there)
             fit = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, 1)
             teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block) if fit else 0
             filled = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, teams) if teams else None
