@@ -172,7 +172,6 @@ def test_stream_activation_bytes_and_filled_teams() -> None:
 
     assert (K.stream_act_bytes(27648, []), K.stream_act_bytes(27648, ["-DGEMV_STREAM_COMPACT_D=1"])) == (41472, 32000)
     assert (K.stream_act_bytes(5120, []), K.stream_act_bytes(5120, ["-DGEMV_STREAM_COMPACT_D=1"])) == (7680, 6016)
-    assert [(232448 - 1024 - a) // 27648 for a in (41472, 32000)] == [6, 7]
     assert (K.stream_fill_teams(7, 4, 1024), K.stream_fill_teams(9, 4, 1024), K.stream_fill_teams(6, 4, 1024)) == (
         7, 7, 6)
     assert K.stream_fill_teams(0, 4, 1024) == 1
