@@ -386,8 +386,9 @@ def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
     for a in done:
         assert a.blocks >= spec["n_head_kv"] and a.end_ns > a.start_ns
         assert all(v >= 0 for v in a.stages.values())
-        # (a few keys: one split, so every block ran its dry pass before grid_dep_wait)
-        assert a.entry_ns < a.dry_ns < a.wait_ns
+        # (a few keys: one split, so every block ran its dry pass before grid_dep_wait; the wait may return in
+        # the timer's same tick where q/k/v had ended by then)
+        assert a.entry_ns < a.dry_ns <= a.wait_ns
     launches = T.summarize(T.read_trace(len(K.stream_trace_labels)), K.stream_trace_labels,
                            range(first, len(K.stream_trace_labels)))
     qkv, o = launches[0], launches[1]  # (the first layer's q/k/v and output projection)
