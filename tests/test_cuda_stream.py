@@ -167,7 +167,7 @@ def test_stream_activation_bytes_and_filled_teams() -> None:
     record) and 12 bytes a 32-value unit, or under GEMV_STREAM_COMPACT_D 4 bytes a record, 128-byte aligned; the 32B
     down projection's 27,648 columns 41,472 against 32,000 bytes, room for a seventh 27,648-byte ring slot in the
     H200's 232,448 (less the kernel's static shared memory, under 1 KB). stream_fill_teams: a team a slot, within
-    1,024 threads."""
+    1,024 threads and a cap where one is given."""
     from ninfer.backends import cuda_ops as K
 
     assert (K.stream_act_bytes(27648, []), K.stream_act_bytes(27648, ["-DGEMV_STREAM_COMPACT_D=1"])) == (41472, 32000)
@@ -175,6 +175,7 @@ def test_stream_activation_bytes_and_filled_teams() -> None:
     assert (K.stream_fill_teams(7, 4, 1024), K.stream_fill_teams(9, 4, 1024), K.stream_fill_teams(6, 4, 1024)) == (
         7, 7, 6)
     assert K.stream_fill_teams(0, 4, 1024) == 1
+    assert (K.stream_fill_teams(7, 4, 1024, cap=5), K.stream_fill_teams(3, 4, 1024, cap=5)) == (5, 3)
 
 
 def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:

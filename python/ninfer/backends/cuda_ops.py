@@ -133,10 +133,12 @@ def stream_act_bytes(n_cols: int, defines: list[str] | None = None) -> int:
     return -(-b // 128) * 128
 
 
-def stream_fill_teams(fit_stages: int, team: int, max_threads: int) -> int:
-    """Teams for a streamed launch that would leave each team one ring slot (GEMV_STREAM_FILL_TEAMS, a trial): as
-    many as the slots that fit (a team each), within the kernel's launch bounds (its producer warp included)."""
-    return max(1, min(fit_stages, (max_threads // 32 - 1) // team))
+def stream_fill_teams(fit_stages: int, team: int, max_threads: int, cap: int = 0) -> int:
+    """Teams for a streamed launch that would leave each team one ring slot (GEMV_STREAM_FILL_TEAMS): as many as
+    the slots that fit (a team each), within the kernel's launch bounds (its producer warp included) and `cap`
+    (0: none)."""
+    n = min(fit_stages, (max_threads // 32 - 1) // team)
+    return max(1, min(n, cap) if cap > 0 else n)
 
 
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
@@ -277,13 +279,19 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 wider = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, one_round // team)
                 if wider is not None:
                     consumers, plan = one_round, wider
-        if plan is not None and not warps_per_block and _define("GEMV_STREAM_FILL_TEAMS", 0) \
-                and plan[1] < 2 * (consumers // team) and groups * plan[0] >= 2 * consumers * sms:
-            # (a trial: a launch of several rounds whose teams get one slot each, the 32B down projection's 27.6 KB
-            # chunks, takes a team for every slot that fits instead; with GEMV_STREAM_COMPACT_D seven instead of
-            # four. One-round launches, q/k/v and o, keep their teams: each team takes about one chunk there)
+        fill = _define("GEMV_STREAM_FILL_TEAMS", 1)
+        if plan is not None and not warps_per_block and fill and (plan[1] < 2 * (consumers // team) or fill > 1) \
+                and groups * plan[0] >= 2 * consumers * sms:
+            # A launch of several rounds whose teams would get one ring slot each (the 32B down projection's 27.6
+            # KB chunks: four teams, four slots) takes a team for every slot that fits instead (six): a team that
+            # finishes a chunk no longer waits a whole refill for its next. H200, 32B GSQ3 tg128 183.29 / 183.20
+            # against 180.46 / 180.15 t/s (2026-12-02); seven teams with a compact activation
+            # (GEMV_STREAM_COMPACT_D) 180.80 / 181.72. One-round launches, q/k/v and o, keep their teams: each team
+            # takes about one chunk there. (Trials: GEMV_STREAM_FILL_TEAMS=2, every launch of several rounds, gate/up
+            # too; GEMV_STREAM_FILL_CAP, at most that many teams; GEMV_STREAM_FILL_TEAMS=0: off.)
             fit = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, 1)
-            teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block) if fit else 0
+            teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block,
+                                      _define("GEMV_STREAM_FILL_CAP", 0)) if fit else 0
             filled = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, teams) if teams else None
             if filled is not None and teams * team > consumers:
                 consumers, plan = teams * team, filled

@@ -61,10 +61,11 @@
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
 #ifndef GEMV_STREAM_COMPACT_D
-// 1 (a trial, not yet run on a GPU): the activation in shared memory with one scale a 128-value record (the four a
-// record's units carry are equal) and no per-unit sums (the pair layout keeps its int16 sums with the codes), 9.5
-// KB less for the 32B down projection's 27,648 columns: room for a seventh 27.6 KB ring slot (cuda_ops
-// gemv_stream_plan; with GEMV_STREAM_FILL_TEAMS a seventh team to use it).
+// 1 (a trial): the activation in shared memory with one scale a 128-value record (the four a record's units carry
+// are equal) and no per-unit sums (the pair layout keeps its int16 sums with the codes), 9.5 KB less for the 32B
+// down projection's 27,648 columns: room for a seventh 27.6 KB ring slot (cuda_ops gemv_stream_plan), and with
+// GEMV_STREAM_FILL_TEAMS a seventh team to use it. H200, 32B GSQ3 tg128: alone 180.20 / 180.41 against 180.46 /
+// 180.15 t/s; its seventh team 180.80 / 181.72 against six teams' 183.29 / 183.20 (2026-12-02): off.
 #define GEMV_STREAM_COMPACT_D 0
 #endif
 #ifndef GEMV_STREAM_TRACE
