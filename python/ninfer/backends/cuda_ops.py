@@ -50,6 +50,7 @@ GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus
 GEMV_STREAM_TEAM = 4
 GEMV_STREAM_LONG_WARPS = 16  # consumers where a launch's warps take two rounds or more (stream_consumers_for_rounds)
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
+GEMV_STREAM_FILL_CAP = 5  # teams at most where a launch takes a team a ring slot (gemv: GEMV_STREAM_FILL_TEAMS)
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
 GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
 STREAM_PREFETCH_CAP = 65536  # bytes a block of each matrix a streamed launch asks L2 for on a later launch's behalf
@@ -283,15 +284,16 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         if plan is not None and not warps_per_block and fill and (plan[1] < 2 * (consumers // team) or fill > 1) \
                 and groups * plan[0] >= 2 * consumers * sms:
             # A launch of several rounds whose teams would get one ring slot each (the 32B down projection's 27.6
-            # KB chunks: four teams, four slots) takes a team for every slot that fits instead (six): a team that
-            # finishes a chunk no longer waits a whole refill for its next. H200, 32B GSQ3 tg128 183.29 / 183.20
-            # against 180.46 / 180.15 t/s (2026-12-02); seven teams with a compact activation
-            # (GEMV_STREAM_COMPACT_D) 180.80 / 181.72. One-round launches, q/k/v and o, keep their teams: each team
-            # takes about one chunk there. (Trials: GEMV_STREAM_FILL_TEAMS=2, every launch of several rounds, gate/up
-            # too; GEMV_STREAM_FILL_CAP, at most that many teams; GEMV_STREAM_FILL_TEAMS=0: off.)
+            # KB chunks: four teams, four slots) takes a team for every slot that fits instead, up to
+            # GEMV_STREAM_FILL_CAP teams: a team that finishes a chunk no longer waits a whole refill for its next.
+            # H200, 32B GSQ3 tg128 (t/s, 2026-12-02, two calls): four teams 180.25 / 180.05, five 183.77 / 183.46,
+            # six (all that fit) 182.99 / 182.80, seven with a compact activation (GEMV_STREAM_COMPACT_D) 180.80 /
+            # 181.72. One-round launches, q/k/v and o, keep their teams: each team takes about one chunk there; and
+            # gate/up, whose teams have two slots each, lost with seven teams of one (GEMV_STREAM_FILL_TEAMS=2: every
+            # launch of several rounds; 180.65 / 180.82). GEMV_STREAM_FILL_TEAMS=0: off.
             fit = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, 1)
             teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block,
-                                      _define("GEMV_STREAM_FILL_CAP", 0)) if fit else 0
+                                      _define("GEMV_STREAM_FILL_CAP", GEMV_STREAM_FILL_CAP)) if fit else 0
             filled = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, teams) if teams else None
             if filled is not None and teams * team > consumers:
                 consumers, plan = teams * team, filled
