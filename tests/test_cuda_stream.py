@@ -164,14 +164,13 @@ def test_attention_quantizes_the_output_projections_input_only_where_it_can() ->
 
 def test_stream_activation_bytes_and_filled_teams() -> None:
     """cuda_ops.stream_act_bytes (no GPU), as kernels/gemv_stream.cu's act_bytes: the pair codes (144 bytes a
-    record) and 12 bytes a 32-value unit, or under GEMV_STREAM_COMPACT_D 4 bytes a record, 128-byte aligned; the 32B
-    down projection's 27,648 columns 41,472 against 32,000 bytes, room for a seventh 27,648-byte ring slot in the
-    H200's 232,448 (less the kernel's static shared memory, under 1 KB). stream_fill_teams: a team a slot, within
-    1,024 threads and a cap where one is given."""
+    record) and 12 bytes a 32-value unit, 128-byte aligned; the 32B down projection's 27,648 columns 41,472 bytes,
+    room for six 27,648-byte ring slots in the H200's 232,448 (less the kernel's static shared memory, under 1 KB).
+    stream_fill_teams: a team a slot, within 1,024 threads and a cap where one is given."""
     from ninfer.backends import cuda_ops as K
 
-    assert (K.stream_act_bytes(27648, []), K.stream_act_bytes(27648, ["-DGEMV_STREAM_COMPACT_D=1"])) == (41472, 32000)
-    assert (K.stream_act_bytes(5120, []), K.stream_act_bytes(5120, ["-DGEMV_STREAM_COMPACT_D=1"])) == (7680, 6016)
+    assert (K.stream_act_bytes(27648), K.stream_act_bytes(5120)) == (41472, 7680)
+    assert (232448 - 1024 - K.stream_act_bytes(27648)) // 27648 == 6
     assert (K.stream_fill_teams(7, 4, 1024), K.stream_fill_teams(9, 4, 1024), K.stream_fill_teams(6, 4, 1024)) == (
         7, 7, 6)
     assert K.stream_fill_teams(0, 4, 1024) == 1

@@ -123,15 +123,10 @@ def gemv_stream_plan(fn, n_cols: int, groups: int, team: int = GEMV_STREAM_TEAM,
     return (ks, stages, act + stages * stage) if stages >= max(2, teams) else None
 
 
-def stream_act_bytes(n_cols: int, defines: list[str] | None = None) -> int:
+def stream_act_bytes(n_cols: int) -> int:
     """Shared memory of gemv_gsq8_stream's activation (kernels/gemv_stream.cu act_bytes, 128-byte aligned): the pair
-    layout's codes with their int16 sums, then a scale and two sums a 32-value unit (gemv_smem), or one scale a
-    128-value record under GEMV_STREAM_COMPACT_D."""
-    if _define("GEMV_STREAM_COMPACT_D", 0, defines):
-        b = act_code_bytes(n_cols, True) + 4 * (n_cols // 128)
-    else:
-        b = gemv_smem(ACT_GSQ8, n_cols, True)
-    return -(-b // 128) * 128
+    layout's codes with their int16 sums, then a scale and two sums a 32-value unit (gemv_smem)."""
+    return -(-gemv_smem(ACT_GSQ8, n_cols, True) // 128) * 128
 
 
 def stream_fill_teams(fit_stages: int, team: int, max_threads: int, cap: int = 0) -> int:
@@ -287,8 +282,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             # KB chunks: four teams, four slots) takes a team for every slot that fits instead, up to
             # GEMV_STREAM_FILL_CAP teams: a team that finishes a chunk no longer waits a whole refill for its next.
             # H200, 32B GSQ3 tg128 (t/s, 2026-12-02, two calls): four teams 180.25 / 180.05, five 183.77 / 183.46,
-            # six (all that fit) 182.99 / 182.80, seven with a compact activation (GEMV_STREAM_COMPACT_D) 180.80 /
-            # 181.72. One-round launches, q/k/v and o, keep their teams: each team takes about one chunk there; and
+            # six (all that fit) 182.99 / 182.80, seven with a compact activation (a trial, branch
+            # trials-compact-d-warm-rope) 180.80 / 181.72. One-round launches, q/k/v and o, keep their teams: each team takes about one chunk there; and
             # gate/up, whose teams have two slots each, lost with seven teams of one (GEMV_STREAM_FILL_TEAMS=2: every
             # launch of several rounds; 180.65 / 180.82). GEMV_STREAM_FILL_TEAMS=0: off.
             fit = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, 1)

@@ -369,13 +369,6 @@ __device__ __noinline__ void head_rms_norm_outlined(float* v, const float* w, in
     head_rms_norm(v, w, dim, eps);
 }
 
-#ifndef ATT_WARM_ROPE
-// 0 (a trial, not yet run on a GPU): the dry pass skips the RoPE stage (its loads of the q/k/v buffer, one L2 round
-// trip while q/k/v streams), warming the keys loop and the merge only, in case the whole dry pass still runs when
-// q/k/v ends (the trace's `median dry pass done` says).
-#define ATT_WARM_ROPE 1
-#endif
-
 template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
@@ -454,7 +447,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             grid_dep_wait();
             ATT_MARK(2);
         }
-        if (STEP && (ATT_WARM_ROPE || !dry)) {
+        if (STEP) {
             // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose
             // share holds position p, write the new token's K and V for this KV head.
             const float* src = P.qkv + (long long)row * P.qkv_stride;
@@ -487,7 +480,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                 }
             }
             __threadfence_block();
-        } else if (!STEP) {
+        } else {
             for (int i = tid; i < ng * HD; i += blockDim.x)
                 qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
         }

@@ -356,15 +356,12 @@ __device__ __forceinline__ float gsq3_scale(int4 hd, int isum, int msum, float d
 
 // Half h of a record with the activation (ACT_GSQ8_PAIRS: record g's codes at byte 144 g, its eight sub-blocks'
 // int16 sums after them): the integer sums of codes, the mins against the sums per 16, slot h.
-// DS: floats of ad a record (4: a scale a 32-value unit, as quant_act writes them; 1: one a record, the streamed
-// kernel's GEMV_STREAM_COMPACT_D layout).
-template <int DS = 4>
 __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const int* aq, const float* ad) {
     const int* xr = aq + 36 * r.rec;  // this record's 144 activation bytes
     const int sw = h ? r.hd.z : r.hd.y;  // byte t: sc (low nibble), m (high) of sub-block 4h + t
     const int isum = gsq3_half_isum(r.p, r.q, (const int4*)xr + 4 * h, sw & 0x0F0F0F0F) + gsq3_slot64(r.hd, h, xr);
     const int msum = gsq3_mins(sw, ((const int2*)(xr + 32))[h]);
-    return gsq3_scale(r.hd, isum, msum, ad[DS * r.rec]);
+    return gsq3_scale(r.hd, isum, msum, ad[4 * r.rec]);
 }
 
 #ifndef GEMV_GSQ_PAIRS_STAGE
@@ -376,19 +373,13 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
 #endif
 
 // A pre-quantized ACT_GSQ8_PAIRS activation of n columns (quant_act's codes with their int16 sums, then its scales,
-// a float a 32) copied by the whole block into shared memory at dst, in the same layout (COMPACT: one scale a
-// record, its first unit's: the four are equal); returns where the scales are. (The caller synchronizes the block
-// before reading it.)
-template <bool COMPACT = false>
+// a float a 32) copied by the whole block into shared memory at dst, in the same layout; returns where the scales
+// are. (The caller synchronizes the block before reading it.)
 __device__ __forceinline__ const float* stage_gsq8_pairs_act(int4* dst, const void* pre_q, const float* pre_d,
                                                              int n) {
     const int n_q = gsq8_pairs_at(n) >> 4, n_d = n >> 7;  // 16-byte vectors: codes, scales (4 a record)
     for (int i = threadIdx.x; i < n_q; i += blockDim.x) dst[i] = __ldcg((const int4*)pre_q + i);
-    if (COMPACT) {
-        for (int i = threadIdx.x; i < n_d; i += blockDim.x) ((float*)(dst + n_q))[i] = __ldcg(pre_d + 4 * i);
-    } else {
-        for (int i = threadIdx.x; i < n_d; i += blockDim.x) dst[n_q + i] = __ldcg((const int4*)pre_d + i);
-    }
+    for (int i = threadIdx.x; i < n_d; i += blockDim.x) dst[n_q + i] = __ldcg((const int4*)pre_d + i);
     return (const float*)(dst + n_q);
 }
 

@@ -60,14 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_COMPACT_D
-// 1 (a trial): the activation in shared memory with one scale a 128-value record (the four a record's units carry
-// are equal) and no per-unit sums (the pair layout keeps its int16 sums with the codes), 9.5 KB less for the 32B
-// down projection's 27,648 columns: room for a seventh 27.6 KB ring slot (cuda_ops gemv_stream_plan), and with
-// GEMV_STREAM_FILL_TEAMS a seventh team to use it. H200, 32B GSQ3 tg128: alone 180.20 / 180.41 against 180.46 /
-// 180.15 t/s; its seventh team 180.80 / 181.72 against six teams' 183.29 / 183.20 (2026-12-02): off.
-#define GEMV_STREAM_COMPACT_D 0
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -229,7 +221,7 @@ struct StreamConsumer {
                     asm volatile("" ::: "memory");  // these loads stay above the dot products
 #pragma unroll
                     for (int k = 0; k < U; ++k) {
-                        const float v = gsq3_half_dot<GEMV_STREAM_COMPACT_D ? 1 : 4>(t[k], h, aq, d);
+                        const float v = gsq3_half_dot(t[k], h, aq, d);
                         a += t[k].row == 0 ? v : 0.0f;
                     }
                 }
@@ -304,11 +296,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
     const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
-#if GEMV_STREAM_COMPACT_D
-    const int act_bytes = (gsq8_pairs_at(n_cols) + 4 * (n_cols >> 7) + 127) & ~127;  // (a scale a record)
-#else
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
-#endif
     const u32 stage_bytes = (u32)per_step * R * rb;
     const u32 ring = smem_u32(stream_sm) + act_bytes;
 
@@ -394,15 +382,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #else
         const NoMark mark;
 #endif
-#if GEMV_STREAM_COMPACT_D
-        norm_quant_v<4, decltype(mark), true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, 0, 0, 0, mark);
-    } else {
-        stage_gsq8_pairs_act<true>(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
-#else
         norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0, mark);
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
-#endif
     }
     __syncthreads();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 3);

@@ -12,9 +12,7 @@
 // How each kind is quantized: a warp takes groups of G = 32 V consecutive elements, V per lane (Q8_K: 256 and
 // 8; GSQ8: 128 and 4; Q8_0, Q8_1 and the float kinds: 32 and 1), groups warp, warp + n_warps, ...; this writes
 // group g's outputs from the lane's V values.
-// COMPACT_D (GSQ8 only): one scale a group at out_d[g] instead of one a 32-value unit (the streamed GEMV's shared
-// memory layout under GEMV_STREAM_COMPACT_D).
-template <int V, bool COMPACT_D = false>
+template <int V>
 __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i8* out_q, float* out_d,
                                                float2* out_s, u16* out_h, float* out_f) {
     const int lane = threadIdx.x & 31, i0 = 32 * V * g + V * lane;
@@ -63,9 +61,7 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
         const int next16 = __shfl_down_sync(0xffffffffu, sum16, 4);
         if (act == ACT_GSQ8_PAIRS && out_q && (lane & 3) == 0)  // the pair kernel's int16 sums after the codes
             ((short*)(out_q + gsq8_pairs_at(128 * g) + 128))[lane >> 2] = (short)sum16;
-        if (COMPACT_D) {
-            if (lane == 0 && out_d) out_d[g] = d;
-        } else if ((lane & 7) == 0 && out_d) {
+        if ((lane & 7) == 0 && out_d) {
             const int u = 4 * g + (lane >> 3);
             out_d[u] = d;
             if (act != ACT_GSQ8_PAIRS) out_s[u] = make_float2((float)sum16, (float)next16);  // (pairs: int16 above)
@@ -143,7 +139,7 @@ struct NoMark {
     __device__ __forceinline__ void operator()(int) const {}
 };
 
-template <int V, class Mark = NoMark, bool COMPACT_D = false>
+template <int V, class Mark = NoMark>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
                              float2* out_s, u16* out_h, float* out_f, Mark mark = Mark()) {
     // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
@@ -213,7 +209,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
             } else {
                 load_floats<V, true>(x + i0, y);
             }
-            quantize_group<V, COMPACT_D>(act, g, y, out_q, out_d, out_s, out_h, out_f);
+            quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
         }
     }
 #pragma unroll 2
@@ -227,7 +223,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
 #pragma unroll
             for (int k = 0; k < V; ++k) y[k] = (y[k] * scale) * wv[k];
         }
-        quantize_group<V, COMPACT_D>(act, g, y, out_q, out_d, out_s, out_h, out_f);
+        quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
     }
 }
 
