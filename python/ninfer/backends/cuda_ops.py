@@ -350,13 +350,30 @@ def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_co
                    eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
                    prefetch: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), the prefetch's, then the trace slot in GEMV_STREAM_TRACE builds."""
+    mode, glu_act), the prefetch's, then the counter slot in GEMV_STREAM_DYNAMIC builds and the trace slot in
+    GEMV_STREAM_TRACE builds."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_prefetch_args(prefetch),
+                                             I(u), *stream_prefetch_args(prefetch), *stream_counter_arg(),
                                              *stream_trace_arg(mode, total_rows, n_cols)),
                   shared_mem=smem, dependent=True)
+
+
+GEMV_STREAM_COUNTERS = 1024  # kernels/gemv_stream.cu
+_stream_launches = 0
+
+
+def stream_counter_arg() -> tuple:
+    """The streamed kernel's counter slot in GEMV_STREAM_DYNAMIC builds (a trial: its chunks past the ring's first
+    fill handed out at run time): launches take the slots in turn, so the few that run at once (programmatic
+    dependent launch) never share one, and a captured launch keeps its slot for every replay; nothing in other
+    builds, whose kernel has no such argument."""
+    global _stream_launches
+    if not _define("GEMV_STREAM_DYNAMIC", 0):
+        return ()
+    _stream_launches += 1
+    return (I((_stream_launches - 1) % GEMV_STREAM_COUNTERS),)
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
