@@ -260,6 +260,7 @@ def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
     assert none is None and (a.blocks, a.start_ns, a.end_ns) == (2, 20_000, 26_600)
     assert a.stages == {"before_wait": 600, "dep_wait": 1000, "rope": 1100, "keys": 2200, "out": 900}
     assert (a.entry_ns, a.dry_ns, a.wait_ns) == (20_500, 21_500, 22_100)
+    assert (a.last_entry_ns, a.last_dry_ns, a.last_wait_ns) == (21_000, 21_500, 22_200)
 
     def launch(end_ns: int, dep_wait_ns: int) -> T.Launch:
         return T.Launch("x", 132, 0, end_ns, 0, 0, dep_wait_ns, {})
@@ -268,12 +269,15 @@ def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
     assert b["layers"] == 1 and b["qkv_end_to_entry"] == pytest.approx(1.0)
     assert (b["qkv_end_to_median_entry"], b["qkv_end_to_dry_done"], b["qkv_end_to_wait"]) == pytest.approx(
         (1.5, 2.5, 3.1))
+    assert (b["qkv_end_to_last_entry"], b["qkv_end_to_last_dry_done"], b["qkv_end_to_last_wait"],
+            b["qkv_end_to_end"]) == pytest.approx((2.0, 2.5, 3.2, 7.6))
     assert b["keys"] == pytest.approx(2.2) and b["span"] == pytest.approx(6.6)
     assert b["end_to_o_wait"] == pytest.approx(1.0)
     assert T.attention_boundaries([(launch(0, 0), None, launch(0, 0))]) == {}
     att[0, 0, 6] = 0  # (no block ran a dry pass: NaN, not a time)
     b = T.attention_boundaries([(launch(19_000, 0), T.summarize_attention(att, range(1))[0], launch(40_000, 0))])
     assert np.isnan(b["qkv_end_to_dry_done"]) and b["qkv_end_to_wait"] == pytest.approx(3.1)
+    assert np.isnan(b["qkv_end_to_last_dry_done"])
 
 
 @needs_cuda

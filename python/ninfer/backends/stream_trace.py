@@ -162,7 +162,9 @@ class Attention:
     last one's end (ns), the median block's stages (ns): "before_wait" (entry to the work before grid_dep_wait
     done), "dep_wait", "rope" (queries roped, the new K / V row written), "keys", "out" (output written); and on
     the timer, the blocks' median entry, median end of the dry pass (kernels/attention.cu: a one-split decode block
-    runs its path once before grid_dep_wait; 0 where none did) and median return from grid_dep_wait (ns)."""
+    runs its path once before grid_dep_wait; 0 where none did) and median return from grid_dep_wait (ns); and the
+    latest block's entry, dry pass end and return from its wait (the output projection waits for the last block to
+    end: which of them is late says why)."""
     blocks: int
     start_ns: int
     end_ns: int
@@ -170,6 +172,9 @@ class Attention:
     entry_ns: int = 0
     dry_ns: int = 0
     wait_ns: int = 0
+    last_entry_ns: int = 0
+    last_dry_ns: int = 0
+    last_wait_ns: int = 0
 
 
 def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]:
@@ -186,10 +191,11 @@ def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]
         t = t[:, :ATT_STAGE_EVENTS]
         d = np.diff(t, axis=1)
         names = ("before_wait", "dep_wait", "rope", "keys", "out")
+        wait = t[:, ATT_EVENTS.index("dep_wait")]
         out.append(Attention(int(ok.sum()), int(t[:, 0].min()), int(t[:, -1].max()),
                              {k: float(np.median(d[:, i])) for i, k in enumerate(names)},
                              int(np.median(t[:, 0])), int(np.median(dry[dry > 0])) if (dry > 0).any() else 0,
-                             int(np.median(t[:, ATT_EVENTS.index("dep_wait")]))))
+                             int(np.median(wait)), int(t[:, 0].max()), int(dry.max()), int(wait.max())))
     return out
 
 
@@ -198,9 +204,10 @@ def attention_boundaries(layers: list[tuple[Launch, Attention | None, Launch]]) 
     projection), from (q/k/v, attention, o) triples: "qkv_end_to_entry" (q/k/v's last block's end to attention's
     first block's entry; negative: it entered before), from q/k/v's end to attention's median entry
     ("qkv_end_to_median_entry"), median dry pass done ("qkv_end_to_dry_done", over the layers that ran one; NaN
-    where none did) and median return from grid_dep_wait ("qkv_end_to_wait"), attention's median stages, "span"
-    (first entry to last end) and "end_to_o_wait" (attention's end to the median output projection block past its
-    grid_dep_wait)."""
+    where none did) and median return from grid_dep_wait ("qkv_end_to_wait"); the same for the latest block
+    ("qkv_end_to_last_entry", "_last_dry_done", "_last_wait") and to attention's end ("qkv_end_to_end");
+    attention's median stages, "span" (first entry to last end) and "end_to_o_wait" (attention's end to the median
+    output projection block past its grid_dep_wait)."""
     rows = [(q, a, o) for q, a, o in layers if a is not None]
     if not rows:
         return {}
@@ -210,6 +217,12 @@ def attention_boundaries(layers: list[tuple[Launch, Attention | None, Launch]]) 
            "qkv_end_to_dry_done": float(np.mean([(a.dry_ns - q.end_ns) / 1e3 for q, a, _ in rows if a.dry_ns]))
            if any(a.dry_ns for _, a, _ in rows) else float("nan"),
            "qkv_end_to_wait": float(np.mean([(a.wait_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
+           "qkv_end_to_last_entry": float(np.mean([(a.last_entry_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
+           "qkv_end_to_last_dry_done": float(np.mean([(a.last_dry_ns - q.end_ns) / 1e3 for q, a, _ in rows
+                                                      if a.last_dry_ns])) if any(a.last_dry_ns for _, a, _ in rows)
+           else float("nan"),
+           "qkv_end_to_last_wait": float(np.mean([(a.last_wait_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
+           "qkv_end_to_end": float(np.mean([(a.end_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
            **{k: float(np.mean([a.stages[k] / 1e3 for _, a, _ in rows])) for k in rows[0][1].stages},
            "span": float(np.mean([(a.end_ns - a.start_ns) / 1e3 for _, a, _ in rows])),
            "end_to_o_wait": float(np.mean([(o.dep_wait_ns - a.end_ns) / 1e3 for _, a, o in rows]))}
