@@ -75,6 +75,15 @@
 // [slot][next chunk past the static ones, blocks done asking]: zero at load, and again after each launch
 __device__ int gemv_stream_counter[GEMV_STREAM_COUNTERS * 2];
 #endif
+#ifndef GEMV_STREAM_RING_AT
+// Where the producer asks for the rest of its ring's first fill in launches that norm and quantize x themselves
+// (q/k/v, gate/up): -1 after the prologue (the default); trials, not yet run on a GPU: 0 once its own loads of x
+// are summed, 1 once the block's norm scale is known (norm_quant_v's stage marks). The prologue's later stages
+// load nothing where the norm weights are kept (NORM_QUANT_KEEP), so copies asked then no longer delay x's loads
+// (the reason the whole ring waits for the prologue, GEMV_STREAM_EARLY_CHUNKS) and land during the block's
+// reduction and quantization (2.0-2.9 µs of the q/k/v and gate/up prologues in the trace, the memory mostly idle).
+#define GEMV_STREAM_RING_AT -1
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -418,12 +427,25 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
     i8* q = (i8*)stream_sm;
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
+#if GEMV_STREAM_RING_AT >= 0
+    bool rest_asked = false;  // (the producer's lane 0: the rest of the ring's first fill asked for in the prologue)
+    const auto ask_rest = [&](int stage) {
+        if (stage != GEMV_STREAM_RING_AT || !producer || lane != 0) return;
+        for (int i = early; i < min(stages, n_st); ++i) issue(i);
+        rest_asked = true;
+    };
+#endif
     if (!pre_q) {
 #if GEMV_STREAM_TRACE
         const auto mark = [&](int stage) {
             if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 8 + stage);
             check_landed();
+#if GEMV_STREAM_RING_AT >= 0
+            ask_rest(stage);
+#endif
         };
+#elif GEMV_STREAM_RING_AT >= 0
+        const auto mark = ask_rest;
 #else
         const NoMark mark;
 #endif
@@ -439,6 +461,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
+#if GEMV_STREAM_RING_AT >= 0
+            if (!rest_asked)
+#endif
             for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
 #if GEMV_STREAM_DYNAMIC
             // Past the static chunks, the launch's counter hands them out in order; the next one is asked for
