@@ -283,9 +283,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             # GEMV_STREAM_FILL_CAP teams: a team that finishes a chunk no longer waits a whole refill for its next.
             # H200, 32B GSQ3 tg128 (t/s, 2026-12-02, two calls): four teams 180.25 / 180.05, five 183.77 / 183.46,
             # six (all that fit) 182.99 / 182.80, seven with a compact activation (a trial, branch
-            # trials-compact-d-warm-rope) 180.80 / 181.72. One-round launches, q/k/v and o, keep their teams: each team takes about one chunk there; and
-            # gate/up, whose teams have two slots each, lost with seven teams of one (GEMV_STREAM_FILL_TEAMS=2: every
-            # launch of several rounds; 180.65 / 180.82). GEMV_STREAM_FILL_TEAMS=0: off.
+            # trials-compact-d-warm-rope) 180.80 / 181.72. One-round launches, q/k/v and o, keep their teams: each
+            # team takes about one chunk there; and gate/up, whose teams have two slots each, lost with seven teams
+            # of one (GEMV_STREAM_FILL_TEAMS=2: every launch of several rounds; 180.65 / 180.82).
+            # GEMV_STREAM_FILL_TEAMS=0: off.
             fit = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, 1)
             teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block,
                                       _define("GEMV_STREAM_FILL_CAP", GEMV_STREAM_FILL_CAP)) if fit else 0

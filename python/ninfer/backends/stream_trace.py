@@ -211,18 +211,18 @@ def attention_boundaries(layers: list[tuple[Launch, Attention | None, Launch]]) 
     rows = [(q, a, o) for q, a, o in layers if a is not None]
     if not rows:
         return {}
+
+    def after_qkv(field: str) -> float:
+        """Mean of attention's time `field` less q/k/v's end, µs, over the layers where it is set (a dry pass's
+        end is 0 where none ran; NaN where no layer has it)."""
+        v = [(getattr(a, field) - q.end_ns) / 1e3 for q, a, _ in rows if getattr(a, field)]
+        return float(np.mean(v)) if v else float("nan")
+
     res = {"layers": float(len(rows)),
-           "qkv_end_to_entry": float(np.mean([(a.start_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
-           "qkv_end_to_median_entry": float(np.mean([(a.entry_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
-           "qkv_end_to_dry_done": float(np.mean([(a.dry_ns - q.end_ns) / 1e3 for q, a, _ in rows if a.dry_ns]))
-           if any(a.dry_ns for _, a, _ in rows) else float("nan"),
-           "qkv_end_to_wait": float(np.mean([(a.wait_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
-           "qkv_end_to_last_entry": float(np.mean([(a.last_entry_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
-           "qkv_end_to_last_dry_done": float(np.mean([(a.last_dry_ns - q.end_ns) / 1e3 for q, a, _ in rows
-                                                      if a.last_dry_ns])) if any(a.last_dry_ns for _, a, _ in rows)
-           else float("nan"),
-           "qkv_end_to_last_wait": float(np.mean([(a.last_wait_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
-           "qkv_end_to_end": float(np.mean([(a.end_ns - q.end_ns) / 1e3 for q, a, _ in rows])),
+           **{f"qkv_end_to_{k}": after_qkv(f) for k, f in (
+               ("entry", "start_ns"), ("median_entry", "entry_ns"), ("dry_done", "dry_ns"), ("wait", "wait_ns"),
+               ("last_entry", "last_entry_ns"), ("last_dry_done", "last_dry_ns"), ("last_wait", "last_wait_ns"),
+               ("end", "end_ns"))},
            **{k: float(np.mean([a.stages[k] / 1e3 for _, a, _ in rows])) for k in rows[0][1].stages},
            "span": float(np.mean([(a.end_ns - a.start_ns) / 1e3 for _, a, _ in rows])),
            "end_to_o_wait": float(np.mean([(o.dep_wait_ns - a.end_ns) / 1e3 for _, a, o in rows]))}
