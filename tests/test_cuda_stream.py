@@ -126,6 +126,8 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     assert launch() == (base + [i32, i32], [0, 0, 0, 0, 2])  # (the counters wrap)
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_DYNAMIC=1"])
     assert launch() == (base + [i32], [0, 0, 0, 1])
+    assert launch(counted=False) == (base + [i32], [0, 0, 0, -1])  # (the static order; no slot taken)
+    assert launch() == (base + [i32], [0, 0, 0, 2])
 
 
 def test_engine_prefetch_plan() -> None:

@@ -61,14 +61,21 @@
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
 #ifndef GEMV_STREAM_DYNAMIC
-// 1 (a trial, not yet run on a GPU): a block's chunks past its ring's first fill are handed out at run time, in
-// order, by a counter of the launch (atomicAdd), instead of b + i * grid: a block that streams faster takes more.
-// The trace has the gate/up and down projections' blocks ending over 3.4 and 4.0 µs (their `tail`) where their
-// static shares differ by one chunk (about 0.8 µs). The first `stages` chunks of a block stay static (asked before
-// grid_dep_wait as now); the producer tells the consumers each slot's chunk in shared memory (-1: no more, one such
-// slot a team), and the last block done with the counter resets it for the launch's next replay. cuda_ops passes
-// the launch's counter slot (stream_counter_arg) in these builds only.
+// 1 (a trial): a block's chunks past its ring's first fill are handed out at run time, in order, by a counter of
+// the launch (atomicAdd), instead of b + i * grid: a block that streams faster takes more. The first `stages`
+// chunks of a block stay static (asked before grid_dep_wait as now); the producer tells the consumers each slot's
+// chunk in shared memory (-1: no more, one such slot a team), and the last block done with the counter resets it
+// for the launch's next replay. cuda_ops passes the launch's counter slot (stream_counter_arg; -1: the static
+// order, for the launches GEMV_STREAM_DYNAMIC_FOR leaves out) in these builds only. H200, 32B GSQ3 tg128, every
+// launch counted: 177.1 against 184.1 t/s; the trace had the gate/up and down projections' tails 3.4 -> 1.2 and
+// 4.0 -> 2.2 µs, the down projection's compute 16.5 -> 16.1 but gate/up's 29.5 -> 32.5 (2026-12-02, 17:14 UTC).
 #define GEMV_STREAM_DYNAMIC 0
+#endif
+#ifndef GEMV_STREAM_DYNAMIC_AHEAD
+// (GEMV_STREAM_DYNAMIC builds) counter asks a producer keeps in flight. The gate/up projection's blocks empty a
+// slot about every 0.55 µs, maybe less than an atomic's round trip to a counter all blocks share while the memory
+// is busy: with one ask ahead the producer could be waiting on it (gate/up's compute above).
+#define GEMV_STREAM_DYNAMIC_AHEAD 1
 #endif
 #if GEMV_STREAM_DYNAMIC
 #define GEMV_STREAM_COUNTERS 1024  // cuda_ops.GEMV_STREAM_COUNTERS
@@ -466,18 +473,27 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #endif
             for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
 #if GEMV_STREAM_DYNAMIC
-            // Past the static chunks, the launch's counter hands them out in order; the next one is asked for
-            // while the slot for this one empties. A launch whose static chunks cover it (one round: q/k/v, o)
-            // never touches the counter.
+            // Past the static chunks, the launch's counter hands them out in order (counter_slot < 0: the static
+            // order, chunk blockIdx.x + i * grid, as without the counter), each asked for AHEAD chunks before its
+            // slot empties. A launch whose static chunks cover it (one round: q/k/v, o) never touches the counter.
             const int n_chunks = (n_groups + per_step - 1) / per_step, base = stages * (int)gridDim.x;
-            int* ctr = gemv_stream_counter + 2 * (counter_slot % GEMV_STREAM_COUNTERS);
+            const bool counted = counter_slot >= 0 && base < n_chunks;
+            int* ctr = gemv_stream_counter + 2 * (counted ? counter_slot % GEMV_STREAM_COUNTERS : 0);
             int i = min(stages, n_st);
-            int c = base < n_chunks ? base + atomicAdd(ctr, 1) : n_chunks;
-            for (; c < n_chunks; ++i) {
-                const int next = base + atomicAdd(ctr, 1);
+            const auto ask = [&](int local) {
+                return counted ? base + atomicAdd(ctr, 1) : (int)blockIdx.x + local * (int)gridDim.x;
+            };
+            constexpr int A = GEMV_STREAM_DYNAMIC_AHEAD;
+            int next[A];  // the chunks of local i, i + 1, ...: constant indices only (registers)
+#pragma unroll
+            for (int k = 0; k < A; ++k) next[k] = ask(i + k);
+            for (; next[0] < n_chunks; ++i) {
+                const int c = next[0];
+#pragma unroll
+                for (int k = 0; k + 1 < A; ++k) next[k] = next[k + 1];
+                next[A - 1] = ask(i + A);
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));  // (i >= stages here)
                 issue_chunk(i % stages, c);
-                c = next;
             }
             // No more: a slot saying so for each team, at the local chunk each waits for next.
             for (int j = i; j < i + n_teams; ++j) {
@@ -485,10 +501,14 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                 chunk_of[j % stages] = -1;
                 mbar_arrive(smem_u32(&full[j % stages]));
             }
-            // The last block done asking resets the counter (every block's last ask has returned by then).
-            if (base < n_chunks && atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
-                atomicExch(ctr, 0);
-                atomicExch(ctr + 1, 0);
+            // The last block done asking resets the counter: the fence orders this block's asks (those still in
+            // flight included) before its count, so every block's asks are done once the count is complete.
+            if (counted) {
+                __threadfence();
+                if (atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
+                    atomicExch(ctr, 0);
+                    atomicExch(ctr + 1, 0);
+                }
             }
 #else
             for (int i = stages; i < n_st; ++i) {
