@@ -246,6 +246,10 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     launch to ask L2 for at its end (prefetch_regions' array; ignored where the streamed kernel does not take the
     launch). max_grid: at most that many blocks for a streamed launch (0: one an SM). True when the streamed kernel
     took the launch."""
+    if mode == MODE_ARGMAX and kernel is None and not warps_per_block:  # the output head: a trial's shape, if set
+        if act == ACT_Q8_K and _define("GEMV_HEAD_R", 0):
+            kernel, rows_per_warp = function("gemv_q8_k_head"), _define("GEMV_HEAD_R", 0)
+        warps_per_block, k_split = _define("GEMV_HEAD_WARPS", 0), k_split or _define("GEMV_HEAD_KS", 0)
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
