@@ -402,6 +402,33 @@ def test_gate_up_gemv_with_swiglu_equals_cpu(n: int) -> None:
     assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
 
 
+def test_greedy_head_launch_takes_a_warp_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda_ops.gemv's k-split (no GPU): the greedy output head (MODE_ARGMAX) one warp a row, GEMV_HEAD_KS
+    overriding it (0: gemv_k_split's rule), every other mode of the same shape gemv_k_split's two warps for 5,120
+    columns."""
+    from types import SimpleNamespace
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import ACT_Q8_K
+
+    seen = []
+    fake = SimpleNamespace(num_regs=64, max_dynamic_shared_size_bytes=0, shared_size_bytes=0)
+    monkeypatch.setattr(K, "function", lambda name: fake)
+    monkeypatch.setattr(K, "resident_blocks", lambda fn, threads, smem: 264)
+    monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append(int(args[10])))
+
+    def k_split(mode: int, defines: list[str]) -> int:
+        monkeypatch.setattr(K, "_DEFINES", defines)
+        assert K.gemv(ACT_Q8_K, 0, 1, 152064, 5120, 1, 2, 1e-6, mode, best=3) is False
+        return seen.pop()
+
+    assert K.gemv_k_split(5120) == 2
+    assert k_split(K.MODE_ARGMAX, []) == K.GEMV_HEAD_K_SPLIT == 1
+    assert k_split(K.MODE_STORE, []) == 2
+    assert k_split(K.MODE_ARGMAX, ["-DGEMV_HEAD_KS=4"]) == 4
+    assert k_split(K.MODE_ARGMAX, ["-DGEMV_HEAD_KS=0"]) == 2
+
+
 @needs_cuda
 def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     """A vocabulary-sized head: persistent blocks walk many row groups; the argmax is the first maximum."""

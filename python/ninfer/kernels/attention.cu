@@ -369,31 +369,6 @@ __device__ __noinline__ void head_rms_norm_outlined(float* v, const float* w, in
     head_rms_norm(v, w, dim, eps);
 }
 
-#ifndef ATT_DRY_WINDOW_NS
-// A trial (0: off; not yet run on a GPU): a one-split decode block that enters more than this many ns after its
-// launch's first block skips the dry pass. Attention's blocks enter over about 10 µs while q/k/v streams (as the
-// SMs they go to come free), and the output projection waits for the last one: a block entering late would still
-// be in its dry pass (about 4 µs) when q/k/v ends, and start its real pass late (in the trace, layer 31's attention
-// ended 3.3 µs after its median block).
-#define ATT_DRY_WINDOW_NS 0
-#endif
-#if ATT_DRY_WINDOW_NS
-// The first entry (%globaltimer) of the latest decode attention launch: a block finding it more than 40 µs old (the
-// previous layer's: a layer takes about 85) takes its place as its launch's first.
-__device__ unsigned long long att_first_entry;
-
-__device__ __forceinline__ bool att_entered_late() {
-    unsigned long long t, f = *(volatile unsigned long long*)&att_first_entry;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    while (t > f + 40000) {
-        const unsigned long long seen = atomicCAS(&att_first_entry, f, t);
-        if (seen == f) return false;
-        f = seen;
-    }
-    return t > f + ATT_DRY_WINDOW_NS;
-}
-#endif
-
 template <int HD, int NG, bool STEP>
 __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
@@ -464,14 +439,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     // pass runs under q/k/v. One copy of the code serves both passes: the loop stays rolled, since a second copy
     // would be fetched cold again. H200, 32B GSQ3 tg128 179.1 / 179.2 against 177.5 / 177.2 t/s (2026-12-02).
     int pass = STEP && n_used == 1 ? 0 : 1;
-#if ATT_DRY_WINDOW_NS
-    if (pass == 0) {
-        __shared__ bool late;
-        if (tid == 0) late = att_entered_late();
-        __syncthreads();
-        if (late) pass = 1;
-    }
-#endif
     asm volatile("" : "+r"(pass));  // (opaque: the loop is not split into a dry and a real copy)
 #pragma unroll 1
     for (;; ++pass) {

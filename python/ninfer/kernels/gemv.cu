@@ -779,11 +779,6 @@ GEMV_KERNEL(gemv_q8_1, ACT_Q8_1, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_q8_k, ACT_Q8_K, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_gsq8, ACT_GSQ8, GEMV_R, GEMV_U)
 GEMV_KERNEL_P(gemv_gsq8_pairs, ACT_GSQ8, GEMV_R, GEMV_U, true)
-#ifdef GEMV_HEAD_R
-// A trial: the output head's (MODE_ARGMAX, Q8_K activations: Q4_K-Q6_K heads) own rows a warp and units a lane
-// (cuda_ops.gemv; GEMV_HEAD_WARPS and GEMV_HEAD_KS there are host-side only).
-GEMV_KERNEL(gemv_q8_k_head, ACT_Q8_K, GEMV_HEAD_R, GEMV_HEAD_U)
-#endif
 
 // Reset the argmax accumulator (first node of a greedy decode step).
 extern "C" __global__ void argmax_reset(u64* best) {

@@ -60,37 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_DYNAMIC
-// 1 (a trial): a block's chunks past its ring's first fill are handed out at run time, in order, by a counter of
-// the launch (atomicAdd), instead of b + i * grid: a block that streams faster takes more. The first `stages`
-// chunks of a block stay static (asked before grid_dep_wait as now); the producer tells the consumers each slot's
-// chunk in shared memory (-1: no more, one such slot a team), and the last block done with the counter resets it
-// for the launch's next replay. cuda_ops passes the launch's counter slot (stream_counter_arg; -1: the static
-// order, for the launches GEMV_STREAM_DYNAMIC_FOR leaves out) in these builds only. H200, 32B GSQ3 tg128, every
-// launch counted: 177.1 against 184.1 t/s; the trace had the gate/up and down projections' tails 3.4 -> 1.2 and
-// 4.0 -> 2.2 µs, the down projection's compute 16.5 -> 16.1 but gate/up's 29.5 -> 32.5 (2026-12-02, 17:14 UTC).
-#define GEMV_STREAM_DYNAMIC 0
-#endif
-#ifndef GEMV_STREAM_DYNAMIC_AHEAD
-// (GEMV_STREAM_DYNAMIC builds) counter asks a producer keeps in flight. The gate/up projection's blocks empty a
-// slot about every 0.55 µs, maybe less than an atomic's round trip to a counter all blocks share while the memory
-// is busy: with one ask ahead the producer could be waiting on it (gate/up's compute above).
-#define GEMV_STREAM_DYNAMIC_AHEAD 1
-#endif
-#if GEMV_STREAM_DYNAMIC
-#define GEMV_STREAM_COUNTERS 1024  // cuda_ops.GEMV_STREAM_COUNTERS
-// [slot][next chunk past the static ones, blocks done asking]: zero at load, and again after each launch
-__device__ int gemv_stream_counter[GEMV_STREAM_COUNTERS * 2];
-#endif
-#ifndef GEMV_STREAM_RING_AT
-// Where the producer asks for the rest of its ring's first fill in launches that norm and quantize x themselves
-// (q/k/v, gate/up): -1 after the prologue (the default); trials, not yet run on a GPU: 0 once its own loads of x
-// are summed, 1 once the block's norm scale is known (norm_quant_v's stage marks). The prologue's later stages
-// load nothing where the norm weights are kept (NORM_QUANT_KEEP), so copies asked then no longer delay x's loads
-// (the reason the whole ring waits for the prologue, GEMV_STREAM_EARLY_CHUNKS) and land during the block's
-// reduction and quantization (2.0-2.9 µs of the q/k/v and gate/up prologues in the trace, the memory mostly idle).
-#define GEMV_STREAM_RING_AT -1
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -208,9 +177,6 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
-#if GEMV_STREAM_DYNAMIC
-    const volatile int* chunk_of;  // [stages]: the chunk in each slot (-1: none left for this team)
-#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -223,11 +189,7 @@ struct StreamConsumer {
         // (at most `stages`) instead of two divisions a chunk.
         int s = team;
         u32 parity = 0;
-#if GEMV_STREAM_DYNAMIC
-        for (int i = team;; i += n_teams, s += n_teams) {
-#else
         for (int i = team; i < n_st; i += n_teams, s += n_teams) {
-#endif
             if (s >= stages) {
                 s -= stages;
                 parity ^= 1;
@@ -236,13 +198,7 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-#if GEMV_STREAM_DYNAMIC
-            const int c = chunk_of[s];
-            if (c < 0) break;
-            const int g = slot < per_step ? c * per_step + slot : g1;
-#else
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
-#endif
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
@@ -322,9 +278,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u,
                                             const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
-#if GEMV_STREAM_DYNAMIC
-                                            , int counter_slot  // (cuda_ops passes it in these builds only)
-#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -334,9 +287,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     extern __shared__ __align__(128) int4 stream_sm[];
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ float partial[32][R];
-#if GEMV_STREAM_DYNAMIC
-    __shared__ int chunk_of[GEMV_STREAM_MAX_STAGES];
-#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
     const bool is_glu = mode == MODE_GLU;
     const int per_group = is_glu ? R / 2 : R;
@@ -374,16 +324,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     __syncthreads();
 
     // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
-#if GEMV_STREAM_DYNAMIC
-    // Chunk c (groups [c per_step, + per_step)) into slot s.
-    auto issue_chunk = [&](int s, int c) {
-        chunk_of[s] = c;  // (before the arrival below, which releases it to the consumers' wait)
-        const int ga = c * per_step, gb = min(ga + per_step, g1);
-#else
     auto issue = [&](int i) {
         const int s = i % stages;
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
-#endif
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
@@ -403,10 +346,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     };
     const bool producer = warp == n_cons;
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
-#if GEMV_STREAM_DYNAMIC
-    // Static chunks: local i < stages is chunk blockIdx.x + i * grid, as without the counter.
-    auto issue = [&](int i) { issue_chunk(i % stages, (int)blockIdx.x + i * (int)gridDim.x); };
-#endif
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
@@ -434,25 +373,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
     i8* q = (i8*)stream_sm;
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
-#if GEMV_STREAM_RING_AT >= 0
-    bool rest_asked = false;  // (the producer's lane 0: the rest of the ring's first fill asked for in the prologue)
-    const auto ask_rest = [&](int stage) {
-        if (stage != GEMV_STREAM_RING_AT || !producer || lane != 0) return;
-        for (int i = early; i < min(stages, n_st); ++i) issue(i);
-        rest_asked = true;
-    };
-#endif
     if (!pre_q) {
 #if GEMV_STREAM_TRACE
         const auto mark = [&](int stage) {
             if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 8 + stage);
             check_landed();
-#if GEMV_STREAM_RING_AT >= 0
-            ask_rest(stage);
-#endif
         };
-#elif GEMV_STREAM_RING_AT >= 0
-        const auto mark = ask_rest;
 #else
         const NoMark mark;
 #endif
@@ -468,54 +394,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
-#if GEMV_STREAM_RING_AT >= 0
-            if (!rest_asked)
-#endif
             for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
-#if GEMV_STREAM_DYNAMIC
-            // Past the static chunks, the launch's counter hands them out in order (counter_slot < 0: the static
-            // order, chunk blockIdx.x + i * grid, as without the counter), each asked for AHEAD chunks before its
-            // slot empties. A launch whose static chunks cover it (one round: q/k/v, o) never touches the counter.
-            const int n_chunks = (n_groups + per_step - 1) / per_step, base = stages * (int)gridDim.x;
-            const bool counted = counter_slot >= 0 && base < n_chunks;
-            int* ctr = gemv_stream_counter + 2 * (counted ? counter_slot % GEMV_STREAM_COUNTERS : 0);
-            int i = min(stages, n_st);
-            const auto ask = [&](int local) {
-                return counted ? base + atomicAdd(ctr, 1) : (int)blockIdx.x + local * (int)gridDim.x;
-            };
-            constexpr int A = GEMV_STREAM_DYNAMIC_AHEAD;
-            int next[A];  // the chunks of local i, i + 1, ...: constant indices only (registers)
-#pragma unroll
-            for (int k = 0; k < A; ++k) next[k] = ask(i + k);
-            for (; next[0] < n_chunks; ++i) {
-                const int c = next[0];
-#pragma unroll
-                for (int k = 0; k + 1 < A; ++k) next[k] = next[k + 1];
-                next[A - 1] = ask(i + A);
-                mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));  // (i >= stages here)
-                issue_chunk(i % stages, c);
-            }
-            // No more: a slot saying so for each team, at the local chunk each waits for next.
-            for (int j = i; j < i + n_teams; ++j) {
-                if (j >= stages) mbar_wait(smem_u32(&empty[j % stages]), (u32)((j / stages - 1) & 1));
-                chunk_of[j % stages] = -1;
-                mbar_arrive(smem_u32(&full[j % stages]));
-            }
-            // The last block done asking resets the counter: the fence orders this block's asks (those still in
-            // flight included) before its count, so every block's asks are done once the count is complete.
-            if (counted) {
-                __threadfence();
-                if (atomicAdd(ctr + 1, 1) == (int)gridDim.x - 1) {
-                    atomicExch(ctr, 0);
-                    atomicExch(ctr + 1, 0);
-                }
-            }
-#else
             for (int i = stages; i < n_st; ++i) {
                 mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
                 issue(i);
             }
-#endif
             // Then a later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions:
             // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
             // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they
@@ -550,9 +433,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
-#if GEMV_STREAM_DYNAMIC
-                              , chunk_of
-#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
