@@ -245,14 +245,14 @@ def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
     from ninfer.backends import stream_trace as T
 
     att = np.zeros((2, T.ATT_TRACE_BLOCKS, len(T.ATT_EVENTS)), np.uint64)
-    att[0, 0] = [20_000, 20_500, 22_000, 23_000, 25_000, 26_000, 21_500]  # (its dry pass done at 21,500)
-    att[0, 9] = [21_000, 21_700, 22_200, 23_400, 25_800, 26_600, 0]  # (block 9: split 1 of eight KV heads; none)
+    att[0, 0] = [20_000, 20_500, 22_000, 23_000, 25_000, 26_000, 21_500, 8]  # (dry pass done at 21,500; SM 7)
+    att[0, 9] = [21_000, 21_700, 22_200, 23_400, 25_800, 26_600, 0, 1]  # (block 9: split 1 of 8 KV heads; SM 0)
     att[1, 3, :3] = [1, 2, 3]  # (never reached its end)
     a, none = T.summarize_attention(att, range(2))
     assert none is None and (a.blocks, a.start_ns, a.end_ns) == (2, 20_000, 26_600)
     assert a.stages == {"before_wait": 600, "dep_wait": 1000, "rope": 1100, "keys": 2200, "out": 900}
     assert (a.entry_ns, a.dry_ns, a.wait_ns) == (20_500, 21_500, 22_100)
-    assert (a.last_entry_ns, a.last_dry_ns, a.last_wait_ns) == (21_000, 21_500, 22_200)
+    assert (a.last_entry_ns, a.last_dry_ns, a.last_wait_ns, a.last_sm) == (21_000, 21_500, 22_200, 0)
 
     def launch(end_ns: int, dep_wait_ns: int) -> T.Launch:
         return T.Launch("x", 132, 0, end_ns, 0, 0, dep_wait_ns, {})
@@ -270,6 +270,16 @@ def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
     b = T.attention_boundaries([(launch(19_000, 0), T.summarize_attention(att, range(1))[0], launch(40_000, 0))])
     assert np.isnan(b["qkv_end_to_dry_done"]) and b["qkv_end_to_wait"] == pytest.approx(3.1)
     assert np.isnan(b["qkv_end_to_last_dry_done"])
+
+    # The latest block's SM: the launch before q/k/v (slot 1 of a streamed trace, two blocks, on SMs 5 and 0)
+    trace = np.zeros((2, T.TRACE_BLOCKS, len(T.EVENTS), 2), np.uint64)
+    trace[1, :2, T.SM, 0] = [5, 0]
+    trace[1, :2, T.LAST_DONE, 0] = [18_000, 20_700]
+    down = T.Launch("add 5120x27648", 2, 0, 20_700, 0, 0, 0, {}, slot=1)
+    assert T.sm_block_ends(trace, down) == {5: 18_000, 0: 20_700}
+    sm = T.latest_block_sm([(T.sm_block_ends(trace, down), launch(19_000, 0), a), ({5: 1}, launch(0, 0), a)])
+    assert sm == pytest.approx({"layers": 1, "sm_freed_after_qkv_end": 1.7, "entry_after_sm_freed": 0.3})
+    assert T.latest_block_sm([({}, launch(0, 0), a), ({0: 1}, launch(0, 0), None)]) == {}
 
 
 @needs_cuda
@@ -366,7 +376,7 @@ def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
     """GEMV_STREAM_TRACE builds: decode steps of the two-layer 32B-shape model leave, for every attention launch of
     a step, its blocks' six stages in order on the GPU's timer and their dry pass done between their entry and
     their grid_dep_wait, after the q/k/v launch began and before the output projection's blocks are past their
-    dependency wait (what scripts/stream-trace reads)."""
+    dependency wait, and the SMs blocks ran on (what scripts/stream-trace reads)."""
     import ninfer
     from ninfer.backends import cuda_ops as K
     from ninfer.backends import stream_trace as T
@@ -398,3 +408,8 @@ def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
     qkv, o = launches[0], launches[1]  # (the first layer's q/k/v and output projection)
     a = T.summarize_attention(att, range(att_first, att_first + 1))[0]
     assert qkv.start_ns < a.start_ns and a.end_ns <= o.dep_wait_ns
+    # the SMs: attention's latest block's and one per block of a streamed launch (one block an SM)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    assert 0 <= a.last_sm < sms
+    ends = T.sm_block_ends(T.read_trace(len(K.stream_trace_labels)), qkv)
+    assert len(ends) == qkv.grid and all(0 <= sm < sms for sm in ends) and max(ends.values()) == qkv.end_ns

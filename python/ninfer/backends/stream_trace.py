@@ -20,8 +20,8 @@ EVENTS = ("entry", "asked", "dep_wait", "act_ready", "first_chunk", "warp0_done"
 ENTRY, ASKED, DEP_WAIT, ACT_READY, FIRST_CHUNK, WARP0_DONE, LAST_DONE, SM, X_LOADED, SCALED, LANDED = range(len(EVENTS))
 # kernels/attention.cu's trace: [slot][block: split * n_head_kv + KV head][event], %globaltimer only (blocks with keys)
 ATT_TRACE_LAUNCHES, ATT_TRACE_BLOCKS = 512, 64
-ATT_EVENTS = ("entry", "asked", "dep_wait", "roped", "keys", "out", "dry_done")
-ATT_STAGE_EVENTS = 6  # (the stages run through "out"; "dry_done" is 0 where no dry pass ran)
+ATT_EVENTS = ("entry", "asked", "dep_wait", "roped", "keys", "out", "dry_done", "sm")
+ATT_STAGE_EVENTS = 6  # (the stages run through "out"; "dry_done" is 0 where no dry pass ran; "sm" is the SM's id + 1)
 
 
 def read_trace(n_slots: int) -> np.ndarray:
@@ -52,6 +52,7 @@ class Launch:
     # first of thread 0's checks that found slot 0 complete (blocks where one did)
     cycles: dict[str, float]
     unlanded: float = 0.0  # the share of blocks whose first chunk had not landed by the end of the prologue
+    slot: int = -1  # its place in the trace (sm_block_ends)
 
 
 def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) -> list[Launch]:
@@ -90,8 +91,15 @@ def summarize(trace: np.ndarray, labels: list[str], slots: range | None = None) 
         waits = g[:, DEP_WAIT][g[:, DEP_WAIT] > 0]
         out.append(Launch(label, grid, int(g[:, ENTRY].min()), int(ends.max()), int(ends.max() - ends.min()),
                           int(g[:, ENTRY].max() - g[:, ENTRY].min()),
-                          int(np.median(waits)) if len(waits) else 0, cycles, unlanded))
+                          int(np.median(waits)) if len(waits) else 0, cycles, unlanded, slot))
     return out
+
+
+def sm_block_ends(trace: np.ndarray, launch: Launch) -> dict[int, int]:
+    """When each SM's block of a streamed launch ended (its last consumer's end, ns), by SM id: the moment a block
+    of a later launch that does not fit beside it can start there."""
+    g = trace[launch.slot, :launch.grid].astype(np.int64)
+    return {int(sm): int(end) for sm, end in zip(g[:, SM, 0], g[:, LAST_DONE, 0])}
 
 
 def clock_ghz(trace: np.ndarray, launches: int) -> float:
@@ -175,6 +183,7 @@ class Attention:
     last_entry_ns: int = 0
     last_dry_ns: int = 0
     last_wait_ns: int = 0
+    last_sm: int = -1  # the latest block's SM (-1: not recorded)
 
 
 def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]:
@@ -188,6 +197,7 @@ def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]
             continue
         t = t[ok]
         dry = t[:, ATT_EVENTS.index("dry_done")]
+        last_sm = int(t[np.argmax(t[:, 0]), ATT_EVENTS.index("sm")]) - 1
         t = t[:, :ATT_STAGE_EVENTS]
         d = np.diff(t, axis=1)
         names = ("before_wait", "dep_wait", "rope", "keys", "out")
@@ -195,8 +205,23 @@ def summarize_attention(att: np.ndarray, slots: range) -> list[Attention | None]
         out.append(Attention(int(ok.sum()), int(t[:, 0].min()), int(t[:, -1].max()),
                              {k: float(np.median(d[:, i])) for i, k in enumerate(names)},
                              int(np.median(t[:, 0])), int(np.median(dry[dry > 0])) if (dry > 0).any() else 0,
-                             int(np.median(wait)), int(t[:, 0].max()), int(dry.max()), int(wait.max())))
+                             int(np.median(wait)), int(t[:, 0].max()), int(dry.max()), int(wait.max()), last_sm))
     return out
+
+
+def latest_block_sm(rows: list[tuple[dict[int, int], Launch, Attention | None]]) -> dict[str, float]:
+    """Whether attention's latest block waited for its SM, from (sm_block_ends of the streamed launch that ran on
+    the SMs before q/k/v, i.e. the previous layer's down projection; q/k/v; attention) triples: the mean over the
+    layers where that launch had a block on the latest block's SM, µs, of when that block ended against q/k/v's end
+    ("sm_freed_after_qkv_end") and of the latest block's entry against that end ("entry_after_sm_freed": about the
+    time a block takes to start where it waited for the SM; the trace's timer step where it did not), and
+    "layers"."""
+    v = [((ends[a.last_sm] - q.end_ns) / 1e3, (a.last_entry_ns - ends[a.last_sm]) / 1e3)
+         for ends, q, a in rows if a is not None and a.last_sm in ends]
+    if not v:
+        return {}
+    freed, entry = np.mean(v, axis=0)
+    return {"layers": float(len(v)), "sm_freed_after_qkv_end": float(freed), "entry_after_sm_freed": float(entry)}
 
 
 def attention_boundaries(layers: list[tuple[Launch, Attention | None, Launch]]) -> dict[str, float]:

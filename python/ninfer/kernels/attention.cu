@@ -65,11 +65,11 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 // timeline as the streamed products. [launch slot][block: split * n_head_kv + KV head][event]; events: 0 entry,
 // 1 the work before grid_dep_wait done, 2 past grid_dep_wait, 3 queries roped and the new K / V row written (the
 // block's barrier), 4 the keys done (the merge's barrier), 5 the output written (and quantized), or this split's
-// part handed to the merge, 6 the dry pass done (0 where the block ran none). backends/stream_trace.py ATT_TRACE_*
-// mirrors the sizes.
+// part handed to the merge, 6 the dry pass done (0 where the block ran none), 7 its SM's id + 1 (not a time: which
+// launch's block it waited for, if for any). backends/stream_trace.py ATT_TRACE_* mirrors the sizes.
 #define ATT_TRACE_LAUNCHES 512
 #define ATT_TRACE_BLOCKS 64
-#define ATT_TRACE_EVENTS 7
+#define ATT_TRACE_EVENTS 8
 __device__ unsigned long long att_trace[ATT_TRACE_LAUNCHES * ATT_TRACE_BLOCKS * ATT_TRACE_EVENTS];
 
 __device__ __forceinline__ unsigned long long att_now() {
@@ -408,6 +408,11 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
 #if GEMV_STREAM_TRACE
     att_mark(trace_slot, trace_blk, 0, t_entry);
     att_mark(trace_slot, trace_blk, 6, 0);  // (set where a dry pass runs)
+    {
+        u32 smid;
+        asm("mov.u32 %0, %%smid;" : "=r"(smid));
+        att_mark(trace_slot, trace_blk, 7, smid + 1ull);
+    }
 #endif
     if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
         grid_dep_wait();
