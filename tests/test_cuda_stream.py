@@ -180,7 +180,7 @@ def test_stream_activation_bytes_and_filled_teams() -> None:
 def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaEngine._room_grid (no GPU): the streamed q/k/v and output projections take the SMs less one a KV head
     (attention's blocks at a short depth), none where that would be more than a quarter of the SMs, and one an SM
-    (0) with GEMV_STREAM_ATT_ROOM=0."""
+    (0) with GEMV_STREAM_ATT_ROOM=0; GEMV_STREAM_ATT_SLACK SMs more left free."""
     from types import SimpleNamespace
 
     from ninfer.backends import cuda_ops as K
@@ -193,6 +193,8 @@ def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.Monkey
     assert (grid(132, 8), grid(132, 2), grid(132, 33), grid(132, 34), grid(20, 8)) == (124, 130, 99, 0, 0)
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_ROOM=0"])
     assert grid(132, 8) == 0
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_SLACK=8"])  # (a trial: SMs left besides attention's)
+    assert (grid(132, 8), grid(132, 25), grid(132, 26)) == (116, 99, 0)
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:

@@ -618,11 +618,15 @@ class CudaEngine:
         t/s, 8 of 132 SMs left; 2026-12-02); and attention's blocks start on their free SMs under q/k/v and run
         their code once before its results land (kernels/attention.cu, the dry pass: 179.1 / 179.2 against 177.5 /
         177.2). Not where that would take more than a quarter of the SMs; GEMV_STREAM_ATT_ROOM=0
-        (NINFER_CUDA_DEFINES) turns it off."""
+        (NINFER_CUDA_DEFINES) turns it off. GEMV_STREAM_ATT_SLACK=N (a trial) leaves N SMs more: q/k/v's blocks
+        take the first SMs the previous down projection's blocks leave and attention's the next, so attention no
+        longer waits for the down projection's slowest blocks (docs/gsq-rco.md, why attention's latest block
+        enters late)."""
         n_kv = self.spec["n_head_kv"]
-        if not K._define("GEMV_STREAM_ATT_ROOM", 1) or 4 * n_kv > self.sms:
+        slack = K._define("GEMV_STREAM_ATT_SLACK", 0)
+        if not K._define("GEMV_STREAM_ATT_ROOM", 1) or 4 * (n_kv + slack) > self.sms:
             return 0
-        return self.sms - n_kv
+        return self.sms - n_kv - slack
 
     def _ops(self, seq: int, greedy: bool, parity: int) -> list[tuple[str, int, Callable[[], None]]]:
         key = (seq, greedy, parity)
