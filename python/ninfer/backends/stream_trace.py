@@ -171,8 +171,8 @@ class Attention:
     done), "dep_wait", "rope" (queries roped, the new K / V row written), "keys", "out" (output written); and on
     the timer, the blocks' median entry, median end of the dry pass (kernels/attention.cu: a one-split decode block
     runs its path once before grid_dep_wait; 0 where none did) and median return from grid_dep_wait (ns); and the
-    latest block's entry, dry pass end and return from its wait (the output projection waits for the last block to
-    end: which of them is late says why)."""
+    latest of each over the blocks, entry, dry pass end and return from the wait (the output projection waits for
+    the last block to end: which of them is late says why), and the SM of the block that entered last."""
     blocks: int
     start_ns: int
     end_ns: int

@@ -77,7 +77,8 @@
 // (GEMV_STREAM_DYNAMIC builds) 0: every chunk past a block's first fill counted, as measured above; N: only the
 // launch's last N rounds (grid chunks a round), the rest static. Two or four counter asks in flight instead of one
 // made the counted launches slower still (169.7 and 166.8 t/s), so the counter's cost is its traffic, not its round
-// trip: counting only the last rounds keeps the balancing at the end, where the tails are, with a tenth of the asks.
+// trip: counting only the last rounds keeps the balancing at the end, where the tails are, with fewer asks (with
+// N = 4 about 7% of gate/up's chunks and 21% of the down projection's).
 #define GEMV_STREAM_DYNAMIC_TAIL 0
 #endif
 #if GEMV_STREAM_DYNAMIC
@@ -448,6 +449,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #endif
 
     if (producer) {  // the rest of the chunks, each once its slot is read
+        // Local chunk i >= stages goes where chunk i - stages was: wait until that one's slot is read.
+        const auto wait_empty = [&](int i) { mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1)); };
         if (lane == 0) {
             for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
 #if GEMV_STREAM_DYNAMIC
@@ -462,18 +465,18 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
             int* ctr = gemv_stream_counter + 2 * (counted ? counter_slot % GEMV_STREAM_COUNTERS : 0);
             int i = min(stages, n_st);
             for (const int n_fixed = counted ? fixed_rounds : n_st; i < n_fixed; ++i) {  // (every one < n_chunks)
-                mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));  // (i >= stages here)
-                issue_chunk(i % stages, (int)blockIdx.x + i * grid);
+                wait_empty(i);  // (i >= stages here)
+                issue(i);
             }
             for (int c = counted ? base + atomicAdd(ctr, 1) : n_chunks; c < n_chunks; ++i) {
                 const int next = base + atomicAdd(ctr, 1);
-                mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
+                wait_empty(i);
                 issue_chunk(i % stages, c);
                 c = next;
             }
             // No more: a slot saying so for each team, at the local chunk each waits for next.
             for (int j = i; j < i + n_teams; ++j) {
-                if (j >= stages) mbar_wait(smem_u32(&empty[j % stages]), (u32)((j / stages - 1) & 1));
+                if (j >= stages) wait_empty(j);
                 chunk_of[j % stages] = -1;
                 mbar_arrive(smem_u32(&full[j % stages]));
             }
@@ -487,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
             }
 #else
             for (int i = stages; i < n_st; ++i) {
-                mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
+                wait_empty(i);
                 issue(i);
             }
 #endif
