@@ -402,25 +402,6 @@ def test_gate_up_gemv_with_swiglu_equals_cpu(n: int) -> None:
     assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
 
 
-def test_attention_launch_follows_the_att_warps_define(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuda_ops.attention (no GPU): the block's threads, its shared memory (the query heads, the warps' tiles,
-    (max, sum) pairs and output rows, kernels/attention.cu) and the splits its merge holds follow ATT_WARPS in
-    NINFER_CUDA_DEFINES as the kernel does (a trial: four warps), eight warps by default."""
-    from types import SimpleNamespace
-
-    from ninfer.backends import cuda_ops as K
-
-    seen = []
-    monkeypatch.setattr(K, "function", lambda name: SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20))
-    monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append((grid, block, kw)))
-    for defines, warps in (([], 8), (["-DATT_WARPS=4"], 4)):
-        monkeypatch.setattr(K, "_DEFINES", defines)
-        smem = 4 * (8 * 128 + warps * 8 * 32 + warps * 8 * 2 + warps * 8 * 128)
-        assert K.attention_smem(128) == smem and K.attention_max_split(128, 5) == warps * 8 * 128 // 10
-        K.attention("params", 1, 3, 8, 128, True, 5)
-        assert seen.pop() == ((3, 8, 1), (32 * warps,), {"shared_mem": smem, "dependent": True})
-
-
 def test_greedy_head_launch_takes_a_warp_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda_ops.gemv's k-split (no GPU): the greedy output head (MODE_ARGMAX) one warp a row, GEMV_HEAD_KS
     overriding it (0: gemv_k_split's rule), every other mode of the same shape gemv_k_split's two warps for 5,120

@@ -496,14 +496,8 @@ def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict
         P(q_out), P(k_pool), P(v_pool), P(page_table), I(page_size)), shared_mem=4 * warps * hd)
 
 
-def att_warps() -> int:
-    """Warps a block of the attention kernels: ATT_WARPS, or the define of that name in NINFER_CUDA_DEFINES (a trial)."""
-    return _define("ATT_WARPS", ATT_WARPS)
-
-
 def attention_smem(hd: int) -> int:
-    w = att_warps()
-    return 4 * (MAX_GROUP * hd + w * MAX_GROUP * 32 + w * MAX_GROUP * 2 + w * MAX_GROUP * hd)
+    return 4 * (MAX_GROUP * hd + ATT_WARPS * MAX_GROUP * 32 + ATT_WARPS * MAX_GROUP * 2 + ATT_WARPS * MAX_GROUP * hd)
 
 
 def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_stride: int, row_seq: int, pos: int,
@@ -527,13 +521,13 @@ def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_st
 def attention_max_split(hd: int, group: int) -> int:
     """The most key splits the last block's merge holds in shared memory (kernels/attention.cu: (m, l) pairs of
     every split and query head of a group in the warps' merge area, ATT_WARPS * MAX_GROUP * hd floats)."""
-    return att_warps() * MAX_GROUP * hd // (2 * group)
+    return ATT_WARPS * MAX_GROUP * hd // (2 * group)
 
 
 def attention_resident(hd: int, group: int) -> int:
     """Blocks of the decode attention kernel the GPU holds at once (its key splits fill them)."""
     fn = function(f"attention_step_hd{hd}_g{group}")
-    return resident_blocks(fn, 32 * att_warps(), attention_smem(hd))
+    return resident_blocks(fn, 32 * ATT_WARPS, attention_smem(hd))
 
 
 def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bool, group: int) -> None:
@@ -542,7 +536,7 @@ def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bo
     name = f"attention_step_hd{hd}_g{group}" if step else f"attention_hd{hd}_g{group}"
     fn, smem = function(name), attention_smem(hd)
     _allow_smem(fn, smem)  # head dim 256: 82 KB
-    launch.kernel(fn, (n_split, n_head_kv, rows), (32 * att_warps(),), (params, *att_trace_arg(name)),
+    launch.kernel(fn, (n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params, *att_trace_arg(name)),
                   shared_mem=smem, dependent=True)
 
 

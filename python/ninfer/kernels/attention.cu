@@ -46,11 +46,7 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
     float* out_d;
 };
 
-#ifndef ATT_WARPS
-// Warps a block (cuda_ops.att_warps reads the same define). 4: a trial with ATT_STEP_MIN_BLOCKS (below), a block
-// that asks for half the registers.
 #define ATT_WARPS 8
-#endif
 #define MAX_GROUP 8
 #ifndef ATT_MMA
 #define ATT_MMA 1
@@ -389,7 +385,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int trace_blk = row == 0 ? split * gridDim.y + g : ATT_TRACE_BLOCKS;  // (decode: one row)
 #endif
     constexpr int ng = NG;  // query heads per KV head: a template parameter, so loops over heads unroll exactly
-    static_assert(32 * ATT_WARPS >= HD, "the split merge writes a head's HD outputs a thread each");
     extern __shared__ float att_sm[];
     float* qs = att_sm;                                  // [ng][HD]
     float* pt = qs + MAX_GROUP * HD;                 // [warps][ng][32] probabilities of the tile
@@ -681,24 +676,12 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
 // The parameters by value (__grid_constant__: read in place from the launch's parameter space, no copy), not
 // through a pointer: the load of a struct from device memory was the first of the round trips before
 // grid_dep_wait, which at short depths ends after the q/k/v launch has (kernels/attention.cu's trace).
-#ifndef ATT_STEP_MIN_BLOCKS
-// A trial: the decode step kernel's blocks a SM the compiler must allow for (__launch_bounds__' second argument):
-// 3 caps its registers at 80 a thread (it uses 244), so a block fits beside one of the down projection's streamed
-// blocks (21 warps of 64 registers, 180 KB of shared memory; attention's 45.5 KB fit the rest) and can start, and
-// run its dry pass, while the last of those blocks still run, instead of waiting for an empty SM.
-#define ATT_STEP_MIN_BLOCKS 1
-#endif
-#if ATT_STEP_MIN_BLOCKS > 1
-#define ATT_STEP_BOUNDS __launch_bounds__(32 * ATT_WARPS, ATT_STEP_MIN_BLOCKS)
-#else
-#define ATT_STEP_BOUNDS __launch_bounds__(32 * ATT_WARPS)  // (the one-argument form: its code as before)
-#endif
 #define ATTN_KERNEL(HD, NG)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_hd##HD##_g##NG(                     \
         const __grid_constant__ AttnParams P ATT_TRACE_PARAM) {                                                \
         attend<HD, NG, false>(P ATT_TRACE_ARG);                                                                \
     }                                                                                                          \
-    extern "C" __global__ void ATT_STEP_BOUNDS attention_step_hd##HD##_g##NG(                                  \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_step_hd##HD##_g##NG(                \
         const __grid_constant__ AttnParams P ATT_TRACE_PARAM) {                                                \
         attend<HD, NG, true>(P ATT_TRACE_ARG);                                                                 \
     }
