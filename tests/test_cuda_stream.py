@@ -94,8 +94,7 @@ def test_streamed_kernel_prefetch_and_trace_arguments_match_its_signature(monkey
 
 def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda_ops._launch_stream, where gemv() builds gemv_gsq8_stream's arguments: the kernel's fifteen parameters
-    and the prefetch's three in its order and C types, then the counter slot in GEMV_STREAM_DYNAMIC builds and the
-    trace slot in trace builds only."""
+    and the prefetch's three in its order and C types, then the trace slot in trace builds only."""
     from ninfer.backends import cuda_ops as K
 
     seen = []
@@ -111,23 +110,14 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
         grid, block, args, extra = seen.pop()
         assert (grid, block, extra) == ((132,), (544,), {"shared_mem": 200_000, "dependent": True})
         assert [int(a) for a in args[:15]] == [77, 1, 5120, 5120, 11, 0, 0, K.MODE_ADD, 0, 1, 4, 8, 0, 0, 5]
-        return [type(a) for a in args], [int(a) for a in args[15:]]
+        return [type(a) for a in args], [int(a) for a in args[15:18]]
 
     monkeypatch.setattr(K, "_DEFINES", [])
     assert launch(prefetch=(3, 4, 5)) == (base, [3, 4, 5])
     assert launch() == (base, [0, 0, 0])
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
-    assert launch() == (base + [i32], [0, 0, 0, 0])
+    assert launch() == (base + [i32], [0, 0, 0])
     assert K.stream_trace_labels == ["add 5120x5120"]
-    # GEMV_STREAM_DYNAMIC builds: the counter slot before the trace slot, launches taking slots in turn
-    monkeypatch.setattr(K, "_stream_launches", K.GEMV_STREAM_COUNTERS - 1)
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_DYNAMIC=1", "-DGEMV_STREAM_TRACE=1"])
-    assert launch() == (base + [i32, i32], [0, 0, 0, K.GEMV_STREAM_COUNTERS - 1, 1])
-    assert launch() == (base + [i32, i32], [0, 0, 0, 0, 2])  # (the counters wrap)
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_DYNAMIC=1"])
-    assert launch() == (base + [i32], [0, 0, 0, 1])
-    assert launch(counted=False) == (base + [i32], [0, 0, 0, -1])  # (the static order; no slot taken)
-    assert launch() == (base + [i32], [0, 0, 0, 2])
 
 
 def test_engine_prefetch_plan() -> None:
@@ -189,8 +179,9 @@ def test_stream_activation_bytes_and_filled_teams() -> None:
 
 def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaEngine._room_grid (no GPU): the streamed q/k/v and output projections take the SMs less one a KV head
-    (attention's blocks at a short depth), none where that would be more than a quarter of the SMs, and one an SM
-    (0) with GEMV_STREAM_ATT_ROOM=0; GEMV_STREAM_ATT_SLACK SMs more left free."""
+    (attention's blocks at a short depth) and 8 more (K.STREAM_ATT_SLACK; GEMV_STREAM_ATT_SLACK=N sets it), without
+    the slack where it would leave more than a quarter of the SMs, none where even attention's would, and one an SM
+    (0) with GEMV_STREAM_ATT_ROOM=0."""
     from types import SimpleNamespace
 
     from ninfer.backends import cuda_ops as K
@@ -199,12 +190,14 @@ def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.Monkey
     def grid(sms: int, n_kv: int) -> int:
         return CudaEngine._room_grid(SimpleNamespace(sms=sms, spec={"n_head_kv": n_kv}))
 
-    monkeypatch.setattr(K, "_DEFINES", [])
-    assert (grid(132, 8), grid(132, 2), grid(132, 33), grid(132, 34), grid(20, 8)) == (124, 130, 99, 0, 0)
+    monkeypatch.setattr(K, "_DEFINES", [])  # (8 SMs of slack, dropped first where they break the quarter rule)
+    assert (grid(132, 8), grid(132, 2), grid(132, 25), grid(132, 26), grid(132, 33), grid(132, 34)) == \
+        (116, 122, 99, 106, 99, 0)
+    assert (grid(46, 4), grid(46, 8), grid(20, 8)) == (42, 38, 0)
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_ROOM=0"])
     assert grid(132, 8) == 0
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_SLACK=8"])  # (a trial: SMs left besides attention's)
-    assert (grid(132, 8), grid(132, 25), grid(132, 26)) == (116, 99, 0)
+    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_SLACK=0"])
+    assert (grid(132, 8), grid(132, 33), grid(132, 34)) == (124, 99, 0)
 
 
 def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
@@ -297,7 +290,7 @@ def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
 @needs_cuda
 @pytest.mark.parametrize("n", [2048, 5120, 6144])
 @pytest.mark.parametrize("mode", ["store", "add", "glu", "pre"])
-def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     """The 3-bit GEMV whose weights stream into shared memory (kernels/gemv_stream.cu) against the CPU's scalar
     reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
@@ -305,8 +298,7 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch:
     as well as the launcher's; 5 and 4 records a lane; block shapes past the kernel's launch bounds
     (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
     (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
-    rounds with one warp a group. In GEMV_STREAM_DYNAMIC builds every launch takes counter slot 0, so each finds
-    the counter its predecessor reset (8,193 rows in chunks of up to four groups: past the ring's static chunks)."""
+    rounds with one warp a group."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
@@ -360,7 +352,6 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int, monkeypatch:
                 assert K.gemv_stream_plan(stream, n, 1, team, ks, stages, consumers // team) is not None
                 for u in (K.GEMV_STREAM_U, K.GEMV_STREAM_U_ALT):
                     out[:] = cp.asarray(base) if base is not None else 0
-                    monkeypatch.setattr(K, "_stream_launches", 0)
                     K.gemv(ACT_GSQ8, descs, len(shapes), total, n, x_d.data.ptr, norm, 1e-6, kmode, pre=pre,
                            gsq_pairs=True, stream=stream, warps_per_block=consumers, k_split=ks, max_stages=stages,
                            stream_team=team, lane_records=u)

@@ -27,6 +27,10 @@ ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
 _DEFINES = os.environ.get("NINFER_CUDA_DEFINES", "").split()
 
 
+# SMs the streamed launches beside attention leave free besides attention's blocks (CudaEngine._room_grid).
+STREAM_ATT_SLACK = 8
+
+
 def _define(name: str, default: int, defines: list[str] | None = None) -> int:
     """A compile-time switch as NINFER_CUDA_DEFINES (or `defines`) gives it, for the launch rules that mirror one."""
     defs = _DEFINES if defines is None else defines
@@ -284,7 +288,6 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 if wider is not None:
                     consumers, plan = one_round, wider
         fill = _define("GEMV_STREAM_FILL_TEAMS", 1)
-        one_slot_teams = False
         if plan is not None and not warps_per_block and fill and (plan[1] < 2 * (consumers // team) or fill > 1) \
                 and groups * plan[0] >= 2 * consumers * sms:
             # A launch of several rounds whose teams would get one ring slot each (the 32B down projection's 27.6
@@ -301,7 +304,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                                       _define("GEMV_STREAM_FILL_CAP", GEMV_STREAM_FILL_CAP)) if fit else 0
             filled = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, teams) if teams else None
             if filled is not None and teams * team > consumers:
-                consumers, plan, one_slot_teams = teams * team, filled, True
+                consumers, plan = teams * team, filled
         fits = plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block
         if stream and not fits:  # asked for by name (a test, scripts/gemv-bench): say so, not the pair kernel's time
             raise ValueError(f"gemv_gsq8_stream cannot take this launch ({consumers} consumers in teams of {team}, "
@@ -319,8 +322,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
                                  f"not {u}")
             _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
-                           ks, team, stages, pq, pd, u, prefetch=prefetch,
-                           counted=_define("GEMV_STREAM_DYNAMIC_FOR", 2) > 1 or one_slot_teams)
+                           ks, team, stages, pq, pd, u, prefetch=prefetch)
             return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
@@ -359,36 +361,15 @@ def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
 
 def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_cols: int, x: int, norm_w: int,
                    eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
-                   prefetch: tuple[int, int, int] | None = None, counted: bool = True) -> None:
+                   prefetch: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), the prefetch's, then the counter slot in GEMV_STREAM_DYNAMIC builds (-1 where not `counted`)
-    and the trace slot in GEMV_STREAM_TRACE builds."""
+    mode, glu_act), the prefetch's, then the trace slot in GEMV_STREAM_TRACE builds."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_prefetch_args(prefetch), *stream_counter_arg(counted),
+                                             I(u), *stream_prefetch_args(prefetch),
                                              *stream_trace_arg(mode, total_rows, n_cols)),
                   shared_mem=smem, dependent=True)
-
-
-GEMV_STREAM_COUNTERS = 1024  # kernels/gemv_stream.cu
-_stream_launches = 0
-
-
-def stream_counter_arg(counted: bool = True) -> tuple:
-    """The streamed kernel's counter slot in GEMV_STREAM_DYNAMIC builds (a trial: its chunks past the ring's first
-    fill handed out at run time): launches take the slots in turn, so the few that run at once (programmatic
-    dependent launch) never share one, and a captured launch keeps its slot for every replay; -1 (the static order)
-    where not `counted` (gemv(): GEMV_STREAM_DYNAMIC_FOR=1 counts only the launches whose teams have one ring slot
-    each, the 32B down projection's; 2, the default, every launch); nothing in other builds, whose kernel has no
-    such argument."""
-    global _stream_launches
-    if not _define("GEMV_STREAM_DYNAMIC", 0):
-        return ()
-    if not counted:
-        return (I(-1),)
-    _stream_launches += 1
-    return (I((_stream_launches - 1) % GEMV_STREAM_COUNTERS),)
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:

@@ -60,32 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_DYNAMIC
-// 1 (a trial): a block's chunks past its ring's first fill (or, GEMV_STREAM_DYNAMIC_TAIL, in the launch's last
-// rounds) are handed out at run time, in order, by a counter of the launch (atomicAdd), instead of b + i * grid: a
-// block that streams faster takes more. The first `stages` chunks of a block stay static (asked before
-// grid_dep_wait as now); the producer tells the consumers each slot's chunk in shared memory (-1: no more, one such
-// slot a team), and the last block done with the counter resets it for the launch's next replay. cuda_ops passes
-// the launch's counter slot (stream_counter_arg; -1: the static order, for the launches GEMV_STREAM_DYNAMIC_FOR
-// leaves out) in these builds only. H200, 32B GSQ3 tg128, every launch of several rounds counted: 177.1 against
-// 184.1 t/s; the down projection's only: 179.8 against 183.7; in the trace the gate/up and down projections' tails
-// fell 3.4 -> 1.2 and 4.0 -> 2.2 µs, the down projection's compute 16.5 -> 16.1, but gate/up's rose 29.5 -> 32.5
-// (2026-12-02, 17:14-17:29 UTC).
-#define GEMV_STREAM_DYNAMIC 0
-#endif
-#ifndef GEMV_STREAM_DYNAMIC_TAIL
-// (GEMV_STREAM_DYNAMIC builds) 0: every chunk past a block's first fill counted, as measured above; N: only the
-// launch's last N rounds (grid chunks a round), the rest static. Two or four counter asks in flight instead of one
-// made the counted launches slower still (169.7 and 166.8 t/s), so the counter's cost is its traffic, not its round
-// trip: counting only the last rounds keeps the balancing at the end, where the tails are, with fewer asks (with
-// N = 4 about 7% of gate/up's chunks and 21% of the down projection's).
-#define GEMV_STREAM_DYNAMIC_TAIL 0
-#endif
-#if GEMV_STREAM_DYNAMIC
-#define GEMV_STREAM_COUNTERS 1024  // cuda_ops.GEMV_STREAM_COUNTERS
-// [slot][next chunk past the static ones, blocks done asking]: zero at load, and again after each launch
-__device__ int gemv_stream_counter[GEMV_STREAM_COUNTERS * 2];
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -203,9 +177,6 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
-#if GEMV_STREAM_DYNAMIC
-    const volatile int* chunk_of;  // [stages]: the chunk in each slot (-1: none left for this team)
-#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -218,11 +189,7 @@ struct StreamConsumer {
         // (at most `stages`) instead of two divisions a chunk.
         int s = team;
         u32 parity = 0;
-#if GEMV_STREAM_DYNAMIC
-        for (int i = team;; i += n_teams, s += n_teams) {
-#else
         for (int i = team; i < n_st; i += n_teams, s += n_teams) {
-#endif
             if (s >= stages) {
                 s -= stages;
                 parity ^= 1;
@@ -231,13 +198,7 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-#if GEMV_STREAM_DYNAMIC
-            const int c = chunk_of[s];
-            if (c < 0) break;
-            const int g = slot < per_step ? c * per_step + slot : g1;
-#else
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
-#endif
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
@@ -317,9 +278,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u,
                                             const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
-#if GEMV_STREAM_DYNAMIC
-                                            , int counter_slot  // (cuda_ops passes it in these builds only)
-#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -329,9 +287,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     extern __shared__ __align__(128) int4 stream_sm[];
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ float partial[32][R];
-#if GEMV_STREAM_DYNAMIC
-    __shared__ int chunk_of[GEMV_STREAM_MAX_STAGES];
-#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
     const bool is_glu = mode == MODE_GLU;
     const int per_group = is_glu ? R / 2 : R;
@@ -369,16 +324,9 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     __syncthreads();
 
     // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
-#if GEMV_STREAM_DYNAMIC
-    // Chunk c (groups [c per_step, + per_step)) into slot s.
-    auto issue_chunk = [&](int s, int c) {
-        chunk_of[s] = c;  // (before the arrival below, which releases it to the consumers' wait)
-        const int ga = c * per_step, gb = min(ga + per_step, g1);
-#else
     auto issue = [&](int i) {
         const int s = i % stages;
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
-#endif
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
@@ -398,10 +346,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     };
     const bool producer = warp == n_cons;
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
-#if GEMV_STREAM_DYNAMIC
-    // Static chunks: local i < stages is chunk blockIdx.x + i * grid, as without the counter.
-    auto issue = [&](int i) { issue_chunk(i % stages, (int)blockIdx.x + i * (int)gridDim.x); };
-#endif
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
         STREAM_TRACE(trace_slot, 1);
@@ -453,47 +397,10 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         const auto wait_empty = [&](int i) { mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1)); };
         if (lane == 0) {
             for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
-#if GEMV_STREAM_DYNAMIC
-            // Past the static chunks (the ring's first fill, or all but the last GEMV_STREAM_DYNAMIC_TAIL rounds),
-            // the launch's counter hands them out in order, the next asked for while the slot for this one empties
-            // (counter_slot < 0: none counted, chunk blockIdx.x + i * grid to the end as without the counter). A
-            // launch whose static chunks cover it (one round: q/k/v, o) never touches the counter.
-            const int grid = (int)gridDim.x, n_chunks = (n_groups + per_step - 1) / per_step;
-            const int rounds = (n_chunks + grid - 1) / grid, tail = GEMV_STREAM_DYNAMIC_TAIL;
-            const int fixed_rounds = tail > 0 ? max(stages, rounds - tail) : stages, base = fixed_rounds * grid;
-            const bool counted = counter_slot >= 0 && base < n_chunks;
-            int* ctr = gemv_stream_counter + 2 * (counted ? counter_slot % GEMV_STREAM_COUNTERS : 0);
-            int i = min(stages, n_st);
-            for (const int n_fixed = counted ? fixed_rounds : n_st; i < n_fixed; ++i) {  // (every one < n_chunks)
-                wait_empty(i);  // (i >= stages here)
-                issue(i);
-            }
-            for (int c = counted ? base + atomicAdd(ctr, 1) : n_chunks; c < n_chunks; ++i) {
-                const int next = base + atomicAdd(ctr, 1);
-                wait_empty(i);
-                issue_chunk(i % stages, c);
-                c = next;
-            }
-            // No more: a slot saying so for each team, at the local chunk each waits for next.
-            for (int j = i; j < i + n_teams; ++j) {
-                if (j >= stages) wait_empty(j);
-                chunk_of[j % stages] = -1;
-                mbar_arrive(smem_u32(&full[j % stages]));
-            }
-            // The last block done asking resets the counter (every block's last ask has returned by then: its
-            // value ended the loop above).
-            if (counted) {
-                if (atomicAdd(ctr + 1, 1) == grid - 1) {
-                    atomicExch(ctr, 0);
-                    atomicExch(ctr + 1, 0);
-                }
-            }
-#else
             for (int i = stages; i < n_st; ++i) {
                 wait_empty(i);
                 issue(i);
             }
-#endif
             // Then a later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions:
             // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
             // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they
@@ -528,9 +435,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
-#if GEMV_STREAM_DYNAMIC
-                              , chunk_of
-#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
