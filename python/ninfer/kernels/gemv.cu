@@ -35,7 +35,7 @@
 #define GEMV_PREFETCH 32768  // bytes of weights a block asks L2 for before it waits for the previous kernel
 #endif
 
-struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_plan.py
+struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_ops.py MAT_DESC
     const u8* w;
     const float* bias;  // may be null
     float* out;

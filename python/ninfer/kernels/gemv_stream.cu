@@ -60,6 +60,16 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
+#ifndef GEMV_STREAM_RING_L2
+// 1 (a trial): at its entry, after the early chunks, the producer asks L2 (cp.async.bulk.prefetch.L2) for the rest
+// of its ring's first fill, the chunks it copies only after the prologue: they come in from memory while the block
+// waits for the previous launch and runs its prologue, and the copies after it read L2. Unlike copies into the ring
+// (GEMV_STREAM_EARLY_CHUNKS, GEMV_STREAM_RING_AT), whose bytes come back to the SM ahead of the prologue's loads of x
+// and delayed them, a prefetch ends in L2. Unlike the tail prefetch of a later launch's shares (the `pf` regions),
+// these are exactly the lines this block reads next. 2: only in the launches that norm their input (q/k/v and
+// gate/up, whose prologues are the long ones). Off by default.
+#define GEMV_STREAM_RING_L2 0
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -348,6 +358,23 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
+#if GEMV_STREAM_RING_L2
+        // The rest of the ring's first fill asked of L2: chunk i's rows as issue() copies them.
+        for (int i = early; i < (GEMV_STREAM_RING_L2 == 1 || !pre_q ? min(stages, n_st) : 0); ++i) {
+            const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
+            const int ra = is_glu ? ga : ga * R, re = is_glu ? gb : min(gb * R, total_rows);
+            for (int k = 0; k < (is_glu ? 2 : 1); ++k) {
+                for (int r = ra; r < re;) {
+                    const MatDesc& m = is_glu ? mats[k] : mats[mat_of(mats, n_mats, r)];
+                    const int end = is_glu ? re : min(re, m.row0 + m.rows);
+                    const u8* src = m.w + (long long)(r - (is_glu ? 0 : m.row0)) * rb;
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                                 ::"l"(src), "r"((u32)(end - r) * rb) : "memory");
+                    r = end;
+                }
+            }
+        }
+#endif
         STREAM_TRACE(trace_slot, 1);
     }
 
