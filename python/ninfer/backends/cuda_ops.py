@@ -27,10 +27,6 @@ ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
 _DEFINES = os.environ.get("NINFER_CUDA_DEFINES", "").split()
 
 
-# SMs the streamed launches beside attention leave free besides attention's blocks (CudaEngine._room_grid).
-STREAM_ATT_SLACK = 8
-
-
 def _define(name: str, default: int, defines: list[str] | None = None) -> int:
     """A compile-time switch as NINFER_CUDA_DEFINES (or `defines`) gives it, for the launch rules that mirror one."""
     defs = _DEFINES if defines is None else defines
@@ -59,6 +55,7 @@ GEMV_STREAM_FILL_CAP = 5  # teams at most where a launch takes a team a ring slo
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
 GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
 STREAM_PREFETCH_CAP = 65536  # bytes a block of each matrix a streamed launch asks L2 for on a later launch's behalf
+STREAM_ATT_SLACK = 8  # SMs q/k/v and the output projection leave free besides attention's (CudaEngine._room_grid)
 # GEMV_STREAM_TRACE builds (scripts/stream-trace): each streamed launch's label, by its trace slot (launch order),
 # and each attention launch's (kernels/attention.cu keeps a trace of its own)
 stream_trace_labels: list[str] = []
