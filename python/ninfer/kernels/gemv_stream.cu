@@ -333,47 +333,42 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     }
     __syncthreads();
 
-    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
-    auto issue = [&](int i) {
+    // Chunk i of this block, a piece per matrix its rows touch: into its ring slot by bulk copies (`copy`), or
+    // asked of L2 (the GEMV_STREAM_RING_L2 trial).
+    auto pieces = [&](int i, bool copy) {
         const int s = i % stages;
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
+        const auto piece = [&](u32 off, const u8* src, u32 bytes) {
+            if (copy) bulk_copy(dst + off, src, bytes, bar);
+            else prefetch_l2_range(src, bytes);
+        };
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
-            mbar_expect_tx(bar, 2 * bytes);
-            bulk_copy(dst, mats[0].w + (long long)ga * rb, bytes, bar);
-            bulk_copy(dst + per_step * rb, mats[1].w + (long long)ga * rb, bytes, bar);
+            if (copy) mbar_expect_tx(bar, 2 * bytes);
+            piece(0u, mats[0].w + (long long)ga * rb, bytes);
+            piece(per_step * rb, mats[1].w + (long long)ga * rb, bytes);
             return;
         }
         const int ra = ga * R, re = min(gb * R, total_rows);
-        mbar_expect_tx(bar, (u32)(re - ra) * rb);
+        if (copy) mbar_expect_tx(bar, (u32)(re - ra) * rb);
         for (int r = ra; r < re;) {
             const MatDesc& m = mats[mat_of(mats, n_mats, r)];
             const int end = min(re, m.row0 + m.rows);
-            bulk_copy(dst + (u32)(r - ra) * rb, m.w + (long long)(r - m.row0) * rb, (u32)(end - r) * rb, bar);
+            piece((u32)(r - ra) * rb, m.w + (long long)(r - m.row0) * rb, (u32)(end - r) * rb);
             r = end;
         }
     };
+    const auto issue = [&](int i) { pieces(i, true); };
     const bool producer = warp == n_cons;
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
 #if GEMV_STREAM_RING_L2
-        // The rest of the ring's first fill asked of L2: chunk i's rows as issue() copies them.
-        for (int i = early; i < (GEMV_STREAM_RING_L2 == 1 || !pre_q ? min(stages, n_st) : 0); ++i) {
-            const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
-            const int ra = is_glu ? ga : ga * R, re = is_glu ? gb : min(gb * R, total_rows);
-            for (int k = 0; k < (is_glu ? 2 : 1); ++k) {
-                for (int r = ra; r < re;) {
-                    const MatDesc& m = is_glu ? mats[k] : mats[mat_of(mats, n_mats, r)];
-                    const int end = is_glu ? re : min(re, m.row0 + m.rows);
-                    const u8* src = m.w + (long long)(r - (is_glu ? 0 : m.row0)) * rb;
-                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                                 ::"l"(src), "r"((u32)(end - r) * rb) : "memory");
-                    r = end;
-                }
-            }
-        }
+        // The rest of the ring's first fill asked of L2, the pieces issue() copies after the prologue (2: only
+        // where the prologue norms x).
+        if (GEMV_STREAM_RING_L2 == 1 || !pre_q)
+            for (int i = early; i < min(stages, n_st); ++i) pieces(i, false);
 #endif
         STREAM_TRACE(trace_slot, 1);
     }
