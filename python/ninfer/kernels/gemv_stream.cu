@@ -60,16 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_RING_L2
-// 1 (a trial): at its entry, after the early chunks, the producer asks L2 (cp.async.bulk.prefetch.L2) for the rest
-// of its ring's first fill, the chunks it copies only after the prologue: they come in from memory while the block
-// waits for the previous launch and runs its prologue, and the copies after it read L2. Unlike copies into the ring
-// (GEMV_STREAM_EARLY_CHUNKS, GEMV_STREAM_RING_AT), whose bytes come back to the SM ahead of the prologue's loads of x
-// and delayed them, a prefetch ends in L2. Unlike the tail prefetch of a later launch's shares (the `pf` regions),
-// these are exactly the lines this block reads next. 2: only in the launches that norm their input (q/k/v and
-// gate/up, whose prologues are the long ones). Off by default.
-#define GEMV_STREAM_RING_L2 0
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -333,43 +323,31 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     }
     __syncthreads();
 
-    // Chunk i of this block, a piece per matrix its rows touch: into its ring slot by bulk copies (`copy`), or
-    // asked of L2 (the GEMV_STREAM_RING_L2 trial).
-    auto pieces = [&](int i, bool copy) {
+    // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
+    auto issue = [&](int i) {
         const int s = i % stages;
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
-        const auto piece = [&](u32 off, const u8* src, u32 bytes) {
-            if (copy) bulk_copy(dst + off, src, bytes, bar);
-            else prefetch_l2_range(src, bytes);
-        };
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
-            if (copy) mbar_expect_tx(bar, 2 * bytes);
-            piece(0u, mats[0].w + (long long)ga * rb, bytes);
-            piece(per_step * rb, mats[1].w + (long long)ga * rb, bytes);
+            mbar_expect_tx(bar, 2 * bytes);
+            bulk_copy(dst, mats[0].w + (long long)ga * rb, bytes, bar);
+            bulk_copy(dst + per_step * rb, mats[1].w + (long long)ga * rb, bytes, bar);
             return;
         }
         const int ra = ga * R, re = min(gb * R, total_rows);
-        if (copy) mbar_expect_tx(bar, (u32)(re - ra) * rb);
+        mbar_expect_tx(bar, (u32)(re - ra) * rb);
         for (int r = ra; r < re;) {
             const MatDesc& m = mats[mat_of(mats, n_mats, r)];
             const int end = min(re, m.row0 + m.rows);
-            piece((u32)(r - ra) * rb, m.w + (long long)(r - m.row0) * rb, (u32)(end - r) * rb);
+            bulk_copy(dst + (u32)(r - ra) * rb, m.w + (long long)(r - m.row0) * rb, (u32)(end - r) * rb, bar);
             r = end;
         }
     };
-    const auto issue = [&](int i) { pieces(i, true); };
     const bool producer = warp == n_cons;
     const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
-#if GEMV_STREAM_RING_L2
-        // The rest of the ring's first fill asked of L2, the pieces issue() copies after the prologue (2: only
-        // where the prologue norms x).
-        if (GEMV_STREAM_RING_L2 == 1 || !pre_q)
-            for (int i = early; i < min(stages, n_st); ++i) pieces(i, false);
-#endif
         STREAM_TRACE(trace_slot, 1);
     }
 
