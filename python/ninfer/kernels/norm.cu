@@ -139,9 +139,13 @@ struct NoMark {
     __device__ __forceinline__ void operator()(int) const {}
 };
 
-template <int V, class Mark = NoMark>
+// LATE (a trial, kernels/gemv_stream.cu GEMV_STREAM_NORM_LATE): the groups are quantized from x * w, unscaled, and
+// each warp's sum of squares is left in late_sums[warp] for the caller, who applies the norm's scale (a positive
+// scalar, so it commutes with the groups' int8 quantization up to rounding) to the products' results: the block's
+// reduction leaves the path between the loads of x and the quantization.
+template <int V, bool LATE = false, class Mark = NoMark>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark()) {
+                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark(), double* late_sums = nullptr) {
     // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
     // 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy (67 -> 72, 121 -> 126).
     constexpr int KEEP = V == 4 ? NORM_QUANT_KEEP / V : 0;
@@ -153,6 +157,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     // reduction waits on no load (H200, 32B GSQ3 tg128 172.3 / 172.1 against 169.2 / 169.6 t/s, 2026-12-02).
     float kept[KEEP > 0 ? KEEP : 1][V], kept_w[KEEP > 0 ? KEEP : 1][V];
     float scale = 1.0f;
+    double late_s = 0.0;  // (LATE: this thread's sum of squares)
     if (w) {
         double s = 0.0;
         if (KEEP) {  // the second pass's mapping: the warp's groups, V consecutive elements a lane
@@ -185,16 +190,20 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
             }
         }
         mark(0);
-        s = warp_sum_d(s);
-        if (lane == 0) red[warp] = s;
-        __syncthreads();
-        if (warp == 0) {
-            double t = lane < n_warps ? red[lane] : 0.0;
-            t = warp_sum_d(t);
-            if (lane == 0) s_scale = 1.0f / sqrtf((float)(t / (double)n) + eps);
+        if constexpr (LATE) {
+            late_s = s;
+        } else {
+            s = warp_sum_d(s);
+            if (lane == 0) red[warp] = s;
+            __syncthreads();
+            if (warp == 0) {
+                double t = lane < n_warps ? red[lane] : 0.0;
+                t = warp_sum_d(t);
+                if (lane == 0) s_scale = 1.0f / sqrtf((float)(t / (double)n) + eps);
+            }
+            __syncthreads();
+            scale = s_scale;
         }
-        __syncthreads();
-        scale = s_scale;
         mark(1);
     }
 #pragma unroll
@@ -224,6 +233,12 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
             for (int k = 0; k < V; ++k) y[k] = (y[k] * scale) * wv[k];
         }
         quantize_group<V>(act, g, y, out_q, out_d, out_s, out_h, out_f);
+    }
+    if constexpr (LATE) {
+        if (w) {
+            late_s = warp_sum_d(late_s);
+            if (lane == 0) late_sums[warp] = late_s;
+        }
     }
 }
 
