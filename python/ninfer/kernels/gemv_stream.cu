@@ -60,13 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_NORM_LATE
-// 1 (a trial): the norm prologue quantizes x * w without the norm's scale and leaves each warp's sum of squares in
-// shared memory (norm.cu norm_quant_v's LATE); the consumer applies the scale to each row's result as it writes it,
-// computing it from those sums at its first row. The block's reduction (two barriers and warp 0's sum between them,
-// the trace's `norm_sum`, 0.7-1.4 µs) leaves the prologue's path. Off by default.
-#define GEMV_STREAM_NORM_LATE 0
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -79,7 +72,8 @@
 // [launch slot][block][event][globaltimer ns, clock64]. Events: 0 entry, 1 the first chunks asked for (producer),
 // 2 past grid_dep_wait, 3 the activation ready (past the prologue's barrier), 4 consumer warp 0's first chunk
 // arrived, 5 consumer warp 0 done, 6 the last consumer warp done (atomicMax), 7 (the SM id, the grid size); in the
-// norm prologue, thread 0's 8 loads of x summed and 9 the block's scale known (norm.cu norm_quant_v's marks); 10 the
+// norm prologue, thread 0's 8 loads of x summed and 9 past the sum's step (norm.cu norm_quant_v's marks: with the
+// scale applied late, LATE, nothing waits there); 10 the
 // block's first chunk (slot 0, asked before grid_dep_wait) seen landed by thread 0, at the first of its checks past
 // events 2, 8, 9 and 3 that found it so (0: not by the end of the prologue).
 __device__ unsigned long long gemv_stream_trace[GEMV_STREAM_TRACE_LAUNCHES * GEMV_STREAM_TRACE_BLOCKS *
@@ -184,11 +178,11 @@ struct StreamConsumer {
     float (*partial)[GEMV_R];
     const int* aq;
     const float* d;
-#if GEMV_STREAM_NORM_LATE
-    const double* late_sums;  // (null: no norm prologue, or its scale already applied)
+    // The norm prologue's warps' sums of squares (norm.cu norm_quant_v's LATE), whose scale each row's result takes
+    // as it is written; null where the launch has no norm.
+    const double* late_sums;
     int late_warps, n_cols;
     float eps;
-#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -201,9 +195,7 @@ struct StreamConsumer {
         // (at most `stages`) instead of two divisions a chunk.
         int s = team;
         u32 parity = 0;
-#if GEMV_STREAM_NORM_LATE
         float norm_scale = 0.0f;  // (0: not yet computed; lane 0 of the warps that write rows only)
-#endif
         for (int i = team; i < n_st; i += n_teams, s += n_teams) {
             if (s >= stages) {
                 s -= stages;
@@ -262,7 +254,6 @@ struct StreamConsumer {
                 team_sync(team, team_warps * WARP);
             }
             if (lane != 0 || sub != 0 || g >= g1) continue;
-#if GEMV_STREAM_NORM_LATE
             if (late_sums) {
                 if (norm_scale == 0.0f) {  // the warps' sums in a fixed order: every warp gets the same scale
                     double t = 0.0;
@@ -272,7 +263,6 @@ struct StreamConsumer {
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] *= norm_scale;
             }
-#endif
             const int first = g * per_group;
             if (is_glu) {
                 mats[0].out[first] = glu(acc[0], acc[1], glu_act);
@@ -313,9 +303,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     extern __shared__ __align__(128) int4 stream_sm[];
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ float partial[32][R];
-#if GEMV_STREAM_NORM_LATE
     __shared__ double late_sums[GEMV_STREAM_MAX_WARPS];
-#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
     const bool is_glu = mode == MODE_GLU;
     const int per_group = is_glu ? R / 2 : R;
@@ -411,12 +399,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #else
         const NoMark mark;
 #endif
-#if GEMV_STREAM_NORM_LATE
+        // The groups quantized from x * w, the norm's scale left to the consumers (norm_quant_v's LATE), so the
+        // block's reduction is off the prologue's path: its trace's norm_sum 0.12 µs against 0.7-1.4, the q/k/v and
+        // gate/up prologues 2.39 and 2.59 µs against 2.95 and 3.6. H200, 32B GSQ3 tg128 186.18 / 186.01 against
+        // 185.59 / 185.55 t/s (2026-12-03).
         norm_quant_v<4, true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0, mark,
                               late_sums);
-#else
-        norm_quant_v<4>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0, mark);
-#endif
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }
@@ -469,9 +457,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
-#if GEMV_STREAM_NORM_LATE
                               , (!pre_q && norm_w) ? late_sums : nullptr, (int)(blockDim.x >> 5), n_cols, eps
-#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif

@@ -139,7 +139,7 @@ struct NoMark {
     __device__ __forceinline__ void operator()(int) const {}
 };
 
-// LATE (a trial, kernels/gemv_stream.cu GEMV_STREAM_NORM_LATE): the groups are quantized from x * w, unscaled, and
+// LATE (the streamed GEMV's prologue, kernels/gemv_stream.cu): the groups are quantized from x * w, unscaled, and
 // each warp's sum of squares is left in late_sums[warp] for the caller, who applies the norm's scale (a positive
 // scalar, so it commutes with the groups' int8 quantization up to rounding) to the products' results: the block's
 // reduction leaves the path between the loads of x and the quantization.
