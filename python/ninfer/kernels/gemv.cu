@@ -31,11 +31,6 @@
 #ifndef GEMV_Q4K_L2HINT
 #define GEMV_Q4K_L2HINT 1  // ld_stream16 for the unit-per-lane Q4_K loads (0: plain loads)
 #endif
-#ifndef GEMV_NORM_LATE
-// 1 (a trial): the GSQ8 kernels' norm prologue as the streamed kernel's (norm.cu norm_quant_v's LATE): x * w
-// quantized before the norm's scale is known, the scale applied to each row's result. Off by default.
-#define GEMV_NORM_LATE 0
-#endif
 #ifndef GEMV_PREFETCH
 #define GEMV_PREFETCH 32768  // bytes of weights a block asks L2 for before it waits for the previous kernel
 #endif
@@ -664,10 +659,6 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
     const int first_unit = sub * WARP + lane, unit_step = ks * WARP;
     const u8* w[R];
     int ty[R], row[R], mi[R];
-    constexpr bool LATE = GEMV_NORM_LATE && ACT == ACT_GSQ8;
-    __shared__ double late_sums[LATE ? 32 : 1];  // (LATE: the warps' sums of squares)
-    const bool late = LATE && norm_w && !pre_q;
-    float norm_scale = 0.0f;  // (late: computed at the first row written)
 
     // Before the previous kernel's results are needed: ask L2 for this warp's rows of its first steps (up to
     // GEMV_PREFETCH bytes per block), so their loads overlap the previous kernel's tail and this one's prologue.
@@ -702,8 +693,7 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         float2* sums = (float2*)(d + (n_cols >> 5));
         float* f = (float*)gemv_sm;
         constexpr int V = ACT == ACT_Q8_K ? 8 : ACT == ACT_GSQ8 ? 4 : 1;  // norm.cu's group shape of the kind
-        norm_quant_v<V, LATE>(x, norm_w, eps, n_cols, PAIRS ? ACT_GSQ8_PAIRS : ACT, quant ? q : 0, d, sums, 0,
-                              quant ? 0 : f, NoMark(), late_sums);
+        norm_quant_v<V>(x, norm_w, eps, n_cols, PAIRS ? ACT_GSQ8_PAIRS : ACT, quant ? q : 0, d, sums, 0, quant ? 0 : f);
         __syncthreads();
         act_q = quant ? (const void*)q : (const void*)f;
         sd = d;
@@ -743,15 +733,6 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
             __syncthreads();
         }
         if (lane != 0 || sub != 0 || g >= n_groups) continue;
-        if (late) {
-            if (norm_scale == 0.0f) {  // the warps' sums in a fixed order: every warp gets the same scale
-                double t = 0.0;
-                for (int i = 0; i < n_warps; ++i) t += late_sums[i];
-                norm_scale = 1.0f / sqrtf((float)(t / (double)n_cols) + eps);
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] *= norm_scale;
-        }
         if (is_glu) {
 #pragma unroll
             for (int r = 0; r < R; r += 2)
