@@ -258,7 +258,7 @@ struct StreamConsumer {
                 if (norm_scale == 0.0f) {  // the warps' sums in a fixed order: every warp gets the same scale
                     double t = 0.0;
                     for (int w = 0; w < late_warps; ++w) t += late_sums[w];
-                    norm_scale = 1.0f / sqrtf((float)(t / (double)n_cols) + eps);
+                    norm_scale = rms_scale(t, n_cols, eps);
                 }
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] *= norm_scale;

@@ -99,6 +99,11 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
     }
 }
 
+// RMSNorm's scale from a row's sum of squares (accumulated in double, as the CPU does): 1 / sqrt(mean + eps).
+__device__ __forceinline__ float rms_scale(double sum_sq, int n, float eps) {
+    return 1.0f / sqrtf((float)(sum_sq / (double)n) + eps);
+}
+
 // One row's norm + quantization by the whole thread block (any multiple of 32 threads), into global or shared
 // memory: a pass over x for the sum of squares, then the kind's groups (NORM_QUANT_KEEP: a lane's first groups
 // kept in registers from the first pass). x is read with __ldcg (L2, not L1): a GEMV's prologue reads a vector the
@@ -199,7 +204,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
             if (warp == 0) {
                 double t = lane < n_warps ? red[lane] : 0.0;
                 t = warp_sum_d(t);
-                if (lane == 0) s_scale = 1.0f / sqrtf((float)(t / (double)n) + eps);
+                if (lane == 0) s_scale = rms_scale(t, n, eps);
             }
             __syncthreads();
             scale = s_scale;
@@ -285,7 +290,7 @@ __device__ void head_rms_norm(float* v, const float* w, int dim, float eps) {
     double s = 0.0;
     for (int i = lane; i < dim; i += WARP) s += (double)(v[i] * v[i]);
     s = warp_sum_d(s);
-    float scale = 1.0f / sqrtf((float)(s / (double)dim) + eps);
+    float scale = rms_scale(s, dim, eps);
     __syncwarp();
     for (int i = lane; i < dim; i += WARP) v[i] = (v[i] * scale) * w[i];
     __syncwarp();
@@ -308,7 +313,7 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float e
     if (warp == 0) {
         double t = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0;
         t = warp_sum_d(t);
-        if (lane == 0) s_scale = 1.0f / sqrtf((float)(t / (double)n) + eps);
+        if (lane == 0) s_scale = rms_scale(t, n, eps);
     }
     __syncthreads();
     for (int i = tid; i < n; i += blockDim.x) {
