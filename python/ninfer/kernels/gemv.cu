@@ -364,6 +364,9 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
     return gsq3_scale(r.hd, isum, msum, ad[4 * r.rec]);
 }
 
+#ifndef GEMV_STAGE_BATCH
+#define GEMV_STAGE_BATCH 0  // (a trial: stage_gsq8_pairs_act's loads batched, below)
+#endif
 #ifndef GEMV_GSQ_PAIRS_STAGE
 // The pair kernel copies a pre-quantized activation (the down projection's) into shared memory first, so its
 // loop reads the activation by LDS from one 32-bit address instead of generic loads from 64-bit ones. H200, 32B
@@ -378,8 +381,28 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
 __device__ __forceinline__ const float* stage_gsq8_pairs_act(int4* dst, const void* pre_q, const float* pre_d,
                                                              int n) {
     const int n_q = gsq8_pairs_at(n) >> 4, n_d = n >> 7;  // 16-byte vectors: codes, scales (4 a record)
+#if GEMV_STAGE_BATCH
+    // Codes and scales as one run of vectors, a thread's four loaded before any is stored: the stores into shared
+    // memory kept the next load behind them, so a thread with several vectors (the down projection: three or four,
+    // the output projection's first 40 threads: two) made that many round trips to L2 one after another.
+    const int n_all = n_q + n_d;
+    for (int i0 = threadIdx.x; i0 < n_all; i0 += 4 * blockDim.x) {
+        int4 t[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = i0 + k * blockDim.x;
+            if (i < n_all) t[k] = __ldcg(i < n_q ? (const int4*)pre_q + i : (const int4*)pre_d + (i - n_q));
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = i0 + k * blockDim.x;
+            if (i < n_all) dst[i] = t[k];
+        }
+    }
+#else
     for (int i = threadIdx.x; i < n_q; i += blockDim.x) dst[i] = __ldcg((const int4*)pre_q + i);
     for (int i = threadIdx.x; i < n_d; i += blockDim.x) dst[n_q + i] = __ldcg((const int4*)pre_d + i);
+#endif
     return (const float*)(dst + n_q);
 }
 
