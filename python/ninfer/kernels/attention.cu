@@ -47,9 +47,6 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 };
 
 #define ATT_WARPS 8
-#ifndef ATT_V_LOADS_FIRST
-#define ATT_V_LOADS_FIRST 0  // (a trial: the decode form's V row loaded whole before it is stored)
-#endif
 #define MAX_GROUP 8
 #ifndef ATT_MMA
 #define ATT_MMA 1
@@ -483,20 +480,17 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                         for (int i = lane; i < HD; i += WARP) P.k_pool[cell * HD + i] = f2h(v[i]);
                 } else if (warp == ATT_WARPS - 2 && !dry) {
                     const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
-#if ATT_V_LOADS_FIRST
                     // Every load before any store: the compiler cannot tell the pool's stores from the q/k/v
-                    // buffer's loads apart, so a loop of load-then-store made HD / 32 round trips to L2, one after
-                    // another, where one will do.
+                    // buffer's loads apart, so a loop of load-then-store made HD / 32 round trips to L2 one after
+                    // another (this warp's, the longest of the stage), where one will do. H200, 32B GSQ3 tg128
+                    // 189.2 / 189.3 against 186.3 / 186.3 t/s; the trace's RoPE stage 0.93 µs against 2.05
+                    // (2026-12-03, docs/gsq-rco-gpu.md).
                     float t[HD / WARP];
 #pragma unroll
                     for (int k = 0; k < HD / WARP; ++k)
                         t[k] = vs[lane + WARP * k] + (P.bias_v ? P.bias_v[g * HD + lane + WARP * k] : 0.0f);
 #pragma unroll
                     for (int k = 0; k < HD / WARP; ++k) P.v_pool[cell * HD + lane + WARP * k] = f2h(t[k]);
-#else
-                    for (int i = lane; i < HD; i += WARP)
-                        P.v_pool[cell * HD + i] = f2h(vs[i] + (P.bias_v ? P.bias_v[g * HD + i] : 0.0f));
-#endif
                 }
             }
             __threadfence_block();

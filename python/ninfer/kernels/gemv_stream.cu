@@ -38,11 +38,6 @@
 // (cuda_ops.gsq_stream_lane_records: the 32B down projection, 432 records a group over four warps, 84% full by 4
 // against 68% by 5).
 #define GEMV_STREAM_U_ALT 4
-#ifndef GEMV_STREAM_EPI
-// Trial (0: off): the epilogue of a row pair (lane 0 of a group's first warp) with both rows' loads before either
-// store (1), and those loads asked for at the chunk's start by cp.async into the warp's scratch (2).
-#define GEMV_STREAM_EPI 0
-#endif
 #ifndef GEMV_STREAM_EVICT_FIRST
 // 1: the copies ask L2 to evict the streamed weights first: they are read once a token, and should not push out
 // the activations, the KV pages and the lines other launches prefetch (H200, 32B GSQ3 tg128 132.2 against 131.0 t/s
@@ -161,13 +156,6 @@ __device__ __forceinline__ void gsq3_half_lds(u32 a, int h, Gsq3Half& t) {
                  : "=r"(t.hd.x), "=r"(t.hd.y), "=r"(t.hd.z), "=r"(t.hd.w) : "r"(a + 48));
 }
 
-#if GEMV_STREAM_EPI == 2
-// 4 bytes from global src to shared dst, asynchronously (cp.async; cp.async.wait_all in the same thread waits).
-__device__ __forceinline__ void cp_async4(u32 dst, const float* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(__cvta_generic_to_global(src)) : "memory");
-}
-#endif
-
 // A team's own barrier, 1 + team (barrier 0 is __syncthreads', which the producer has left by then).
 __device__ __forceinline__ void team_sync(int team, int n_threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(n_threads) : "memory");
@@ -195,9 +183,6 @@ struct StreamConsumer {
     const double* late_sums;
     int late_warps, n_cols;
     float eps;
-#if GEMV_STREAM_EPI == 2
-    float (*epi)[2 * GEMV_R];  // (each warp's scratch for its epilogue's loads)
-#endif
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -216,34 +201,11 @@ struct StreamConsumer {
                 s -= stages;
                 parity ^= 1;
             }
-#if GEMV_STREAM_EPI == 2
-            const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
-            if (lane == 0 && sub == 0 && g < g1 && !is_glu) {
-                // The epilogue's loads asked for now, into this warp's scratch (cp.async: no register held), so
-                // that they land while the chunk's dot products run.
-                const int first = g * per_group;
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    if (first + r < total_rows) {
-                        const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
-                        const int local = first + r - m.row0;
-                        if (m.bias) cp_async4(smem_u32(&epi[warp][2 * r]), m.bias + local);
-                        if (mode == MODE_ADD) cp_async4(smem_u32(&epi[warp][2 * r + 1]), m.out + local);
-                    }
-                }
-                asm volatile("cp.async.commit_group;" ::: "memory");
-            }
-            mbar_wait(smem_u32(&full[s]), parity);
-#if GEMV_STREAM_TRACE
-            if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
-#endif
-#else
             mbar_wait(smem_u32(&full[s]), parity);
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
-#endif
             const u32 base = ring + s * stage_bytes;
             float acc[R];
 #pragma unroll
@@ -306,36 +268,6 @@ struct StreamConsumer {
                 mats[0].out[first] = glu(acc[0], acc[1], glu_act);
                 continue;
             }
-#if GEMV_STREAM_EPI == 2
-            asm volatile("cp.async.wait_all;" ::: "memory");
-            const float epi_pre[2 * R] = {epi[warp][0], epi[warp][1], epi[warp][2], epi[warp][3]};
-#endif
-#if GEMV_STREAM_EPI
-            // Both rows' loads (descriptor, bias, the residual) before either store: the compiler cannot tell the
-            // stores from the next row's loads apart, so row by row they made two chains of round trips to L2.
-            float v[R], old[R];
-            float* dst[R];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                dst[r] = nullptr;
-                v[r] = old[r] = 0.0f;
-                if (first + r < total_rows) {
-                    const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
-                    const int local = first + r - m.row0;
-#if GEMV_STREAM_EPI == 2
-                    const float b = m.bias ? epi_pre[2 * r] : 0.0f, o = mode == MODE_ADD ? epi_pre[2 * r + 1] : 0.0f;
-#else
-                    const float b = m.bias ? m.bias[local] : 0.0f, o = mode == MODE_ADD ? m.out[local] : 0.0f;
-#endif
-                    v[r] = acc[r] + b;
-                    old[r] = o;
-                    dst[r] = m.out + local;
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (dst[r]) *dst[r] = mode == MODE_ADD ? old[r] + v[r] : v[r];
-#else
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (first + r < total_rows) {
@@ -346,7 +278,6 @@ struct StreamConsumer {
                     else m.out[local] = v;
                 }
             }
-#endif
         }
 #if GEMV_STREAM_TRACE
         if (lane == 0) {
@@ -373,9 +304,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ float partial[32][R];
     __shared__ double late_sums[GEMV_STREAM_MAX_WARPS];
-#if GEMV_STREAM_EPI == 2
-    __shared__ float epi_sm[GEMV_STREAM_MAX_WARPS][2 * R];
-#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_cons = (blockDim.x >> 5) - 1;
     const bool is_glu = mode == MODE_GLU;
     const int per_group = is_glu ? R / 2 : R;
@@ -530,9 +458,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
                               , (!pre_q && norm_w) ? late_sums : nullptr, (int)(blockDim.x >> 5), n_cols, eps
-#if GEMV_STREAM_EPI == 2
-                              , epi_sm
-#endif
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
