@@ -47,6 +47,11 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 };
 
 #define ATT_WARPS 8
+#ifndef ATT_CELLS_EARLY
+// Trial (0: off): the decode form looks up its first key tile's cache cells (the page table, constant through a
+// step) before grid_dep_wait, so the keys stage's loads of K and V wait on no table load after it.
+#define ATT_CELLS_EARLY 0
+#endif
 #define MAX_GROUP 8
 #ifndef ATT_MMA
 #define ATT_MMA 1
@@ -102,6 +107,9 @@ struct WarpKeys {
     float* wml;       // [warps][MAX_GROUP][2]
     float* wacc;      // [warps][MAX_GROUP][HD]
     int warp, lane;
+#if ATT_CELLS_EARLY
+    u32 first_cell;  // (the cache cell of this lane's key in the warp's first tile, looked up before grid_dep_wait)
+#endif
 };
 
 // CUDA cores: a lane per key for q . k (the key row in 16-byte loads), a lane per output dimension for p . V.
@@ -267,7 +275,12 @@ __device__ __forceinline__ void warp_keys_mma(const WarpKeys& W) {
     for (int t0 = W.s0 + 32 * W.warp; t0 < W.s1; t0 += 32 * ATT_WARPS) {
         // The cache cell of key t0 + lane (an invalid key points at key t0's), shared with the lanes that load it.
         const int key = t0 + lane, kk = key < W.s1 ? key : t0;
+#if ATT_CELLS_EARLY
+        const u32 cell = t0 == W.s0 + 32 * W.warp ? W.first_cell
+                                                  : (u32)kv_cell(W.table, kk, W.page_size, W.n_head_kv, W.g);
+#else
         const u32 cell = (u32)kv_cell(W.table, kk, W.page_size, W.n_head_kv, W.g);  // < 2^32: 1 TB of f16 rows
+#endif
         uint4 kd[4][KC], vd[2][4][VC];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -434,6 +447,13 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     constexpr int RK = (HD + 63) / 64;
     RopeCS cs;
     if (STEP) cs = rope_cs<RK>(p, P.rope_dims, P.theta_scale, P.freq_scale);
+#if ATT_CELLS_EARLY
+    u32 first_cell = 0;
+    {
+        const int t0 = s0 + 32 * warp, key = t0 + lane;
+        if (t0 < s1) first_cell = (u32)kv_cell(table, key < s1 ? key : t0, page_size, n_head_kv, g);
+    }
+#endif
     ATT_MARK(1);
     grid_dep_launch();
     // A one-split decode block (short contexts) runs its path after grid_dep_wait once before it: a dry pass on
@@ -501,7 +521,11 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
         __syncthreads();
         if (!dry) ATT_MARK(3);
         const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp,
-                            lane};
+                            lane
+#if ATT_CELLS_EARLY
+                            , first_cell
+#endif
+                            };
 #if ATT_MMA
         if constexpr (HD % 64 == 0 && HD <= 128)
             warp_keys_mma<HD, NG>(W);
