@@ -402,6 +402,29 @@ def test_gate_up_gemv_with_swiglu_equals_cpu(n: int) -> None:
     assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
 
 
+@needs_cuda
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("rows,n", [(1, 640), (1, 5376), (3, 1152)])
+def test_rms_norm_rows_equals_cpu(rows: int, n: int, add: bool) -> None:
+    """rms_norm_rows (gemma's post-attention and post-FFN norms, a decode step's row or a prompt's rows): out =
+    RMSNorm(x) * w, or out += it, a row per block, against the CPU's norm (sum of squares in f64); widths of the
+    270M and 27B gemma3 shapes and one more, so a block's threads take several elements each."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+
+    rng = np.random.default_rng(29)
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    base = rng.standard_normal((rows, n)).astype(np.float32)
+    ref = np.stack([rms_norm_ref(x[r], w, 1e-6) for r in range(rows)])
+    if add:
+        ref = base + ref
+    x_d, w_d, out = cp.asarray(x), cp.asarray(w), cp.asarray(base)
+    K.rms_norm_rows(rows, x_d.data.ptr, w_d.data.ptr, 1e-6, n, out.data.ptr, add)
+    assert nmse(out.get(), ref) < 1e-12, nmse(out.get(), ref)
+
+
 def test_greedy_head_launch_takes_a_warp_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda_ops.gemv's k-split (no GPU): the greedy output head (MODE_ARGMAX) one warp a row, GEMV_HEAD_KS
     overriding it (0: gemv_k_split's rule), every other mode of the same shape gemv_k_split's two warps for 5,120
