@@ -148,9 +148,26 @@ struct NoMark {
 // each warp's sum of squares is left in late_sums[warp] for the caller, who applies the norm's scale (a positive
 // scalar, so it commutes with the groups' int8 quantization up to rounding) to the products' results: the block's
 // reduction leaves the path between the loads of x and the quantization.
-template <int V, bool LATE = false, class Mark = NoMark>
+// The norm weights of the groups norm_quant_v keeps in registers (KEEP a warp, V a lane), loaded ahead, e.g. before
+// grid_dep_wait (they do not depend on the previous kernel): norm_quant_v's `pre_w`.
+template <int V, int KEEP = (V == 4 ? NORM_QUANT_KEEP / V : 0)>
+struct NormWeights {
+    float w[KEEP > 0 ? KEEP : 1][V];
+
+    __device__ __forceinline__ void load(const float* wp, int n) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+        for (int j = 0; j < KEEP; ++j) {
+            const int g = warp + j * n_warps;
+            if (g < n / (32 * V)) load_floats<V, false>(wp + 32 * V * g + V * lane, w[j]);
+        }
+    }
+};
+
+template <int V, bool LATE = false, class Mark = NoMark, bool PRE_W = false>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark(), double* late_sums = nullptr) {
+                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark(), double* late_sums = nullptr,
+                             const NormWeights<V>* pre_w = nullptr) {
     // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
     // 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy (67 -> 72, 121 -> 126).
     constexpr int KEEP = V == 4 ? NORM_QUANT_KEEP / V : 0;
@@ -171,7 +188,12 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
                 const int g = warp + j * n_warps;
                 if (g < n_groups) {
                     load_floats<V, true>(x + 32 * V * g + V * lane, kept[j]);
-                    load_floats<V, false>(w + 32 * V * g + V * lane, kept_w[j]);
+                    if constexpr (PRE_W) {
+#pragma unroll
+                        for (int k = 0; k < V; ++k) kept_w[j][k] = pre_w->w[j][k];
+                    } else {
+                        load_floats<V, false>(w + 32 * V * g + V * lane, kept_w[j]);
+                    }
                 }
             }
 #pragma unroll
