@@ -144,13 +144,17 @@ struct NoMark {
     __device__ __forceinline__ void operator()(int) const {}
 };
 
-// LATE (the streamed GEMV's prologue, kernels/gemv_stream.cu): the groups are quantized from x * w, unscaled, and
-// each warp's sum of squares is left in late_sums[warp] for the caller, who applies the norm's scale (a positive
-// scalar, so it commutes with the groups' int8 quantization up to rounding) to the products' results: the block's
-// reduction leaves the path between the loads of x and the quantization.
+// Groups a warp of norm_quant_v keeps in registers: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept
+// floats took gemv_q8_k from 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy
+// (67 -> 72, 121 -> 126).
+template <int V>
+__device__ constexpr int norm_keep() {
+    return V == 4 ? NORM_QUANT_KEEP / V : 0;
+}
+
 // The norm weights of the groups norm_quant_v keeps in registers (KEEP a warp, V a lane), loaded ahead, e.g. before
 // grid_dep_wait (they do not depend on the previous kernel): norm_quant_v's `pre_w`.
-template <int V, int KEEP = (V == 4 ? NORM_QUANT_KEEP / V : 0)>
+template <int V, int KEEP = norm_keep<V>()>
 struct NormWeights {
     float w[KEEP > 0 ? KEEP : 1][V];
 
@@ -164,13 +168,16 @@ struct NormWeights {
     }
 };
 
+// LATE (the streamed GEMV's prologue, kernels/gemv_stream.cu): the groups are quantized from x * w, unscaled, and
+// each warp's sum of squares is left in late_sums[warp] for the caller, who applies the norm's scale (a positive
+// scalar, so it commutes with the groups' int8 quantization up to rounding) to the products' results: the block's
+// reduction leaves the path between the loads of x and the quantization. PRE_W: the kept groups' norm weights come
+// from `pre_w`, loaded by the caller (the GEMV_STREAM_NORM_W_EARLY trial).
 template <int V, bool LATE = false, class Mark = NoMark, bool PRE_W = false>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
                              float2* out_s, u16* out_h, float* out_f, Mark mark = Mark(), double* late_sums = nullptr,
                              const NormWeights<V>* pre_w = nullptr) {
-    // Groups a warp keeps: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept floats took gemv_q8_k from
-    // 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy (67 -> 72, 121 -> 126).
-    constexpr int KEEP = V == 4 ? NORM_QUANT_KEEP / V : 0;
+    constexpr int KEEP = norm_keep<V>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
     const int n_groups = n / (32 * V);
     __shared__ double red[32];
