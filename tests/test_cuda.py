@@ -4,6 +4,7 @@ when CuPy or the GPU is missing) run everywhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import ninfer
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.errors import BackendUnavailableError
-from ninfer.synth import TYPES, random_blocks, write_synthetic
+from ninfer.synth import SHAPES, TYPES, random_blocks, write_synthetic
 
 from conftest import model_path
 from cuda_helpers import needs_cuda, nmse, rms_norm_ref, teacher_forced
@@ -704,6 +705,19 @@ def test_synthetic_1_5b_teacher_forced_greedy_gpu_agrees_with_cpu(ty: str, tmp_p
     differ = [i for i in range(64) if gpu[i] != cpu[i]]
     # 0.25: above the margins at which the CPU engine flips against itself under a 1e-7 input perturbation (up to
     # 0.21, scripts/noise-floor); the GPU's sums run in another order (K-split warps, persistent blocks).
+    assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
+    assert len(differ) <= 6, differ
+
+
+@needs_cuda
+@pytest.mark.parametrize("ty", ["F32", "Q8_0", "Q4_K", "GSQ3"])
+def test_synthetic_gemma3_teacher_forced_greedy_gpu_agrees_with_cpu(ty: str, tmp_path: Path) -> None:
+    # Gemma 3's own steps on the GPU: q/k norms, 256-wide heads, GELU, the post-norms, the scaled embedding, and
+    # the local layers' window (32 here, so the 72-token sequence crosses it; layer 5 is global).
+    shape = dataclasses.replace(SHAPES["gemma3-270m"], sliding_window=32)
+    path = write_synthetic(tmp_path / f"{ty}.gguf", shape, ty, n_layer=6, seed=11)
+    cpu, gpu, margins = teacher_forced(path, [17, 400, 9000, 123, 5555, 42, 7, 100000], 64)
+    differ = [i for i in range(64) if gpu[i] != cpu[i]]
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 6, differ
 

@@ -54,3 +54,20 @@ def test_cli_writes_and_rejects_bad_flags(tmp_path: Path) -> None:
     bad = run("--shape", "qwen2.5-0.5b", "--type", "IQ2_XXS", "-o", str(tmp_path / "y.gguf"))
     assert bad.returncode == 2 and "invalid choice: 'IQ2_XXS'" in bad.stderr
     assert not (tmp_path / "y.gguf").exists()
+
+
+def test_gemma3_shape_writes_gemma3_tensors_and_keys(tmp_path: Path) -> None:
+    path = write_synthetic(tmp_path / "g.gguf", "gemma3-270m", "Q8_0", n_layer=6, seed=2)
+    r = gguf.GGUFReader(path)
+    t = {x.name: x for x in r.tensors}
+    assert r.fields["general.architecture"].contents() == "gemma3"
+    assert r.fields["gemma3.attention.key_length"].contents() == 256
+    assert r.fields["gemma3.attention.sliding_window"].contents() == 512
+    assert list(t["blk.5.attn_q.weight"].shape) == [640, 1024], "4 heads of 256 from a 640-wide residual"
+    assert list(t["blk.5.attn_output.weight"].shape) == [1024, 640]
+    assert list(t["blk.5.attn_k_norm.weight"].shape) == [256]
+    assert "blk.0.post_ffw_norm.weight" in t and "blk.0.attn_q.bias" not in t and "output.weight" not in t
+    llm = ninfer.LLM(path, n_ctx=128, threads=1)
+    logits = llm.eval_logits([5, 77, 300, 1000], rows=[3])
+    assert logits.shape == (1, 262144) and np.isfinite(logits).all()
+    assert 0.5 < float(np.std(logits)) < 2.0

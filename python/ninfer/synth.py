@@ -33,14 +33,19 @@ class Shape:
     n_ff: int
     n_vocab: int
     tied: bool  # output head shares the token embedding
+    arch: str = "qwen2"
+    head_dim: int = 0  # 0: n_embd / n_head (gemma3's differ)
+    sliding_window: int = 0  # gemma3's local layers (five of every six)
 
 
-# Qwen2.5 (and Qwen2.5-Coder) configurations, from their published config.json files.
+# Qwen2.5 (and Qwen2.5-Coder) and Gemma 3 configurations, from their published config.json files.
 SHAPES: dict[str, Shape] = {
     "qwen2.5-0.5b": Shape(896, 24, 14, 2, 4864, 151936, True),
     "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 8960, 151936, True),
     "qwen2.5-7b": Shape(3584, 28, 28, 4, 18944, 152064, False),
     "qwen2.5-32b": Shape(5120, 64, 40, 8, 27648, 152064, False),
+    "gemma3-270m": Shape(640, 18, 4, 1, 2048, 262144, True, "gemma3", 256, 512),
+    "gemma3-27b": Shape(5376, 62, 32, 16, 21504, 262208, True, "gemma3", 128, 1024),
 }
 
 TYPES: dict[str, GGMLQuantizationType] = {t.name: t for t in (
@@ -176,7 +181,8 @@ def tensor_type(ty: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
 
 def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | GGMLQuantizationType, *,
                     seed: int = 0, n_layer: int | None = None, n_ctx: int = 32768) -> Path:
-    """Write a qwen2-architecture GGUF of `shape` with every matrix in `ty` (norms F32); returns the path.
+    """Write a GGUF of `shape` (its architecture: qwen2 or gemma3) with every matrix in `ty` (norms F32); returns
+    the path.
     Written to a temporary name and renamed, so an interrupted run leaves no partial file."""
     if isinstance(shape, str):
         if shape not in SHAPES:
@@ -197,23 +203,29 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     if layers < 1:
         raise InvalidArgumentError(f"n_layer must be >= 1, got {layers}")
     rng = np.random.default_rng(seed)
-    e, hd = shape.n_embd, shape.n_embd // shape.n_head
-    kv = hd * shape.n_head_kv
+    gemma = shape.arch == "gemma3"
+    e, hd = shape.n_embd, shape.head_dim or shape.n_embd // shape.n_head
+    q, kv = hd * shape.n_head, hd * shape.n_head_kv
     plan: list[tuple[str, int, int, str]] = [("token_embd.weight", shape.n_vocab, e, "w"), ("output_norm.weight", 1, e, "norm")]
     if not shape.tied:
         plan.append(("output.weight", shape.n_vocab, e, "w"))
     for il in range(layers):
         p = f"blk.{il}."
-        plan += [(p + "attn_norm.weight", 1, e, "norm"), (p + "attn_q.weight", e, e, "w"), (p + "attn_q.bias", 1, e, "bias"),
-                 (p + "attn_k.weight", kv, e, "w"), (p + "attn_k.bias", 1, kv, "bias"),
-                 (p + "attn_v.weight", kv, e, "w"), (p + "attn_v.bias", 1, kv, "bias"),
-                 (p + "attn_output.weight", e, e, "w"), (p + "ffn_norm.weight", 1, e, "norm"),
+        plan += [(p + "attn_norm.weight", 1, e, "norm"), (p + "attn_q.weight", q, e, "w"),
+                 (p + "attn_k.weight", kv, e, "w"), (p + "attn_v.weight", kv, e, "w")]
+        if gemma:  # q and k normed per head; the block's outputs normed before each residual add
+            plan += [(p + "attn_q_norm.weight", 1, hd, "norm"), (p + "attn_k_norm.weight", 1, hd, "norm"),
+                     (p + "post_attention_norm.weight", 1, e, "norm"), (p + "post_ffw_norm.weight", 1, e, "norm")]
+        else:
+            plan += [(p + "attn_q.bias", 1, q, "bias"), (p + "attn_k.bias", 1, kv, "bias"),
+                     (p + "attn_v.bias", 1, kv, "bias")]
+        plan += [(p + "attn_output.weight", e, q, "w"), (p + "ffn_norm.weight", 1, e, "norm"),
                  (p + "ffn_gate.weight", shape.n_ff, e, "w"), (p + "ffn_up.weight", shape.n_ff, e, "w"),
                  (p + "ffn_down.weight", e, shape.n_ff, "w")]
 
     out = Path(path)
     tmp = out.with_name(out.name + ".partial")
-    w = GGUFWriter(str(tmp), "qwen2")
+    w = GGUFWriter(str(tmp), shape.arch)
     w.add_name(f"ninfer synthetic {shape.n_embd}x{layers} {mix or (f'GSQ{gsq_bits}' if gsq_bits else ty.name)}")
 
     def type_of(name: str, cols: int) -> GGMLQuantizationType:
@@ -232,6 +244,11 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     w.add_head_count_kv(shape.n_head_kv)
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
+    if gemma:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_sliding_window(shape.sliding_window)
+    # Byte-level BPE for every shape (gemma3's own vocabulary is SentencePiece): the text is meaningless anyway.
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     # The byte tokens, one merge (tokenizers need at least one) and placeholders up to the vocabulary size.
