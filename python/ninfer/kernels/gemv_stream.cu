@@ -38,11 +38,6 @@
 // (cuda_ops.gsq_stream_lane_records: the 32B down projection, 432 records a group over four warps, 84% full by 4
 // against 68% by 5).
 #define GEMV_STREAM_U_ALT 4
-#ifndef GEMV_STREAM_NORM_W_EARLY
-// Trial (0: off): the norm prologue's kept groups' norm weights loaded before grid_dep_wait (constant weights), so
-// that past the wait the prologue loads x alone.
-#define GEMV_STREAM_NORM_W_EARLY 0
-#endif
 #ifndef GEMV_STREAM_EVICT_FIRST
 // 1: the copies ask L2 to evict the streamed weights first: they are read once a token, and should not push out
 // the activations, the KV pages and the lines other launches prefetch (H200, 32B GSQ3 tg128 132.2 against 131.0 t/s
@@ -373,10 +368,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         STREAM_TRACE(trace_slot, 1);
     }
 
-#if GEMV_STREAM_NORM_W_EARLY
-    NormWeights<4> norm_w_kept;  // (loaded before the wait: constant weights)
-    if (!pre_q && norm_w) norm_w_kept.load(norm_w, n_cols);
-#endif
     grid_dep_launch();
     grid_dep_wait();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
@@ -412,13 +403,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         // block's reduction is off the prologue's path: its trace's norm_sum 0.12 µs against 0.7-1.4, the q/k/v and
         // gate/up prologues 2.39 and 2.59 µs against 2.95 and 3.6. H200, 32B GSQ3 tg128 186.18 / 186.01 against
         // 185.59 / 185.55 t/s (2026-12-03).
-#if GEMV_STREAM_NORM_W_EARLY
-        norm_quant_v<4, true, decltype(mark), true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d,
-                                                    (float2*)(d + (n_cols >> 5)), 0, 0, mark, late_sums, &norm_w_kept);
-#else
         norm_quant_v<4, true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0, mark,
                               late_sums);
-#endif
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }

@@ -152,31 +152,13 @@ __device__ constexpr int norm_keep() {
     return V == 4 ? NORM_QUANT_KEEP / V : 0;
 }
 
-// The norm weights of the groups norm_quant_v keeps in registers (KEEP a warp, V a lane), loaded ahead, e.g. before
-// grid_dep_wait (they do not depend on the previous kernel): norm_quant_v's `pre_w`.
-template <int V, int KEEP = norm_keep<V>()>
-struct NormWeights {
-    float w[KEEP > 0 ? KEEP : 1][V];
-
-    __device__ __forceinline__ void load(const float* wp, int n) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-#pragma unroll
-        for (int j = 0; j < KEEP; ++j) {
-            const int g = warp + j * n_warps;
-            if (g < n / (32 * V)) load_floats<V, false>(wp + 32 * V * g + V * lane, w[j]);
-        }
-    }
-};
-
 // LATE (the streamed GEMV's prologue, kernels/gemv_stream.cu): the groups are quantized from x * w, unscaled, and
 // each warp's sum of squares is left in late_sums[warp] for the caller, who applies the norm's scale (a positive
 // scalar, so it commutes with the groups' int8 quantization up to rounding) to the products' results: the block's
-// reduction leaves the path between the loads of x and the quantization. PRE_W: the kept groups' norm weights come
-// from `pre_w`, loaded by the caller (the GEMV_STREAM_NORM_W_EARLY trial).
-template <int V, bool LATE = false, class Mark = NoMark, bool PRE_W = false>
+// reduction leaves the path between the loads of x and the quantization.
+template <int V, bool LATE = false, class Mark = NoMark>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark(), double* late_sums = nullptr,
-                             const NormWeights<V>* pre_w = nullptr) {
+                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark(), double* late_sums = nullptr) {
     constexpr int KEEP = norm_keep<V>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
     const int n_groups = n / (32 * V);
@@ -195,12 +177,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
                 const int g = warp + j * n_warps;
                 if (g < n_groups) {
                     load_floats<V, true>(x + 32 * V * g + V * lane, kept[j]);
-                    if constexpr (PRE_W) {
-#pragma unroll
-                        for (int k = 0; k < V; ++k) kept_w[j][k] = pre_w->w[j][k];
-                    } else {
-                        load_floats<V, false>(w + 32 * V * g + V * lane, kept_w[j]);
-                    }
+                    load_floats<V, false>(w + 32 * V * g + V * lane, kept_w[j]);
                 }
             }
 #pragma unroll
