@@ -211,14 +211,17 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
         plan.append(("output.weight", shape.n_vocab, e, "w"))
     for il in range(layers):
         p = f"blk.{il}."
-        plan += [(p + "attn_norm.weight", 1, e, "norm"), (p + "attn_q.weight", q, e, "w"),
-                 (p + "attn_k.weight", kv, e, "w"), (p + "attn_v.weight", kv, e, "w")]
+        plan.append((p + "attn_norm.weight", 1, e, "norm"))
         if gemma:  # q and k normed per head; the block's outputs normed before each residual add
-            plan += [(p + "attn_q_norm.weight", 1, hd, "norm"), (p + "attn_k_norm.weight", 1, hd, "norm"),
-                     (p + "post_attention_norm.weight", 1, e, "norm"), (p + "post_ffw_norm.weight", 1, e, "norm")]
-        else:
-            plan += [(p + "attn_q.bias", 1, q, "bias"), (p + "attn_k.bias", 1, kv, "bias"),
-                     (p + "attn_v.bias", 1, kv, "bias")]
+            plan += [(p + "attn_q.weight", q, e, "w"), (p + "attn_k.weight", kv, e, "w"),
+                     (p + "attn_v.weight", kv, e, "w"), (p + "attn_q_norm.weight", 1, hd, "norm"),
+                     (p + "attn_k_norm.weight", 1, hd, "norm"), (p + "post_attention_norm.weight", 1, e, "norm"),
+                     (p + "post_ffw_norm.weight", 1, e, "norm")]
+        else:  # (each bias after its matrix: the order the random values are drawn in, so qwen2 files stay as they
+            # were before the gemma3 shapes, the GPU tests' flip counts included)
+            plan += [(p + "attn_q.weight", q, e, "w"), (p + "attn_q.bias", 1, q, "bias"),
+                     (p + "attn_k.weight", kv, e, "w"), (p + "attn_k.bias", 1, kv, "bias"),
+                     (p + "attn_v.weight", kv, e, "w"), (p + "attn_v.bias", 1, kv, "bias")]
         plan += [(p + "attn_output.weight", e, q, "w"), (p + "ffn_norm.weight", 1, e, "norm"),
                  (p + "ffn_gate.weight", shape.n_ff, e, "w"), (p + "ffn_up.weight", shape.n_ff, e, "w"),
                  (p + "ffn_down.weight", e, shape.n_ff, "w")]

@@ -89,23 +89,6 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-#ifndef QUANT_REDUX
-// Trial (0: off): warp_amax by one redux.sync instead of five shuffles and maxes in turn.
-#define QUANT_REDUX 0
-#endif
-
-// The warp's max of amax values: non-negative and not NaN (fmaxf from 0 of fabsf), whose bit patterns order as
-// unsigned integers do, so that under QUANT_REDUX one redux.sync.max.u32 gives the same float as warp_max.
-__device__ __forceinline__ float warp_amax(float a) {
-#if QUANT_REDUX
-    u32 m;
-    asm("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(m) : "r"(__float_as_uint(a)));
-    return __uint_as_float(m);
-#else
-    return warp_max(a);
-#endif
-}
-
 __device__ __forceinline__ int warp_sum_i(int v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
