@@ -38,8 +38,19 @@ def source_of(*files: str) -> str:
     return "\n".join(parts)
 
 
+# The compiler options every module takes, before its own and NINFER_CUDA_DEFINES (scripts/cubin builds with them
+# too, so that its CUBINs are the engine's).
+BASE_OPTIONS = ("-std=c++17",)
+# An attention module's sources, and the switches that pick its head size and group size.
+ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "attention.cu")
+
+
+def attention_options(hd: int, group: int) -> tuple[str, ...]:
+    return (f"-DATT_HD={hd}", f"-DATT_NG={group}")
+
+
 def _options(*extra: str) -> tuple[str, ...]:
-    return ("-std=c++17", *extra, *os.environ.get("NINFER_CUDA_DEFINES", "").split())
+    return (*BASE_OPTIONS, *extra, *os.environ.get("NINFER_CUDA_DEFINES", "").split())
 
 
 @lru_cache(maxsize=None)
@@ -54,8 +65,7 @@ def _attention_module(hd: int, group: int):
     """TinyFlash for one head size and group size (kernels/attention.cu): compiled when a model needs it."""
     import cupy
 
-    return cupy.RawModule(code=source_of("norm.cu", "rope_kv.cu", "attention.cu"),
-                          options=_options(f"-DATT_HD={hd}", f"-DATT_NG={group}"))
+    return cupy.RawModule(code=source_of(*ATTENTION_SOURCES), options=_options(*attention_options(hd, group)))
 
 
 @lru_cache(maxsize=None)
