@@ -7,6 +7,7 @@ import hashlib
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -502,9 +503,13 @@ def test_synthetic_gsq_model_verifies_loads_and_decodes(tmp_path: Path, bits: in
     assert np.isfinite(logits).all() and float(logits.std()) > 0.1
 
 
-def _decode_gpu_records(recs: np.ndarray, bits: int, slots: int) -> np.ndarray:
+def _decode_gpu_records(recs: np.ndarray, bits: int, slots: int, per_row: int) -> np.ndarray:
     """Weights of records in the GPU layout, read the way kernels/quant.cuh reads them (codes at 0, the header
-    at 48 or 64, slots after it), in numpy: [n_records, 128]."""
+    at 48 or 64, slots after it; byte o of a 64-byte 3-bit record at (o + gsq3_rot(its index in the row)) % 64),
+    in numpy: [n_records, 128]."""
+    if recs.shape[1] == 64 and bits == 3:
+        rot = (np.arange(len(recs)) % per_row & 6) << 3
+        recs = recs[np.arange(len(recs))[:, None], (np.arange(64)[None, :] + rot[:, None]) % 64]
     hdr = 16 * bits
     d = recs[:, hdr : hdr + 2].copy().view(np.float16).astype(np.float32)[:, 0]
     dmin = recs[:, hdr + 2 : hdr + 4].copy().view(np.float16).astype(np.float32)[:, 0]
@@ -538,17 +543,25 @@ def test_gpu_record_layout_holds_the_same_weights(bits: int, slots: int) -> None
     from ninfer.synth import random_gsq_records
 
     rng = np.random.default_rng(bits * 10 + slots)
-    rows, cols = 6, 512
+    rows, cols = 6, 896  # (seven records a row: a record's rotation follows its index in its row, not the file)
     raw = random_gsq_records(bits, slots, rows, cols, 0.05, rng)
     lay = layout(gsq_type(bits, slots), "w")
     assert lay.gpu_bytes % 16 == 0 and lay.gpu_bytes - lay.raw_bytes < 16
     assert lay.gpu_bytes == {(3, 0): 64, (3, 2): 64, (3, 6): 80, (4, 2): 80, (4, 4): 96}[(bits, slots)]
-    gpu = relayout(raw.reshape(-1, lay.raw_bytes), lay)
+    assert lay.rotated == (lay.gpu_bytes == 64)
+    gpu = relayout(raw.reshape(-1, lay.raw_bytes), lay, per_row=7)
     ref = _core.gsq_dequantize(raw.tobytes(), rows, cols, bits=bits, slots=slots)
-    got = _decode_gpu_records(gpu, bits, slots).reshape(rows, cols)
+    got = _decode_gpu_records(gpu, bits, slots, 7).reshape(rows, cols)
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
-    # 3-bit codes are re-ordered a chunk of records at a time: chunk edges change nothing (24 records, chunks of 5)
-    np.testing.assert_array_equal(relayout(raw.reshape(-1, lay.raw_bytes), lay, chunk=5), gpu)
+    if lay.rotated:  # record 6 of a row (rotated by 48): its header at byte 32, the codes' first vector at 48
+        unrotated = relayout(raw.reshape(-1, lay.raw_bytes), replace(lay, rotated=False))
+        np.testing.assert_array_equal(gpu[7 + 6, 32:48], unrotated[7 + 6, 48:])
+        np.testing.assert_array_equal(gpu[7 + 6, 48:], unrotated[7 + 6, :16])
+        np.testing.assert_array_equal(gpu[7 + 1], unrotated[7 + 1])
+        with pytest.raises(ValueError, match="per_row"):
+            relayout(raw.reshape(-1, lay.raw_bytes), lay)
+    # 3-bit codes are re-ordered a chunk of records at a time: chunk edges change nothing (42 records, chunks of 5)
+    np.testing.assert_array_equal(relayout(raw.reshape(-1, lay.raw_bytes), lay, chunk=5, per_row=7), gpu)
 
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval"

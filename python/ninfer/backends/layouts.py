@@ -23,6 +23,7 @@ class Layout:
     moves: tuple[tuple[int, int, int], ...]  # (file offset, GPU offset, length) of each span
     act: int
     gsq3: bool = False  # 3-bit GSQ-RCO codes: their bits re-ordered too (gsq3_gpu_order)
+    rotated: bool = False  # 64-byte 3-bit GSQ-RCO records: each rotated by gsq3_rotation of its index in the row
 
 
 def _same(elems: int, size: int, act: int) -> Layout:
@@ -67,7 +68,8 @@ def _gsq_layout(type_id: int) -> Layout:
     codes = 16 * bits  # bytes of codes: 48 or 64, at offset 12 in the file's record
     raw = 12 + codes + 2 * slots
     moves = ((12, 0, codes), (0, codes, 12)) + (((12 + codes, 12 + codes, 2 * slots),) if slots else ())
-    return Layout(128, raw, (raw + 15) // 16 * 16, moves, ACT_GSQ8, gsq3=bits == 3)
+    gpu = (raw + 15) // 16 * 16
+    return Layout(128, raw, gpu, moves, ACT_GSQ8, gsq3=bits == 3, rotated=bits == 3 and gpu == 64)
 
 
 def gpu_type(t) -> int:
@@ -147,17 +149,33 @@ def gsq3_gpu_order(codes48, xp=np):
     return (bits.reshape(-1, 48, 8) * weights).sum(axis=2, dtype=np.uint8)
 
 
-def relayout(blocks, lay: Layout, xp=np, chunk: int = 1 << 16):
+def gsq3_rotation(rec):
+    """Bytes a 64-byte 3-bit record is rotated by on the GPU, by its index in its row (kernels/quant.cuh
+    gsq3_rot): 16 times bits 1-2 of it. A kernel's lanes read consecutive records at one offset each; 64-byte
+    records put that offset at only two bank positions of shared memory, rotated at eight (kernels/gemv_stream.cu)."""
+    return (rec & 6) << 3
+
+
+def relayout(blocks, lay: Layout, xp=np, chunk: int = 1 << 16, per_row: int = 0):
     """[n_blocks, raw_bytes] file blocks -> [n_blocks, gpu_bytes] in the GPU layout (xp: numpy or cupy). 3-bit
-    GSQ-RCO codes are re-ordered `chunk` records at a time (temporaries under 1 KB a record: ~50 MB)."""
+    GSQ-RCO codes are re-ordered `chunk` records at a time (temporaries under 1 KB a record: ~50 MB); 64-byte
+    records are also rotated (gsq3_rotation of their index in the row: per_row records a row)."""
     if lay.moves == ((0, 0, lay.raw_bytes),) and lay.gpu_bytes == lay.raw_bytes:
         return blocks
+    if lay.rotated and per_row <= 0:
+        raise ValueError("relayout: rotated records need per_row, the records of a row")
     dst = xp.zeros((blocks.shape[0], lay.gpu_bytes), dtype=xp.uint8)
     for a, b, n in lay.moves:
         dst[:, b : b + n] = blocks[:, a : a + n]
     if lay.gsq3:
         for r in range(0, dst.shape[0], chunk):
-            dst[r : r + chunk, :48] = gsq3_gpu_order(dst[r : r + chunk, :48], xp)
+            part = dst[r : r + chunk]
+            part[:, :48] = gsq3_gpu_order(part[:, :48], xp)
+            if lay.rotated:
+                rot = gsq3_rotation(xp.arange(r, r + part.shape[0]) % per_row)
+                for k in (16, 32, 48):  # byte o of the record to (o + k) % 64
+                    sel = xp.nonzero(rot == k)[0]
+                    part[sel] = xp.roll(part[sel], k, axis=1)
     return dst
 
 
@@ -173,4 +191,4 @@ def to_gpu(raw: np.ndarray, type_id: int, rows: int, cols: int, name: str):
                                     f"{lay.block_elems}-element blocks")
     n_blocks = rows * cols // lay.block_elems
     src = cp.asarray(np.ascontiguousarray(raw).reshape(n_blocks, lay.raw_bytes))
-    return relayout(src, lay, cp).reshape(-1)
+    return relayout(src, lay, cp, per_row=cols // lay.block_elems).reshape(-1)

@@ -427,9 +427,10 @@ __device__ __forceinline__ void gsq3_half_ldg(const u8* const* w, int h, int row
 #pragma unroll
     for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
     p += 64LL * rec;
-    t.p = __ldg((const int4*)(p + 32 * h));
-    t.q = __ldg((const int2*)(p + 16 + 8 * h));
-    t.hd = __ldg((const int4*)(p + 48));
+    const int rot = gsq3_rot(rec);
+    t.p = __ldg((const int4*)(p + ((32 * h + rot) & 63)));
+    t.q = __ldg((const int2*)(p + ((16 + 8 * h + rot) & 63)));
+    t.hd = __ldg((const int4*)(p + ((48 + rot) & 63)));
 }
 
 template <int R, int U>
@@ -496,7 +497,10 @@ __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u
         }
     }
     rows_loads_first<GsqRaw<BITS>, R, U>(
-        u_first, u_step, n_units, [&](int r, int u, GsqRaw<BITS>& raw) { load_gsq<BITS>(w[r], u, rb, raw); },
+        u_first, u_step, n_units,
+        [&](int r, int u, GsqRaw<BITS>& raw) {
+            load_gsq<BITS>(w[r] + (long long)(u >> 2) * rb, u & 3, gsq_rot(BITS, slots, u >> 2), raw);
+        },
         [&](int r, int u, const GsqRaw<BITS>& raw) {
             return gsq_dot<BITS>(raw, u, aq, ad, as, w[r] + (long long)(u >> 2) * rb, slots);
         },

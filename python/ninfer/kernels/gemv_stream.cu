@@ -147,13 +147,25 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 #endif
 }
 
+// Where a lane finds its half h of a (rotated: quant.cuh gsq3_rot) record's words: the code vector, the 8 code
+// bytes and the header. rec: the record's index in its row, or any index congruent to it mod 8.
+struct Gsq3HalfAt {
+    u32 p, q, hd;
+    __device__ __forceinline__ Gsq3HalfAt(int h, int rec) {
+        const int rot = gsq3_rot(rec);
+        p = (u32)((32 * h + rot) & 63);
+        q = (u32)((16 + 8 * h + rot) & 63);
+        hd = (u32)((48 + rot) & 63);
+    }
+};
+
 // Half h of the record at shared address a (volatile: kept after the slot's barrier wait).
-__device__ __forceinline__ void gsq3_half_lds(u32 a, int h, Gsq3Half& t) {
+__device__ __forceinline__ void gsq3_half_lds(u32 a, const Gsq3HalfAt& at, Gsq3Half& t) {
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(t.p.x), "=r"(t.p.y), "=r"(t.p.z), "=r"(t.p.w) : "r"(a + 32 * h));
-    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(t.q.x), "=r"(t.q.y) : "r"(a + 16 + 8 * h));
+                 : "=r"(t.p.x), "=r"(t.p.y), "=r"(t.p.z), "=r"(t.p.w) : "r"(a + at.p));
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(t.q.x), "=r"(t.q.y) : "r"(a + at.q));
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(t.hd.x), "=r"(t.hd.y), "=r"(t.hd.z), "=r"(t.hd.w) : "r"(a + 48));
+                 : "=r"(t.hd.x), "=r"(t.hd.y), "=r"(t.hd.z), "=r"(t.hd.w) : "r"(a + at.hd));
 }
 
 // A team's own barrier, 1 + team (barrier 0 is __syncthreads', which the producer has left by then).
@@ -215,6 +227,11 @@ struct StreamConsumer {
                 const int hw = lane >> 4;  // this lane's row of the group
                 const u32 wrow = base + (is_glu ? (u32)(hw * per_step + slot) : (u32)(slot * R + hw)) * rb;
                 const int p = (lane >> 1) & 7, cstep = 8 * ks;
+                // Every record this lane reads is p mod 8 in its row (c0 and cstep are multiples of 8), so one
+                // rotation for all; the clamped record past the row's end reads other words of a record and is
+                // added to nothing. The lanes of each load's phase (a quarter-warp: records c0 + 0..3 for the
+                // 16-byte loads; a half-warp: c0 + 0..7 for the 8-byte one) then hit distinct banks.
+                const Gsq3HalfAt at(h, p);
                 float a = 0.0f;
                 for (int c0 = 8 * sub; c0 < n_rec; c0 += U * cstep) {  // (warp-uniform)
                     Gsq3Half t[U];
@@ -223,7 +240,7 @@ struct StreamConsumer {
                         const int c = c0 + p + k * cstep;
                         t[k].rec = min(c, n_rec - 1);  // (past the row: its last record again, added to nothing)
                         t[k].row = c < n_rec ? 0 : 1;
-                        gsq3_half_lds(wrow + 64 * t[k].rec, h, t[k]);
+                        gsq3_half_lds(wrow + 64 * t[k].rec, at, t[k]);
                     }
                     asm volatile("" ::: "memory");  // these loads stay above the dot products
 #pragma unroll

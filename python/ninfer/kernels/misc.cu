@@ -18,8 +18,8 @@ __device__ __forceinline__ void dequant_unit_any(int type, const u8* row, long l
     if (type >= T_GSQ) {
         const int bits = gsq_bits(type), slots = gsq_slots(type);
         const u8* b = row + (unit >> 2) * gsq_record_bytes(bits, slots);
-        if (bits == 4) gsq_dequant_unit<4>(b, (int)(unit & 3), slots, v);
-        else gsq_dequant_unit<3>(b, (int)(unit & 3), slots, v);
+        if (bits == 4) gsq_dequant_unit<4>(b, (int)(unit >> 2), (int)(unit & 3), slots, v);
+        else gsq_dequant_unit<3>(b, (int)(unit >> 2), (int)(unit & 3), slots, v);
         return;
     }
     switch (type) {

@@ -235,6 +235,14 @@ __host__ __device__ constexpr int gsq_header_offset(int bits) { return bits == 4
 __host__ __device__ constexpr int gsq_record_bytes(int bits, int slots) {
     return (gsq_header_offset(bits) + 12 + 2 * slots + 15) & ~15;
 }
+// 64-byte records (3 bits, at most two slots) are rotated on the GPU by 16 bytes times bits 1-2 of their index in
+// the row (layouts.py gsq3_rotation): byte o of record rec at (o + gsq3_rot(rec)) % 64. A warp's lanes read
+// consecutive records at one offset each; unrotated, 64-byte records put that offset at two bank positions of
+// shared memory only, so the streamed GEMV's loads of a record's words took two to four times the wavefronts.
+__host__ __device__ constexpr int gsq3_rot(int rec) { return (rec & 6) << 3; }
+__host__ __device__ constexpr int gsq_rot(int bits, int slots, int rec) {
+    return bits == 3 && slots <= 2 ? gsq3_rot(rec) : 0;
+}
 
 // Unit v (0, 1) of a half record's words (the 16-byte vector p at 32h and the 8 bytes q at 16 + 8h): W0, W1, W2.
 __device__ __forceinline__ void gsq3_unit_words(int4 p, int2 q, int v, int* w) {
@@ -295,27 +303,28 @@ __device__ __forceinline__ void gsq_codes(const GsqRaw<BITS>& r, int j, int* q) 
 // Unit j's two scale bytes (sub-blocks 2j, 2j + 1) from the header's scale words.
 __device__ __forceinline__ int gsq_scale_pair(int4 h, int j) { return ((j < 2 ? h.y : h.z) >> (16 * (j & 1))) & 0xFFFF; }
 
+// Unit j of the record at b (rot: its gsq_rot).
 template <int BITS>
-__device__ __forceinline__ void load_gsq(const u8* row, int u, int rb, GsqRaw<BITS>& r) {
-    const u8* b = row + (long long)(u >> 2) * rb;
+__device__ __forceinline__ void load_gsq(const u8* b, int j, int rot, GsqRaw<BITS>& r) {
     if constexpr (BITS == 4) {
-        const int4* c = (const int4*)(b + 32 * (u & 1));
+        const int4* c = (const int4*)(b + 32 * (j & 1));
         r.c0 = __ldg(c);
         r.c1 = __ldg(c + 1);
+        r.h = __ldg((const int4*)(b + gsq_header_offset(BITS)));
     } else {
-        const int hf = (u >> 1) & 1;
-        r.p = __ldg((const int4*)(b + 32 * hf));
-        r.q = __ldg((const int2*)(b + 16 + 8 * hf));
+        const int hf = (j >> 1) & 1;
+        r.p = __ldg((const int4*)(b + ((32 * hf + rot) & 63)));
+        r.q = __ldg((const int2*)(b + ((16 + 8 * hf + rot) & 63)));
+        r.h = __ldg((const int4*)(b + ((48 + rot) & 63)));
     }
-    r.h = __ldg((const int4*)(b + gsq_header_offset(BITS)));
 }
 
-// Dequantize unit j of a GSQ-RCO record (b: the record) into 32 floats, slots included, with the CPU
-// dequantizer's operations (rust/core/src/gsq dequantize_row).
+// Dequantize unit j of a GSQ-RCO record (b: the record, rec: its index in its row) into 32 floats, slots
+// included, with the CPU dequantizer's operations (rust/core/src/gsq dequantize_row).
 template <int BITS>
-__device__ __forceinline__ void gsq_dequant_unit(const u8* b, int j, int slots, float* v) {
+__device__ __forceinline__ void gsq_dequant_unit(const u8* b, int rec, int j, int slots, float* v) {
     GsqRaw<BITS> r;
-    load_gsq<BITS>(b, j, 0, r);  // unit j of the row that starts at this record
+    load_gsq<BITS>(b, j, gsq_rot(BITS, slots, rec), r);
     const int4 h = r.h;
     int q[8];
     gsq_codes<BITS>(r, j, q);
@@ -326,9 +335,10 @@ __device__ __forceinline__ void gsq_dequant_unit(const u8* b, int j, int slots, 
         const int sm = (sp >> (8 * (e >> 4))) & 0xFF, code = (q[e >> 2] >> (8 * (e & 3))) & 0xFF;
         v[e] = __fsub_rn(__fmul_rn(__fmul_rn(d, (float)(sm & 15)), (float)code), __fmul_rn(dmin, (float)(sm >> 4)));
     }
-    const u8* sl = b + gsq_header_offset(BITS) + 12;
+    const u8* sl = b + gsq_header_offset(BITS) + 12;  // (slots past the header's two: records over 64 bytes only)
     for (int s = 0; s < slots; ++s) {
-        const int pos = sl[2 * s] & 127, val = (int)(i8)sl[2 * s + 1];
+        const int pos = (s < 2 ? h.w >> (16 * s) : sl[2 * s]) & 127;
+        const int val = (int)(i8)(s < 2 ? (h.w >> (16 * s + 8)) & 0xFF : sl[2 * s + 1]);
         if (val == 0 || (pos >> 5) != j) continue;
         const int sc = (sp >> (8 * ((pos >> 4) & 1))) & 15;
         v[pos & 31] = __fadd_rn(v[pos & 31], __fmul_rn(__fmul_rn(__fmul_rn((float)val, d), (float)sc), 0.0625f));
