@@ -172,11 +172,17 @@ def relayout(blocks, lay: Layout, xp=np, chunk: int = 1 << 16, per_row: int = 0)
             part = dst[r : r + chunk]
             part[:, :48] = gsq3_gpu_order(part[:, :48], xp)
             if lay.rotated:
-                rot = gsq3_rotation(xp.arange(r, r + part.shape[0]) % per_row)
-                for k in (16, 32, 48):  # byte o of the record to (o + k) % 64
-                    sel = xp.nonzero(rot == k)[0]
-                    part[sel] = xp.roll(part[sel], k, axis=1)
+                rotate_gsq3(part, r, per_row, xp)
     return dst
+
+
+def rotate_gsq3(records, first: int, per_row: int, xp=np) -> None:
+    """Rotate [n, 64] records in place, the i-th being record first + i of rows of per_row records: byte o to
+    (o + gsq3_rotation(its index in the row)) % 64."""
+    rot = gsq3_rotation(xp.arange(first, first + records.shape[0]) % per_row)
+    for k in (16, 32, 48):
+        sel = xp.nonzero(rot == k)[0]
+        records[sel] = xp.roll(records[sel], k, axis=1)
 
 
 def to_gpu(raw: np.ndarray, type_id: int, rows: int, cols: int, name: str):
