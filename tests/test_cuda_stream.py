@@ -283,6 +283,31 @@ def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
     assert np.isnan(apart["add 8x256"]["gap"]) and apart["add 8x256"]["span"] == pytest.approx(10.2)
 
 
+def test_sm_lateness_tells_a_slow_sm_from_noise() -> None:
+    """stream_trace.sm_lateness on hand-made launches of four blocks: SM 2 always ends 300 ns after the others
+    (a fixed lateness: spread between SMs, halves that agree), the blocks change SMs between launches, and a
+    launch-to-launch wobble of 40 ns shows as an SM's own spread."""
+    from ninfer.backends import stream_trace as T
+
+    trace = np.zeros((6, T.TRACE_BLOCKS, len(T.EVENTS), 2), np.uint64)
+    launches = []
+    for slot in range(6):
+        for b in range(4):
+            sm = (b + slot) % 4
+            end = 10_000 + (300 if sm == 2 else 0) + (40 if slot % 2 else 0) * (sm == 1)
+            trace[slot, b, T.SM] = (sm, 4)
+            trace[slot, b, T.ENTRY, 0], trace[slot, b, T.LAST_DONE, 0] = 1000, end
+        launches.append(T.Launch("glu", 4, 1000, 10_300, 300, 0, 0, {}, 0.0, slot))
+    r = T.sm_lateness(trace, launches)
+    # lateness by SM: even launches (median end 10,000) 0, 0, 300, 0; odd ones (median 10,020) -20, 20, 280, -20
+    assert r["sms"] == 4 and r["same_sm"] == pytest.approx(2 / 6)  # (launches 0 and 4 put block b on SM b)
+    assert r["max_mean"] == pytest.approx(290)
+    assert r["between"] == pytest.approx(np.std([-10, 10, 290, -10]))
+    assert r["within"] == pytest.approx(10)
+    assert r["halves"] > 0.99
+    assert T.sm_lateness(trace, launches[:3]) == {}  # (too few launches to say)
+
+
 def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
     """backends/stream_trace.py's attention part on a hand-made trace (no GPU): two blocks with keys of one launch
     and one launch no block recorded fully; the boundaries against hand-made q/k/v and output projection launches."""

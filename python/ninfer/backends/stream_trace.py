@@ -102,6 +102,35 @@ def sm_block_ends(trace: np.ndarray, launch: Launch) -> dict[int, int]:
     return {int(sm): int(end) for sm, end in zip(g[:, SM, 0], g[:, LAST_DONE, 0])}
 
 
+def sm_lateness(trace: np.ndarray, launches: list[Launch]) -> dict[str, float]:
+    """Whether the same SMs end late launch after launch (launches: one kind's, full grids): per block, its end less
+    the launch's median end (ns), gathered by SM id. `between` is the spread over SMs of their mean lateness (the
+    part a fixed share per SM could take back), `within` the mean over SMs of their own spread (launch to launch),
+    `halves` the correlation of the SMs' mean lateness in the first and second half of the launches (near 1: the
+    order of the SMs holds), `same_sm` the share of blocks that ran on the SM block b ran on in the first launch."""
+    if len(launches) < 4:
+        return {}
+    sms = int(max(trace[ln.slot, :ln.grid, SM, 0].max() for ln in launches)) + 1
+    late = np.full((len(launches), sms), np.nan)
+    first_sm = trace[launches[0].slot, :launches[0].grid, SM, 0].astype(np.int64)
+    same = []
+    for i, ln in enumerate(launches):
+        g = trace[ln.slot, :ln.grid].astype(np.int64)
+        ends = g[:, LAST_DONE, 0]
+        late[i, g[:, SM, 0]] = ends - np.median(ends)
+        n = min(len(first_sm), ln.grid)
+        same.append(np.mean(g[:n, SM, 0] == first_sm[:n]))
+    seen = ~np.isnan(late).all(axis=0)
+    late = late[:, seen]
+    h = len(launches) // 2
+    a, b = np.nanmean(late[:h], axis=0), np.nanmean(late[h:], axis=0)
+    ok = ~np.isnan(a) & ~np.isnan(b)
+    return {"sms": float(seen.sum()), "between": float(np.nanstd(np.nanmean(late, axis=0))),
+            "within": float(np.nanmean(np.nanstd(late, axis=0))),
+            "halves": float(np.corrcoef(a[ok], b[ok])[0, 1]) if ok.sum() > 2 else float("nan"),
+            "same_sm": float(np.mean(same)), "max_mean": float(np.nanmax(np.nanmean(late, axis=0)))}
+
+
 def clock_ghz(trace: np.ndarray, launches: int) -> float:
     """SM cycles per ns, from blocks that ran at least 5 µs (entry to end on both clocks)."""
     g = trace[:launches, :, [ENTRY, LAST_DONE], 0].astype(np.int64)
