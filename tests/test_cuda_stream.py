@@ -296,7 +296,8 @@ def test_sm_lateness_tells_a_slow_sm_from_noise() -> None:
             sm = (b + slot) % 4
             end = 10_000 + (300 if sm == 2 else 0) + (40 if slot % 2 else 0) * (sm == 1)
             trace[slot, b, T.SM] = (sm, 4)
-            trace[slot, b, T.ENTRY, 0], trace[slot, b, T.LAST_DONE, 0] = 1000, end
+            trace[slot, b, T.ENTRY, 0], trace[slot, b, T.LAST_DONE, 0] = 1000 + 10 * sm, end
+            trace[slot, b, T.DEP_WAIT, 0] = 2000  # (every block past its wait at once: lateness is the work's)
         launches.append(T.Launch("glu", 4, 1000, 10_300, 300, 0, 0, {}, 0.0, slot))
     r = T.sm_lateness(trace, launches)
     # lateness by SM: even launches (median end 10,000) 0, 0, 300, 0; odd ones (median 10,020) -20, 20, 280, -20
@@ -305,6 +306,8 @@ def test_sm_lateness_tells_a_slow_sm_from_noise() -> None:
     assert r["between"] == pytest.approx(np.std([-10, 10, 290, -10]))
     assert r["within"] == pytest.approx(10)
     assert r["halves"] > 0.99
+    assert r["busy_corr"] == pytest.approx(1.0)  # (the same wait for all: an SM's lateness is its work's time)
+    assert abs(r["entry_corr"]) < 0.5  # (entries 10 ns apart by SM id, unrelated to SM 2's lateness)
     assert T.sm_lateness(trace, launches[:3]) == {}  # (too few launches to say)
 
 

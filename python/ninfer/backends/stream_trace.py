@@ -107,28 +107,46 @@ def sm_lateness(trace: np.ndarray, launches: list[Launch]) -> dict[str, float]:
     the launch's median end (ns), gathered by SM id. `between` is the spread over SMs of their mean lateness (the
     part a fixed share per SM could take back), `within` the mean over SMs of their own spread (launch to launch),
     `halves` the correlation of the SMs' mean lateness in the first and second half of the launches (near 1: the
-    order of the SMs holds), `same_sm` the share of blocks that ran on the SM block b ran on in the first launch."""
+    order of the SMs holds), `same_sm` the share of blocks that ran on the SM block b ran on in the first launch;
+    `busy_corr` and `entry_corr` correlate the SMs' mean lateness with their mean time from the dependency wait to
+    the end and with their mean entry (each less its launch's median): an SM slower at the work, or one whose block
+    came in late."""
     if len(launches) < 4:
         return {}
     sms = int(max(trace[ln.slot, :ln.grid, SM, 0].max() for ln in launches)) + 1
     late = np.full((len(launches), sms), np.nan)
+    busy = np.full((len(launches), sms), np.nan)  # past the wait to the end, less the launch's median
+    entry = np.full((len(launches), sms), np.nan)  # entry, less the launch's median
     first_sm = trace[launches[0].slot, :launches[0].grid, SM, 0].astype(np.int64)
     same = []
     for i, ln in enumerate(launches):
         g = trace[ln.slot, :ln.grid].astype(np.int64)
-        ends = g[:, LAST_DONE, 0]
-        late[i, g[:, SM, 0]] = ends - np.median(ends)
+        ends, sm = g[:, LAST_DONE, 0], g[:, SM, 0]
+        late[i, sm] = ends - np.median(ends)
+        d = ends - g[:, DEP_WAIT, 0]
+        busy[i, sm] = d - np.median(d)
+        entry[i, sm] = g[:, ENTRY, 0] - np.median(g[:, ENTRY, 0])
         n = min(len(first_sm), ln.grid)
-        same.append(np.mean(g[:n, SM, 0] == first_sm[:n]))
+        same.append(np.mean(sm[:n] == first_sm[:n]))
     seen = ~np.isnan(late).all(axis=0)
-    late = late[:, seen]
+    late, busy, entry = late[:, seen], busy[:, seen], entry[:, seen]
     h = len(launches) // 2
     a, b = np.nanmean(late[:h], axis=0), np.nanmean(late[h:], axis=0)
     ok = ~np.isnan(a) & ~np.isnan(b)
-    return {"sms": float(seen.sum()), "between": float(np.nanstd(np.nanmean(late, axis=0))),
+
+    def corr(x: np.ndarray, y: np.ndarray) -> float:
+        m = ~np.isnan(x) & ~np.isnan(y)
+        return float(np.corrcoef(x[m], y[m])[0, 1]) if m.sum() > 2 and x[m].std() > 0 and y[m].std() > 0 \
+            else float("nan")
+
+    mean_late = np.nanmean(late, axis=0)
+    return {"sms": float(seen.sum()), "between": float(np.nanstd(mean_late)),
             "within": float(np.nanmean(np.nanstd(late, axis=0))),
-            "halves": float(np.corrcoef(a[ok], b[ok])[0, 1]) if ok.sum() > 2 else float("nan"),
-            "same_sm": float(np.mean(same)), "max_mean": float(np.nanmax(np.nanmean(late, axis=0)))}
+            "halves": corr(a, b) if ok.sum() > 2 else float("nan"),
+            "same_sm": float(np.mean(same)), "max_mean": float(np.nanmax(mean_late)),
+            # whether an SM is late because it works slower (busy) or because its block came in late (entry)
+            "busy_corr": corr(mean_late, np.nanmean(busy, axis=0)),
+            "entry_corr": corr(mean_late, np.nanmean(entry, axis=0))}
 
 
 def clock_ghz(trace: np.ndarray, launches: int) -> float:
