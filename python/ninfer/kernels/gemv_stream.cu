@@ -105,6 +105,11 @@ __device__ __forceinline__ void stream_trace(int slot, int ev, bool latest = fal
 #define STREAM_TRACE(slot, ev)
 #endif
 
+#ifndef GEMV_STREAM_RES_EARLY
+// 1 (a trial): the residual add's old values loaded at a chunk's start instead of after its dot products
+// (StreamConsumer::run).
+#define GEMV_STREAM_RES_EARLY 0
+#endif
 #ifndef GEMV_STREAM_SM_SHARE
 // 1 (a trial): a launch whose grid is one block an SM takes its chunks by SM instead of by block index, as many
 // as cuda_ops.sm_share_table gives the SM it runs on (from measured per-SM speeds; scripts/stream-trace
@@ -266,6 +271,22 @@ struct StreamConsumer {
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
 #endif
             const u32 base = ring + s * stage_bytes;
+#if GEMV_STREAM_RES_EARLY
+            // (the residual add's loads of the rows' old values asked for now, before the dot products, by the
+            // lane that adds: Nsight Compute had 15% of the output projection's samples on the add waiting for
+            // them at the end of its chunk, and a K-split team waits at its next barrier for that lane's warp)
+            float res[R] = {0.0f, 0.0f};
+            if (mode == MODE_ADD && lane == 0 && sub == 0 && g < g1) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int row = g * per_group + r;
+                    if (row < total_rows) {
+                        const MatDesc& m = mats[mat_of(mats, n_mats, row)];
+                        res[r] = m.out[row - m.row0];
+                    }
+                }
+            }
+#endif
             float acc[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -338,7 +359,11 @@ struct StreamConsumer {
                     const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
+#if GEMV_STREAM_RES_EARLY
+                    if (mode == MODE_ADD) m.out[local] = res[r] + v;
+#else
                     if (mode == MODE_ADD) m.out[local] += v;
+#endif
                     else m.out[local] = v;
                 }
             }
