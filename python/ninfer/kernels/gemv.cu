@@ -427,10 +427,10 @@ __device__ __forceinline__ void gsq3_half_ldg(const u8* const* w, int h, int row
 #pragma unroll
     for (int r = 1; r < R; ++r) p = row == r ? w[r] : p;
     p += 64LL * rec;
-    const int rot = gsq3_rot(rec);
-    t.p = __ldg((const int4*)(p + ((32 * h + rot) & 63)));
-    t.q = __ldg((const int2*)(p + ((16 + 8 * h + rot) & 63)));
-    t.hd = __ldg((const int4*)(p + ((48 + rot) & 63)));
+    const Gsq3HalfAt at(h, gsq3_rot(rec));
+    t.p = __ldg((const int4*)(p + at.p));
+    t.q = __ldg((const int2*)(p + at.q));
+    t.hd = __ldg((const int4*)(p + at.hd));
 }
 
 template <int R, int U>

@@ -112,17 +112,17 @@ __device__ __forceinline__ void stream_trace(int slot, int ev, bool latest = fal
 #endif
 #ifndef GEMV_STREAM_SM_SHARE
 // 1 (a trial): a launch whose grid is one block an SM takes its chunks by SM instead of by block index, as many
-// as cuda_ops.sm_share_table gives the SM it runs on (from measured per-SM speeds; scripts/stream-trace
+// as backends/sm_share.py's table gives the SM it runs on (from measured per-SM speeds; scripts/stream-trace
 // --sm-weights): the trace had the same SMs end gate/up and the down projection late launch after launch, half of
 // the variance of the blocks' ends (docs/gsq-rco-gpu.md, 2026-12-03). Two more arguments: the launch's share
-// table (null: by block index, as without the switch) and its claim words (cuda_ops.stream_claim_arg).
+// table (null: by block index, as without the switch) and its claim words (sm_share.share_args).
 #define GEMV_STREAM_SM_SHARE 0
 #endif
-#define GEMV_STREAM_SHARE_SMIDS 256   // cuda_ops.SHARE_SMIDS: the table's SM ids
-#define GEMV_STREAM_SHARE_ROUNDS 128  // cuda_ops.SHARE_ROUNDS: a share's chunks at most
+#define GEMV_STREAM_SHARE_SMIDS 256   // sm_share.SHARE_SMIDS: the table's SM ids
+#define GEMV_STREAM_SHARE_ROUNDS 128  // sm_share.SHARE_ROUNDS: a share's chunks at most
 
 #if GEMV_STREAM_SM_SHARE
-// The share this block takes (cuda_ops.sm_share_table: [0] shares, [1] rounds, [2 + smid] the SM's share or -1,
+// The share this block takes (sm_share.sm_share_table: [0] shares, [1] rounds, [2 + smid] the SM's share or -1,
 // [2 + SMIDS + k] share k's chunks, then the rounds' first chunks; share k's chunk of round r is base[r] + k): its
 // SM's, claimed in the launch's claim words ([0] the generation, [1] the blocks arrived, [2 + k] share k's
 // generation when last claimed), or where a second block of the launch runs on one SM, or one on an SM without a
@@ -145,6 +145,13 @@ __device__ __forceinline__ int stream_claim_share(const int* share, unsigned* cl
         atomicAdd(claim, 1u);
     }
     return k;
+}
+
+// The first group of a block's chunk i: its share's (the round's first chunk plus the share), or by block index
+// where the launch has no share table (chunk_base null).
+__device__ __forceinline__ int stream_chunk_group(int i, const int* chunk_base, int share_k, int per_step, int g0,
+                                                  int cstride) {
+    return chunk_base ? (chunk_base[i] + share_k) * per_step : g0 + i * cstride;
 }
 #endif
 
@@ -189,18 +196,6 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 #endif
 }
-
-// Where a lane finds its half h of a (rotated: quant.cuh gsq3_rot) record's words: the code vector, the 8 code
-// bytes and the header. rec: the record's index in its row, or any index congruent to it mod 8.
-struct Gsq3HalfAt {
-    u32 p, q, hd;
-    __device__ __forceinline__ Gsq3HalfAt(int h, int rec) {
-        const int rot = gsq3_rot(rec);
-        p = (u32)((32 * h + rot) & 63);
-        q = (u32)((16 + 8 * h + rot) & 63);
-        hd = (u32)((48 + rot) & 63);
-    }
-};
 
 // Half h of the record at shared address a (volatile: kept after the slot's barrier wait).
 __device__ __forceinline__ void gsq3_half_lds(u32 a, const Gsq3HalfAt& at, Gsq3Half& t) {
@@ -265,7 +260,7 @@ struct StreamConsumer {
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
 #if GEMV_STREAM_SM_SHARE
-            const int gc = chunk_base ? (chunk_base[i] + share_k) * per_step : g0 + i * cstride;
+            const int gc = stream_chunk_group(i, chunk_base, share_k, per_step, g0, cstride);
             const int g = slot < per_step ? gc + slot : g1;
 #else
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
@@ -299,7 +294,7 @@ struct StreamConsumer {
                 // rotation for all; the clamped record past the row's end reads other words of a record and is
                 // added to nothing. The lanes of each load's phase (a quarter-warp: records c0 + 0..3 for the
                 // 16-byte loads; a half-warp: c0 + 0..7 for the 8-byte one) then hit distinct banks.
-                const Gsq3HalfAt at(h, p);
+                const Gsq3HalfAt at(h, gsq3_rot(p));
                 float a = 0.0f;
                 for (int c0 = 8 * sub; c0 < n_rec; c0 += U * cstep) {  // (warp-uniform)
                     Gsq3Half t[U];
@@ -455,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     auto issue = [&](int i) {
         const int s = i % stages;
 #if GEMV_STREAM_SM_SHARE
-        const int ga = chunk_base ? (chunk_base[i] + share_k) * per_step : g0 + i * cstride;
+        const int ga = stream_chunk_group(i, chunk_base, share_k, per_step, g0, cstride);
         const int gb = min(ga + per_step, g1);
 #else
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);

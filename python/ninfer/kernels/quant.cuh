@@ -244,6 +244,17 @@ __host__ __device__ constexpr int gsq_rot(int bits, int slots, int rec) {
     return bits == 3 && slots <= 2 ? gsq3_rot(rec) : 0;
 }
 
+// Where half h of a 3-bit record rotated by rot (gsq3_rot) has its words: the 16-byte code vector (32h unrotated),
+// the 8 code bytes (16 + 8h) and the 16-byte header (48). Every reader of the rotated records takes them from here.
+struct Gsq3HalfAt {
+    u32 p, q, hd;
+    __device__ __forceinline__ Gsq3HalfAt(int h, int rot) {
+        p = (u32)((32 * h + rot) & 63);
+        q = (u32)((16 + 8 * h + rot) & 63);
+        hd = (u32)((48 + rot) & 63);
+    }
+};
+
 // Unit v (0, 1) of a half record's words (the 16-byte vector p at 32h and the 8 bytes q at 16 + 8h): W0, W1, W2.
 __device__ __forceinline__ void gsq3_unit_words(int4 p, int2 q, int v, int* w) {
     w[0] = v ? p.z : p.x;
@@ -312,10 +323,10 @@ __device__ __forceinline__ void load_gsq(const u8* b, int j, int rot, GsqRaw<BIT
         r.c1 = __ldg(c + 1);
         r.h = __ldg((const int4*)(b + gsq_header_offset(BITS)));
     } else {
-        const int hf = (j >> 1) & 1;
-        r.p = __ldg((const int4*)(b + ((32 * hf + rot) & 63)));
-        r.q = __ldg((const int2*)(b + ((16 + 8 * hf + rot) & 63)));
-        r.h = __ldg((const int4*)(b + ((48 + rot) & 63)));
+        const Gsq3HalfAt at((j >> 1) & 1, rot);
+        r.p = __ldg((const int4*)(b + at.p));
+        r.q = __ldg((const int2*)(b + at.q));
+        r.h = __ldg((const int4*)(b + at.hd));
     }
 }
 
