@@ -86,7 +86,8 @@ def sm_weights() -> np.ndarray | None:
 
 
 _tables: dict[tuple[str, int, int], object] = {}
-_claims: list = []
+_claim_words = None  # [CLAIM_SLOTS, CLAIM_WORDS] uint32 on the device, made at the first launch with shares
+_next_claim = 0
 
 
 def share_args(n_chunks: int, grid: int, sms: int) -> tuple[int, int]:
@@ -95,21 +96,21 @@ def share_args(n_chunks: int, grid: int, sms: int) -> tuple[int, int]:
     weight is known for every SM. The tables stay alive (a captured graph keeps their addresses); the launches
     take the claim slots in turn (a slot's words stay consistent whatever launches share it: each launch moves
     its generation on once)."""
-    w = sm_weights()
+    global _claim_words, _next_claim
+    path = os.environ.get("NINFER_STREAM_SM_WEIGHTS", "")
+    w = _weights_from(path)
     if w is None or grid != sms or int((w > 0).sum()) != sms:
         return 0, 0
     import cupy as cp
 
-    key = (os.environ.get("NINFER_STREAM_SM_WEIGHTS", ""), n_chunks, grid)
+    key = (path, n_chunks, grid)
     if key not in _tables:
         table = sm_share_table(w, n_chunks)
         _tables[key] = cp.asarray(table) if table is not None else None
     table = _tables[key]
     if table is None:
         return 0, 0
-    if not _claims:
-        _claims.append(cp.zeros((CLAIM_SLOTS, CLAIM_WORDS), cp.uint32))
-        _claims.append(0)
-    slot = _claims[1]
-    _claims[1] = (slot + 1) % CLAIM_SLOTS
-    return int(table.data.ptr), int(_claims[0][slot].data.ptr)
+    if _claim_words is None:
+        _claim_words = cp.zeros((CLAIM_SLOTS, CLAIM_WORDS), cp.uint32)
+    slot, _next_claim = _next_claim, (_next_claim + 1) % CLAIM_SLOTS
+    return int(table.data.ptr), int(_claim_words[slot].data.ptr)

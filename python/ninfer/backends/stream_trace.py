@@ -131,8 +131,6 @@ def sm_lateness(trace: np.ndarray, launches: list[Launch]) -> dict[str, float]:
     seen = ~np.isnan(late).all(axis=0)
     late, busy, entry = late[:, seen], busy[:, seen], entry[:, seen]
     h = len(launches) // 2
-    a, b = np.nanmean(late[:h], axis=0), np.nanmean(late[h:], axis=0)
-    ok = ~np.isnan(a) & ~np.isnan(b)
 
     def corr(x: np.ndarray, y: np.ndarray) -> float:
         m = ~np.isnan(x) & ~np.isnan(y)
@@ -142,7 +140,7 @@ def sm_lateness(trace: np.ndarray, launches: list[Launch]) -> dict[str, float]:
     mean_late = np.nanmean(late, axis=0)
     return {"sms": float(seen.sum()), "between": float(np.nanstd(mean_late)),
             "within": float(np.nanmean(np.nanstd(late, axis=0))),
-            "halves": corr(a, b) if ok.sum() > 2 else float("nan"),
+            "halves": corr(np.nanmean(late[:h], axis=0), np.nanmean(late[h:], axis=0)),
             "same_sm": float(np.mean(same)), "max_mean": float(np.nanmax(mean_late)),
             # whether an SM is late because it works slower (busy) or because its block came in late (entry)
             "busy_corr": corr(mean_late, np.nanmean(busy, axis=0)),
