@@ -5,7 +5,6 @@ build."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -119,14 +118,6 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
     assert launch() == (base + [i32], [0, 0, 0])
     assert K.stream_trace_labels == ["add 5120x5120"]
-    # the SM-share trial's two pointers before the trace slot (none without weights: nulls, chunks by block index)
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_SM_SHARE=1", "-DGEMV_STREAM_TRACE=1"])
-    monkeypatch.delenv("NINFER_STREAM_SM_WEIGHTS", raising=False)
-    share = K.stream_share_arg(6912, 132, 132)
-    assert [int(a) for a in share] == [0, 0] and [type(a) for a in share] == [u64, u64]
-    assert launch(share=share) == (base + [u64, u64, i32], [0, 0, 0])
-    monkeypatch.setattr(K, "_DEFINES", [])
-    assert K.stream_share_arg(6912, 132, 132) == ()
 
 
 def _cubin_script():
@@ -318,8 +309,6 @@ def test_sm_lateness_tells_a_slow_sm_from_noise() -> None:
     assert r["busy_corr"] == pytest.approx(1.0)  # (the same wait for all: an SM's lateness is its work's time)
     assert abs(r["entry_corr"]) < 0.5  # (entries 10 ns apart by SM id, unrelated to SM 2's lateness)
     assert T.sm_lateness(trace, launches[:3]) == {}  # (too few launches to say)
-    w = T.sm_weights(trace, launches)  # (busy 8,000 ns; SM 2 8,300; SM 1 8,000 or 8,040: its median 8,020)
-    assert w == pytest.approx({0: 8010 / 8000, 1: 8010 / 8020, 2: 8010 / 8300, 3: 8010 / 8000})
 
 
 def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
@@ -435,47 +424,6 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
                            stream_team=team, lane_records=u)
                     got = out.get()
                     assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
-
-
-@needs_cuda
-def test_gsq_stream_sm_shares_compute_what_block_index_shares_do(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SM-share trial (GEMV_STREAM_SM_SHARE builds only: backends/sm_share.py): a gate/up launch over every SM
-    gives the same bytes with its chunks by SM (uneven weights) as by block index, replay after replay (the claim
-    words' generation moves on), and also where the weights name an SM id the device has not (SM 0 without a
-    share: its block takes the share no block claimed)."""
-    import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
-    from ninfer.backends import sm_share as S
-    from ninfer.backends.layouts import ACT_GSQ8, gpu_row_bytes, gsq_type, to_gpu
-    from ninfer.synth import random_gsq_records
-
-    if not K._define("GEMV_STREAM_SM_SHARE", 0):
-        pytest.skip("not a GEMV_STREAM_SM_SHARE build (NINFER_CUDA_DEFINES)")
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    rng = np.random.default_rng(11)
-    tid, n, rows = gsq_type(3, 2), 5120, 4000
-    ws = [to_gpu(random_gsq_records(3, 2, rows, n, n**-0.5, rng), tid, rows, n, f"w{i}") for i in range(2)]
-    out = cp.zeros(rows, cp.float32)
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in ws])
-    x = cp.asarray(rng.standard_normal(n).astype(np.float32))
-    norm = cp.asarray((1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-
-    def run() -> np.ndarray:
-        out[:] = 0
-        assert K.gemv(ACT_GSQ8, descs, 2, rows, n, x.data.ptr, norm.data.ptr, 1e-6, K.MODE_GLU, gsq_pairs=True)
-        return out.get()
-
-    monkeypatch.delenv("NINFER_STREAM_SM_WEIGHTS", raising=False)
-    ref = run()
-    for name, ids in (("uneven", range(sms)), ("shifted", range(1, sms + 1))):
-        f = tmp_path / f"{name}.json"
-        f.write_text(json.dumps({str(i): float(rng.uniform(0.7, 1.3)) for i in ids}))
-        monkeypatch.setenv("NINFER_STREAM_SM_WEIGHTS", str(f))
-        for _ in range(3):
-            np.testing.assert_array_equal(run(), ref)
-        assert any(k[0] == str(f) and v is not None for k, v in S._tables.items())  # (the launch took shares)
 
 
 @needs_cuda

@@ -319,8 +319,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
                 raise ValueError(f"gemv_gsq8_stream takes {GEMV_STREAM_U} or {GEMV_STREAM_U_ALT} records a lane, "
                                  f"not {u}")
             _launch_stream(sfn, grid, threads, smem, (descs, n_mats, total_rows, mode, glu_act), n_cols, x, norm_w, eps,
-                           ks, team, stages, pq, pd, u, prefetch=prefetch,
-                           share=stream_share_arg(-(-groups // (team // ks)), grid, sms))
+                           ks, team, stages, pq, pd, u, prefetch=prefetch)
             return True
     fn = kernel or function(_GEMV_KERNEL[act] + ("_pairs" if gsq_pairs else ""))
     smem = 0 if pre and not gsq_pairs else gemv_smem(act, n_cols, gsq_pairs)  # (pairs: room to stage `pre`)
@@ -359,27 +358,15 @@ def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
 
 def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_cols: int, x: int, norm_w: int,
                    eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
-                   prefetch: tuple[int, int, int] | None = None, share: tuple = ()) -> None:
+                   prefetch: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), the prefetch's, the share table's in GEMV_STREAM_SM_SHARE builds (stream_share_arg), then the
-    trace slot in GEMV_STREAM_TRACE builds."""
+    mode, glu_act), the prefetch's, then the trace slot in GEMV_STREAM_TRACE builds."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_prefetch_args(prefetch), *share,
+                                             I(u), *stream_prefetch_args(prefetch),
                                              *stream_trace_arg(mode, total_rows, n_cols)),
                   shared_mem=smem, dependent=True)
-
-
-def stream_share_arg(n_chunks: int, grid: int, sms: int) -> tuple:
-    """The streamed kernel's share arguments in GEMV_STREAM_SM_SHARE builds (a trial: backends/sm_share.py), the
-    table and claim words' pointers or nulls; none in other builds, whose kernel has no such arguments."""
-    if not _define("GEMV_STREAM_SM_SHARE", 0):
-        return ()
-    from .sm_share import share_args
-
-    table, claim = share_args(n_chunks, grid, sms)
-    return (P(table), P(claim))
 
 
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:

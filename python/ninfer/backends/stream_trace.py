@@ -147,23 +147,6 @@ def sm_lateness(trace: np.ndarray, launches: list[Launch]) -> dict[str, float]:
             "entry_corr": corr(mean_late, np.nanmean(entry, axis=0))}
 
 
-def sm_weights(trace: np.ndarray, launches: list[Launch]) -> dict[int, float]:
-    """How fast each SM streams, from one kind's launches: per SM, the median over the launches of its blocks'
-    time from the dependency wait to the end (the same work by block index whichever SM a block lands on), its
-    weight the launches' median of that time over the SM's (> 1: faster). For backends/sm_share.py (written by
-    scripts/stream-trace --sm-weights)."""
-    by_sm: dict[int, list[int]] = {}
-    for ln in launches:
-        g = trace[ln.slot, :ln.grid].astype(np.int64)
-        for sm, d in zip(g[:, SM, 0], g[:, LAST_DONE, 0] - g[:, DEP_WAIT, 0]):
-            by_sm.setdefault(int(sm), []).append(int(d))
-    if not by_sm:
-        return {}
-    med = {sm: float(np.median(v)) for sm, v in by_sm.items()}
-    mid = float(np.median(list(med.values())))
-    return {sm: mid / t for sm, t in sorted(med.items()) if t > 0}
-
-
 def clock_ghz(trace: np.ndarray, launches: int) -> float:
     """SM cycles per ns, from blocks that ran at least 5 µs (entry to end on both clocks)."""
     g = trace[:launches, :, [ENTRY, LAST_DONE], 0].astype(np.int64)

@@ -105,56 +105,6 @@ __device__ __forceinline__ void stream_trace(int slot, int ev, bool latest = fal
 #define STREAM_TRACE(slot, ev)
 #endif
 
-#ifndef GEMV_STREAM_RES_EARLY
-// 1 (a trial): the residual add's old values loaded at a chunk's start instead of after its dot products
-// (StreamConsumer::run).
-#define GEMV_STREAM_RES_EARLY 0
-#endif
-#ifndef GEMV_STREAM_SM_SHARE
-// 1 (a trial): a launch whose grid is one block an SM takes its chunks by SM instead of by block index, as many
-// as backends/sm_share.py's table gives the SM it runs on (from measured per-SM speeds; scripts/stream-trace
-// --sm-weights): the trace had the same SMs end gate/up and the down projection late launch after launch, half of
-// the variance of the blocks' ends (docs/gsq-rco-gpu.md, 2026-12-03). Two more arguments: the launch's share
-// table (null: by block index, as without the switch) and its claim words (sm_share.share_args).
-#define GEMV_STREAM_SM_SHARE 0
-#endif
-#define GEMV_STREAM_SHARE_SMIDS 256   // sm_share.SHARE_SMIDS: the table's SM ids
-#define GEMV_STREAM_SHARE_ROUNDS 128  // sm_share.SHARE_ROUNDS: a share's chunks at most
-
-#if GEMV_STREAM_SM_SHARE
-// The share this block takes (sm_share.sm_share_table: [0] shares, [1] rounds, [2 + smid] the SM's share or -1,
-// [2 + SMIDS + k] share k's chunks, then the rounds' first chunks; share k's chunk of round r is base[r] + k): its
-// SM's, claimed in the launch's claim words ([0] the generation, [1] the blocks arrived, [2 + k] share k's
-// generation when last claimed), or where a second block of the launch runs on one SM, or one on an SM without a
-// share, the first share no block has claimed. Every block claims one share, so every share is taken whatever
-// the SMs the blocks land on; the block that arrives last moves the generation on for the launch's next replay.
-__device__ __forceinline__ int stream_claim_share(const int* share, unsigned* claim) {
-    const int n = share[0];
-    u32 smid;
-    asm("mov.u32 %0, %%smid;" : "=r"(smid));
-    const unsigned gen = *(volatile unsigned*)claim + 1;
-    int k = smid < GEMV_STREAM_SHARE_SMIDS ? share[2 + smid] : -1;
-    if (k < 0 || atomicMax(claim + 2 + k, gen) >= gen)
-        for (k = 0; k < n && atomicMax(claim + 2 + k, gen) >= gen; ++k) {
-        }
-    if (k >= n) __trap();  // (more blocks than shares: the launcher's grid is one block an SM, as the table's)
-    __threadfence();
-    if (atomicAdd(claim + 1, 1u) == (unsigned)n - 1) {  // (every block has claimed: the next replay's generation)
-        claim[1] = 0;
-        __threadfence();
-        atomicAdd(claim, 1u);
-    }
-    return k;
-}
-
-// The first group of a block's chunk i: its share's (the round's first chunk plus the share), or by block index
-// where the launch has no share table (chunk_base null).
-__device__ __forceinline__ int stream_chunk_group(int i, const int* chunk_base, int share_k, int per_step, int g0,
-                                                  int cstride) {
-    return chunk_base ? (chunk_base[i] + share_k) * per_step : g0 + i * cstride;
-}
-#endif
-
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -222,10 +172,6 @@ struct StreamConsumer {
     int n_mats, total_rows, mode, glu_act, per_group;
     bool is_glu;
     int team, n_teams, team_warps, stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec;
-#if GEMV_STREAM_SM_SHARE
-    const int* chunk_base;  // (the share's rounds' first chunks in shared memory, null: by block index)
-    int share_k;
-#endif
     u32 ring, stage_bytes, rb;
     u64* full;
     u64* empty;
@@ -259,29 +205,8 @@ struct StreamConsumer {
 #if GEMV_STREAM_TRACE
             if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
 #endif
-#if GEMV_STREAM_SM_SHARE
-            const int gc = stream_chunk_group(i, chunk_base, share_k, per_step, g0, cstride);
-            const int g = slot < per_step ? gc + slot : g1;
-#else
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
-#endif
             const u32 base = ring + s * stage_bytes;
-#if GEMV_STREAM_RES_EARLY
-            // (the residual add's loads of the rows' old values asked for now, before the dot products, by the
-            // lane that adds: Nsight Compute had 15% of the output projection's samples on the add waiting for
-            // them at the end of its chunk, and a K-split team waits at its next barrier for that lane's warp)
-            float res[R] = {0.0f, 0.0f};
-            if (mode == MODE_ADD && lane == 0 && sub == 0 && g < g1) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int row = g * per_group + r;
-                    if (row < total_rows) {
-                        const MatDesc& m = mats[mat_of(mats, n_mats, row)];
-                        res[r] = m.out[row - m.row0];
-                    }
-                }
-            }
-#endif
             float acc[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -354,11 +279,7 @@ struct StreamConsumer {
                     const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-#if GEMV_STREAM_RES_EARLY
-                    if (mode == MODE_ADD) m.out[local] = res[r] + v;
-#else
                     if (mode == MODE_ADD) m.out[local] += v;
-#endif
                     else m.out[local] = v;
                 }
             }
@@ -378,9 +299,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u,
                                             const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
-#if GEMV_STREAM_SM_SHARE
-                                            , const int* share, unsigned* claim
-#endif
 #if GEMV_STREAM_TRACE
                                             , int trace_slot  // (cuda_ops passes it in trace builds only)
 #endif
@@ -398,26 +316,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int per_step = team_warps / ks, n_teams = n_cons / team_warps;
     // Chunk i of this block: groups [g0 + i cstride, + per_step), none at or past g1
     const int cstride = per_step * gridDim.x, g0 = blockIdx.x * per_step, g1 = n_groups;
-#if GEMV_STREAM_SM_SHARE
-    // By SM: the share's chunks and where each round's start (in shared memory: every chunk looks one up)
-    __shared__ int s_share[2 + GEMV_STREAM_SHARE_ROUNDS];
-    if (share) {
-        if (threadIdx.x == 0) {
-            const int k = stream_claim_share(share, claim);
-            s_share[0] = k;
-            s_share[1] = share[2 + GEMV_STREAM_SHARE_SMIDS + k];
-        }
-        const int n_shares = share[0], rounds = share[1];
-        for (int r = threadIdx.x; r < rounds; r += blockDim.x)
-            s_share[2 + r] = share[2 + GEMV_STREAM_SHARE_SMIDS + n_shares + r];
-        __syncthreads();
-    }
-    const int share_k = share ? s_share[0] : 0;
-    const int* chunk_base = share ? s_share + 2 : nullptr;
-    const int n_st = share ? s_share[1] : g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
-#else
     const int n_st = g0 < n_groups ? (n_groups - g0 + cstride - 1) / cstride : 0;
-#endif
     const u32 rb = (u32)mats[0].row_bytes;  // the same for every matrix of the launch (the launcher's rule)
     const int act_bytes = (gsq8_pairs_at(n_cols) + 12 * (n_cols >> 5) + 127) & ~127;
     const u32 stage_bytes = (u32)per_step * R * rb;
@@ -449,12 +348,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
     auto issue = [&](int i) {
         const int s = i % stages;
-#if GEMV_STREAM_SM_SHARE
-        const int ga = stream_chunk_group(i, chunk_base, share_k, per_step, g0, cstride);
-        const int gb = min(ga + per_step, g1);
-#else
         const int ga = g0 + i * cstride, gb = min(ga + per_step, g1);
-#endif
         const u32 dst = ring + s * stage_bytes, bar = smem_u32(&full[s]);
         if (is_glu) {
             const u32 bytes = (u32)(gb - ga) * rb;
@@ -567,9 +461,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const int sub = tw % ks, slot = tw / ks, h = lane & 1, n_rec = n_cols >> 7;
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec,
-#if GEMV_STREAM_SM_SHARE
-                              chunk_base, share_k,
-#endif
                               ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
                               , (!pre_q && norm_w) ? late_sums : nullptr, (int)(blockDim.x >> 5), n_cols, eps
