@@ -31,13 +31,6 @@
 #ifndef GEMV_Q4K_L2HINT
 #define GEMV_Q4K_L2HINT 1  // ld_stream16 for the unit-per-lane Q4_K loads (0: plain loads)
 #endif
-#ifndef GEMV_Q6K_SKEW
-// 1 (a trial): q6k_slice_dot's lanes of a super-block's upper half read their two activation vectors in the other
-// order, so that each of the two shared-memory loads has a super-block's 8 lanes on 32 distinct banks, not on 16
-// twice (Nsight Compute: 29% of gemv_q8_k's shared-memory wavefronts were bank conflicts, the 32B shape's Q6_K
-// head; docs/gsq-rco-gpu.md, 2026-12-03).
-#define GEMV_Q6K_SKEW 0
-#endif
 #ifndef GEMV_PREFETCH
 #define GEMV_PREFETCH 32768  // bytes of weights a block asks L2 for before it waits for the previous kernel
 #endif
@@ -201,18 +194,7 @@ __device__ __forceinline__ float q6k_slice_dot(const SliceQ6K& s, int b, int q, 
                                                const float2* as) {
     const int n = q >> 2, t = (q >> 1) & 1, h = q & 1, hs = 2 * t;
     const int4* xq = (const int4*)(aq + 64 * b + 32 * n + 8 * t + 4 * h);  // weights 128n + 32t + 16h, + 64
-#if GEMV_Q6K_SKEW
-    // (words 32n + 8t + 4h and 16 more: the lanes of n = 0 take banks 0-15 first, those of n = 1 banks 16-31. In
-    // asm, since as plain loads the compiler turns the selects into loads of xq[0] and xq[4] again.)
-    int4 xa, xb;
-    asm volatile("ld.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(xa.x), "=r"(xa.y), "=r"(xa.z), "=r"(xa.w)
-                 : "l"(xq + 4 * n) : "memory");
-    asm volatile("ld.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(xb.x), "=r"(xb.y), "=r"(xb.z), "=r"(xb.w)
-                 : "l"(xq + 4 - 4 * n) : "memory");
-    const int4 xl = n ? xb : xa, xh = n ? xa : xb;
-#else
     const int4 xl = xq[0], xh = xq[4];
-#endif
     // Codes are stored plus 32: the sums start at -32 times the activation's sums (whole numbers in floats).
     const float2 sl = as[8 * b + 4 * n + t], su = as[8 * b + 4 * n + 2 + t];
     const int bl = (int)(h ? sl.y : sl.x), bh = (int)(h ? su.y : su.x);
