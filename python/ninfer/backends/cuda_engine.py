@@ -674,6 +674,7 @@ class CudaEngine:
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
         room = self._room_grid()
+        down_shape = self._down_shape()
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
@@ -708,7 +709,7 @@ class CudaEngine:
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
                                                K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
-                                               shape=self._down_shape(), **pf["down"]))
+                                               shape=down_shape, **pf["down"]))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:
