@@ -177,18 +177,6 @@ def test_engine_prefetch_plan() -> None:
                     "gate_up": {"prefetch": down, "prefetch_cap": 4096}, "down": {}}
 
 
-def test_down_projection_shape_is_the_launchers_unless_a_trial_says(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CudaEngine._down_shape: (0, 0) (cuda_ops.gemv's own K-split and team) by default; GEMV_STREAM_DOWN_KS and
-    GEMV_STREAM_DOWN_TEAM in NINFER_CUDA_DEFINES set them for the down projection's launch alone."""
-    from ninfer.backends import cuda_ops as K
-    from ninfer.backends.cuda_engine import CudaEngine
-
-    monkeypatch.setattr(K, "_DEFINES", [])
-    assert CudaEngine._down_shape() == (0, 0)
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_DOWN_KS=3", "-DGEMV_STREAM_DOWN_TEAM=3"])
-    assert CudaEngine._down_shape() == (3, 3)
-
-
 def test_attention_quantizes_the_output_projections_input_only_where_it_can() -> None:
     """CudaEngine._att_quantizes_o (no GPU): the attention kernel writes the output projection's input quantized
     only for head size 128 (a head is one activation group) and a 3-bit GSQ-RCO output projection that the
@@ -374,8 +362,8 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     reference: three matrices whose boundaries fall inside a two-row group (one with a bias), the residual add with
     the norm prologue, gate/up with SwiGLU, and quant_act's pre-quantized input; every K-split, teams of 4 to 16
     warps, one to four teams, and the smallest ring (one slot a team, two for one team: chunks reused many times)
-    as well as the launcher's, and K-splits of three and six (teams of three and six: the down projection's
-    GEMV_STREAM_DOWN_KS trial); 5 and 4 records a lane; block shapes past the kernel's launch bounds
+    as well as the launcher's, and K-splits of three and six (teams of three and six; the down projection in those
+    shapes measured slower, 2026-12-03); 5 and 4 records a lane; block shapes past the kernel's launch bounds
     (GEMV_STREAM_MAX_WARPS) left out. 2,048 and 5,120 columns: a row pair in one round of the lane-pair walk
     (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
     rounds with one warp a group."""

@@ -548,8 +548,7 @@ class CudaEngine:
     def _matmul_vec(self, mats: list[_Matrix], outs: list[int], x: int, norm: int, mode: int,
                     glu_act: int = 0, best: int = 0, keep: list[Any] | None = None,
                     prequantize: bool = False, prefetch: list[tuple[int, int]] | None = None,
-                    prefetch_cap: int = 0, quantized: bool = False, max_grid: int = 0,
-                    shape: tuple[int, int] = (0, 0)) -> list[Callable[[], None]]:
+                    prefetch_cap: int = 0, quantized: bool = False, max_grid: int = 0) -> list[Callable[[], None]]:
         """Launches for one activation vector x (f32, device; normed by `norm` unless 0) times matrices that read
         it: one GEMV per activation kind, which quantizes x itself, or with `prequantize` (a long vector without a
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
@@ -557,8 +556,7 @@ class CudaEngine:
         launch's weights for a streamed GEMV to ask L2 for at its end (each block its share of each, its first
         prefetch_cap bytes if > 0; _prefetch_regions). `quantized`: x is already in aq / ad as ACT_GSQ8_PAIRS (the
         attention kernel wrote it; only for a launch _att_quantizes_o accepts). max_grid: at most that many blocks
-        for a streamed launch (cuda_ops.gemv). shape = (k_split, stream_team): another split and team for the
-        launch than cuda_ops.gemv picks (0: its choice)."""
+        for a streamed launch (cuda_ops.gemv)."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
@@ -587,7 +585,7 @@ class CudaEngine:
                 ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
             ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
                 kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf,
-                max_grid=max_grid, k_split=shape[0], stream_team=shape[1]))
+                max_grid=max_grid))
         return ops
 
     @staticmethod
@@ -602,15 +600,6 @@ class CudaEngine:
 
         return {"qkv": {}, "o": ask([lw["w_gate"], lw["w_up"]], cap),
                 "gate_up": ask([lw["w_down"]], cap), "down": {}}
-
-    @staticmethod
-    def _down_shape() -> tuple[int, int]:
-        """(k_split, stream_team) for the down projection's launch: (0, 0), the launcher's choice (the 32B shape:
-        four warps a row pair, 4 records a lane, 84% of the walk's slots filled), unless GEMV_STREAM_DOWN_KS and
-        GEMV_STREAM_DOWN_TEAM in NINFER_CUDA_DEFINES say otherwise: a trial of three warps a row pair in teams of
-        three (5 records a lane, 90% filled, 15 consumers; the same rows split by columns, one warp a row pair at
-        90%, computed 23% faster per byte on the branch trial-down-column-slices; docs/gsq-rco-gpu.md)."""
-        return K._define("GEMV_STREAM_DOWN_KS", 0), K._define("GEMV_STREAM_DOWN_TEAM", 0)
 
     def _att_quantizes_o(self, lw: dict) -> bool:
         """Whether the attention kernel writes the output projection's input quantized (AttnParams.out_q), so the
@@ -674,7 +663,6 @@ class CudaEngine:
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
         pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
         room = self._room_grid()
-        down_shape = self._down_shape()
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
@@ -708,8 +696,7 @@ class CudaEngine:
                                                    K.MODE_STORE))
                 add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True,
-                                               shape=down_shape, **pf["down"]))
+                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True, **pf["down"]))
             if post_f:
                 add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:
