@@ -58,6 +58,13 @@ __device__ __forceinline__ void grid_dep_launch() {
 }
 
 // Ask L2 for the 128-byte line holding p (a hint: the thread does not wait).
+// *p += v for a residual add with one writer an element: red.global.add.f32 (a reduction performed at L2, nothing
+// returned) rounds as the load-add-store does (one addition of the same two numbers; subnormals flushed, which a
+// residual never is), and the writing warp does not wait for the old value's round trip.
+__device__ __forceinline__ void red_add(float* p, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // Ask L2 for [p, p + bytes), widened to 16-byte boundaries, without waiting: one bulk request on sm_90 (the copy

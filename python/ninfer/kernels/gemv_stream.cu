@@ -60,6 +60,12 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
+#ifndef GEMV_STREAM_EPI_BATCH
+// Trial (off): 1: the lane that writes a row pair resolves both rows' descriptors and loads both biases before it
+// writes either (the first write made the compiler reload the second row's descriptor after it, and qwen2's q/k/v
+// then waited for two bias round trips a chunk in turn, holding the K-split team at its next barrier).
+#define GEMV_STREAM_EPI_BATCH 0
+#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -273,18 +279,38 @@ struct StreamConsumer {
                 mats[0].out[first] = glu(acc[0], acc[1], glu_act);
                 continue;
             }
+#if GEMV_STREAM_EPI_BATCH
+            float* dst[R];
+            float v[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {  // every row's descriptor and bias loads before any write
+                dst[r] = nullptr;
+                v[r] = acc[r];
+                if (first + r < total_rows) {
+                    const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
+                    const int local = first + r - m.row0;
+                    dst[r] = m.out + local;
+                    if (m.bias) v[r] += __ldg(m.bias + local);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (!dst[r]) continue;
+                if (mode == MODE_ADD) red_add(dst[r], v[r]);
+                else *dst[r] = v[r];
+            }
+            continue;
+#endif
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (first + r < total_rows) {
                     const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                    // The residual add by red.global.add.f32: one writer a row, so the same single rounding as a
-                    // load-add-store (subnormals flushed, which a residual never is), without the load's round trip
-                    // that held this warp, and its K-split team at the next chunk's barrier, a chunk. H200, 32B GSQ3
-                    // tg128 199.23 / 199.24 against 196.23 / 196.28 t/s (2026-12-03).
-                    if (mode == MODE_ADD)
-                        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(m.out + local), "f"(v) : "memory");
+                    // The residual add by red_add: the old value's load held this warp, and its K-split team at the
+                    // next chunk's barrier, a round trip a chunk. H200, 32B GSQ3 tg128 199.23 / 199.24 against
+                    // 196.23 / 196.28 t/s (2026-12-03).
+                    if (mode == MODE_ADD) red_add(m.out + local, v);
                     else m.out[local] = v;
                 }
             }
