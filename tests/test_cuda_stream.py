@@ -156,7 +156,11 @@ def test_streamed_kernel_builds_in_64_registers_without_spills() -> None:
     except SystemExit:
         pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc-cu12)")
     _, log = cubin.compile_kernels([])
-    assert cubin.kernel_resources(log)["gemv_gsq8_stream"] == (64, 0)
+    resources = cubin.kernel_resources(log)
+    # (on the GPU host this failed with no such kernel in the log in trial-build processes after the first,
+    # 2026-12-03: the log and the library it came from say why)
+    assert "gemv_gsq8_stream" in resources, (cubin.find_nvrtc(), log[-3000:])
+    assert resources["gemv_gsq8_stream"] == (64, 0)
 
 
 def test_engine_prefetch_plan() -> None:
