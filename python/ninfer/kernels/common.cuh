@@ -57,7 +57,6 @@ __device__ __forceinline__ void grid_dep_launch() {
 #endif
 }
 
-// Ask L2 for the 128-byte line holding p (a hint: the thread does not wait).
 // *p += v for a residual add with one writer an element: red.global.add.f32 (a reduction performed at L2, nothing
 // returned) rounds as the load-add-store does (one addition of the same two numbers; subnormals flushed, which a
 // residual never is), and the writing warp does not wait for the old value's round trip.
@@ -65,6 +64,7 @@ __device__ __forceinline__ void red_add(float* p, float v) {
     asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }
 
+// Ask L2 for the 128-byte line holding p (a hint: the thread does not wait).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // Ask L2 for [p, p + bytes), widened to 16-byte boundaries, without waiting: one bulk request on sm_90 (the copy
