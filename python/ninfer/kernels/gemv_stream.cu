@@ -60,20 +60,6 @@
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
-#ifndef GEMV_STREAM_EPI_BATCH
-// Trial (off): 1: the lane that writes a row pair resolves both rows' descriptors and loads both biases before it
-// writes either (the first write made the compiler reload the second row's descriptor after it, and qwen2's q/k/v
-// then waited for two bias round trips a chunk in turn, holding the K-split team at its next barrier).
-#define GEMV_STREAM_EPI_BATCH 0
-#endif
-#ifndef GEMV_STREAM_BIAS_PRE
-// Trial (off): 1: a storing launch with biases (qwen2's q/k/v): the block's threads, one a row of its chunks, load
-// the rows' biases before the dependency wait (weights: nothing to wait for) and write them into the output after
-// the prologue; the writing lane then adds its dot product onto them by red_add (the same single rounding as dot +
-// bias), so no bias load is left after the dot products. (Tried first with the loads after the dependency wait,
-// 2026-12-03: 1.7% slower, every warp's prologue a descriptor-then-bias chain of round trips longer.)
-#define GEMV_STREAM_BIAS_PRE 0
-#endif
 #ifndef GEMV_STREAM_TRACE
 // 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
@@ -197,7 +183,6 @@ struct StreamConsumer {
     const double* late_sums;
     int late_warps, n_cols;
     float eps;
-    bool bias_pre;  // (the biases are in the output already: the dot products are added onto them)
 #if GEMV_STREAM_TRACE
     int trace_slot;
 #endif
@@ -288,37 +273,11 @@ struct StreamConsumer {
                 mats[0].out[first] = glu(acc[0], acc[1], glu_act);
                 continue;
             }
-#if GEMV_STREAM_EPI_BATCH
-            float* dst[R];
-            float v[R];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {  // every row's descriptor and bias loads before any write
-                dst[r] = nullptr;
-                v[r] = acc[r];
-                if (first + r < total_rows) {
-                    const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
-                    const int local = first + r - m.row0;
-                    dst[r] = m.out + local;
-                    if (m.bias) v[r] += __ldg(m.bias + local);
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                if (!dst[r]) continue;
-                if (mode == MODE_ADD) red_add(dst[r], v[r]);
-                else *dst[r] = v[r];
-            }
-            continue;
-#endif
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (first + r < total_rows) {
                     const MatDesc& m = mats[mat_of(mats, n_mats, first + r)];
                     const int local = first + r - m.row0;
-                    if (bias_pre && m.bias) {
-                        red_add(m.out + local, acc[r]);
-                        continue;
-                    }
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
                     // The residual add by red_add: the old value's load held this warp, and its K-split team at the
                     // next chunk's barrier, a round trip a chunk. H200, 32B GSQ3 tg128 199.23 / 199.24 against
@@ -417,24 +376,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         STREAM_TRACE(trace_slot, 1);
     }
 
-    // (GEMV_STREAM_BIAS_PRE) The block's rows' biases, one a thread, loaded while the dependency wait lasts.
-    bool bias_pre = false;
-    float bias_v = 0.0f;
-    float* bias_out = nullptr;
-#if GEMV_STREAM_BIAS_PRE
-    if (mode == MODE_STORE && n_st * per_step * R <= (int)blockDim.x) {
-        for (int k = 0; k < n_mats; ++k) bias_pre |= mats[k].bias != nullptr;
-        const int j = threadIdx.x, i = j / (per_step * R), r = (g0 + i * cstride) * R + j % (per_step * R);
-        if (bias_pre && i < n_st && r < total_rows) {
-            const MatDesc& m = mats[mat_of(mats, n_mats, r)];
-            if (m.bias) {
-                bias_v = __ldg(m.bias + r - m.row0);
-                bias_out = m.out + r - m.row0;
-            }
-        }
-    }
-#endif
-
     grid_dep_launch();
     grid_dep_wait();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
@@ -475,7 +416,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }
-    if (bias_out) *bias_out = bias_v;  // (past the dependency wait; the consumers' adds come after the barrier)
     __syncthreads();
     if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 3);
 #if GEMV_STREAM_TRACE
@@ -525,8 +465,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const StreamConsumer cons{mats, n_mats, total_rows, mode, glu_act, per_group, is_glu, team, n_teams, team_warps,
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
-                              , (!pre_q && norm_w) ? late_sums : nullptr, (int)(blockDim.x >> 5), n_cols, eps,
-                              bias_pre
+                              , (!pre_q && norm_w) ? late_sums : nullptr, (int)(blockDim.x >> 5), n_cols, eps
 #if GEMV_STREAM_TRACE
                               , trace_slot
 #endif
