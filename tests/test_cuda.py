@@ -471,15 +471,20 @@ def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     token = cp.zeros(1, cp.int32)
     x_d = cp.asarray(x)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
-    K.argmax_reset(best.data.ptr)
     K.gemv(K.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ARGMAX, best=best.data.ptr)
     K.argmax_finish(best.data.ptr, token.data.ptr)
+    assert int(best.get()[0]) == 0  # (reset for the next head by argmax_finish)
     logits = out.get()
     act = _core.quantize_act(15, x)
     rb = len(raw) // rows
     for r in rng.integers(0, rows, 200):
         assert abs(logits[r] - _core.vec_dot(tid, n, raw[r * rb : (r + 1) * rb].tobytes(), act)) < 1e-4
     assert int(token.get()[0]) == int(np.argmax(logits))
+    # a second head with another input starts from the reset accumulator, not the first one's maximum
+    x_d = cp.asarray(-x)
+    K.gemv(K.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ARGMAX, best=best.data.ptr)
+    K.argmax_finish(best.data.ptr, token.data.ptr)
+    assert int(token.get()[0]) == int(np.argmax(out.get())) != int(np.argmax(logits))
 
 
 def _rope_ref(v: np.ndarray, pos: int, dims: int, base: float, neox: bool) -> np.ndarray:

@@ -650,12 +650,14 @@ class CudaEngine:
             ops.extend((kind, layer, f) for f in fns)
 
         tok_in, tok_out = self.tok.dev_ptr + 4 * parity, self.tok.dev_ptr + 4 * (1 - parity)
-        if self.embd_gpu is not None:  # the token's embedding row, dequantized on the GPU
+        pos_in = self.in_pos.dev_ptr + 4 * parity
+        if self.embd_gpu is not None:  # the token's embedding row, dequantized on the GPU, and the position
             m = self.embd_gpu
-            add("other", -1, [lambda: K.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x)])
+            add("other", -1, [lambda: K.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x, pos_in,
+                                              self.pos.data.ptr)])
         else:
             add("other", -1, [lambda: launch.copy(x, self.in_x.host_ptr, 4 * e, _H2D)])
-        add("other", -1, [lambda: launch.copy(self.pos.data.ptr, self.in_pos.host_ptr + 4 * parity, 4, _H2D)])
+            add("other", -1, [lambda: launch.copy(self.pos.data.ptr, pos_in, 4, _H2D)])
         table = self.tables.data.ptr + 4 * self.max_pages * seq
         glu_act = 0 if s["activation"] == "silu" else 1
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
@@ -704,8 +706,7 @@ class CudaEngine:
             return ops
         norm = self.output_norm.data.ptr
         best = self.best.data.ptr
-        if greedy:
-            add("other", -1, [lambda: K.argmax_reset(best)])
+        if greedy:  # (best is zero: allocated so, and argmax_finish resets it)
             add("matmul", -1, self._matmul_vec([self.output], [self.logits_dev.data.ptr], x, norm, K.MODE_ARGMAX,
                                                best=best))
             add("other", -1, [lambda: K.argmax_finish(best, tok_out)])

@@ -526,10 +526,12 @@ def att_trace_arg(name: str) -> tuple:
     return _trace_slot(att_trace_labels, name, ATT_TRACE_LAUNCHES)
 
 
-def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int) -> None:
+def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int,
+          pos_in: int = 0, pos_out: int = 0) -> None:
+    """Rows `tokens` of the table into `out` (times `scale`); with pos_out, also the int at pos_in copied there."""
     units = n // 32
     launch.kernel(function("embed"), ((units + 127) // 128, rows), (128,), (
-        I(type_id), P(table), np.int64(row_bytes), P(tokens), I(n), F(scale), P(out)))
+        I(type_id), P(table), np.int64(row_bytes), P(tokens), I(n), F(scale), P(out), P(pos_in), P(pos_out)))
 
 
 def dequant_f16(type_id: int, w: int, row_bytes: int, rows: int, cols: int, out: int) -> None:
@@ -549,9 +551,7 @@ def gather_rows(x: int, rows_idx: int, n_rows: int, n: int, out: int) -> None:
                   (P(x), P(rows_idx), I(n), P(out)))
 
 
-def argmax_reset(best: int) -> None:
-    launch.kernel(function("argmax_reset"), (1,), (1,), (P(best),), dependent=True)
-
-
 def argmax_finish(best: int, token: int) -> None:
+    """The token of a MODE_ARGMAX launch's accumulator `best` (which must start at zero) into `token`, and `best`
+    back to zero for the next."""
     launch.kernel(function("argmax_finish"), (1,), (1,), (P(best), P(token)), dependent=True)

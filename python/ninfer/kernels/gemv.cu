@@ -803,14 +803,10 @@ GEMV_KERNEL(gemv_q8_k, ACT_Q8_K, GEMV_R, GEMV_U)
 GEMV_KERNEL(gemv_gsq8, ACT_GSQ8, GEMV_R, GEMV_U)
 GEMV_KERNEL_P(gemv_gsq8_pairs, ACT_GSQ8, GEMV_R, GEMV_U, true)
 
-// Reset the argmax accumulator (first node of a greedy decode step).
-extern "C" __global__ void argmax_reset(u64* best) {
-    grid_dep_wait();
-    *best = 0ull;
-}
-
-// The token id from a packed argmax key.
-extern "C" __global__ void argmax_finish(const u64* best, int* token) {
+// The token id from a packed argmax key, and the accumulator reset for the next head (allocated zeroed): a reset
+// launch of its own sat between the last layer and the head, on the step's path.
+extern "C" __global__ void argmax_finish(u64* best, int* token) {
     grid_dep_wait();
     *token = (int)(~(u32)(*best & 0xffffffffu));
+    *best = 0ull;
 }

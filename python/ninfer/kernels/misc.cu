@@ -33,10 +33,14 @@ __device__ __forceinline__ void dequant_unit_any(int type, const u8* row, long l
 }
 
 // out[t, :] = embd_scale * row tokens[t] of the table. One thread per 32-element unit; grid (units/128, rows).
+// pos_out (may be null): the decode step's position copied in from pos_in (mapped host memory) by the first thread,
+// so a step's graph starts with one kernel instead of a kernel and a copy node (a copy node also ends the chain of
+// programmatic launches: the first q/k/v launch then started the ordinary way).
 extern "C" __global__ void embed(int type, const u8* table, long long row_bytes, const int* tokens, int n,
-                                 float embd_scale, float* out) {
+                                 float embd_scale, float* out, const int* pos_in, int* pos_out) {
     const long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int t = blockIdx.y;
+    if (pos_out && unit == 0 && t == 0) *pos_out = *pos_in;
     if (unit >= n / 32) return;
     float v[32];
     dequant_unit_any(type, table + (long long)tokens[t] * row_bytes, unit, v);
