@@ -24,7 +24,6 @@ class Layout:
     act: int
     gsq3: bool = False  # 3-bit GSQ-RCO codes: their bits re-ordered too (gsq3_gpu_order)
     rotated: bool = False  # 64-byte 3-bit GSQ-RCO records: each rotated by gsq3_rotation of its index in the row
-    grouped: bool = False  # Q6_K: a row's blocks in groups of Q6K_GROUP behind their d's (q6k_group_rows)
 
 
 def _same(elems: int, size: int, act: int) -> Layout:
@@ -45,14 +44,8 @@ LAYOUTS: dict[int, Layout] = {
     11: Layout(256, 110, 112, ((0, 0, 110),), ACT_Q8_K),  # Q3_K (+2 at the end)
     12: _same(256, 144, ACT_Q8_K),  # Q4_K
     13: _same(256, 176, ACT_Q8_K),  # Q5_K
-    14: Layout(256, 210, 208, ((0, 0, 208),), ACT_Q8_K, grouped=True),  # Q6_K: ql qh scales (d: q6k_group_rows)
+    14: Layout(256, 210, 224, ((0, 0, 210),), ACT_Q8_K),  # Q6_K (+14 at the end: 16-byte aligned blocks)
 }
-
-# Q6_K rows on the GPU (kernels/quant.cuh q6k_block, q6k_d): groups of eight blocks, each group a 16-byte header of
-# its blocks' d (f16) followed by their 208 other bytes, the row's last group holding what is left. Every block
-# stays 16-byte aligned with 0.5% over the file's bytes, where a block padded to 224 had 6.7%.
-Q6K_GROUP = 8
-Q6K_BODY = 208
 
 # How each activation kind is stored: bytes per element of the quants/values, and whether it has unit scales.
 QUANTIZED_ACTS = (ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_GSQ8)
@@ -97,27 +90,7 @@ def layout(type_id: int, name: str) -> Layout:
 
 def gpu_row_bytes(type_id: int, cols: int) -> int:
     lay = layout(type_id, f"of type {type_id}")
-    n = cols // lay.block_elems
-    return q6k_row_bytes(n) if lay.grouped else n * lay.gpu_bytes
-
-
-def q6k_row_bytes(n_blocks: int) -> int:
-    full, rest = divmod(n_blocks, Q6K_GROUP)
-    return full * (16 + Q6K_GROUP * Q6K_BODY) + (16 + rest * Q6K_BODY if rest else 0)
-
-
-def q6k_group_rows(blocks, per_row: int, xp=np):
-    """[rows * per_row, 210] Q6_K file blocks -> [rows, q6k_row_bytes(per_row)] in the GPU's groups."""
-    rows, size = blocks.shape[0] // per_row, 16 + Q6K_GROUP * Q6K_BODY
-    src = blocks.reshape(rows, per_row, 210)
-    dst = xp.zeros((rows, q6k_row_bytes(per_row)), dtype=xp.uint8)
-    for first in range(0, per_row, Q6K_GROUP):  # one group's column span at a time: plain slices, no index arrays
-        n = min(Q6K_GROUP, per_row - first)
-        at = first // Q6K_GROUP * size
-        part = src[:, first : first + n]
-        dst[:, at : at + 2 * n] = part[:, :, Q6K_BODY:].reshape(rows, 2 * n)
-        dst[:, at + 16 : at + 16 + n * Q6K_BODY] = part[:, :, :Q6K_BODY].reshape(rows, n * Q6K_BODY)
-    return dst
+    return cols // lay.block_elems * lay.gpu_bytes
 
 
 def _gsq3_bit_sources() -> tuple[np.ndarray, np.ndarray]:
@@ -186,14 +159,11 @@ def gsq3_rotation(rec):
 def relayout(blocks, lay: Layout, xp=np, chunk: int = 1 << 16, per_row: int = 0):
     """[n_blocks, raw_bytes] file blocks -> [n_blocks, gpu_bytes] in the GPU layout (xp: numpy or cupy). 3-bit
     GSQ-RCO codes are re-ordered `chunk` records at a time (temporaries under 1 KB a record: ~50 MB); 64-byte
-    records are also rotated (gsq3_rotation of their index in the row: per_row records a row). Grouped layouts
-    (Q6_K) come back as [rows, gpu_row_bytes] instead."""
+    records are also rotated (gsq3_rotation of their index in the row: per_row records a row)."""
     if lay.moves == ((0, 0, lay.raw_bytes),) and lay.gpu_bytes == lay.raw_bytes:
         return blocks
-    if (lay.rotated or lay.grouped) and per_row <= 0:
-        raise ValueError("relayout: rotated records and grouped blocks need per_row, the blocks of a row")
-    if lay.grouped:
-        return q6k_group_rows(blocks, per_row, xp)
+    if lay.rotated and per_row <= 0:
+        raise ValueError("relayout: rotated records need per_row, the records of a row")
     dst = xp.zeros((blocks.shape[0], lay.gpu_bytes), dtype=xp.uint8)
     for a, b, n in lay.moves:
         dst[:, b : b + n] = blocks[:, a : a + n]

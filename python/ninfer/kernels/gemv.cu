@@ -50,7 +50,7 @@ struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_ops.py MA
 template <int T, int ACT>
 __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, const float* ad, const float2* as) {
     Unit w;
-    unpack_at<T>(row, u / UNITS_PER_BLOCK(T), u % UNITS_PER_BLOCK(T), w);
+    unpack<T>(row + (u / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T), u % UNITS_PER_BLOCK(T), w);
     const int4* xq = (const int4*)(aq + 8 * u);
     int4 x0 = xq[0], x1 = xq[1];
     int s0 = __dp4a(w.q[0], x0.x, __dp4a(w.q[1], x0.y, __dp4a(w.q[2], x0.z, __dp4a(w.q[3], x0.w, 0))));
@@ -182,11 +182,11 @@ __device__ __forceinline__ float q4k_pair_dot(const PairQ4K& r, int t, const int
 struct SliceQ6K { int4 l, hb; int2 sc; u32 d; };  // ql bytes, qh bytes, the two scale words, d
 
 __device__ __forceinline__ void load_q6k_slice(const u8* row, int b, int q, SliceQ6K& s) {
-    const u8* blk = q6k_block(row, b);
+    const u8* blk = row + (long long)b * GPU_BLOCK_BYTES(T_Q6_K);
     s.l = *(const int4*)(blk + 16 * q);
     s.hb = *(const int4*)(blk + 128 + 32 * (q >> 2) + 16 * (q & 1));
     s.sc = *(const int2*)(blk + 192 + 8 * (q >> 2));
-    s.d = q6k_d(row, b);
+    s.d = *(const u16*)(blk + 208);
 }
 
 // Slice q of super-block b against the Q8_K activation (codes aq, scales ad per unit, sums as per 16).

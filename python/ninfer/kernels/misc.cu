@@ -9,7 +9,7 @@ __device__ __forceinline__ void dequant_unit(const u8* row, long long unit, floa
         return;
     }
     Unit u;
-    unpack_at<T>(row, unit / UNITS_PER_BLOCK(T), (int)(unit % UNITS_PER_BLOCK(T)), u);
+    unpack<T>(row + (unit / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T), (int)(unit % UNITS_PER_BLOCK(T)), u);
 #pragma unroll
     for (int e = 0; e < 32; ++e) v[e] = unit_value(u, e);
 }

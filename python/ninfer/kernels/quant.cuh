@@ -175,21 +175,9 @@ __device__ __forceinline__ void unpack_q5_k(const u8* b, int j, Unit& u) {
     u.mn[0] = u.mn[1] = ld_h(b + 2) * (float)m;
 }
 
-// Q6_K: a row's blocks in groups of eight, each group a 16-byte header of the eight blocks' d (f16) and then the
-// blocks' 208 bytes each (ql 128 | qh 64 | scales 16, int8 per 16); a row's last group holds what is left (layouts.py
-// Q6K_GROUP). 1,680 bytes for eight 210-byte blocks, every block 16-byte aligned: each block padded to 224 with its
-// d in place read 6.7% more (the 32B output head: 681 MB a token instead of 639).
-#define Q6K_BODY 208
-#define Q6K_GROUP_BYTES (16 + 8 * Q6K_BODY)
-__device__ __forceinline__ const u8* q6k_block(const u8* row, long long b) {
-    return row + (b >> 3) * Q6K_GROUP_BYTES + 16 + (b & 7) * Q6K_BODY;
-}
-__device__ __forceinline__ u16 q6k_d(const u8* row, long long b) {
-    return *(const u16*)(row + (b >> 3) * Q6K_GROUP_BYTES + 2 * (b & 7));
-}
-
-// Unit j = 4n + t: ql[64n + 32*(t&1) ...] shifted by 4*(t>>1), qh[32n ...] bits 2t..2t+1, minus 32. d: the block's.
-__device__ __forceinline__ void unpack_q6_k(const u8* b, u16 dh, int j, Unit& u) {
+// Q6_K (224 B): ql 128 | qh 64 | scales 16 (int8, per 16) | d | pad 14 (16-byte aligned blocks).
+// Unit j = 4n + t: ql[64n + 32*(t&1) ...] shifted by 4*(t>>1), qh[32n ...] bits 2t..2t+1, minus 32.
+__device__ __forceinline__ void unpack_q6_k(const u8* b, int j, Unit& u) {
     int n = j >> 2, t = j & 3;
     int lo[8], hi[8];
     ld_int8x(b + 64 * n + 32 * (t & 1), lo);
@@ -200,7 +188,7 @@ __device__ __forceinline__ void unpack_q6_k(const u8* b, u16 dh, int j, Unit& u)
         int q = ((lo[k] >> s) & 0x0F0F0F0F) | (((hi[k] >> (2 * t)) & 0x03030303) << 4);
         u.q[k] = __vsubss4(q, 0x20202020);
     }
-    const float d = h2f(dh);
+    float d = ld_h(b + 208);
     const i8* sc = (const i8*)(b + 192);
     u.sc[0] = d * (float)sc[2 * j];
     u.sc[1] = d * (float)sc[2 * j + 1];
@@ -211,7 +199,7 @@ __device__ __forceinline__ void unpack_q6_k(const u8* b, u16 dh, int j, Unit& u)
 #define GPU_BLOCK_BYTES(T)                                                                                     \
     ((T) == T_Q4_0 ? 20 : (T) == T_Q4_1 ? 20 : (T) == T_Q5_0 ? 24 : (T) == T_Q5_1 ? 24 : (T) == T_Q8_0 ? 36 \
      : (T) == T_Q2_K ? 84 : (T) == T_Q3_K ? 112 : (T) == T_Q4_K ? 144 : (T) == T_Q5_K ? 176                 \
-     : (T) == T_Q6_K ? Q6K_BODY : (T) == T_F32 ? 128 : 64)  /* (Q6_K's blocks: q6k_block, not a stride) */
+     : (T) == T_Q6_K ? 224 : (T) == T_F32 ? 128 : 64)
 #define UNITS_PER_BLOCK(T) ((T) >= T_Q2_K && (T) <= T_Q6_K ? 8 : 1)
 
 template <int T>
@@ -225,13 +213,7 @@ __device__ __forceinline__ void unpack(const u8* b, int j, Unit& u) {
     if (T == T_Q3_K) unpack_q3_k(b, j, u);
     if (T == T_Q4_K) unpack_q4_k(b, j, u);
     if (T == T_Q5_K) unpack_q5_k(b, j, u);
-}
-
-// Unit j of block blk of a row (row: the row's first byte on the GPU).
-template <int T>
-__device__ __forceinline__ void unpack_at(const u8* row, long long blk, int j, Unit& u) {
-    if constexpr (T == T_Q6_K) unpack_q6_k(q6k_block(row, blk), q6k_d(row, blk), j, u);
-    else unpack<T>(row + blk * GPU_BLOCK_BYTES(T), j, u);
+    if (T == T_Q6_K) unpack_q6_k(b, j, u);
 }
 
 // ---- GSQ-RCO (docs/gsq-rco.md, version 2): 128-weight records, four units each ----------------------------
@@ -393,8 +375,9 @@ template <int T>
 __device__ __forceinline__ float dequant_at(const u8* row, long idx) {
     if (T == T_F32 || T == T_F16 || T == T_BF16) return float_value(T, row, idx);
     long unit = idx >> 5;
+    const u8* b = row + (unit / UNITS_PER_BLOCK(T)) * GPU_BLOCK_BYTES(T);
     Unit u;
-    unpack_at<T>(row, unit / UNITS_PER_BLOCK(T), (int)(unit % UNITS_PER_BLOCK(T)), u);
+    unpack<T>(b, (int)(unit % UNITS_PER_BLOCK(T)), u);
     return unit_value(u, (int)(idx & 31));
 }
 
