@@ -8,8 +8,8 @@ GPU, the rest on the Rust CPU engine, with only activations crossing between the
   RoPE + KV write, TinyFlash attention, and either the argmax (greedy: only the token id comes back, through
   mapped pinned memory) or the logits written straight into mapped pinned host memory for the Rust sampler.
   The graph's first node embeds the token on the GPU (its id in mapped pinned memory) and copies the position in
-  (where the table does not fit, the host embeds it and two copy nodes bring both in). Greedy steps are chained: the next step is queued to embed the
-  token this one chooses before the host has read it (`step`).
+  (where the table does not fit, the host embeds it and two copy nodes bring both in). Greedy steps are chained:
+  the next step is queued to embed the token this one chooses before the host has read it (`step`).
 - Prompts (`forward`, `prefill`) run a batch per layer: weights dequantized to f16 and multiplied by cuBLAS
   with f32 accumulation, activations quantized and dequantized exactly as the CPU quantizes them.
 - With profiling on, a step runs the same launches one by one between CUDA events, per layer and per kind.
