@@ -453,6 +453,74 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
                     assert nmse(got, ref) < 1e-6, (consumers, team, ks, stages, u, nmse(got, ref))
 
 
+def test_streamed_q6k_head_only_for_a_vocabulary_sized_q6k_head() -> None:
+    """cuda_ops.q6k_stream (no GPU): off unless GEMV_HEAD_STREAM is on; then only a Q6_K matrix of a vocabulary's
+    rows (not a layer's Q6_K product) storing logits or taking their argmax (not a residual add)."""
+    from ninfer.backends import cuda_ops as K
+
+    on = ["-DGEMV_HEAD_STREAM=1"]
+    assert not K.q6k_stream(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, [])
+    assert not K.q6k_stream(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, ["-DGEMV_HEAD_STREAM=0"])
+    assert not K.q6k_stream(K.T_Q6_K, 5120, 27648, K.MODE_ADD, on)  # (a down projection)
+    assert not K.q6k_stream(K.T_Q6_K, 152064, 5120, K.MODE_ADD, on)
+    assert not K.q6k_stream(12, 152064, 5120, K.MODE_ARGMAX, on)  # Q4_K
+    assert not K.q6k_stream(K.T_Q6_K, K.Q6K_STREAM_MIN_ROWS - 1, 5120, K.MODE_STORE, on)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [256, 1536, 5120])
+@pytest.mark.parametrize("mode", ["store", "argmax"])
+def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
+    """The streamed Q6_K head (kernels/gemv_stream_q6k.cu) against the CPU's dot products with the CPU's Q8_K
+    quantization of the normed input: an odd row count (the last chunk short, its last pair half empty), team
+    shapes from one warp to sixteen, one to sixteen teams, the smallest ring (a slot a team: every chunk waits for
+    its slot's previous one) and the launcher's; the argmax the first maximum of the logits it stored, and the
+    accumulator reset by argmax_finish for the next head."""
+    import cupy as cp
+
+    from ninfer.backends import cuda_ops as K
+    from ninfer.backends.layouts import gpu_row_bytes, to_gpu
+    from ninfer.synth import TYPES, random_blocks
+
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("gemv_q6k_stream needs sm_90")
+    rng = np.random.default_rng(23)
+    rows, tid = 9001, K.T_Q6_K
+    raw = random_blocks(TYPES["Q6_K"], rows, n, n**-0.5, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    act = _core.quantize_act(15, rms_norm_ref(x, norm_w, 1e-6))
+    rb = len(raw) // rows
+    ref = np.array([_core.vec_dot(tid, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)], np.float32)
+    w = to_gpu(raw, tid, rows, n, "w")
+    out = cp.zeros(rows, cp.float32)
+    best, token = cp.zeros(1, cp.uint64), cp.zeros(1, cp.int32)
+    x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
+    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    kmode = K.MODE_ARGMAX if mode == "argmax" else K.MODE_STORE
+    for team, teams in ((K.Q6K_STREAM_TEAM, K.Q6K_STREAM_TEAMS), (1, 1), (1, 16), (2, 4), (4, 2), (16, 1)):
+        for stages in (K.GEMV_STREAM_MAX_STAGES, teams):
+            if teams > K.GEMV_STREAM_MAX_STAGES:
+                stages = 0  # (the launcher refuses it: fewer slots than teams)
+            out[:] = 0
+            if stages == 0:
+                with pytest.raises(ValueError, match="no ring of"):
+                    K.gemv_q6k_stream(descs, rows, n, gpu_row_bytes(tid, n), x_d.data.ptr, norm_d.data.ptr, 1e-6,
+                                      kmode, best.data.ptr, team=team, teams=teams)
+                continue
+            K.gemv_q6k_stream(descs, rows, n, gpu_row_bytes(tid, n), x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode,
+                              best.data.ptr, team=team, teams=teams, max_stages=stages)
+            got = out.get()
+            assert nmse(got, ref) < 1e-6, (team, teams, stages, nmse(got, ref))
+            assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max(), (team, teams, stages)
+            if mode == "argmax":
+                K.argmax_finish(best.data.ptr, token.data.ptr)
+                assert int(token.get()[0]) == int(np.argmax(got)), (team, teams, stages)
+                assert int(best.get()[0]) == 0
+            else:
+                assert int(best.get()[0]) == 0  # (STORE leaves the accumulator alone)
+
+
 @needs_cuda
 def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: Path) -> None:
     """Two full-width Qwen2.5-32B layers in GSQ3: every product of the GPU's decode step goes through the streamed

@@ -565,6 +565,12 @@ class CudaEngine:
             pf = (regions.data.ptr, len(prefetch), prefetch_cap)
         ops: list[Callable[[], None]] = []
         n = mats[0].cols
+        if len(mats) == 1 and K.q6k_stream(mats[0].type, mats[0].rows, n, mode):  # the streamed Q6_K head
+            m = mats[0]
+            desc = K.mat_descs([(m.ptr, 0, outs[0], m.row_bytes, m.type, m.rows)])
+            keep.append(desc)
+            eps = self.spec["rms_eps"]
+            return [lambda: K.gemv_q6k_stream(desc, m.rows, n, m.row_bytes, x, norm, eps, mode, best)]
         kinds = sorted({m.act for m in mats})
         if mode == K.MODE_GLU and len(kinds) > 1:
             raise AssertionError("GLU fusion needs gate and up of one activation kind")

@@ -369,6 +369,68 @@ def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_co
                   shared_mem=smem, dependent=True)
 
 
+# The streamed Q6_K output head (kernels/gemv_stream_q6k.cu): its switch (GEMV_HEAD_STREAM in NINFER_CUDA_DEFINES),
+# the rows a launch needs (a vocabulary: no layer's product), its team shape and its kernel's launch bounds.
+Q6K_STREAM_MIN_ROWS = 32768
+Q6K_STREAM_TEAM = 4  # warps of a team, a row pair each: 35.8 KB chunks for 5,120 columns
+Q6K_STREAM_TEAMS = 3  # teams a block (two ring slots each where six fit)
+Q6K_STREAM_MAX_WARPS = 17  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_MAX_WARPS (the producer's included)
+T_Q6_K = 14
+
+
+def q6k_stream(type_id: int, rows: int, n_cols: int, mode: int, defines: list[str] | None = None) -> bool:
+    """Whether a launch of one Q6_K matrix goes through gemv_q6k_stream: the output head (at least
+    Q6K_STREAM_MIN_ROWS rows) storing its logits or taking their argmax, on sm_90 and later, where GEMV_HEAD_STREAM
+    is on."""
+    if not (_define("GEMV_HEAD_STREAM", 0, defines) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS
+            and n_cols % 256 == 0 and mode in (MODE_STORE, MODE_ARGMAX)):
+        return False
+    import cupy as cp
+
+    return int(cp.cuda.Device().compute_capability) >= 90
+
+
+def q6k_stream_plan(fn, n_cols: int, row_bytes: int, team: int, teams: int,
+                    max_stages: int = GEMV_STREAM_MAX_STAGES) -> tuple[int, int] | None:
+    """(ring slots, shared memory) of a gemv_q6k_stream launch with `teams` teams of `team` warps: as many slots of
+    `team` row pairs as fit after the Q8_K activation (n_cols codes, a scale and two sums a 32-value unit, 128-byte
+    aligned), a multiple of `teams`; None where fewer than one a team fit."""
+    import cupy as cp
+
+    act = -(-gemv_smem(ACT_Q8_K, n_cols) // 128) * 128
+    stage = team * GEMV_ROWS_PER_WARP * row_bytes
+    budget = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] - fn.shared_size_bytes
+    stages = min(max_stages, (budget - act) // stage) // teams * teams
+    return (stages, act + stages * stage) if stages >= max(1, teams) else None
+
+
+def gemv_q6k_stream(desc, total_rows: int, n_cols: int, row_bytes: int, x: int, norm_w: int, eps: float, mode: int,
+                    best: int = 0, team: int = 0, teams: int = 0, max_stages: int = 0) -> None:
+    """The Q6_K head streamed (q6k_stream): out = W . y for the one matrix in `desc` (mat_descs), y = RMSNorm(x) *
+    norm_w quantized as Q8_K in the kernel; MODE_ARGMAX also packs the argmax into `best` (as gemv()). team, teams,
+    max_stages: another shape than Q6K_STREAM_TEAM, Q6K_STREAM_TEAMS (GEMV_HEAD_STREAM_TEAM, _TEAMS in
+    NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
+    import cupy as cp
+
+    fn = function("gemv_q6k_stream")
+    team = team or _define("GEMV_HEAD_STREAM_TEAM", Q6K_STREAM_TEAM)
+    teams = teams or _define("GEMV_HEAD_STREAM_TEAMS", Q6K_STREAM_TEAMS)
+    if 32 * (team * teams + 1) > fn.max_threads_per_block:
+        raise ValueError(f"gemv_q6k_stream takes at most {fn.max_threads_per_block // 32 - 1} consumer warps, not "
+                         f"{teams} teams of {team}")
+    plan = q6k_stream_plan(fn, n_cols, row_bytes, team, teams, max_stages or GEMV_STREAM_MAX_STAGES)
+    if plan is None:
+        raise ValueError(f"gemv_q6k_stream: no ring of {teams} slots of {team} row pairs of {row_bytes} bytes fits")
+    stages, smem = plan
+    _allow_smem(fn, smem)
+    threads = 32 * (team * teams + 1)
+    groups = -(-total_rows // GEMV_ROWS_PER_WARP)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    grid = min(-(-groups // team), resident_blocks(fn, threads, smem), sms)
+    launch.kernel(fn, (grid,), (threads,), (desc, I(total_rows), I(n_cols), P(x), P(norm_w), F(eps), I(mode), P(best),
+                                            I(team), I(stages)), shared_mem=smem, dependent=True)
+
+
 def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
     """The streamed kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
     stream_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""

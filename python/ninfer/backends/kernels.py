@@ -15,7 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 
 HEADERS = ("common.cuh", "quant.cuh")
-SOURCES = ("norm.cu", "rope_kv.cu", "gemv.cu", "gemv_stream.cu", "attention.cu", "misc.cu")  # in dependency order
+# in dependency order
+SOURCES = ("norm.cu", "rope_kv.cu", "gemv.cu", "gemv_stream.cu", "gemv_stream_q6k.cu", "attention.cu", "misc.cu")
 
 
 def kernels_dir() -> Path:

@@ -160,6 +160,14 @@ __device__ __forceinline__ float glu(float g, float u, int act) {
 
 // Where element i's code sits in an ACT_GSQ8_PAIRS activation (also the bytes of i codes, i a multiple of 128).
 __device__ __forceinline__ int gsq8_pairs_at(int i) { return i + 16 * (i >> 7); }
+// ACT_Q8_K for the streamed Q6_K head (gemv_stream_q6k.cu): the same codes, scales and sums, but the last two
+// 64-byte quarters of every 256 codes swapped, so that the 16-byte loads of a Q6_K slice's codes by the eight lanes of
+// a super-block (bytes 128n + 32t + 16h, and + 64) cover all 32 banks, where in the plain order n = 0 and n = 1 fall
+// on the same 16. Only the quantizers write it.
+#define ACT_Q8_K_SKEW 8
+
+// Where element i's code sits in an ACT_Q8_K_SKEW activation.
+__device__ __forceinline__ int q8k_skew_at(int i) { return i ^ ((i >> 1) & 64); }
 
 // GGML type ids.
 #define T_F32 0

@@ -189,12 +189,11 @@ __device__ __forceinline__ void load_q6k_slice(const u8* row, int b, int q, Slic
     s.d = *(const u16*)(blk + 208);
 }
 
-// Slice q of super-block b against the Q8_K activation (codes aq, scales ad per unit, sums as per 16).
-__device__ __forceinline__ float q6k_slice_dot(const SliceQ6K& s, int b, int q, const int* aq, const float* ad,
-                                               const float2* as) {
+// Slice q of super-block b against the Q8_K activation: xl and xh its codes for the slice's low and high nibbles
+// (weights 128n + 32t + 16h and the same + 64), scales ad per unit, sums as per 16.
+__device__ __forceinline__ float q6k_slice_dot_x(const SliceQ6K& s, int b, int q, int4 xl, int4 xh, const float* ad,
+                                                 const float2* as) {
     const int n = q >> 2, t = (q >> 1) & 1, h = q & 1, hs = 2 * t;
-    const int4* xq = (const int4*)(aq + 64 * b + 32 * n + 8 * t + 4 * h);  // weights 128n + 32t + 16h, + 64
-    const int4 xl = xq[0], xh = xq[4];
     // Codes are stored plus 32: the sums start at -32 times the activation's sums (whole numbers in floats).
     const float2 sl = as[8 * b + 4 * n + t], su = as[8 * b + 4 * n + 2 + t];
     const int bl = (int)(h ? sl.y : sl.x), bh = (int)(h ? su.y : su.x);
@@ -210,6 +209,14 @@ __device__ __forceinline__ float q6k_slice_dot(const SliceQ6K& s, int b, int q, 
     const int sh = 8 * (2 * t + h);
     const int isum = (int)(i8)(s.sc.x >> sh) * lo + (int)(i8)(s.sc.y >> sh) * hi;
     return ad[8 * b] * h2f((u16)s.d) * (float)isum;
+}
+
+// The same with the activation's codes aq in their plain order.
+__device__ __forceinline__ float q6k_slice_dot(const SliceQ6K& s, int b, int q, const int* aq, const float* ad,
+                                               const float2* as) {
+    const int n = q >> 2, t = (q >> 1) & 1, h = q & 1;
+    const int4* xq = (const int4*)(aq + 64 * b + 32 * n + 8 * t + 4 * h);  // weights 128n + 32t + 16h, + 64
+    return q6k_slice_dot_x(s, b, q, xq[0], xq[4], ad, as);
 }
 
 // ---- GSQ-RCO (quant.cuh: GsqRaw, load_gsq): loaded first as Q4_K and Q6_K are (rows_loads_first) ------------

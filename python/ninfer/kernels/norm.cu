@@ -2,7 +2,8 @@
 // normalizes it (sum of squares in double, y = x * scale * w, as the CPU), and writes the activation in the form
 // the next matrix product wants:
 //   act Q8_0 / Q8_1 / Q8_K: int8 quants, a scale per 32-element unit, per-unit sums (the CPU's quantizers,
-//                           byte for byte: d = amax / 127 with ties-to-even codes; Q8_K's -127 / signed max);
+//                           byte for byte: d = amax / 127 with ties-to-even codes; Q8_K's -127 / signed max;
+//                           Q8_K_SKEW: Q8_K with its codes in the streamed Q6_K head's order, common.cuh);
 //   act GSQ8:               GSQ-RCO's int8 activations (gsq::ActQ8): a scale per 128, stored per unit (GSQ8_PAIRS:
 //                           the codes of each 128 padded to 144 bytes for the lane-pair kernel, common.cuh);
 //   act F32 / F16 / BF16:   y in f32, rounded to f16 / bf16 where the CPU rounds it.
@@ -81,11 +82,12 @@ __device__ __forceinline__ void quantize_group(int act, int g, const float* y, i
         const float mx = has ? __shfl_sync(0xffffffffu, mine, __ffs(has) - 1) : 0.0f;
         const float iscale = mx != 0.0f ? -127.0f / mx : 0.0f;
         int sum8 = 0;
+        const int qi = act == ACT_Q8_K_SKEW ? q8k_skew_at(i0) : i0;  // (a lane's eight codes stay together)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const int q = mx != 0.0f ? min(nearest_int(iscale * y[k]), 127) : 0;
             sum8 += q;
-            if (out_q) out_q[i0 + k] = (i8)q;
+            if (out_q) out_q[qi + k] = (i8)q;
             if (out_h) out_h[i0 + k] = f2h((float)q * (mx != 0.0f ? 1.0f / iscale : 0.0f));
             if (out_f) out_f[i0 + k] = y[k];
         }
