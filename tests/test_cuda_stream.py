@@ -454,17 +454,21 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
 
 
 def test_streamed_q6k_head_only_for_a_vocabulary_sized_q6k_head() -> None:
-    """cuda_ops.q6k_stream (no GPU): off unless GEMV_HEAD_STREAM is on; then only a Q6_K matrix of a vocabulary's
-    rows (not a layer's Q6_K product) storing logits or taking their argmax (not a residual add)."""
+    """cuda_ops.q6k_stream_shape (no GPU): a Q6_K matrix of a vocabulary's rows (not a layer's Q6_K product)
+    storing logits or taking their argmax (not a residual add), whose rows the lanes walk in whole rounds (the 32B
+    head's 5,120 columns, not the 1.5B's 1,536, which measured slower streamed); GEMV_HEAD_STREAM=0 turns it off."""
     from ninfer.backends import cuda_ops as K
 
-    on = ["-DGEMV_HEAD_STREAM=1"]
-    assert not K.q6k_stream(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, [])
-    assert not K.q6k_stream(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, ["-DGEMV_HEAD_STREAM=0"])
-    assert not K.q6k_stream(K.T_Q6_K, 5120, 27648, K.MODE_ADD, on)  # (a down projection)
-    assert not K.q6k_stream(K.T_Q6_K, 152064, 5120, K.MODE_ADD, on)
-    assert not K.q6k_stream(12, 152064, 5120, K.MODE_ARGMAX, on)  # Q4_K
-    assert not K.q6k_stream(K.T_Q6_K, K.Q6K_STREAM_MIN_ROWS - 1, 5120, K.MODE_STORE, on)
+    shape = K.q6k_stream_shape
+    assert shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, []) and shape(K.T_Q6_K, 152064, 5120, K.MODE_STORE, [])
+    assert not shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, ["-DGEMV_HEAD_STREAM=0"])
+    assert not shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX, [])
+    assert shape(K.T_Q6_K, 151936, 2560, K.MODE_ARGMAX, [])  # (10 super-blocks: one round)
+    assert not shape(K.T_Q6_K, 5120, 27648, K.MODE_ADD, [])  # (a down projection)
+    assert not shape(K.T_Q6_K, 152064, 5120, K.MODE_ADD, [])
+    assert not shape(12, 152064, 5120, K.MODE_ARGMAX, [])  # Q4_K
+    assert not shape(K.T_Q6_K, K.Q6K_STREAM_MIN_ROWS - 1, 5120, K.MODE_STORE, [])
+    assert shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX, ["-DGEMV_Q6K_STREAM_U=3"])  # (6 super-blocks, 3 a lane)
 
 
 @needs_cuda

@@ -369,21 +369,31 @@ def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_co
                   shared_mem=smem, dependent=True)
 
 
-# The streamed Q6_K output head (kernels/gemv_stream_q6k.cu): its switch (GEMV_HEAD_STREAM in NINFER_CUDA_DEFINES),
-# the rows a launch needs (a vocabulary: no layer's product), its team shape and its kernel's launch bounds.
+# The streamed Q6_K output head (kernels/gemv_stream_q6k.cu): the rows a launch needs (a vocabulary: no layer's
+# product), its team shape, its slices a lane a round and its kernel's launch bounds.
 Q6K_STREAM_MIN_ROWS = 32768
 Q6K_STREAM_TEAM = 4  # warps of a team, a row pair each: 35.8 KB chunks for 5,120 columns
 Q6K_STREAM_TEAMS = 3  # teams a block (two ring slots each where six fit)
+Q6K_STREAM_U = 5  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_U
 Q6K_STREAM_MAX_WARPS = 17  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_MAX_WARPS (the producer's included)
-T_Q6_K = 14
+T_Q6_K = 14  # (GGML's type id)
 
 
-def q6k_stream(type_id: int, rows: int, n_cols: int, mode: int, defines: list[str] | None = None) -> bool:
-    """Whether a launch of one Q6_K matrix goes through gemv_q6k_stream: the output head (at least
-    Q6K_STREAM_MIN_ROWS rows) storing its logits or taking their argmax, on sm_90 and later, where GEMV_HEAD_STREAM
-    is on."""
-    if not (_define("GEMV_HEAD_STREAM", 0, defines) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS
-            and n_cols % 256 == 0 and mode in (MODE_STORE, MODE_ARGMAX)):
+def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int, defines: list[str] | None = None) -> bool:
+    """Whether gemv_q6k_stream takes a launch of one matrix of this shape (q6k_stream, less the GPU's check): a Q6_K
+    output head (at least Q6K_STREAM_MIN_ROWS rows) storing its logits or taking their argmax, whose rows its lanes
+    walk in whole rounds (a half-warp's two super-blocks at a time, U slices a lane: 5,120 columns, 20 super-blocks,
+    two rounds). H200 (2026-12-03, t/s, two rounds): synthetic 32B GSQ3 tg128 199.96 / 199.91 against gemv.cu's
+    head 199.75 / 199.68; the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full) 958.2 against
+    982.8, so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
+    u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U, defines)
+    return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS \
+        and n_cols % 256 == 0 and (n_cols // 256) % (2 * u) == 0 and mode in (MODE_STORE, MODE_ARGMAX)
+
+
+def q6k_stream(type_id: int, rows: int, n_cols: int, mode: int) -> bool:
+    """Whether the launch goes through gemv_q6k_stream: q6k_stream_shape, on sm_90 and later (the bulk copies)."""
+    if not q6k_stream_shape(type_id, rows, n_cols, mode):
         return False
     import cupy as cp
 

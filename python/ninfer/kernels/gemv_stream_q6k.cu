@@ -3,7 +3,10 @@
 //
 // Why: the head is the largest single product of a decode step (Qwen2.5-32B: 152,064 rows of 5,120, 681 MB in the
 // GPU's padded blocks), and gemv.cu's kernel, whose lanes load their slices into registers, reads it at 3.9 TB/s
-// where the streamed 3-bit products' steady phases reach 4.9 (docs/gsq-rco-gpu.md).
+// where the streamed 3-bit products' steady phases reach 4.9 (docs/gsq-rco-gpu.md). H200, synthetic 32B GSQ3 tg128
+// 199.96 / 199.91 against 199.75 / 199.68 t/s with gemv.cu's head (2026-12-03; teams of two warps, four or eight
+// teams: 199.77-199.87). The launcher takes it where a row's super-blocks fill the lanes' rounds
+// (cuda_ops.q6k_stream_shape).
 //
 // Work: row pairs (GEMV_R) in chunks of `team` pairs, block b taking chunks b, b + grid, ... (gemv_stream.cu); the
 // consumer warps form teams of `team` warps, a warp a row pair of each of its team's chunks and a half-warp a row:
