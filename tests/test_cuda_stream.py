@@ -471,32 +471,63 @@ def test_streamed_q6k_head_only_for_a_vocabulary_sized_q6k_head() -> None:
     assert shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX, ["-DGEMV_Q6K_STREAM_U=3"])  # (6 super-blocks, 3 a lane)
 
 
+def test_q6k_planar_rows_hold_each_field_of_every_block_in_its_own_run() -> None:
+    """layouts.q6k_planar (no GPU): a row of nb Q6_K blocks becomes its ql bytes (128 a block), then its qh (64), its
+    scales (16) and its d's (2), zeros to the row's 16-byte end (kernels/common.cuh T_Q6_K_PLANAR)."""
+    from ninfer.backends.layouts import T_Q6_K_PLANAR, gpu_row_bytes, q6k_planar
+
+    rows, cols = 3, 5120
+    nb = cols // 256
+    blocks = np.random.default_rng(2).integers(0, 256, (rows * nb, 210), dtype=np.uint8)
+    out = q6k_planar(blocks, rows, cols)
+    assert gpu_row_bytes(T_Q6_K_PLANAR, cols) == 4208 and out.shape == (rows, 4208)
+    b = blocks.reshape(rows, nb, 210)
+    for r in range(rows):
+        for k in (0, 7, nb - 1):
+            assert (out[r, 128 * k : 128 * k + 128] == b[r, k, :128]).all()
+            assert (out[r, 128 * nb + 64 * k : 128 * nb + 64 * k + 64] == b[r, k, 128:192]).all()
+            assert (out[r, 192 * nb + 16 * k : 192 * nb + 16 * k + 16] == b[r, k, 192:208]).all()
+            assert (out[r, 208 * nb + 2 * k : 208 * nb + 2 * k + 2] == b[r, k, 208:210]).all()
+        assert not out[r, 210 * nb :].any()
+    assert gpu_row_bytes(T_Q6_K_PLANAR, 1536) == 1264  # (6 blocks: 1,260 bytes)
+
+
 @needs_cuda
+@pytest.mark.parametrize("planar", [False, True])
 @pytest.mark.parametrize("n", [256, 1536, 5120])
 @pytest.mark.parametrize("mode", ["store", "argmax"])
-def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
-    """The streamed Q6_K head (kernels/gemv_stream_q6k.cu) against the CPU's dot products with the CPU's Q8_K
-    quantization of the normed input: an odd row count (the last chunk short, its last pair half empty), team
-    shapes from one warp to sixteen, one to sixteen teams, the smallest ring (a slot a team: every chunk waits for
-    its slot's previous one) and the launcher's; the argmax the first maximum of the logits it stored, and the
-    accumulator reset by argmax_finish for the next head."""
+def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int, planar: bool) -> None:
+    """The streamed Q6_K head (kernels/gemv_stream_q6k.cu), in padded blocks and in planar rows, against the CPU's
+    dot products with the CPU's Q8_K quantization of the normed input: an odd row count (the last chunk short, its
+    last pair half empty), team shapes from one warp to sixteen, one to sixteen teams, the smallest ring (a slot a
+    team: every chunk waits for its slot's previous one) and the launcher's; the argmax the first maximum of the
+    logits it stored, and the accumulator reset by argmax_finish for the next head. The planar rows dequantized for
+    the prompt path (dequant_f16) equal the padded blocks'."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
-    from ninfer.backends.layouts import gpu_row_bytes, to_gpu
+    from ninfer.backends.layouts import T_Q6_K_PLANAR, gpu_row_bytes, to_gpu
     from ninfer.synth import TYPES, random_blocks
 
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_q6k_stream needs sm_90")
     rng = np.random.default_rng(23)
-    rows, tid = 9001, K.T_Q6_K
+    rows = 9001
+    tid = T_Q6_K_PLANAR if planar else K.T_Q6_K
     raw = random_blocks(TYPES["Q6_K"], rows, n, n**-0.5, rng)
     x = rng.standard_normal(n).astype(np.float32)
     norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
     act = _core.quantize_act(15, rms_norm_ref(x, norm_w, 1e-6))
     rb = len(raw) // rows
-    ref = np.array([_core.vec_dot(tid, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)], np.float32)
+    ref = np.array([_core.vec_dot(K.T_Q6_K, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)],
+                   np.float32)
     w = to_gpu(raw, tid, rows, n, "w")
+    if planar:  # the prompt path's dequantization of the planar rows: the padded blocks' values
+        padded = to_gpu(raw, K.T_Q6_K, rows, n, "w")
+        f16, f16_ref = cp.zeros((rows, n), cp.float16), cp.zeros((rows, n), cp.float16)
+        K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, n), rows, n, f16.data.ptr)
+        K.dequant_f16(K.T_Q6_K, padded.data.ptr, gpu_row_bytes(K.T_Q6_K, n), rows, n, f16_ref.data.ptr)
+        assert bool((f16 == f16_ref).all()) and bool(cp.isfinite(f16).all())
     out = cp.zeros(rows, cp.float32)
     best, token = cp.zeros(1, cp.uint64), cp.zeros(1, cp.int32)
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
@@ -504,16 +535,14 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
     kmode = K.MODE_ARGMAX if mode == "argmax" else K.MODE_STORE
     for team, teams in ((K.Q6K_STREAM_TEAM, K.Q6K_STREAM_TEAMS), (1, 1), (1, 16), (2, 4), (4, 2), (16, 1)):
         for stages in (K.GEMV_STREAM_MAX_STAGES, teams):
-            if teams > K.GEMV_STREAM_MAX_STAGES:
-                stages = 0  # (the launcher refuses it: fewer slots than teams)
+            args = (descs, tid, rows, n, gpu_row_bytes(tid, n), x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode,
+                    best.data.ptr)
             out[:] = 0
-            if stages == 0:
+            if teams > K.GEMV_STREAM_MAX_STAGES:  # (the launcher refuses it: fewer slots than teams)
                 with pytest.raises(ValueError, match="no ring of"):
-                    K.gemv_q6k_stream(descs, rows, n, gpu_row_bytes(tid, n), x_d.data.ptr, norm_d.data.ptr, 1e-6,
-                                      kmode, best.data.ptr, team=team, teams=teams)
+                    K.gemv_q6k_stream(*args, team=team, teams=teams)
                 continue
-            K.gemv_q6k_stream(descs, rows, n, gpu_row_bytes(tid, n), x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode,
-                              best.data.ptr, team=team, teams=teams, max_stages=stages)
+            K.gemv_q6k_stream(*args, team=team, teams=teams, max_stages=stages)
             got = out.get()
             assert nmse(got, ref) < 1e-6, (team, teams, stages, nmse(got, ref))
             assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max(), (team, teams, stages)

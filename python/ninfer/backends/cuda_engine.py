@@ -30,8 +30,8 @@ from ninfer import _core
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as K
 from ninfer.backends import launch
-from ninfer.backends.layouts import (ACT_GSQ8, ACT_GSQ8_PAIRS, QUANTIZED_ACTS, gpu_row_bytes, gpu_type,
-                                     gsq_pairs_type, layout, to_gpu)
+from ninfer.backends.layouts import (ACT_GSQ8, ACT_GSQ8_PAIRS, QUANTIZED_ACTS, T_Q6_K, T_Q6_K_PLANAR, gpu_row_bytes,
+                                     gpu_type, gsq_pairs_type, layout, to_gpu)
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -74,8 +74,10 @@ class _Pending:
 
 
 class _Matrix:
-    def __init__(self, entry: Any, raw: np.ndarray):
-        self.name, self.type = entry.name, gpu_type(entry)
+    def __init__(self, entry: Any, raw: np.ndarray, type_id: int | None = None):
+        """entry's matrix uploaded in its GPU type's layout (type_id: another GPU type of the same weights,
+        T_Q6_K_PLANAR for a streamed head)."""
+        self.name, self.type = entry.name, gpu_type(entry) if type_id is None else type_id
         self.cols, self.rows = entry.dims[0], (entry.dims[1] if len(entry.dims) > 1 else 1)
         self.data = to_gpu(raw, self.type, self.rows, self.cols, self.name)
         self.ptr = self.data.data.ptr
@@ -181,7 +183,7 @@ class CudaEngine:
             self.layers.append(lw)
         self.output = self.output_norm = None
         if self.plan.head_on_gpu:
-            self.output = _Matrix(self.tensors[s["output"]], self._raw(s["output"]))
+            self.output = _Matrix(self.tensors[s["output"]], self._raw(s["output"]), self._head_type())
             self.output_norm = self._vec(s["output_norm"])
         te = self.tensors[s["token_embd"]]
         self.embd_type, self.embd_row_bytes = te.type_id, te.n_bytes // te.dims[1]
@@ -192,6 +194,18 @@ class CudaEngine:
         # RoPE's per-pair factor, computed as the CPU computes it (f32 powf on the host).
         self.theta_scale = [float(np.float32(ls["rope_base"]) ** (np.float32(-2.0) / np.float32(s["rope_dims"])))
                             for ls in s["layers"]]
+
+    def _head_type(self) -> int:
+        """The output head's GPU type: T_Q6_K_PLANAR for a streamed Q6_K head of its own (cuda_ops.q6k_stream;
+        not one tied to the embeddings, which the embedding kernel reads in padded blocks) where GEMV_HEAD_PLANAR is
+        on, else the tensor's."""
+        s = self.spec
+        t = self.tensors[s["output"]]
+        ty = gpu_type(t)
+        if s["token_embd"] != s["output"] and K._define("GEMV_HEAD_PLANAR", 0) and ty == T_Q6_K \
+                and K.q6k_stream(ty, t.dims[1], t.dims[0], K.MODE_ARGMAX):
+            return T_Q6_K_PLANAR
+        return ty
 
     def _alloc(self) -> None:
         cp, s = self.cp, self.spec
@@ -570,7 +584,7 @@ class CudaEngine:
             desc = K.mat_descs([(m.ptr, 0, outs[0], m.row_bytes, m.type, m.rows)])
             keep.append(desc)
             eps = self.spec["rms_eps"]
-            return [lambda: K.gemv_q6k_stream(desc, m.rows, n, m.row_bytes, x, norm, eps, mode, best)]
+            return [lambda: K.gemv_q6k_stream(desc, m.type, m.rows, n, m.row_bytes, x, norm, eps, mode, best)]
         kinds = sorted({m.act for m in mats})
         if mode == K.MODE_GLU and len(kinds) > 1:
             raise AssertionError("GLU fusion needs gate and up of one activation kind")

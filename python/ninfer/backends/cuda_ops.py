@@ -14,7 +14,8 @@ import numpy as np
 
 from ninfer.backends import launch
 from ninfer.backends.kernels import function
-from ninfer.backends.layouts import ACT_BF16, ACT_F16, ACT_F32, ACT_GSQ8, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K
+from ninfer.backends.layouts import (ACT_BF16, ACT_F16, ACT_F32, ACT_GSQ8, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, T_Q6_K,
+                                     T_Q6_K_PLANAR)
 
 MODE_STORE, MODE_ADD, MODE_GLU, MODE_ARGMAX = range(4)
 GEMV_WARPS = 8
@@ -376,7 +377,6 @@ Q6K_STREAM_TEAM = 4  # warps of a team, a row pair each: 35.8 KB chunks for 5,12
 Q6K_STREAM_TEAMS = 3  # teams a block (two ring slots each where six fit)
 Q6K_STREAM_U = 5  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_U
 Q6K_STREAM_MAX_WARPS = 17  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_MAX_WARPS (the producer's included)
-T_Q6_K = 14  # (GGML's type id)
 
 
 def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int, defines: list[str] | None = None) -> bool:
@@ -387,7 +387,8 @@ def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int, defines: l
     head 199.75 / 199.68; the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full) 958.2 against
     982.8, so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
     u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U, defines)
-    return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS \
+    return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id in (T_Q6_K, T_Q6_K_PLANAR) \
+        and rows >= Q6K_STREAM_MIN_ROWS \
         and n_cols % 256 == 0 and (n_cols // 256) % (2 * u) == 0 and mode in (MODE_STORE, MODE_ARGMAX)
 
 
@@ -414,15 +415,15 @@ def q6k_stream_plan(fn, n_cols: int, row_bytes: int, team: int, teams: int,
     return (stages, act + stages * stage) if stages >= max(1, teams) else None
 
 
-def gemv_q6k_stream(desc, total_rows: int, n_cols: int, row_bytes: int, x: int, norm_w: int, eps: float, mode: int,
-                    best: int = 0, team: int = 0, teams: int = 0, max_stages: int = 0) -> None:
-    """The Q6_K head streamed (q6k_stream): out = W . y for the one matrix in `desc` (mat_descs), y = RMSNorm(x) *
-    norm_w quantized as Q8_K in the kernel; MODE_ARGMAX also packs the argmax into `best` (as gemv()). team, teams,
-    max_stages: another shape than Q6K_STREAM_TEAM, Q6K_STREAM_TEAMS (GEMV_HEAD_STREAM_TEAM, _TEAMS in
-    NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
+def gemv_q6k_stream(desc, type_id: int, total_rows: int, n_cols: int, row_bytes: int, x: int, norm_w: int,
+                    eps: float, mode: int, best: int = 0, team: int = 0, teams: int = 0, max_stages: int = 0) -> None:
+    """The Q6_K head streamed (q6k_stream): out = W . y for the one matrix in `desc` (mat_descs; T_Q6_K in padded
+    blocks or T_Q6_K_PLANAR), y = RMSNorm(x) * norm_w quantized as Q8_K in the kernel; MODE_ARGMAX also packs the
+    argmax into `best` (as gemv()). team, teams, max_stages: another shape than Q6K_STREAM_TEAM, Q6K_STREAM_TEAMS
+    (GEMV_HEAD_STREAM_TEAM, _TEAMS in NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
     import cupy as cp
 
-    fn = function("gemv_q6k_stream")
+    fn = function("gemv_q6k_stream_planar" if type_id == T_Q6_K_PLANAR else "gemv_q6k_stream")
     team = team or _define("GEMV_HEAD_STREAM_TEAM", Q6K_STREAM_TEAM)
     teams = teams or _define("GEMV_HEAD_STREAM_TEAMS", Q6K_STREAM_TEAMS)
     if 32 * (team * teams + 1) > fn.max_threads_per_block:

@@ -13,6 +13,8 @@ import numpy as np
 ACT_F32, ACT_F16, ACT_BF16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_GSQ8 = range(7)
 ACT_GSQ8_PAIRS = 7  # ACT_GSQ8's codes padded to 144 bytes a record, for the lane-pair kernel (common.cuh)
 T_GSQ = 256  # GPU type ids of GSQ-RCO matrices: T_GSQ + 32 * (bits - 3) + slots (kernels/common.cuh)
+T_Q6_K = 14
+T_Q6_K_PLANAR = 240  # a Q6_K output head re-laid by row for the streamed head (q6k_planar; kernels/common.cuh)
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,11 @@ def gpu_type(t) -> int:
 
 
 def layout(type_id: int, name: str) -> Layout:
+    """A GPU type's block layout (T_Q6_K_PLANAR: Q6_K's blocks and activation; its rows are q6k_planar's)."""
     from ninfer.errors import UnsupportedModelError
 
+    if type_id == T_Q6_K_PLANAR:
+        type_id = T_Q6_K
     if type_id >= T_GSQ:
         return _gsq_layout(type_id)
     try:
@@ -89,6 +94,8 @@ def layout(type_id: int, name: str) -> Layout:
 
 
 def gpu_row_bytes(type_id: int, cols: int) -> int:
+    if type_id == T_Q6_K_PLANAR:  # the file's bytes, the row padded to 16
+        return -(-cols // 256 * 210 // 16) * 16
     lay = layout(type_id, f"of type {type_id}")
     return cols // lay.block_elems * lay.gpu_bytes
 
@@ -185,10 +192,35 @@ def rotate_gsq3(records, first: int, per_row: int, xp=np) -> None:
         records[sel] = xp.roll(records[sel], k, axis=1)
 
 
+def q6k_planar(blocks, rows: int, cols: int, xp=np):
+    """[rows * cols / 256, 210] Q6_K file blocks -> [rows, gpu_row_bytes(T_Q6_K_PLANAR, cols)] rows in the planar
+    layout (kernels/common.cuh T_Q6_K_PLANAR): each row's ql bytes (128 a block), then its qh (64), its scales (16)
+    and its d's (2), zeros to the row's end."""
+    nb = cols // 256
+    b = blocks.reshape(rows, nb, 210)
+    dst = xp.zeros((rows, gpu_row_bytes(T_Q6_K_PLANAR, cols)), dtype=xp.uint8)
+    at = 0
+    for start, size in ((0, 128), (128, 64), (192, 16), (208, 2)):  # ql, qh, scales, d
+        dst[:, at : at + nb * size] = b[:, :, start : start + size].reshape(rows, nb * size)
+        at += nb * size
+    return dst
+
+
 def to_gpu(raw: np.ndarray, type_id: int, rows: int, cols: int, name: str):
-    """Upload one matrix's file bytes (rows x cols elements of type_id) as a GPU array in the padded layout."""
+    """Upload one matrix's file bytes (rows x cols elements of type_id) as a GPU array in the padded layout (or
+    T_Q6_K_PLANAR's, a Q6_K matrix's rows re-laid by q6k_planar, 8,192 rows at a time)."""
     import cupy as cp
 
+    if type_id == T_Q6_K_PLANAR:
+        if cols % 256:
+            from ninfer.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"tensor {name}: {cols} columns is not a whole number of 256-element blocks")
+        raw = np.ascontiguousarray(raw).reshape(rows, -1)
+        out = cp.empty((rows, gpu_row_bytes(type_id, cols)), dtype=cp.uint8)
+        for r in range(0, rows, 8192):
+            out[r : r + 8192] = q6k_planar(cp.asarray(raw[r : r + 8192]), min(8192, rows - r), cols, cp)
+        return out.reshape(-1)
     lay = layout(type_id, name)
     if cols % lay.block_elems or (lay.block_elems == 32 and cols % 32):
         from ninfer.errors import UnsupportedModelError

@@ -183,6 +183,11 @@ __device__ __forceinline__ int q8k_skew_at(int i) { return i ^ ((i >> 1) & 64); 
 #define T_Q5_K 13
 #define T_Q6_K 14
 #define T_BF16 30
+// A Q6_K output head re-laid by row for the streamed head (gemv_stream_q6k.cu; backends/layouts.py q6k_planar), a
+// GPU type id outside GGML's range: a row's ql bytes of all its super-blocks, then their qh, their scales and their
+// d's, the row padded to 16 bytes (4,208 for 5,120 columns, where the padded blocks take 4,480). Only that kernel and
+// dequant_f16 read it.
+#define T_Q6_K_PLANAR 240
 // GSQ-RCO matrices (docs/gsq-rco.md, format version 2) get GPU type ids of their own, outside GGML's range:
 // T_GSQ + 32 * (code bits - 3) + residual slots per record (backends/layouts.py gsq_type).
 #define T_GSQ 256

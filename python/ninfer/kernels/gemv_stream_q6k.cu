@@ -21,24 +21,31 @@
 #define GEMV_Q6K_STREAM_MAX_WARPS 17  // the producer and up to 16 consumers (cuda_ops.Q6K_STREAM_MAX_WARPS)
 
 #if __CUDA_ARCH__ >= 900
-// Slice q of the Q6_K block at shared address a (the GPU's padded 224-byte block: ql, qh, scales, d).
-__device__ __forceinline__ void q6k_slice_lds(u32 a, int q, SliceQ6K& s) {
+// Slice q of super-block b of the row at shared address a (volatile: kept after the slot's barrier wait): the
+// padded blocks one after another, or PLANAR (T_Q6_K_PLANAR: each field in its own run of the row's nb blocks).
+template <bool PLANAR>
+__device__ __forceinline__ void q6k_slice_lds(u32 a, int b, int q, int nb, SliceQ6K& s) {
+    constexpr u32 BLK = GPU_BLOCK_BYTES(T_Q6_K);
+    const u32 ql = a + (PLANAR ? 128 * b : BLK * b) + 16 * q;
+    const u32 qh = a + (PLANAR ? 128 * nb + 64 * b : BLK * b + 128) + 32 * (q >> 2) + 16 * (q & 1);
+    const u32 sc = a + (PLANAR ? 192 * nb + 16 * b : BLK * b + 192) + 8 * (q >> 2);
+    const u32 dw = PLANAR ? (a + 208 * nb + 2 * b) & ~3u : a + BLK * b + 208;
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(s.l.x), "=r"(s.l.y), "=r"(s.l.z), "=r"(s.l.w) : "r"(a + 16 * q));
+                 : "=r"(s.l.x), "=r"(s.l.y), "=r"(s.l.z), "=r"(s.l.w) : "r"(ql));
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(s.hb.x), "=r"(s.hb.y), "=r"(s.hb.z), "=r"(s.hb.w)
-                 : "r"(a + 128 + 32 * (q >> 2) + 16 * (q & 1)));
-    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(s.sc.x), "=r"(s.sc.y) : "r"(a + 192 + 8 * (q >> 2)));
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s.d) : "r"(a + 208));  // (d in the low half)
+                 : "=r"(s.hb.x), "=r"(s.hb.y), "=r"(s.hb.z), "=r"(s.hb.w) : "r"(qh));
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(s.sc.x), "=r"(s.sc.y) : "r"(sc));
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s.d) : "r"(dw));
+    if (PLANAR) s.d >>= 16 * (b & 1);  // (d in the low half)
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(32 * GEMV_Q6K_STREAM_MAX_WARPS)
-gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x, const float* norm_w, float eps,
-                int mode, u64* best, int team_warps, int stages) {
+template <bool PLANAR>
+__device__ void gemv_q6k_stream_body(const MatDesc* mats, int total_rows, int n_cols, const float* x,
+                                     const float* norm_w, float eps, int mode, u64* best, int team_warps,
+                                     int stages) {
 #if __CUDA_ARCH__ >= 900
     constexpr int R = GEMV_R;
-    constexpr int BLOCK = GPU_BLOCK_BYTES(T_Q6_K);
     extern __shared__ __align__(128) int4 q6k_sm[];
     __shared__ __align__(8) u64 full[GEMV_STREAM_MAX_STAGES], empty[GEMV_STREAM_MAX_STAGES];
     __shared__ u64 block_key;
@@ -120,7 +127,7 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
 #pragma unroll
                 for (int k = 0; k < GEMV_Q6K_STREAM_U; ++k) {
                     b[k] = min(c0 + c + 2 * k, n_blk - 1);  // (past the row: its last block again, added to nothing)
-                    q6k_slice_lds(wrow + b[k] * BLOCK, q, t[k]);
+                    q6k_slice_lds<PLANAR>(wrow, b[k], q, n_blk, t[k]);
                 }
                 asm volatile("" ::: "memory");  // these loads stay above the dot products
 #pragma unroll
@@ -150,6 +157,15 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
         if (threadIdx.x == 0 && block_key) atomicMax(best, block_key);
     }
 #else
-    __trap();  // the launcher picks this kernel on sm_90 and later only
+    __trap();  // the launcher picks these kernels on sm_90 and later only
 #endif
 }
+
+#define GEMV_Q6K_STREAM_KERNEL(NAME, PLANAR)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_Q6K_STREAM_MAX_WARPS)                                  \
+        NAME(const MatDesc* mats, int total_rows, int n_cols, const float* x, const float* norm_w, float eps,     \
+             int mode, u64* best, int team_warps, int stages) {                                                  \
+        gemv_q6k_stream_body<PLANAR>(mats, total_rows, n_cols, x, norm_w, eps, mode, best, team_warps, stages); \
+    }
+GEMV_Q6K_STREAM_KERNEL(gemv_q6k_stream, false)
+GEMV_Q6K_STREAM_KERNEL(gemv_q6k_stream_planar, true)

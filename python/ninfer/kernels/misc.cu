@@ -56,7 +56,17 @@ extern "C" __global__ void dequant_f16(int type, const u8* w, long long row_byte
     if (idx >= (long long)rows * units_per_row) return;
     const long long r = idx / units_per_row, unit = idx % units_per_row;
     float v[32];
-    dequant_unit_any(type, w + r * row_bytes, unit, v);
+    if (type == T_Q6_K_PLANAR) {  // (the streamed head's rows: their fields by runs of the row, common.cuh)
+        const u8* row = w + r * row_bytes;
+        const int nb = cols >> 8, b = (int)(unit >> 3);
+        Unit u;
+        unpack_q6_k_at(row + 128 * b, row + 128 * nb + 64 * b, row + 192 * nb + 16 * b, row + 208 * nb + 2 * b,
+                       (int)(unit & 7), u);
+#pragma unroll
+        for (int e = 0; e < 32; ++e) v[e] = unit_value(u, e);
+    } else {
+        dequant_unit_any(type, w + r * row_bytes, unit, v);
+    }
     u32* o = (u32*)(out + r * cols + unit * 32);
 #pragma unroll
     for (int e = 0; e < 16; ++e) o[e] = (u32)f2h(v[2 * e]) | ((u32)f2h(v[2 * e + 1]) << 16);

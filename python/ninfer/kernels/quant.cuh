@@ -177,22 +177,29 @@ __device__ __forceinline__ void unpack_q5_k(const u8* b, int j, Unit& u) {
 
 // Q6_K (224 B): ql 128 | qh 64 | scales 16 (int8, per 16) | d | pad 14 (16-byte aligned blocks).
 // Unit j = 4n + t: ql[64n + 32*(t&1) ...] shifted by 4*(t>>1), qh[32n ...] bits 2t..2t+1, minus 32.
-__device__ __forceinline__ void unpack_q6_k(const u8* b, int j, Unit& u) {
+// Unit j of a Q6_K super-block whose fields are at ql (128 bytes), qh (64), sc (16) and d (2): in the padded block
+// one after another, in a planar row (T_Q6_K_PLANAR) each in its own run.
+__device__ __forceinline__ void unpack_q6_k_at(const u8* ql, const u8* qh, const u8* scales, const u8* dp, int j,
+                                               Unit& u) {
     int n = j >> 2, t = j & 3;
     int lo[8], hi[8];
-    ld_int8x(b + 64 * n + 32 * (t & 1), lo);
-    ld_int8x(b + 128 + 32 * n, hi);
+    ld_int8x(ql + 64 * n + 32 * (t & 1), lo);
+    ld_int8x(qh + 32 * n, hi);
     int s = 4 * (t >> 1);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         int q = ((lo[k] >> s) & 0x0F0F0F0F) | (((hi[k] >> (2 * t)) & 0x03030303) << 4);
         u.q[k] = __vsubss4(q, 0x20202020);
     }
-    float d = ld_h(b + 208);
-    const i8* sc = (const i8*)(b + 192);
+    float d = ld_h(dp);
+    const i8* sc = (const i8*)scales;
     u.sc[0] = d * (float)sc[2 * j];
     u.sc[1] = d * (float)sc[2 * j + 1];
     u.mn[0] = u.mn[1] = 0.0f;
+}
+
+__device__ __forceinline__ void unpack_q6_k(const u8* b, int j, Unit& u) {
+    unpack_q6_k_at(b, b + 128, b + 192, b + 208, j, u);
 }
 
 // Bytes of one block on the GPU and units (of 32 elements) per block, by GGML type id.
