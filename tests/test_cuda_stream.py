@@ -460,6 +460,8 @@ def test_streamed_q6k_head_only_for_a_vocabulary_sized_q6k_head() -> None:
     from ninfer.backends import cuda_ops as K
 
     shape = K.q6k_stream_shape
+    with pytest.raises(ValueError, match="not mode 1"):
+        K.gemv_q6k_stream(0, 152064, 5120, 0, 0, 1e-6, K.MODE_ADD)
     assert shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, []) and shape(K.T_Q6_K, 152064, 5120, K.MODE_STORE, [])
     assert not shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, ["-DGEMV_HEAD_STREAM=0"])
     assert not shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX, [])
@@ -493,16 +495,15 @@ def test_q6k_planar_rows_hold_each_field_of_every_block_in_its_own_run() -> None
 
 
 @needs_cuda
-@pytest.mark.parametrize("planar", [False, True])
 @pytest.mark.parametrize("n", [256, 1536, 5120])
 @pytest.mark.parametrize("mode", ["store", "argmax"])
-def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int, planar: bool) -> None:
-    """The streamed Q6_K head (kernels/gemv_stream_q6k.cu), in padded blocks and in planar rows, against the CPU's
-    dot products with the CPU's Q8_K quantization of the normed input: an odd row count (the last chunk short, its
-    last pair half empty), team shapes from one warp to sixteen, one to sixteen teams, the smallest ring (a slot a
-    team: every chunk waits for its slot's previous one) and the launcher's; the argmax the first maximum of the
-    logits it stored, and the accumulator reset by argmax_finish for the next head. The planar rows dequantized for
-    the prompt path (dequant_f16) equal the padded blocks'."""
+def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
+    """The streamed Q6_K head (kernels/gemv_stream_q6k.cu, planar rows) against the CPU's dot products with the
+    CPU's Q8_K quantization of the normed input: an odd row count (the last chunk short, its last pair half empty),
+    team shapes from one warp to sixteen, one to sixteen teams, the smallest ring (a slot a team: every chunk waits
+    for its slot's previous one) and the launcher's; the argmax the first maximum of the logits it stored, and the
+    accumulator reset by argmax_finish for the next head. The planar rows dequantized for the prompt path
+    (dequant_f16) equal the padded blocks'."""
     import cupy as cp
 
     from ninfer.backends import cuda_ops as K
@@ -512,8 +513,7 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int, planar: bool
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("gemv_q6k_stream needs sm_90")
     rng = np.random.default_rng(23)
-    rows = 9001
-    tid = T_Q6_K_PLANAR if planar else K.T_Q6_K
+    rows, tid = 9001, T_Q6_K_PLANAR
     raw = random_blocks(TYPES["Q6_K"], rows, n, n**-0.5, rng)
     x = rng.standard_normal(n).astype(np.float32)
     norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -522,12 +522,11 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int, planar: bool
     ref = np.array([_core.vec_dot(K.T_Q6_K, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)],
                    np.float32)
     w = to_gpu(raw, tid, rows, n, "w")
-    if planar:  # the prompt path's dequantization of the planar rows: the padded blocks' values
-        padded = to_gpu(raw, K.T_Q6_K, rows, n, "w")
-        f16, f16_ref = cp.zeros((rows, n), cp.float16), cp.zeros((rows, n), cp.float16)
-        K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, n), rows, n, f16.data.ptr)
-        K.dequant_f16(K.T_Q6_K, padded.data.ptr, gpu_row_bytes(K.T_Q6_K, n), rows, n, f16_ref.data.ptr)
-        assert bool((f16 == f16_ref).all()) and bool(cp.isfinite(f16).all())
+    padded = to_gpu(raw, K.T_Q6_K, rows, n, "w")
+    f16, f16_ref = cp.zeros((rows, n), cp.float16), cp.zeros((rows, n), cp.float16)
+    K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, n), rows, n, f16.data.ptr)
+    K.dequant_f16(K.T_Q6_K, padded.data.ptr, gpu_row_bytes(K.T_Q6_K, n), rows, n, f16_ref.data.ptr)
+    assert bool((f16 == f16_ref).all()) and bool(cp.isfinite(f16).all())
     out = cp.zeros(rows, cp.float32)
     best, token = cp.zeros(1, cp.uint64), cp.zeros(1, cp.int32)
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
@@ -535,8 +534,7 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int, planar: bool
     kmode = K.MODE_ARGMAX if mode == "argmax" else K.MODE_STORE
     for team, teams in ((K.Q6K_STREAM_TEAM, K.Q6K_STREAM_TEAMS), (1, 1), (1, 16), (2, 4), (4, 2), (16, 1)):
         for stages in (K.GEMV_STREAM_MAX_STAGES, teams):
-            args = (descs, tid, rows, n, gpu_row_bytes(tid, n), x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode,
-                    best.data.ptr)
+            args = (descs, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode, best.data.ptr)
             out[:] = 0
             if teams > K.GEMV_STREAM_MAX_STAGES:  # (the launcher refuses it: fewer slots than teams)
                 with pytest.raises(ValueError, match="no ring of"):

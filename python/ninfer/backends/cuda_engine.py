@@ -196,14 +196,13 @@ class CudaEngine:
                             for ls in s["layers"]]
 
     def _head_type(self) -> int:
-        """The output head's GPU type: T_Q6_K_PLANAR for a streamed Q6_K head of its own (cuda_ops.q6k_stream;
-        not one tied to the embeddings, which the embedding kernel reads in padded blocks) where GEMV_HEAD_PLANAR is
-        on, else the tensor's."""
+        """The output head's GPU type: T_Q6_K_PLANAR, the rows gemv_q6k_stream reads, for a Q6_K head it can stream
+        (cuda_ops.q6k_stream) and that is not tied to the embeddings (which the embedding kernel reads in padded
+        blocks), else the tensor's own."""
         s = self.spec
         t = self.tensors[s["output"]]
         ty = gpu_type(t)
-        if s["token_embd"] != s["output"] and K._define("GEMV_HEAD_PLANAR", 0) and ty == T_Q6_K \
-                and K.q6k_stream(ty, t.dims[1], t.dims[0], K.MODE_ARGMAX):
+        if s["token_embd"] != s["output"] and ty == T_Q6_K and K.q6k_stream(ty, t.dims[1], t.dims[0], K.MODE_ARGMAX):
             return T_Q6_K_PLANAR
         return ty
 
@@ -579,12 +578,12 @@ class CudaEngine:
             pf = (regions.data.ptr, len(prefetch), prefetch_cap)
         ops: list[Callable[[], None]] = []
         n = mats[0].cols
-        if len(mats) == 1 and K.q6k_stream(mats[0].type, mats[0].rows, n, mode):  # the streamed Q6_K head
+        if mats[0].type == T_Q6_K_PLANAR:  # the streamed Q6_K head (_head_type), its only reader
             m = mats[0]
             desc = K.mat_descs([(m.ptr, 0, outs[0], m.row_bytes, m.type, m.rows)])
             keep.append(desc)
             eps = self.spec["rms_eps"]
-            return [lambda: K.gemv_q6k_stream(desc, m.type, m.rows, n, m.row_bytes, x, norm, eps, mode, best)]
+            return [lambda: K.gemv_q6k_stream(desc, m.rows, n, x, norm, eps, mode, best)]
         kinds = sorted({m.act for m in mats})
         if mode == K.MODE_GLU and len(kinds) > 1:
             raise AssertionError("GLU fusion needs gate and up of one activation kind")

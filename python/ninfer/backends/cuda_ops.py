@@ -15,7 +15,7 @@ import numpy as np
 from ninfer.backends import launch
 from ninfer.backends.kernels import function
 from ninfer.backends.layouts import (ACT_BF16, ACT_F16, ACT_F32, ACT_GSQ8, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, T_Q6_K,
-                                     T_Q6_K_PLANAR)
+                                     T_Q6_K_PLANAR, gpu_row_bytes)
 
 MODE_STORE, MODE_ADD, MODE_GLU, MODE_ARGMAX = range(4)
 GEMV_WARPS = 8
@@ -380,20 +380,21 @@ Q6K_STREAM_MAX_WARPS = 17  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_MAX_WARP
 
 
 def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int, defines: list[str] | None = None) -> bool:
-    """Whether gemv_q6k_stream takes a launch of one matrix of this shape (q6k_stream, less the GPU's check): a Q6_K
-    output head (at least Q6K_STREAM_MIN_ROWS rows) storing its logits or taking their argmax, whose rows its lanes
-    walk in whole rounds (a half-warp's two super-blocks at a time, U slices a lane: 5,120 columns, 20 super-blocks,
-    two rounds). H200 (2026-12-03, t/s, two rounds): synthetic 32B GSQ3 tg128 199.96 / 199.91 against gemv.cu's
-    head 199.75 / 199.68; the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full) 958.2 against
-    982.8, so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
+    """Whether gemv_q6k_stream can take a launch of one matrix of this shape (q6k_stream, less the GPU's check): a
+    Q6_K output head (at least Q6K_STREAM_MIN_ROWS rows) storing its logits or taking their argmax, whose rows its
+    lanes walk in whole rounds (a half-warp's two super-blocks at a time, U slices a lane: 5,120 columns, 20
+    super-blocks, two rounds). H200 (2026-12-03, t/s, two rounds each): synthetic 32B GSQ3 tg128 199.96 / 199.91
+    streamed (in padded blocks) against gemv.cu's head 199.75 / 199.68, and in another call 199.39 / 199.43 (planar
+    rows) against 198.09 / 198.12; the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full)
+    958.2 against 982.8, so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
     u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U, defines)
-    return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id in (T_Q6_K, T_Q6_K_PLANAR) \
-        and rows >= Q6K_STREAM_MIN_ROWS \
+    return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS \
         and n_cols % 256 == 0 and (n_cols // 256) % (2 * u) == 0 and mode in (MODE_STORE, MODE_ARGMAX)
 
 
 def q6k_stream(type_id: int, rows: int, n_cols: int, mode: int) -> bool:
-    """Whether the launch goes through gemv_q6k_stream: q6k_stream_shape, on sm_90 and later (the bulk copies)."""
+    """Whether a matrix is to be streamed by gemv_q6k_stream (uploaded as T_Q6_K_PLANAR, the kernel's rows):
+    q6k_stream_shape, on sm_90 and later (the bulk copies)."""
     if not q6k_stream_shape(type_id, rows, n_cols, mode):
         return False
     import cupy as cp
@@ -415,15 +416,18 @@ def q6k_stream_plan(fn, n_cols: int, row_bytes: int, team: int, teams: int,
     return (stages, act + stages * stage) if stages >= max(1, teams) else None
 
 
-def gemv_q6k_stream(desc, type_id: int, total_rows: int, n_cols: int, row_bytes: int, x: int, norm_w: int,
-                    eps: float, mode: int, best: int = 0, team: int = 0, teams: int = 0, max_stages: int = 0) -> None:
-    """The Q6_K head streamed (q6k_stream): out = W . y for the one matrix in `desc` (mat_descs; T_Q6_K in padded
-    blocks or T_Q6_K_PLANAR), y = RMSNorm(x) * norm_w quantized as Q8_K in the kernel; MODE_ARGMAX also packs the
-    argmax into `best` (as gemv()). team, teams, max_stages: another shape than Q6K_STREAM_TEAM, Q6K_STREAM_TEAMS
-    (GEMV_HEAD_STREAM_TEAM, _TEAMS in NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
+def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int, best: int = 0,
+                    team: int = 0, teams: int = 0, max_stages: int = 0) -> None:
+    """The Q6_K head streamed (q6k_stream): out = W . y for the one T_Q6_K_PLANAR matrix in `desc` (mat_descs), y =
+    RMSNorm(x) * norm_w quantized as Q8_K in the kernel; MODE_ARGMAX also packs the argmax into `best` (as gemv()).
+    team, teams, max_stages: another shape than Q6K_STREAM_TEAM, Q6K_STREAM_TEAMS (GEMV_HEAD_STREAM_TEAM, _TEAMS
+    in NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
+    if mode not in (MODE_STORE, MODE_ARGMAX):
+        raise ValueError(f"gemv_q6k_stream stores logits or takes their argmax, not mode {mode}")
     import cupy as cp
 
-    fn = function("gemv_q6k_stream_planar" if type_id == T_Q6_K_PLANAR else "gemv_q6k_stream")
+    row_bytes = gpu_row_bytes(T_Q6_K_PLANAR, n_cols)
+    fn = function("gemv_q6k_stream")
     team = team or _define("GEMV_HEAD_STREAM_TEAM", Q6K_STREAM_TEAM)
     teams = teams or _define("GEMV_HEAD_STREAM_TEAMS", Q6K_STREAM_TEAMS)
     if 32 * (team * teams + 1) > fn.max_threads_per_block:

@@ -3,10 +3,11 @@
 //
 // Why: the head is the largest single product of a decode step (Qwen2.5-32B: 152,064 rows of 5,120, 681 MB in the
 // GPU's padded blocks), and gemv.cu's kernel, whose lanes load their slices into registers, reads it at 3.9 TB/s
-// where the streamed 3-bit products' steady phases reach 4.9 (docs/gsq-rco-gpu.md). H200, synthetic 32B GSQ3 tg128
-// 199.96 / 199.91 against 199.75 / 199.68 t/s with gemv.cu's head (2026-12-03; teams of two warps, four or eight
-// teams: 199.77-199.87). The launcher takes it where a row's super-blocks fill the lanes' rounds
-// (cuda_ops.q6k_stream_shape).
+// where the streamed 3-bit products' steady phases reach 4.9 (docs/gsq-rco-gpu.md). Streamed, its rows need no
+// aligned blocks either: they are re-laid planar on upload (T_Q6_K_PLANAR, common.cuh: each field in its own run
+// of the row, 4,208 bytes for 5,120 columns against 4,480 in padded blocks). H200, synthetic 32B GSQ3 tg128 (t/s,
+// two rounds, 2026-12-03): 199.39 / 199.43 planar, 199.22 / 199.09 streamed in padded blocks, 198.09 / 198.12 with
+// gemv.cu's head. The engine takes it where a row's super-blocks fill the lanes' rounds (cuda_ops.q6k_stream_shape).
 //
 // Work: row pairs (GEMV_R) in chunks of `team` pairs, block b taking chunks b, b + grid, ... (gemv_stream.cu); the
 // consumer warps form teams of `team` warps, a warp a row pair of each of its team's chunks and a half-warp a row:
@@ -21,29 +22,27 @@
 #define GEMV_Q6K_STREAM_MAX_WARPS 17  // the producer and up to 16 consumers (cuda_ops.Q6K_STREAM_MAX_WARPS)
 
 #if __CUDA_ARCH__ >= 900
-// Slice q of super-block b of the row at shared address a (volatile: kept after the slot's barrier wait): the
-// padded blocks one after another, or PLANAR (T_Q6_K_PLANAR: each field in its own run of the row's nb blocks).
-template <bool PLANAR>
+// Slice q of super-block b of a planar row of nb super-blocks at shared address a (volatile: kept after the slot's
+// barrier wait).
 __device__ __forceinline__ void q6k_slice_lds(u32 a, int b, int q, int nb, SliceQ6K& s) {
-    constexpr u32 BLK = GPU_BLOCK_BYTES(T_Q6_K);
-    const u32 ql = a + (PLANAR ? 128 * b : BLK * b) + 16 * q;
-    const u32 qh = a + (PLANAR ? 128 * nb + 64 * b : BLK * b + 128) + 32 * (q >> 2) + 16 * (q & 1);
-    const u32 sc = a + (PLANAR ? 192 * nb + 16 * b : BLK * b + 192) + 8 * (q >> 2);
-    const u32 dw = PLANAR ? (a + 208 * nb + 2 * b) & ~3u : a + BLK * b + 208;
+    const u32 ql = a + 128 * b + 16 * q;
+    const u32 qh = a + 128 * nb + 64 * b + 32 * (q >> 2) + 16 * (q & 1);
+    const u32 sc = a + 192 * nb + 16 * b + 8 * (q >> 2);
+    const u32 dw = (a + 208 * nb + 2 * b) & ~3u;
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(s.l.x), "=r"(s.l.y), "=r"(s.l.z), "=r"(s.l.w) : "r"(ql));
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(s.hb.x), "=r"(s.hb.y), "=r"(s.hb.z), "=r"(s.hb.w) : "r"(qh));
     asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(s.sc.x), "=r"(s.sc.y) : "r"(sc));
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s.d) : "r"(dw));
-    if (PLANAR) s.d >>= 16 * (b & 1);  // (d in the low half)
+    s.d >>= 16 * (b & 1);  // (d in the low half)
 }
 #endif
 
-template <bool PLANAR>
-__device__ void gemv_q6k_stream_body(const MatDesc* mats, int total_rows, int n_cols, const float* x,
-                                     const float* norm_w, float eps, int mode, u64* best, int team_warps,
-                                     int stages) {
+// rows: T_Q6_K_PLANAR.
+extern "C" __global__ void __launch_bounds__(32 * GEMV_Q6K_STREAM_MAX_WARPS)
+gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x, const float* norm_w, float eps,
+                int mode, u64* best, int team_warps, int stages) {
 #if __CUDA_ARCH__ >= 900
     constexpr int R = GEMV_R;
     extern __shared__ __align__(128) int4 q6k_sm[];
@@ -127,7 +126,7 @@ __device__ void gemv_q6k_stream_body(const MatDesc* mats, int total_rows, int n_
 #pragma unroll
                 for (int k = 0; k < GEMV_Q6K_STREAM_U; ++k) {
                     b[k] = min(c0 + c + 2 * k, n_blk - 1);  // (past the row: its last block again, added to nothing)
-                    q6k_slice_lds<PLANAR>(wrow, b[k], q, n_blk, t[k]);
+                    q6k_slice_lds(wrow, b[k], q, n_blk, t[k]);
                 }
                 asm volatile("" ::: "memory");  // these loads stay above the dot products
 #pragma unroll
@@ -157,15 +156,6 @@ __device__ void gemv_q6k_stream_body(const MatDesc* mats, int total_rows, int n_
         if (threadIdx.x == 0 && block_key) atomicMax(best, block_key);
     }
 #else
-    __trap();  // the launcher picks these kernels on sm_90 and later only
+    __trap();  // the engine picks this kernel on sm_90 and later only
 #endif
 }
-
-#define GEMV_Q6K_STREAM_KERNEL(NAME, PLANAR)                                                                      \
-    extern "C" __global__ void __launch_bounds__(32 * GEMV_Q6K_STREAM_MAX_WARPS)                                  \
-        NAME(const MatDesc* mats, int total_rows, int n_cols, const float* x, const float* norm_w, float eps,     \
-             int mode, u64* best, int team_warps, int stages) {                                                  \
-        gemv_q6k_stream_body<PLANAR>(mats, total_rows, n_cols, x, norm_w, eps, mode, best, team_warps, stages); \
-    }
-GEMV_Q6K_STREAM_KERNEL(gemv_q6k_stream, false)
-GEMV_Q6K_STREAM_KERNEL(gemv_q6k_stream_planar, true)
