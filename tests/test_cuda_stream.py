@@ -495,7 +495,7 @@ def test_q6k_planar_rows_hold_each_field_of_every_block_in_its_own_run() -> None
 
 
 @needs_cuda
-@pytest.mark.parametrize("n", [256, 1536, 5120])
+@pytest.mark.parametrize("n", [256, 1536, 2560, 5120])
 @pytest.mark.parametrize("mode", ["store", "argmax"])
 def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
     """The streamed Q6_K head (kernels/gemv_stream_q6k.cu, planar rows) against the CPU's dot products with the
@@ -532,6 +532,10 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
     kmode = K.MODE_ARGMAX if mode == "argmax" else K.MODE_STORE
+    if K._define("GEMV_Q6K_STREAM_LEAN", 0) and n % 2560:  # (the lean loop: whole rounds of 10 super-blocks)
+        with pytest.raises(ValueError, match="whole rounds"):
+            K.gemv_q6k_stream(descs, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode, best.data.ptr)
+        return
     for team, teams in ((K.Q6K_STREAM_TEAM, K.Q6K_STREAM_TEAMS), (1, 1), (1, 16), (2, 4), (4, 2), (16, 1)):
         for stages in (K.GEMV_STREAM_MAX_STAGES, teams):
             args = (descs, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode, best.data.ptr)

@@ -424,6 +424,10 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
     in NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
     if mode not in (MODE_STORE, MODE_ARGMAX):
         raise ValueError(f"gemv_q6k_stream stores logits or takes their argmax, not mode {mode}")
+    u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U)
+    if _define("GEMV_Q6K_STREAM_LEAN", 0) and (n_cols // 256) % (2 * u):
+        raise ValueError(f"gemv_q6k_stream (GEMV_Q6K_STREAM_LEAN) takes rows of whole rounds of {2 * u} super-blocks, "
+                         f"not {n_cols} columns")
     import cupy as cp
 
     row_bytes = gpu_row_bytes(T_Q6_K_PLANAR, n_cols)

@@ -19,9 +19,26 @@
 #ifndef GEMV_Q6K_STREAM_U
 #define GEMV_Q6K_STREAM_U 5  // slices a lane loads from shared memory before it computes any
 #endif
+#ifndef GEMV_Q6K_STREAM_LEAN
+// 1: the loop for rows whose super-blocks fill the lanes' rounds, without clamps and masks, its addresses by
+// constant steps (a trial).
+#define GEMV_Q6K_STREAM_LEAN 0
+#endif
 #define GEMV_Q6K_STREAM_MAX_WARPS 17  // the producer and up to 16 consumers (cuda_ops.Q6K_STREAM_MAX_WARPS)
 
 #if __CUDA_ARCH__ >= 900
+// A slice's fields from shared memory: ql and qh (16 bytes each), the two scale words, and d (the word at dw, d in
+// its half `dsh` / 16) (volatile: kept after the slot's barrier wait).
+__device__ __forceinline__ void q6k_fields_lds(u32 ql, u32 qh, u32 sc, u32 dw, int dsh, SliceQ6K& s) {
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(s.l.x), "=r"(s.l.y), "=r"(s.l.z), "=r"(s.l.w) : "r"(ql));
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(s.hb.x), "=r"(s.hb.y), "=r"(s.hb.z), "=r"(s.hb.w) : "r"(qh));
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(s.sc.x), "=r"(s.sc.y) : "r"(sc));
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s.d) : "r"(dw));
+    s.d >>= dsh;  // (d in the low half)
+}
+
 // Slice q of super-block b of a planar row of nb super-blocks at shared address a (volatile: kept after the slot's
 // barrier wait).
 __device__ __forceinline__ void q6k_slice_lds(u32 a, int b, int q, int nb, SliceQ6K& s) {
@@ -119,6 +136,29 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
         const int g = g0 + i * cstride + tw;
         const u32 wrow = ring + s * stage_bytes + (u32)(tw * R + hw) * rb;
         float a = 0.0f;
+#if GEMV_Q6K_STREAM_LEAN
+        // Rows whose super-blocks fill the rounds (the launcher's rule, cuda_ops.q6k_stream_shape): no block past
+        // the row, and each field's address a per-lane base plus a round's and a slice's constant steps.
+        if (g < n_groups) {
+            const u32 l_ql = wrow + 128 * c + 16 * q;
+            const u32 l_qh = wrow + 128 * n_blk + 64 * c + 32 * (q >> 2) + 16 * (q & 1);
+            const u32 l_sc = wrow + 192 * n_blk + 16 * c + 8 * (q >> 2), l_d = wrow + 208 * n_blk;
+            for (int c0 = 0; c0 < n_blk; c0 += 2 * GEMV_Q6K_STREAM_U) {  // (warp-uniform)
+                SliceQ6K t[GEMV_Q6K_STREAM_U];
+#pragma unroll
+                for (int k = 0; k < GEMV_Q6K_STREAM_U; ++k)  // (block c0 + c + 2k: its d in the word at 2 c0 + 4k)
+                    q6k_fields_lds(l_ql + 128 * c0 + 256 * k, l_qh + 64 * c0 + 128 * k, l_sc + 16 * c0 + 32 * k,
+                                   l_d + 2 * c0 + 4 * k, 16 * c, t[k]);
+                asm volatile("" ::: "memory");  // these loads stay above the dot products
+#pragma unroll
+                for (int k = 0; k < GEMV_Q6K_STREAM_U; ++k) {
+                    const int b = c0 + c + 2 * k;
+                    const int* xq = aq + 64 * b;
+                    a += q6k_slice_dot_x(t[k], b, q, *(const int4*)(xq + xo_l), *(const int4*)(xq + xo_h), d, sums);
+                }
+            }
+        }
+#else
         if (g < n_groups) {
             for (int c0 = 0; c0 < n_blk; c0 += 2 * GEMV_Q6K_STREAM_U) {  // (warp-uniform)
                 SliceQ6K t[GEMV_Q6K_STREAM_U];
@@ -138,6 +178,7 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
                 }
             }
         }
+#endif
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);  // the half-warp's row
         __syncwarp();
