@@ -499,7 +499,8 @@ def test_q6k_planar_rows_hold_each_field_of_every_block_in_its_own_run() -> None
 @pytest.mark.parametrize("mode", ["store", "argmax"])
 def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
     """The streamed Q6_K head (kernels/gemv_stream_q6k.cu, planar rows) against the CPU's dot products with the
-    CPU's Q8_K quantization of the normed input: an odd row count (the last chunk short, its last pair half empty),
+    CPU's Q8_K quantization of the normed input, for rows of one and two whole rounds of the lanes' walk (2,560 and
+    5,120 columns; others refused): an odd row count (the last chunk short, its last pair half empty),
     team shapes from one warp to sixteen, one to sixteen teams, the smallest ring (a slot a team: every chunk waits
     for its slot's previous one) and the launcher's; the argmax the first maximum of the logits it stored, and the
     accumulator reset by argmax_finish for the next head. The planar rows dequantized for the prompt path
@@ -532,8 +533,8 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
     descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
     kmode = K.MODE_ARGMAX if mode == "argmax" else K.MODE_STORE
-    if K._define("GEMV_Q6K_STREAM_LEAN", 0) and n % 2560:  # (the lean loop: whole rounds of 10 super-blocks)
-        with pytest.raises(ValueError, match="whole rounds"):
+    if n % 2560:  # (the kernel's loop has no clamps: whole rounds of 10 super-blocks)
+        with pytest.raises(ValueError, match="whole rounds of 10 super-blocks, not"):
             K.gemv_q6k_stream(descs, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode, best.data.ptr)
         return
     for team, teams in ((K.Q6K_STREAM_TEAM, K.Q6K_STREAM_TEAMS), (1, 1), (1, 16), (2, 4), (4, 2), (16, 1)):

@@ -383,10 +383,11 @@ def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int, defines: l
     """Whether gemv_q6k_stream can take a launch of one matrix of this shape (q6k_stream, less the GPU's check): a
     Q6_K output head (at least Q6K_STREAM_MIN_ROWS rows) storing its logits or taking their argmax, whose rows its
     lanes walk in whole rounds (a half-warp's two super-blocks at a time, U slices a lane: 5,120 columns, 20
-    super-blocks, two rounds). H200 (2026-12-03, t/s, two rounds each): synthetic 32B GSQ3 tg128 199.96 / 199.91
-    streamed (in padded blocks) against gemv.cu's head 199.75 / 199.68, and in another call 199.39 / 199.43 (planar
-    rows) against 198.09 / 198.12; the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full)
-    958.2 against 982.8, so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
+    super-blocks, two rounds). H200 (2026-12-03/04, t/s, two rounds each, three calls): synthetic 32B GSQ3 tg128
+    200.04 / 200.00 against gemv.cu's head 199.00 / 199.06 (the landed kernel: planar rows, no clamps), 199.39 /
+    199.43 (planar rows, clamped) against 198.09 / 198.12, 199.96 / 199.91 (padded blocks) against 199.75 / 199.68;
+    the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full, padded blocks) 958.2 against 982.8,
+    so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
     u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U, defines)
     return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS \
         and n_cols % 256 == 0 and (n_cols // 256) % (2 * u) == 0 and mode in (MODE_STORE, MODE_ARGMAX)
@@ -425,9 +426,8 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
     if mode not in (MODE_STORE, MODE_ARGMAX):
         raise ValueError(f"gemv_q6k_stream stores logits or takes their argmax, not mode {mode}")
     u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U)
-    if _define("GEMV_Q6K_STREAM_LEAN", 0) and (n_cols // 256) % (2 * u):
-        raise ValueError(f"gemv_q6k_stream (GEMV_Q6K_STREAM_LEAN) takes rows of whole rounds of {2 * u} super-blocks, "
-                         f"not {n_cols} columns")
+    if n_cols % (512 * u):  # (the kernel's loop has no clamps)
+        raise ValueError(f"gemv_q6k_stream takes rows of whole rounds of {2 * u} super-blocks, not {n_cols} columns")
     import cupy as cp
 
     row_bytes = gpu_row_bytes(T_Q6_K_PLANAR, n_cols)
