@@ -1,7 +1,8 @@
 """The CUDA backend: a model's first `n_gpu_layers` layers (and the output head when everything fits) on an NVIDIA
 GPU, the rest on the Rust CPU engine, with only activations crossing between them.
 
-- Weights are uploaded tensor by tensor from the memory map (layouts.to_gpu pads the blocks for aligned loads).
+- Weights are uploaded tensor by tensor from the memory map (layouts.to_gpu pads the blocks for aligned loads; a
+  Q6_K output head the streamed kernel reads goes in planar rows instead, _head_type).
 - The KV cache is paged like the CPU's: f16 pools [page][kv_head][PAGE][head_dim] per layer, a page table per
   sequence in device memory.
 - Decode (`step`) replays a CUDA graph of the whole token: fused norm+quantize, GEMVs reading quantized blocks,
