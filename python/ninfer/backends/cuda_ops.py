@@ -112,18 +112,25 @@ def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
 def gemv_stream_plan(fn, n_cols: int, groups: int, team: int = GEMV_STREAM_TEAM, k_split: int = 0,
                      max_stages: int = GEMV_STREAM_MAX_STAGES, teams: int = 1) -> tuple[int, int, int] | None:
     """(k split, stages, shared memory) of a gemv_gsq8_stream launch: the pair kernel's K-split for a team of
-    `team` warps, and as many ring slots of per_step = team / ks row groups (two rows of n_cols / 2 bytes each) as
-    fit the block's shared memory after the activation, a multiple of `teams` (each slot then belongs to one team,
-    which waits on its barrier phase by phase: a team skipping phases could take a slot's previous chunk for its
-    own). None where too few fit (two for one team, one a team for more)."""
+    `team` warps, and ring_plan's slots of per_step = team / ks row groups (two rows of n_cols / 2 bytes each) after
+    the activation. None where too few fit (two for one team, one a team for more)."""
+    ks = k_split or gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups)
+    ring = ring_plan(fn, stream_act_bytes(n_cols), team // ks * GEMV_ROWS_PER_WARP * (n_cols // 2), teams,
+                     max_stages, 2)
+    return (ks, *ring) if ring else None
+
+
+def ring_plan(fn, act: int, stage: int, teams: int, max_stages: int, least: int) -> tuple[int, int] | None:
+    """(slots, shared memory) of a streamed kernel's ring (kernels/gemv_stream.cu, gemv_stream_q6k.cu): as many
+    slots of `stage` bytes as fit the block's shared memory after `act` bytes of activation, at most max_stages, a
+    multiple of `teams` (each slot then belongs to one team, which waits on its barrier phase by phase: a team
+    skipping phases could take a slot's previous chunk for its own); None where fewer than max(least, teams)
+    fit."""
     import cupy as cp
 
-    ks = k_split or gemv_k_split(n_cols, team, gsq_pairs=True, groups=groups)
-    stage = team // ks * GEMV_ROWS_PER_WARP * (n_cols // 2)
-    act = stream_act_bytes(n_cols)
     budget = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] - fn.shared_size_bytes
     stages = min(max_stages, (budget - act) // stage) // teams * teams
-    return (ks, stages, act + stages * stage) if stages >= max(2, teams) else None
+    return (stages, act + stages * stage) if stages >= max(least, teams) else None
 
 
 def stream_act_bytes(n_cols: int) -> int:
@@ -388,9 +395,14 @@ def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int, defines: l
     199.43 (planar rows, clamped) against 198.09 / 198.12, 199.96 / 199.91 (padded blocks) against 199.75 / 199.68;
     the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full, padded blocks) 958.2 against 982.8,
     so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
-    u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U, defines)
     return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS \
-        and n_cols % 256 == 0 and (n_cols // 256) % (2 * u) == 0 and mode in (MODE_STORE, MODE_ARGMAX)
+        and n_cols % q6k_stream_round(defines) == 0 and mode in (MODE_STORE, MODE_ARGMAX)
+
+
+def q6k_stream_round(defines: list[str] | None = None) -> int:
+    """Columns of one round of gemv_q6k_stream's walk over a row, whose rows must be whole rounds (its loop has no
+    clamps): a half-warp's two super-blocks at a time, GEMV_Q6K_STREAM_U slices a lane."""
+    return 2 * 256 * _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U, defines)
 
 
 def q6k_stream(type_id: int, rows: int, n_cols: int, mode: int) -> bool:
@@ -405,16 +417,11 @@ def q6k_stream(type_id: int, rows: int, n_cols: int, mode: int) -> bool:
 
 def q6k_stream_plan(fn, n_cols: int, row_bytes: int, team: int, teams: int,
                     max_stages: int = GEMV_STREAM_MAX_STAGES) -> tuple[int, int] | None:
-    """(ring slots, shared memory) of a gemv_q6k_stream launch with `teams` teams of `team` warps: as many slots of
-    `team` row pairs as fit after the Q8_K activation (n_cols codes, a scale and two sums a 32-value unit, 128-byte
-    aligned), a multiple of `teams`; None where fewer than one a team fit."""
-    import cupy as cp
-
+    """(ring slots, shared memory) of a gemv_q6k_stream launch with `teams` teams of `team` warps: ring_plan's slots
+    of `team` row pairs after the Q8_K activation (n_cols codes, a scale and two sums a 32-value unit, 128-byte
+    aligned); None where fewer than one a team fit."""
     act = -(-gemv_smem(ACT_Q8_K, n_cols) // 128) * 128
-    stage = team * GEMV_ROWS_PER_WARP * row_bytes
-    budget = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] - fn.shared_size_bytes
-    stages = min(max_stages, (budget - act) // stage) // teams * teams
-    return (stages, act + stages * stage) if stages >= max(1, teams) else None
+    return ring_plan(fn, act, team * GEMV_ROWS_PER_WARP * row_bytes, teams, max_stages, 1)
 
 
 def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps: float, mode: int, best: int = 0,
@@ -425,9 +432,9 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
     in NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
     if mode not in (MODE_STORE, MODE_ARGMAX):
         raise ValueError(f"gemv_q6k_stream stores logits or takes their argmax, not mode {mode}")
-    u = _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U)
-    if n_cols % (512 * u):  # (the kernel's loop has no clamps)
-        raise ValueError(f"gemv_q6k_stream takes rows of whole rounds of {2 * u} super-blocks, not {n_cols} columns")
+    if n_cols % q6k_stream_round():
+        raise ValueError(f"gemv_q6k_stream takes rows of whole rounds of {q6k_stream_round() // 256} super-blocks, "
+                         f"not {n_cols} columns")
     import cupy as cp
 
     row_bytes = gpu_row_bytes(T_Q6_K_PLANAR, n_cols)

@@ -160,6 +160,27 @@ __device__ __forceinline__ void gsq3_half_lds(u32 a, const Gsq3HalfAt& at, Gsq3H
 __device__ __forceinline__ void team_sync(int team, int n_threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(n_threads) : "memory");
 }
+
+// A ring's barriers, by one thread before the block's first __syncthreads: slot s full once its copies landed (the
+// producer's one arrival and its expected bytes), empty once each of the `readers` warps of its team read it.
+__device__ __forceinline__ void ring_init(u64* full, u64* empty, int stages, int readers) {
+    for (int s = 0; s < stages; ++s) {
+        mbar_init(smem_u32(&full[s]), 1);
+        mbar_init(smem_u32(&empty[s]), readers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The producer's chunks past the `early` ones it asked for before the prologue: the rest of the ring's first fill,
+// then chunk i >= stages where chunk i - stages was, once that one's slot is read. issue(i) asks for chunk i.
+template <class Issue>
+__device__ __forceinline__ void ring_refill(Issue issue, const u64* empty, int early, int stages, int n_st) {
+    for (int i = early; i < min(stages, n_st); ++i) issue(i);
+    for (int i = stages; i < n_st; ++i) {
+        mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
+        issue(i);
+    }
+}
 #endif
 
 #if __CUDA_ARCH__ >= 900
@@ -339,13 +360,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         t[1] = gridDim.x;
     }
 #endif
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            mbar_init(smem_u32(&full[s]), 1);
-            mbar_init(smem_u32(&empty[s]), team_warps);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0) ring_init(full, empty, stages, team_warps);
     __syncthreads();
 
     // Chunk i of this block into its slot: one bulk copy per matrix its rows touch.
@@ -423,14 +438,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
 #endif
 
     if (producer) {  // the rest of the chunks, each once its slot is read
-        // Local chunk i >= stages goes where chunk i - stages was: wait until that one's slot is read.
-        const auto wait_empty = [&](int i) { mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1)); };
         if (lane == 0) {
-            for (int i = early; i < min(stages, n_st); ++i) issue(i);  // (GEMV_STREAM_EARLY_CHUNKS: the rest)
-            for (int i = stages; i < n_st; ++i) {
-                wait_empty(i);
-                issue(i);
-            }
+            ring_refill(issue, empty, early, stages, n_st);
             // Then a later launch's weights into L2 (cp.async.bulk.prefetch.L2), n_pf (address, bytes) regions:
             // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
             // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they

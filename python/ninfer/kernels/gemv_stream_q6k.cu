@@ -40,10 +40,9 @@ __device__ __forceinline__ void q6k_fields_lds(u32 ql, u32 qh, u32 sc, u32 dw, i
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s.d) : "r"(dw));
     s.d >>= dsh;  // (d in the low half)
 }
-
 #endif
 
-// rows: T_Q6_K_PLANAR.
+// The head's rows in T_Q6_K_PLANAR (common.cuh), one matrix (mats[0]).
 extern "C" __global__ void __launch_bounds__(32 * GEMV_Q6K_STREAM_MAX_WARPS)
 gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x, const float* norm_w, float eps,
                 int mode, u64* best, int team_warps, int stages) {
@@ -63,12 +62,8 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
     const u32 ring = smem_u32(q6k_sm) + act_bytes;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            mbar_init(smem_u32(&full[s]), 1);
-            mbar_init(smem_u32(&empty[s]), team_warps);
-        }
+        ring_init(full, empty, stages, team_warps);
         block_key = 0;
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
@@ -93,13 +88,7 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
     __syncthreads();
 
     if (producer) {  // the rest of the chunks, each once its slot is read
-        if (lane == 0) {
-            for (int i = early; i < min(stages, n_st); ++i) issue(i);
-            for (int i = stages; i < n_st; ++i) {
-                mbar_wait(smem_u32(&empty[i % stages]), (u32)((i / stages - 1) & 1));
-                issue(i);
-            }
-        }
+        if (lane == 0) ring_refill(issue, empty, early, stages, n_st);
         return;
     }
     // (gemv_stream.cu: a team meets its slots' phases in order; and every consumer warp in a team, for the argmax's
