@@ -13,7 +13,7 @@ import numpy as np
 ACT_F32, ACT_F16, ACT_BF16, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, ACT_GSQ8 = range(7)
 ACT_GSQ8_PAIRS = 7  # ACT_GSQ8's codes padded to 144 bytes a record, for the lane-pair kernel (common.cuh)
 T_GSQ = 256  # GPU type ids of GSQ-RCO matrices: T_GSQ + 32 * (bits - 3) + slots (kernels/common.cuh)
-T_Q6_K = 14
+T_Q6_K = 14  # (LAYOUTS' key: the streamed head's rule and its planar rows name it)
 T_Q6_K_PLANAR = 240  # a Q6_K output head re-laid by row for the streamed head (q6k_planar; kernels/common.cuh)
 
 
@@ -46,7 +46,7 @@ LAYOUTS: dict[int, Layout] = {
     11: Layout(256, 110, 112, ((0, 0, 110),), ACT_Q8_K),  # Q3_K (+2 at the end)
     12: _same(256, 144, ACT_Q8_K),  # Q4_K
     13: _same(256, 176, ACT_Q8_K),  # Q5_K
-    14: Layout(256, 210, 224, ((0, 0, 210),), ACT_Q8_K),  # Q6_K (+14 at the end: 16-byte aligned blocks)
+    T_Q6_K: Layout(256, 210, 224, ((0, 0, 210),), ACT_Q8_K),  # Q6_K (+14 at the end: 16-byte aligned blocks)
 }
 
 # How each activation kind is stored: bytes per element of the quants/values, and whether it has unit scales.
