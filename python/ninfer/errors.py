@@ -52,3 +52,21 @@ def read_text_file(path: str | os.PathLike[str], what: str, error: type[NinferEr
         raise error(f"{path}: cannot read the {what}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise error(f"{path}: the {what} is not UTF-8 (byte {e.start})") from None
+
+
+# Text taken from an untrusted file or request is shown at most this many characters long in a message.
+SHOWN_CHARS = 80
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`value` as it may appear in an error message: its repr (strings quoted, every non-printable character
+    escaped, so terminal escape codes cannot act on the screen) cut to `limit` characters with an ellipsis. Long
+    lists are cut before their repr is built, so showing a million-element array costs nothing."""
+    if isinstance(value, (list, tuple)) and len(value) > limit:
+        out = repr(type(value)(value[:limit]))
+    elif isinstance(value, str):
+        out = repr(value[: 4 * limit + 1])
+    else:
+        out = repr(value)
+    out = out.encode("ascii", "backslashreplace").decode("ascii")
+    return out if len(out) <= limit else out[: limit - 3] + "..."
