@@ -439,8 +439,19 @@ def _copy_kv(w: Any, key: str, value: Any) -> None:
         w.add_string(key, value)
     elif isinstance(value, (list, tuple)):
         w.add_array(key, list(value))
+    elif isinstance(value, np.ndarray) and value.size:  # (numeric arrays come as numpy arrays: keep their type)
+        from gguf import GGUFValueType
+
+        w.add_key_value(key, value.tolist(), GGUFValueType.ARRAY,
+                        sub_type=GGUFValueType[_GGUF_ARRAY_TYPES[value.dtype.name]])
     else:
         raise ModelFileError(f"cannot copy metadata {key} of type {type(value).__name__}")
+
+
+# numpy dtype -> GGUF value type of a copied metadata array.
+_GGUF_ARRAY_TYPES = {"uint8": "UINT8", "int8": "INT8", "uint16": "UINT16", "int16": "INT16", "uint32": "UINT32",
+                     "int32": "INT32", "uint64": "UINT64", "int64": "INT64", "float32": "FLOAT32",
+                     "float64": "FLOAT64", "bool": "BOOL"}
 
 
 def _load_importances(path: str | os.PathLike[str], mf: Any) -> dict[str, np.ndarray]:

@@ -27,7 +27,8 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from ninfer.errors import TokenizerError
+from ninfer.errors import TokenizerError, shown
+from ninfer.models.metadata import MetadataReader
 
 # GGUF token types (llama.h LLAMA_TOKEN_TYPE_*) and the attribute bits llama.cpp derives from them.
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
@@ -188,25 +189,24 @@ class Tokenizer:
     """llama.cpp-compatible tokenizer. Build it with :meth:`from_metadata`."""
 
     def __init__(self, metadata: Mapping[str, Any]) -> None:
-        model = metadata.get("tokenizer.ggml.model")
-        if model not in ("gpt2", "llama"):
-            raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', 'llama')")
-        self._spm = model == "llama"
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, (list, tuple)) or not tokens:
+        md = MetadataReader(metadata, "", error=TokenizerError)
+        if not md.has("tokenizer.ggml.tokens"):
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
+        model = md.text("tokenizer.ggml.model", "")
+        if model not in ("gpt2", "llama"):
+            raise TokenizerError(f"unsupported tokenizer model {shown(model)} (supported: 'gpt2', 'llama')")
+        self._spm = model == "llama"
+        tokens = md.str_array("tokenizer.ggml.tokens")
+        if not tokens:
+            raise TokenizerError("GGUF metadata key tokenizer.ggml.tokens is empty")
         n = len(tokens)
         # llama.cpp renames empty tokens so they can never match (an empty special token would split forever).
         self._tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        types = metadata.get("tokenizer.ggml.token_type")
-        if types is not None and len(types) < n:
-            raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
-        self._attrs: list[int] = ([_TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in types[:n]] if types is not None
+        types = md.num_array("tokenizer.ggml.token_type", n, integer=True)
+        self._attrs: list[int] = ([_TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in types.tolist()] if types is not None
                                   else [ATTR_NORMAL] * n)
-        scores = metadata.get("tokenizer.ggml.scores")
-        if scores is not None and len(scores) < n:
-            raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
-        self._scores: Sequence[float] = scores if scores is not None else [0.0] * n
+        scores = md.num_array("tokenizer.ggml.scores", n, integer=False)
+        self._scores: Sequence[float] = scores.tolist() if scores is not None else [0.0] * n
         self._vocab: dict[str, int] = dict(zip(self._tokens, range(n)))  # later duplicates win, as in llama.cpp
 
         if self._spm:
@@ -215,16 +215,16 @@ class Tokenizer:
             bos, eos = 1, 2  # llama.cpp's SPM defaults
             merges = None
         else:
-            pre = metadata.get("tokenizer.ggml.pre") or "default"
+            pre = md.text("tokenizer.ggml.pre", "") or "default"
             if pre not in _PRE:
-                raise TokenizerError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
+                raise TokenizerError(f"unsupported pre-tokenizer {shown(pre)} (tokenizer.ggml.pre)")
             key, ignore_merges, add_bos = _PRE[pre]
             self._regexes = _REGEXES[key]
             add_space_prefix = False
             bos = eos = None if pre.startswith(("chatglm", "glm")) else 11  # llama.cpp's gpt2 defaults
-            merges = metadata.get("tokenizer.ggml.merges")
-            if merges is None:
+            if not md.has("tokenizer.ggml.merges"):
                 raise TokenizerError("GGUF metadata has no tokenizer.ggml.merges for a BPE vocab")
+            merges = md.str_array("tokenizer.ggml.merges")
         self._ignore_merges = ignore_merges
         self._merges_raw = merges
 
@@ -240,9 +240,9 @@ class Tokenizer:
         self._bos, self._eos = special("bos_token_id", bos), special("eos_token_id", eos)
         self._eot, self._eom = special("eot_token_id", None), special("eom_token_id", None)
         fim = {k: special(f"{k}_token_id", None) for k in _FIM_TEXTS}
-        self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
-        self._add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-        self._add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+        self._add_bos = md.flag("tokenizer.ggml.add_bos_token", add_bos)
+        self._add_eos = md.flag("tokenizer.ggml.add_eos_token", False)
+        self._add_space_prefix = md.flag("tokenizer.ggml.add_space_prefix", add_space_prefix)
 
         # Auto-detect EOT/EOM/FIM tokens by text and force them CONTROL, as llama.cpp does. llama.cpp scans a hash
         # map (arbitrary order); we take the first text of its list that exists, which picks <|im_end|> over

@@ -13,7 +13,8 @@ from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
-from ninfer.errors import ModelFileError, UnsupportedModelError
+from ninfer.errors import ModelFileError, UnsupportedModelError, shown
+from ninfer.models.metadata import MAX_CONTEXT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MetadataReader
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -31,59 +32,62 @@ def _bias(kind: MODEL_TENSOR, layer: int) -> str:
     return TENSOR_NAMES[kind].format(bid=layer) + ".bias"
 
 
-class _Meta:
-    """Typed access to `{arch}.*` keys with errors that name the key and the file."""
-
-    def __init__(self, metadata: Mapping[str, Any], arch: str, path: str):
-        self.md, self.arch, self.path = metadata, arch, path
-
-    def get(self, key_template: str, default: Any = None) -> Any:
-        return self.md.get(key_template.format(arch=self.arch), default)
-
-    def require(self, key_template: str) -> Any:
-        key = key_template.format(arch=self.arch)
-        if key not in self.md:
-            raise ModelFileError(f"{self.path}: metadata key {key} is missing")
-        return self.md[key]
-
-    def positive_int(self, key_template: str, default: int | None = None) -> int:
-        value = self.get(key_template, default) if default is not None else self.require(key_template)
-        if isinstance(value, list):  # per-layer arrays: all supported models use one value
-            value = value[0] if value and all(v == value[0] for v in value) else None
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelFileError(f"{self.path}: {key_template.format(arch=self.arch)} = {value!r} is not a positive integer")
-        return value
+def _blocks_present(tensors: Mapping[str, tuple[int, ...]]) -> set[int]:
+    """The layer indices that have at least one tensor (`blk.N.*`)."""
+    out = set()
+    for name in tensors:
+        head, _, rest = name.partition(".")
+        index = rest.partition(".")[0]
+        if head == "blk" and index.isdigit() and len(index) < 8:
+            out.add(int(index))
+    return out
 
 
 def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], path: str) -> dict[str, Any]:
     """The executor spec of a model. `tensors` maps tensor names to GGML dims (row length first)."""
-    arch = metadata.get(Keys.General.ARCHITECTURE)
-    if not isinstance(arch, str):
-        raise ModelFileError(f"{path}: metadata key {Keys.General.ARCHITECTURE} is missing")
+    arch = MetadataReader(metadata, path).text(Keys.General.ARCHITECTURE)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{path}: architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{path}: architecture {shown(arch)} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    m = _Meta(metadata, arch, path)
-    n_layer = m.positive_int(Keys.LLM.BLOCK_COUNT)
-    n_embd = m.positive_int(Keys.LLM.EMBEDDING_LENGTH)
-    n_head = m.positive_int(Keys.Attention.HEAD_COUNT)
-    n_head_kv = m.positive_int(Keys.Attention.HEAD_COUNT_KV, n_head)
-    head_dim = m.positive_int(Keys.Attention.KEY_LENGTH, n_embd // n_head)
-    head_dim_v = m.positive_int(Keys.Attention.VALUE_LENGTH, head_dim)
-    rope_dims = m.positive_int(Keys.Rope.DIMENSION_COUNT, head_dim)
-    rms_eps = float(m.require(Keys.Attention.LAYERNORM_RMS_EPS))
-    rope_base = float(m.get(Keys.Rope.FREQ_BASE, 10_000.0))
+    m = MetadataReader(metadata, path, arch)
+    # The layer count sizes everything below: check it against the tensors that exist before building anything.
+    n_layer = m.integer(Keys.LLM.BLOCK_COUNT, hi=MAX_LAYERS)
+    present = _blocks_present(tensors)
+    if len(present) != n_layer or (present and max(present) != n_layer - 1):
+        raise m.fail(Keys.LLM.BLOCK_COUNT, f"= {n_layer}, but the file has tensors for {len(present)} blocks"
+                     + (f" (blk.0 to blk.{max(present)})" if present else ""))
+    n_embd = m.integer(Keys.LLM.EMBEDDING_LENGTH, hi=MAX_WIDTH)
+    n_head = m.integer(Keys.Attention.HEAD_COUNT, hi=MAX_HEADS, per_layer=True)
+    n_head_kv = m.integer(Keys.Attention.HEAD_COUNT_KV, n_head, hi=n_head, per_layer=True)
+    if n_head % n_head_kv:
+        raise m.fail(Keys.Attention.HEAD_COUNT_KV, f"= {n_head_kv} does not divide the {n_head} query heads")
+    head_dim = m.integer(Keys.Attention.KEY_LENGTH, max(n_embd // n_head, 1), hi=MAX_HEAD_DIM)
+    head_dim_v = m.integer(Keys.Attention.VALUE_LENGTH, head_dim, hi=MAX_HEAD_DIM)
+    rope_dims = m.integer(Keys.Rope.DIMENSION_COUNT, head_dim, hi=head_dim)
+    rms_eps = m.number(Keys.Attention.LAYERNORM_RMS_EPS, lo=0.0, hi=1.0)
+    rope_base = m.number(Keys.Rope.FREQ_BASE, 10_000.0, lo=0.0, hi=1e15)
+    n_ctx_train = m.integer(Keys.LLM.CONTEXT_LENGTH, 4096, hi=MAX_CONTEXT)
 
-    scaling = m.get(Keys.Rope.SCALING_TYPE, "none")
-    factor = float(m.get(Keys.Rope.SCALING_FACTOR, 1.0) or 1.0)
+    scaling = m.text(Keys.Rope.SCALING_TYPE, "none")
     if scaling not in ("none", "linear"):
-        raise UnsupportedModelError(f"{path}: RoPE scaling '{scaling}' is not supported (none, linear are)")
-    freq_scale = 1.0 / factor if scaling == "linear" else 1.0
+        raise UnsupportedModelError(f"{path}: RoPE scaling {shown(scaling)} is not supported (none, linear are)")
+    factor = m.number(Keys.Rope.SCALING_FACTOR, 1.0, lo=0.0, hi=1e6) if scaling == "linear" else 1.0
+    freq_scale = 1.0 / factor
+    window = m.integer(Keys.Attention.SLIDING_WINDOW, hi=MAX_CONTEXT) if arch == "gemma3" else None
 
     token_embd = _tensor(MODEL_TENSOR.TOKEN_EMBD)
     if token_embd not in tensors:
         raise ModelFileError(f"{path}: tensor {token_embd} is missing")
+    embd_dims = tuple(tensors[token_embd])
+    if len(embd_dims) != 2 or embd_dims[0] != n_embd or not 0 < embd_dims[1] <= MAX_VOCAB:
+        raise ModelFileError(f"{path}: tensor {token_embd} has shape {list(embd_dims)}, expected [{n_embd}, n_vocab] "
+                             f"with n_vocab up to {MAX_VOCAB}")
+    n_vocab = int(embd_dims[1])
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > n_vocab:
+        raise ModelFileError(f"{path}: metadata key tokenizer.ggml.tokens has {len(tokens)} entries, more than the "
+                             f"{n_vocab} rows of {token_embd}")
     output = _tensor(MODEL_TENSOR.OUTPUT)
     is_gemma = arch == "gemma3"
     has_bias = arch == "qwen2"
@@ -101,7 +105,7 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
             "w_gate": _tensor(MODEL_TENSOR.FFN_GATE, il),
             "w_up": _tensor(MODEL_TENSOR.FFN_UP, il),
             "w_down": _tensor(MODEL_TENSOR.FFN_DOWN, il),
-            "sliding_window": m.positive_int(Keys.Attention.SLIDING_WINDOW) if swa else None,
+            "sliding_window": window if swa else None,
             "rope_base": GEMMA3_ROPE_BASE_LOCAL if swa else rope_base,
             "rope_freq_scale": 1.0 if swa else freq_scale,
         }
@@ -127,7 +131,7 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
         "n_head_kv": n_head_kv,
         "head_dim": head_dim,
         "head_dim_v": head_dim_v,
-        "n_vocab": int(tensors[token_embd][1]) if len(tensors[token_embd]) > 1 else 0,
+        "n_vocab": n_vocab,
         "rms_eps": rms_eps,
         "rope_dims": rope_dims,
         # llama keeps the original interleaved RoPE layout (its converter permutes q/k); the others use NeoX's.
@@ -141,5 +145,5 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
         "output_norm": _tensor(MODEL_TENSOR.OUTPUT_NORM),
         "output": output if output in tensors else token_embd,
         "layers": layers,
-        "n_ctx_train": int(m.get(Keys.LLM.CONTEXT_LENGTH, 4096)),
+        "n_ctx_train": n_ctx_train,
     }

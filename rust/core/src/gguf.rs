@@ -61,7 +61,8 @@ pub fn ggml_type_layout(id: u32) -> Option<(&'static str, u64, u64)> {
     GGML_TYPES.iter().find(|t| t.0 == id).map(|t| (t.1, t.2, t.3))
 }
 
-/// A metadata value. Arrays keep their element type so the binding can build typed Python lists.
+/// A metadata value. Arrays are views into the map (`MetaArray`): a hostile count cannot make the parser hold more
+/// memory than the file's own bytes, and arrays nobody reads are never decoded.
 #[derive(Clone, Debug, PartialEq)]
 pub enum MetaValue {
     U8(u8),
@@ -76,7 +77,66 @@ pub enum MetaValue {
     F64(f64),
     Bool(bool),
     Str(String),
-    Array(Vec<MetaValue>),
+    Array(MetaArray),
+}
+
+/// An array value: its element type (GGUF's value type ids) and where its elements lie in the file. Numeric and
+/// bool elements are `count` fixed-size values from `offset`; string elements are length-prefixed, checked at
+/// parse time to lie inside the header (decode them with `GgufFile::strings`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetaArray {
+    pub elem_type: u32,
+    pub count: u64,
+    /// Absolute offset of the first element.
+    pub offset: usize,
+    /// Bytes the elements take in the file.
+    pub n_bytes: usize,
+}
+
+/// Bytes of one fixed-size array element by GGUF value type (None: strings, which carry their own length).
+pub fn meta_elem_size(elem_type: u32) -> Option<usize> {
+    match elem_type {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
+}
+
+/// A name or text taken from a file, as it may appear in a message. A plain name (letters, digits and `._-+:/`, up
+/// to 80 characters, as every real key and tensor name is) is shown as it is; anything else is quoted, with control
+/// and non-ASCII characters escaped (so terminal escape codes cannot act on the screen) and cut to 80 characters,
+/// as Python's `ninfer.errors.shown` shows strings.
+pub fn shown(text: &str) -> String {
+    const LIMIT: usize = 80;
+    let plain = |c: char| c.is_ascii_alphanumeric() || "._-+:/".contains(c);
+    if !text.is_empty() && text.len() <= LIMIT && text.chars().all(plain) {
+        return text.to_string();
+    }
+    let mut out = String::from("'");
+    for c in text.chars() {
+        if out.len() >= LIMIT + 8 {
+            break;
+        }
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("\\'"),
+            ' '..='~' => out.push(c),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if (c as u32) < 0x100 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if (c as u32) < 0x10000 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push_str(&format!("\\U{:08x}", c as u32)),
+        }
+    }
+    out.push('\'');
+    if out.len() > LIMIT {
+        out.truncate(LIMIT - 3);
+        out.push_str("...");
+    }
+    out
 }
 
 impl MetaValue {
@@ -155,6 +215,16 @@ impl GgufFile {
         &self.map[info.offset as usize..(info.offset + info.n_bytes) as usize]
     }
 
+    /// The bytes of a numeric or bool array's elements, little-endian, borrowed from the map.
+    pub fn array_bytes(&self, a: &MetaArray) -> &[u8] {
+        &self.map[a.offset..a.offset + a.n_bytes]
+    }
+
+    /// A string array's elements, decoded as the parser checked them (invalid UTF-8 replaced, as for keys).
+    pub fn strings<'a>(&'a self, a: &MetaArray) -> impl Iterator<Item = std::borrow::Cow<'a, str>> + 'a {
+        array_strings(&self.map, a)
+    }
+
     /// The shared map, for weights that must outlive this struct.
     pub fn map(&self) -> Arc<Mmap> {
         Arc::clone(&self.map)
@@ -204,6 +274,7 @@ impl<'a> Reader<'a> {
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
+    /// A value of `type_id`; `key` is how messages name it (`key 'name'`, already shown).
     fn value(&mut self, type_id: u32, key: &str, depth: usize) -> Result<MetaValue> {
         let v = match type_id {
             0 => MetaValue::U8(self.take(1, key)?[0]),
@@ -216,40 +287,65 @@ impl<'a> Reader<'a> {
             7 => match self.take(1, key)?[0] {
                 0 => MetaValue::Bool(false),
                 1 => MetaValue::Bool(true),
-                b => return Err(self.bad(&format!("key {key}: bool byte {b} is neither 0 nor 1"))),
+                b => return Err(self.bad(&format!("{key}: bool byte {b} is neither 0 nor 1"))),
             },
             8 => MetaValue::Str(self.string(key)?),
             9 => {
                 if depth > 0 {
-                    return Err(self.bad(&format!("key {key}: nested arrays are not supported")));
+                    return Err(self.bad(&format!("{key}: nested arrays are not supported")));
                 }
                 let elem_type = self.u32(key)?;
                 let count = self.u64(key)?;
-                let min_size = match elem_type {
-                    0 | 1 | 7 => 1,
-                    2 | 3 => 2,
-                    4..=6 => 4,
-                    8 | 10..=12 => 8,
-                    9 => 12,
-                    t => return Err(self.bad(&format!("key {key}: unknown array element type {t}"))),
+                let min_size = match (elem_type, meta_elem_size(elem_type)) {
+                    (_, Some(n)) => n as u64,
+                    (8, None) => 8,
+                    (9, None) => return Err(self.bad(&format!("{key}: nested arrays are not supported"))),
+                    (t, None) => {
+                        return Err(self.bad(&format!("{key}: unknown array element type {t}")))
+                    }
                 };
-                // Reject absurd counts before allocating anything for them.
+                // Reject absurd counts before walking them.
                 if count.checked_mul(min_size).is_none_or(|need| need > self.remaining() as u64) {
-                    return Err(self.bad(&format!("key {key}: array of {count} elements runs past the end of the file")));
+                    return Err(self.bad(&format!("{key}: array of {count} elements runs past the end of the file")));
                 }
-                let mut items = Vec::with_capacity(count as usize);
-                for _ in 0..count {
-                    items.push(self.value(elem_type, key, depth + 1)?);
+                let offset = self.pos;
+                if elem_type == 8 {
+                    for _ in 0..count {
+                        let n = self.u64(key)?;
+                        if n > self.remaining() as u64 {
+                            return Err(self.bad(&format!("{key}: string length {n} runs past the end of the file")));
+                        }
+                        self.pos += n as usize;
+                    }
+                } else {
+                    let bytes = self.take((count * min_size) as usize, key)?;
+                    if elem_type == 7 {
+                        if let Some(b) = bytes.iter().find(|&&b| b > 1) {
+                            return Err(self.bad(&format!("{key}: bool byte {b} is neither 0 nor 1")));
+                        }
+                    }
                 }
-                MetaValue::Array(items)
+                MetaValue::Array(MetaArray { elem_type, count, offset, n_bytes: self.pos - offset })
             }
             10 => MetaValue::U64(self.u64(key)?),
             11 => MetaValue::I64(self.u64(key)? as i64),
             12 => MetaValue::F64(f64::from_bits(self.u64(key)?)),
-            t => return Err(self.bad(&format!("key {key}: unknown value type {t}"))),
+            t => return Err(self.bad(&format!("{key}: unknown value type {t}"))),
         };
         Ok(v)
     }
+}
+
+/// The elements of a string array of `buf` (empty for other element types). The parser checked every length.
+fn array_strings<'a>(buf: &'a [u8], a: &MetaArray) -> impl Iterator<Item = std::borrow::Cow<'a, str>> + 'a {
+    let mut pos = a.offset;
+    let count = if a.elem_type == 8 { a.count } else { 0 };
+    (0..count).map(move |_| {
+        let n = u64::from_le_bytes(buf[pos..pos + 8].try_into().unwrap()) as usize;
+        let text = String::from_utf8_lossy(&buf[pos + 8..pos + 8 + n]);
+        pos += 8 + n;
+        text
+    })
 }
 
 /// What the header says, before it is tied to a map.
@@ -292,10 +388,11 @@ fn parse(buf: &[u8], file: &str) -> Result<Header> {
     let mut seen = std::collections::HashSet::new();
     for _ in 0..n_kv {
         let key = r.string("metadata key")?;
-        let type_id = r.u32(&key)?;
-        let value = r.value(type_id, &key, 0)?;
+        let what = format!("key {}", shown(&key));
+        let type_id = r.u32(&what)?;
+        let value = r.value(type_id, &what, 0)?;
         if !seen.insert(key.clone()) {
-            return Err(r.bad(&format!("duplicate metadata key {key}")));
+            return Err(r.bad(&format!("duplicate metadata {what}")));
         }
         metadata.push((key, value));
     }
@@ -304,7 +401,14 @@ fn parse(buf: &[u8], file: &str) -> Result<Header> {
         None => DEFAULT_ALIGNMENT,
         Some((_, v)) => match v.as_u64() {
             Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-            _ => return Err(r.bad(&format!("general.alignment {v:?} is not a power of two"))),
+            _ => {
+                let v = match v {
+                    MetaValue::Str(text) => shown(text),
+                    MetaValue::Array(a) => format!("an array of {} elements", a.count),
+                    v => format!("{v:?}"),
+                };
+                return Err(r.bad(&format!("general.alignment {v} is not a power of two up to 2^20")));
+            }
         },
     };
 
@@ -318,18 +422,19 @@ fn parse(buf: &[u8], file: &str) -> Result<Header> {
     let mut names = std::collections::HashSet::new();
     for _ in 0..n_tensors {
         let name = r.string("tensor name")?;
-        let n_dims = r.u32(&name)? as usize;
+        let what = format!("tensor {}", shown(&name));
+        let n_dims = r.u32(&what)? as usize;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(r.bad(&format!("tensor {name}: {n_dims} dimensions (1 to {MAX_DIMS} allowed)")));
+            return Err(r.bad(&format!("{what}: {n_dims} dimensions (1 to {MAX_DIMS} allowed)")));
         }
         let mut dims = Vec::with_capacity(n_dims);
         for _ in 0..n_dims {
-            dims.push(r.u64(&name)?);
+            dims.push(r.u64(&what)?);
         }
-        let type_id = r.u32(&name)?;
-        let rel_offset = r.u64(&name)?;
+        let type_id = r.u32(&what)?;
+        let rel_offset = r.u64(&what)?;
         if !names.insert(name.clone()) {
-            return Err(r.bad(&format!("duplicate tensor name {name}")));
+            return Err(r.bad(&format!("duplicate {what}")));
         }
         raw.push(RawTensor { name, dims, type_id, rel_offset });
     }
@@ -338,7 +443,7 @@ fn parse(buf: &[u8], file: &str) -> Result<Header> {
     let file_len = buf.len() as u64;
     let mut tensors = Vec::with_capacity(raw.len());
     for t in raw {
-        let name = &t.name;
+        let name = &shown(&t.name);
         let Some((type_name, block, type_size)) = ggml_type_layout(t.type_id) else {
             return Err(Error::UnsupportedType(format!("{file}: tensor {name} has unknown GGML type id {}", t.type_id)));
         };
@@ -451,6 +556,38 @@ mod tests {
         assert!(err_of(&b).contains("string length"));
         let arr = [&8u32.to_le_bytes()[..], &(1u64 << 60).to_le_bytes()].concat();
         assert!(err_of(&header(0, &[("k", 9, arr)])).contains("array of"));
+    }
+
+    #[test]
+    fn arrays_are_views_checked_at_parse_time() {
+        let strs = [&8u32.to_le_bytes()[..], &2u64.to_le_bytes(), &2u64.to_le_bytes(), b"ab", &1u64.to_le_bytes(), b"c"]
+            .concat();
+        let u16s = [&2u32.to_le_bytes()[..], &3u64.to_le_bytes(), &[1, 0, 2, 0, 3, 0]].concat();
+        let b = header(0, &[("s", 9, strs), ("n", 9, u16s)]);
+        let f = parse(&b, "t.gguf").unwrap();
+        let Some(MetaValue::Array(s)) = f.get("s") else { panic!() };
+        assert_eq!(array_strings(&b, s).collect::<Vec<_>>(), ["ab", "c"]);
+        let Some(MetaValue::Array(n)) = f.get("n") else { panic!() };
+        assert_eq!((n.elem_type, n.count, &b[n.offset..n.offset + n.n_bytes]), (2, 3, &[1u8, 0, 2, 0, 3, 0][..]));
+        // A string whose length runs past the end, and a bool array with a byte that is not 0 or 1.
+        let bad = [&8u32.to_le_bytes()[..], &1u64.to_le_bytes(), &99u64.to_le_bytes(), b"x"].concat();
+        assert!(err_of(&header(0, &[("s", 9, bad)])).contains("key s: string length 99 runs past the end"));
+        let bools = [&7u32.to_le_bytes()[..], &2u64.to_le_bytes(), &[1, 7]].concat();
+        assert!(err_of(&header(0, &[("b", 9, bools)])).contains("key b: bool byte 7 is neither 0 nor 1"));
+    }
+
+    #[test]
+    fn names_from_the_file_are_quoted_escaped_and_cut() {
+        assert_eq!(shown("blk.0.attn_q.weight"), "blk.0.attn_q.weight");
+        assert_eq!(shown("a b"), "'a b'");
+        assert_eq!(shown("\x1b[2Jok\n"), "'\\x1b[2Jok\\n'");
+        let long = shown(&"x".repeat(10_000_000));
+        assert_eq!(long.len(), 80);
+        assert!(long.ends_with("..."));
+        // A key of ten million bytes with an escape code: the message stays one short line.
+        let key = format!("\x1b[2J{}", "k".repeat(10_000_000));
+        let msg = err_of(&header(0, &[(&key, 99, vec![])]));
+        assert!(msg.len() < 200 && !msg.contains('\x1b') && msg.contains("unknown value type 99"), "{msg}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use ninfer_core::gguf::{ggml_type_layout, GgufFile, MetaValue};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+use numpy::IntoPyArray;
 use pyo3::IntoPyObjectExt;
 
 use crate::errors::to_py;
@@ -15,7 +16,19 @@ pub struct PyGgufFile {
     pub inner: Arc<GgufFile>,
 }
 
-fn to_python(py: Python<'_>, v: &MetaValue) -> PyResult<Py<PyAny>> {
+/// A fixed-size little-endian array as a numpy array of its own dtype (one copy, the file's bytes and no more).
+fn numeric<'py, T: numpy::Element, const N: usize>(
+    py: Python<'py>,
+    bytes: &[u8],
+    from_le: fn([u8; N]) -> T,
+) -> Py<PyAny> {
+    let values: Vec<T> = bytes.chunks_exact(N).map(|c| from_le(c.try_into().unwrap())).collect();
+    values.into_pyarray(py).into_any().unbind()
+}
+
+/// Scalars become Python values, string arrays lists of str, numeric and bool arrays numpy arrays (a list of Python
+/// ints would take 8 to 36 bytes for each byte of a hostile u8 array).
+fn to_python(py: Python<'_>, file: &GgufFile, v: &MetaValue) -> PyResult<Py<PyAny>> {
     Ok(match v {
         MetaValue::U8(x) => x.into_py_any(py)?,
         MetaValue::I8(x) => x.into_py_any(py)?,
@@ -29,12 +42,28 @@ fn to_python(py: Python<'_>, v: &MetaValue) -> PyResult<Py<PyAny>> {
         MetaValue::F64(x) => x.into_py_any(py)?,
         MetaValue::Bool(x) => x.into_py_any(py)?,
         MetaValue::Str(s) => s.into_py_any(py)?,
-        MetaValue::Array(items) => {
-            let list = PyList::empty(py);
-            for item in items {
-                list.append(to_python(py, item)?)?;
+        MetaValue::Array(a) => {
+            let b = file.array_bytes(a);
+            match a.elem_type {
+                0 => numeric(py, b, u8::from_le_bytes),
+                1 => numeric(py, b, i8::from_le_bytes),
+                2 => numeric(py, b, u16::from_le_bytes),
+                3 => numeric(py, b, i16::from_le_bytes),
+                4 => numeric(py, b, u32::from_le_bytes),
+                5 => numeric(py, b, i32::from_le_bytes),
+                6 => numeric(py, b, f32::from_le_bytes),
+                7 => numeric(py, b, |[x]: [u8; 1]| x != 0),
+                10 => numeric(py, b, u64::from_le_bytes),
+                11 => numeric(py, b, i64::from_le_bytes),
+                12 => numeric(py, b, f64::from_le_bytes),
+                _ => {
+                    let list = PyList::empty(py);
+                    for text in file.strings(a) {
+                        list.append(text.as_ref())?;
+                    }
+                    list.into_any().unbind()
+                }
             }
-            list.into_any().unbind()
         }
     })
 }
@@ -67,11 +96,11 @@ impl PyGgufFile {
         self.inner.data_offset
     }
 
-    /// All metadata as a dict of plain Python values (arrays become lists).
+    /// All metadata as a dict: scalars as Python values, string arrays as lists, other arrays as numpy arrays.
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (k, v) in &self.inner.metadata {
-            d.set_item(k, to_python(py, v)?)?;
+            d.set_item(k, to_python(py, &self.inner, v)?)?;
         }
         Ok(d)
     }
