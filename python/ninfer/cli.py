@@ -13,7 +13,7 @@ from collections import Counter
 
 from ninfer.chat import read_chat_template
 from ninfer.config import CACHE_TYPES, EngineConfig
-from ninfer.errors import NinferError, read_text_file
+from ninfer.errors import NinferError, read_text_file, shown
 
 EXIT_USAGE = 2
 
@@ -101,6 +101,12 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _printable(text: object) -> str:
+    """A name from the file as inspect prints it: plain text as it is, anything else escaped and cut (shown)."""
+    plain = isinstance(text, str) and text.isprintable() and text.isascii() and 0 < len(text) <= 80
+    return text if plain else shown(text)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ninfer.model_file import ModelFile
 
@@ -108,8 +114,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     md = mf.metadata
     n_params = mf.n_params()
     out = [f"file          {mf.path} ({_gib(mf.gguf.file_size)}, GGUF v{mf.gguf.version})",
-           f"name          {md.get('general.name', '?')}",
-           f"architecture  {mf.architecture}",
+           f"name          {_printable(md.get('general.name', '?'))}",
+           f"architecture  {_printable(mf.architecture)}",
            f"parameters    {n_params / 1e6:.1f} M",
            f"tensors       {len(mf.tensors)}"]
     by_type = Counter(t.type_name for t in mf.tensors)
@@ -126,7 +132,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ctx = args.ctx_size or min(s["n_ctx_train"], 4096)
         kv = mf.kv_bytes_per_token() * ctx
         # Work buffers: activations of one n_batch prompt batch plus the logits of one row, in f32.
-        n_ff = next((t.dims[1] for t in mf.tensors if t.name == s["layers"][0]["w_gate"]), s["n_embd"])
+        # (the layer's shapes are checked when the engine loads; here a malformed gate only changes the estimate)
+        n_ff = next((t.dims[-1] for t in mf.tensors if t.name == s["layers"][0]["w_gate"]), s["n_embd"])
         buffers = 4 * 512 * (4 * s["n_embd"] + 2 * n_ff + s["n_head"] * s["head_dim"] * 2) + 4 * s["n_vocab"]
         out += [
             f"layers        {len(s['layers'])}, n_embd {s['n_embd']}, heads {s['n_head']} (kv {s['n_head_kv']}), "

@@ -86,7 +86,7 @@ class MetadataReader:
         value = float(value)
         if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
             bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-            raise self.fail(template, f"= {shown(value)} is out of range {bound}")
+            raise self.fail(template, f"= {value:.7g} is out of range {bound}")
         return value
 
     def text(self, template: str, default: Any = _MISSING, choices: tuple[str, ...] | None = None) -> str:
