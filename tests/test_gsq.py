@@ -110,7 +110,9 @@ def test_verify_ok_then_names_a_flipped_byte_and_a_cut_file(converted: Path, tmp
     cut.write_bytes(converted.read_bytes()[: len(data) // 2])
     r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(cut)], capture_output=True,
                        text=True)
-    assert r.returncode == 1 and "runs past the end of the file" in r.stderr, r.stderr
+    # A file too broken to parse is a bad file (2, as everywhere in ninfer); a parsed one that fails its checksums
+    # is damaged (1).
+    assert r.returncode == 2 and "runs past the end of the file" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(flipped)], capture_output=True,
                        text=True)
     assert r.returncode == 1 and r.stdout.strip() == "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)"
@@ -183,7 +185,7 @@ def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
     assert r.returncode == 2 and "--residual-bits 4 is not supported" in r.stderr
     r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(source)], capture_output=True,
                        text=True)
-    assert r.returncode == 1 and "not a GSQ-RCO file" in r.stderr
+    assert r.returncode == 2 and "not a GSQ-RCO file" in r.stderr
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--input", str(source), "--output",
                         str(source), "--threads", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "the output would overwrite the input" in r.stderr

@@ -1,4 +1,5 @@
-"""GSQ-RCO conversion, verification and inspection (`gsq-rco convert|verify|inspect`, `ninfer convert`).
+"""GSQ-RCO conversion (`gsq-rco convert`, `ninfer convert`) and the `gsq-rco` command line (verify and inspect are
+ninfer/gsq_file.py's, with the container's metadata).
 
 The converter streams: one tensor at a time is read from the memory-mapped input, dequantized (Rust), quantized
 to GSQ-RCO (Rust, multithreaded) and written, so peak memory is a small multiple of the largest tensor, never the
@@ -7,13 +8,12 @@ model. It writes `OUT.partial` and renames it to OUT only when complete; the inp
 A GSQ-RCO tensor is stored as a raw I8 tensor of its records ([rows, row_bytes]); its logical shape, layout,
 statistics and a BLAKE2b checksum sit in the metadata key `gsq.tensor.<name>` (JSON). Tensors kept in their source
 type get a checksum too. The metadata is written before the data, so each JSON is first a fixed-width placeholder
-and is filled in place once its tensor is written (before the rename). docs/gsq-rco.md specifies the format.
+and is filled in place once its tensor is written (before the rename), then the checksum of the gsq.* metadata
+(gsq_file.py writes and reads the container). docs/gsq-rco.md specifies the format.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import signal
@@ -28,13 +28,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ninfer import _core
 from ninfer.config import MAX_THREADS
+from ninfer.cli import EXIT_USAGE
 from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError, read_text_file
+from ninfer.gsq_file import GROUP, add_container_metadata, checksum, fill_tensor_infos, inspect_table, verify
+from ninfer.gsq_file import tensor_info, tensor_infos  # noqa: F401 (the synthetic-model writer's and scripts' names)
 
-FORMAT_VERSION = 2
-GROUP = 128  # weights per record (format version 2)
 Q2K_BLOCK, Q2K_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]  # llama.cpp's block_q2_K
-_INFO_WIDTH = 320  # bytes reserved for each tensor's JSON in the header
-_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -212,18 +211,6 @@ def _sequential_calibration(mf: Any, text: str, max_chunks: int, *, wide: bool, 
                                  else 0, source_stream=source_stream, log=log)
 
 
-def _checksum(data: Any) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    mv = memoryview(data).cast("B")
-    for i in range(0, len(mv), _CHUNK):
-        h.update(mv[i : i + _CHUNK])
-    return h.hexdigest()
-
-
-def _placeholder(i: int) -> str:
-    return f"@gsq-info-{i:06d}@".ljust(_INFO_WIDTH, "~")
-
-
 def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: int = 128, residual_bits: int = 8,
             steps: int = 100, threads: int = 0, seed: int = 0, tensor_types: list[str] = (),
             calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
@@ -381,7 +368,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
             else:
                 data = np.asarray(mf.raw(t))
                 info.update(type=t.type_name, bpw=round(8 * t.n_bytes / max(t.n_elements, 1), 4))
-            info["blake2b"] = _checksum(data)
+            info["blake2b"] = checksum(data)
             w.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
             totals["bytes"] += data.size
             totals["weights"] += t.n_elements
@@ -483,93 +470,6 @@ def _load_importances(path: str | os.PathLike[str], mf: Any) -> dict[str, np.nda
     return importances
 
 
-def add_container_metadata(w: Any, names: list[str], *, residual_bits: int, steps: int, seed: int,
-                           calibration: str) -> None:
-    """The gsq.* keys of a GSQ-RCO file (docs/gsq-rco.md "In a GGUF file"), with a fixed-width placeholder for
-    each tensor's JSON, in tensor order: fill_tensor_infos writes them once the data is written and checksummed.
-    (The converter and the synthetic-model generator write files the same way.)"""
-    w.add_uint32("gsq.version", FORMAT_VERSION)
-    w.add_uint32("gsq.group_size", GROUP)
-    w.add_uint32("gsq.residual_bits", residual_bits)
-    w.add_uint32("gsq.calibration_steps", steps)
-    w.add_uint32("gsq.seed", seed)
-    w.add_string("gsq.calibration", calibration)
-    for i, name in enumerate(names):
-        w.add_string(f"gsq.tensor.{name}", _placeholder(i))
-
-
-def tensor_info(data: Any, **fields: Any) -> dict[str, Any]:
-    """A tensor's `gsq.tensor.<name>` entry: `fields` (shape, type, bpw, ...) and the checksum of its bytes."""
-    return {**fields, "blake2b": _checksum(data)}
-
-
-def fill_tensor_infos(path: Path, infos: list[dict[str, Any]]) -> None:
-    _fill_placeholders(path, [json.dumps(i, separators=(",", ":")) for i in infos])
-
-
-def _fill_placeholders(path: Path, texts: list[str]) -> None:
-    """Write each tensor's JSON over its fixed-width placeholder in the header (same length: the layout stays)."""
-    with open(path, "r+b") as f:
-        head = f.read(64 << 20)
-        for i, text in enumerate(texts):
-            ph = _placeholder(i).encode()
-            pos = head.find(ph)
-            if pos < 0:
-                raise ModelFileError(f"{path}: placeholder {i} not found in the header")
-            body = text.encode()
-            if len(body) > len(ph):
-                raise ModelFileError(f"tensor info {i} is longer than its {len(ph)}-byte slot")
-            f.seek(pos)
-            f.write(body.ljust(len(ph)))
-
-
-def tensor_infos(path: str | os.PathLike[str]) -> tuple[Any, dict[str, dict[str, Any]]]:
-    from ninfer.model_file import ModelFile
-
-    mf = ModelFile(path)
-    md = mf.metadata
-    if "gsq.version" not in md:
-        raise ModelFileError(f"{path}: not a GSQ-RCO file (no gsq.version in its metadata)")
-    if int(md["gsq.version"]) != FORMAT_VERSION:
-        raise ModelFileError(f"{path}: GSQ-RCO format version {md['gsq.version']} (this ninfer reads {FORMAT_VERSION})")
-    infos = mf.gsq_infos
-    missing = next((t.name for t in mf.tensors if t.name not in infos), None)
-    if missing is not None:
-        raise ModelFileError(f"{path}: tensor {missing} has no gsq.tensor metadata")
-    return mf, infos
-
-
-def verify(path: str | os.PathLike[str]) -> tuple[bool, str]:
-    """(True, 'ok') or (False, the first mismatching tensor and its layer)."""
-    mf, infos = tensor_infos(path)
-    for t in mf.tensors:
-        if _checksum(mf.raw(t)) != infos[t.name]["blake2b"]:
-            m = re.match(r"blk\.(\d+)\.", t.name)
-            where = f"layer {m.group(1)}" if m else "not in a layer"
-            return False, f"checksum mismatch: tensor {t.name} ({where})"
-    return True, "ok"
-
-
-def inspect_table(path: str | os.PathLike[str]) -> str:
-    mf, infos = tensor_infos(path)
-    md = mf.metadata
-    rows = [f"GSQ-RCO v{md['gsq.version']}  group {md['gsq.group_size']}  residual bits {md['gsq.residual_bits']}  "
-            f"calibration steps {md['gsq.calibration_steps']}  calibration text: {md.get('gsq.calibration', 'none')}",
-            f"{'tensor':34s} {'type':9s} {'bpw':>6s} {'bits':>4s} {'slots':>5s} {'w.err RTN':>10s} {'w.err':>10s}"]
-    for t in mf.tensors:
-        i = infos[t.name]
-        errs = " ".join(f"{v:10.3e}" if v is not None else f"{'-' if 'err' in i else '':>10s}"
-                        for v in (i.get("err_rtn"), i.get("err")))
-        if i.get("type") == "GSQ-RCO":
-            rows.append(f"{t.name:34s} {'GSQ-RCO':9s} {i['bpw']:6.3f} {i['bits']:4d} {i['slots']:5d} {errs}")
-        else:  # a kept source tensor, or one the converter wrote as Q2_K (with its errors)
-            rows.append(f"{t.name:34s} {i['type']:9s} {i['bpw']:6.3f} {'':4s} {'':5s} {errs}")
-    total_bits = 8 * sum(t.n_bytes for t in mf.tensors)
-    total_w = sum(int(np.prod(infos[t.name]["shape"])) for t in mf.tensors)
-    rows.append(f"total {mf.gguf.file_size / 2**20:.1f} MiB, {total_bits / max(total_w, 1):.3f} bits per weight")
-    return "\n".join(rows)
-
-
 # ---- command line ------------------------------------------------------------------------------------------
 def add_convert_args(p: Any) -> None:
     p.add_argument("--input", required=True, help="source GGUF (any supported type)")
@@ -633,14 +533,29 @@ def run_convert(args: Any) -> int:
     return 0
 
 
+EXIT_DAMAGED = 1  # gsq-rco verify: the file parses, but a checksum (tensor data or gsq.* metadata) does not match
+
+VERIFY_HELP = """Recompute every checksum of a GSQ-RCO file: each tensor's bytes against its entry's blake2b, and the
+gsq.* metadata against gsq.metadata_checksum (files written before that key: validated, not checksummed); every
+entry is validated as the loader does (format version, bits, slots, shape against the stored records).
+
+exit status:
+  0  ok (printed on stdout)
+  1  damaged: the first tensor, or the metadata, whose checksum does not match (printed on stdout)
+  2  not a GSQ-RCO file, unreadable or malformed (a truncated file, a bad entry: one line on stderr naming the key),
+     or a bad argument"""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`gsq-rco`: exit 0 done, 1 `verify` found a checksum mismatch, 2 a bad file or argument (as `ninfer`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="gsq-rco", description="GSQ-RCO 3-bit quantization of GGUF models.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="convert a GGUF model to GSQ-RCO")
     add_convert_args(c)
-    v = sub.add_parser("verify", help="recompute the checksums: 'ok' or the first mismatching tensor (exit 1)")
+    v = sub.add_parser("verify", help="recompute the checksums: 'ok' (exit 0), a mismatch (1), a bad file (2)",
+                       description=VERIFY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("--model", required=True)
     i = sub.add_parser("inspect", help="per-tensor table: type, bpw, code bits, slots, weighted error")
     i.add_argument("model")
@@ -651,15 +566,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "verify":
             ok, msg = verify(args.model)
             print(msg)
-            return 0 if ok else 1
+            return 0 if ok else EXIT_DAMAGED
         print(inspect_table(args.model))
         return 0
-    except NinferError as e:
+    except (NinferError, OSError) as e:
         print(f"gsq-rco: error: {e}", file=sys.stderr)
-        return 1 if args.cmd == "verify" else 2
-    except OSError as e:
-        print(f"gsq-rco: error: {e}", file=sys.stderr)
-        return 1 if args.cmd == "verify" else 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

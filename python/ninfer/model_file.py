@@ -71,35 +71,22 @@ class ModelFile:
         for n, t, tn, d, o, b in self.gguf.tensors():
             g = self.gsq_infos.get(n)
             gsq = None
-            if g is not None and g.get("type") == "GSQ-RCO":
-                tn, d, gsq = "GSQ-RCO", g["shape"], (int(g["bits"]), int(g["slots"]))
+            if g is not None and g["type"] == "GSQ-RCO":
+                tn, d, gsq = "GSQ-RCO", g["shape"], (g["bits"], g["slots"])
             out.append(TensorEntry(n, t, tn, tuple(d), o, b, gsq))
         return out
 
     @cached_property
     def gsq_infos(self) -> dict[str, dict[str, Any]]:
-        """The per-tensor JSON of a GSQ-RCO file (`gsq.tensor.<name>`), parsed once; empty for other files."""
-        if "gsq.version" not in self.metadata:
-            return {}
-        import json
+        """The per-tensor JSON of a GSQ-RCO file (`gsq.tensor.<name>`), parsed and validated once (format version,
+        metadata checksum, every entry against its stored tensor: ninfer/gsq_file.py); empty for other files."""
+        from ninfer.gsq_file import tensor_infos_of
 
-        prefix = "gsq.tensor."
-        infos = {}
-        for key, raw in self.metadata.items():
-            if key.startswith(prefix):
-                try:
-                    infos[key[len(prefix) :]] = json.loads(raw)
-                except (TypeError, ValueError):
-                    raise ModelFileError(f"{self.path}: {key} is not valid JSON") from None
-        return infos
+        return tensor_infos_of(self.path, self.metadata, self.gguf.tensors())
 
     def gsq_layouts(self) -> list[tuple[str, int, int]]:
         """(name, code bits, slots) of every GSQ-RCO tensor (format version 2)."""
-        if self.gsq_infos and int(self.metadata.get("gsq.version", 0)) != 2:
-            raise ModelFileError(f"{self.path}: GSQ-RCO format version {self.metadata.get('gsq.version')} (this ninfer "
-                                 "reads 2; convert the source again)")
-        return [(name, int(g["bits"]), int(g["slots"])) for name, g in self.gsq_infos.items()
-                if g.get("type") == "GSQ-RCO"]
+        return [(name, g["bits"], g["slots"]) for name, g in self.gsq_infos.items() if g["type"] == "GSQ-RCO"]
 
     @property
     def architecture(self) -> str:
