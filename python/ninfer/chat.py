@@ -2,14 +2,16 @@
 
 The template comes from a downloaded file, so it is untrusted code: it runs in jinja2's ImmutableSandboxedEnvironment
 and any attempt to reach Python internals (``''.__class__`` and friends) fails with ChatTemplateError instead of
-rendering as an empty string, which is what the stock sandbox does until the value is used further.
+rendering as an empty string, which is what the stock sandbox does until the value is used further. Its time, the
+size of what it builds and the size of its output are bounded (chat_bounds), and every failure of a compile or a
+render is one ChatTemplateError naming the template's line.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +20,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from ninfer.errors import ChatTemplateError, read_text_file
+from ninfer import chat_bounds as bounds
+from ninfer.errors import ChatTemplateError, read_text_file, shown
 
 __all__ = ["ChatTemplate", "ChatTemplateError"]
 
@@ -53,18 +56,78 @@ class _GenerationTag(Extension):
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """The stock sandbox returns an Undefined for an unsafe attribute, which prints as ''. Fail right away."""
+    """The stock sandbox returns an Undefined for an unsafe attribute, which prints as ''. Fail right away. Operators,
+    method calls, ``~``, buffered blocks and printed values are measured first (chat_bounds)."""
+
+    intercepted_binops = bounds.INTERCEPTED_BINOPS
+    code_generator_class = bounds.BoundedCodeGenerator
+    concat = staticmethod(bounds.bounded_concat)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        bounds.check_binop(operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's names)
+        __obj, args = bounds.bounded_str_call(__obj, args, kwargs)
+        name = getattr(__obj, "__name__", type(__obj).__name__)
+        return bounds.check_result(super().call(__context, __obj, *args, **kwargs), f"{name}()")
+
+    def wrap_str_format(self, value: Any) -> Any:
+        return bounds.bounded_str_format(self, value)
+
 
 def _environment() -> jinja2.Environment:
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
-    env.filters["tojson"] = _tojson
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols],
+                         finalize=bounds.printed)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    bounds.install(env, _tojson)
     return env
+
+
+def _template_line(tb: Any, template: jinja2.Template | None) -> int | None:
+    """The template line of the innermost template frame of a traceback: jinja rewrites the frames of the
+    exceptions it handles to carry the template's line; others (RenderTimeout) still show the compiled code's line,
+    which the template maps back."""
+    line = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename == "<template>":
+            if "__jinja_template__" not in frame.f_globals:
+                line = tb.tb_lineno
+            elif template is not None:
+                line = template.get_corresponding_lineno(tb.tb_lineno)
+        tb = tb.tb_next
+    return line
+
+
+def _suspended_line(gen: Any, template: jinja2.Template) -> int | None:
+    """The template line where a render's generator (Template.generate) stopped to yield."""
+    line = None
+    while gen is not None and gen.gi_frame is not None:
+        if gen.gi_frame.f_code.co_filename == "<template>":
+            line = template.get_corresponding_lineno(gen.gi_frame.f_lineno)
+        gen = gen.gi_yieldfrom
+    return line
+
+
+def _error(e: BaseException, line: int | None, timeout_s: float) -> ChatTemplateError:
+    """One line naming the problem and the template line; text from the template or the messages is shown()."""
+    at = f" at line {line}" if line is not None else ""
+    if isinstance(e, bounds.RenderTimeout):
+        return ChatTemplateError(f"chat template took longer than {timeout_s:g} s{at} (an endless or huge loop?)")
+    if isinstance(e, bounds.RenderLimit):  # (our own words)
+        return ChatTemplateError(f"chat template stopped{at}: {e}")
+    if isinstance(e, jinja2.TemplateSyntaxError):
+        return ChatTemplateError(f"chat template syntax error{at}: {shown(e.message, 300)}")
+    if isinstance(e, SecurityError):
+        return ChatTemplateError(f"chat template blocked by the sandbox{at}: {shown(str(e), 300)}")
+    if isinstance(e, jinja2.TemplateError):  # (raise_exception('...'), an undefined value used)
+        return ChatTemplateError(f"chat template error{at}: {shown(str(e), 300)}")
+    return ChatTemplateError(f"chat template failed{at}: {type(e).__name__}: {shown(str(e), 300)}")
 
 
 def _normalized_messages(messages: Any) -> list[Any]:
@@ -103,16 +166,28 @@ def read_chat_template(path: str | os.PathLike[str] | None) -> str | None:
 class ChatTemplate:
     """A compiled chat template. ``render(messages)`` gives the prompt text (special tokens as text)."""
 
-    def __init__(self, template: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, template: str, bos_token: str = "", eos_token: str = "", *,
+                 timeout_s: float = bounds.RENDER_TIMEOUT_S, max_output_chars: int = bounds.MAX_OUTPUT_CHARS) -> None:
+        """timeout_s bounds a compile and a render; max_output_chars the rendered prompt (chat_bounds)."""
         if not isinstance(template, str) or not template.strip():
             raise ChatTemplateError("the chat template is empty")
+        if len(template) > bounds.MAX_TEMPLATE_CHARS:
+            raise ChatTemplateError(f"the chat template is {len(template)} characters long, over the limit of "
+                                    f"{bounds.MAX_TEMPLATE_CHARS}")
         self.source = template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.timeout_s = timeout_s
+        self.max_output_chars = max_output_chars
+        env = _environment()
         try:
-            self._template = _environment().from_string(template)
-        except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
+            with bounds.deadline(timeout_s):
+                ast = env.parse(template)
+                bounds.check_constants(ast, env)
+                self._template = env.from_string(ast)
+        except (Exception, bounds.RenderTimeout) as e:
+            line = getattr(e, "lineno", None)
+            raise _error(e, line if isinstance(line, int) else None, timeout_s) from None
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], name: str | None = None,
@@ -140,11 +215,25 @@ class ChatTemplate:
         context: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs,
                                    "messages": _normalized_messages(messages),
                                    "add_generation_prompt": add_generation_prompt}
+        context[bounds.BUDGET_KEY] = bounds.Budget(self.max_output_chars)
+        timeout_s = self.timeout_s + bounds.RENDER_TIMEOUT_PER_MESSAGE_S * len(context["messages"])
+        pieces: list[str] = []
+        n = 0
+        gen: Generator[str, None, None] = self._template.generate(**context)
         try:
-            return self._template.render(**context)
-        except SecurityError as e:
-            raise ChatTemplateError(f"chat template blocked by the sandbox: {e}") from e
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template error: {e}") from e
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, RecursionError) as e:
-            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+            with bounds.deadline(timeout_s):
+                for piece in gen:
+                    n += len(piece)
+                    if n > self.max_output_chars:
+                        raise ChatTemplateError(
+                            f"chat template output is over {self.max_output_chars} characters (at line "
+                            f"{_suspended_line(gen, self._template)}): the messages are too long, or the template "
+                            "loops")
+                    pieces.append(piece)
+        except (Exception, bounds.RenderTimeout) as e:
+            if isinstance(e, ChatTemplateError):
+                raise
+            raise _error(e, _template_line(e.__traceback__, self._template), timeout_s) from None
+        finally:
+            gen.close()
+        return "".join(pieces)
