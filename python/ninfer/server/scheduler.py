@@ -89,10 +89,12 @@ class Result:
 class Request:
     _ids = itertools.count()
 
-    def __init__(self, prompt: list[int], params: GenParams, loop: asyncio.AbstractEventLoop, deadline: float):
+    def __init__(self, prompt: list[int], params: GenParams, loop: asyncio.AbstractEventLoop, deadline: float,
+                 stream: bool = True):
         self.id = next(self._ids)
         self.prompt = prompt
         self.params = params
+        self.stream = stream  # False: no "piece" events, only the closing "done" or "error"
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.deadline = deadline
@@ -102,6 +104,8 @@ class Request:
     def emit(self, kind: str, value: Any) -> None:
         """("piece", (text, tokens so far, new token ids, their Probs)) | ("done", Result) | ("error", Exception),
         from the engine thread."""
+        if kind == "piece" and not self.stream:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -164,11 +168,15 @@ class Scheduler:
 
     # ---- asyncio side ---------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        """Take `req`, or raise QueueFullError when the slots and the queue are all taken. Counted under the lock,
+        at once: requests submitted before the engine thread has admitted any (a burst from idle) count too."""
         with self.cv:
-            busy = sum(s.req is not None for s in self.slots)
-            if busy == len(self.slots) and len(self.waiting) >= self.queue_size:
+            running = sum(s.req is not None for s in self.slots)
+            waiting = sum(not r.cancelled for r in self.waiting)
+            if running + waiting >= len(self.slots) + self.queue_size:
                 self.stats["rejected"] += 1
-                raise QueueFullError(f"all {len(self.slots)} slots are busy and {len(self.waiting)} requests wait")
+                raise QueueFullError(f"{len(self.slots)} slots and a queue of {self.queue_size} are all taken "
+                                     f"({running + waiting} requests running or waiting)")
             self.waiting.append(req)
             self.cv.notify()
 
