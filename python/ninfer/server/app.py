@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ninfer.errors import NinferError
+from ninfer.errors import InvalidArgumentError, NinferError
 from ninfer.llm import LLM
 from ninfer.server import formats, metrics
 from ninfer.server.errors import APIError, from_ninfer, install, sse
+from ninfer.server.guards import Guard, TokenFloor
 from ninfer.server.scheduler import DeadlineError, GenParams, QueueFullError, Scheduler
 from ninfer.server.scheduler import Request as GenRequest
 from ninfer.server.schemas import (
@@ -51,6 +52,15 @@ class ServerSettings:
     sampler_core: int | None = None
     sampler_rt: bool = False
     retry_after_s: int = 1
+    max_body_bytes: int = 4 * 2**20  # a larger request body is a 413, refused before it is read
+    body_timeout_s: float = 30.0  # the whole body within this long of the headers, or 408
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise InvalidArgumentError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        t = self.body_timeout_s
+        if not isinstance(t, (int, float)) or not (t > 0 and math.isfinite(t)):
+            raise InvalidArgumentError(f"body_timeout_s must be a finite number of seconds > 0, got {t!r}")
 
 
 class _State:
@@ -59,6 +69,7 @@ class _State:
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
+        self.token_floor: TokenFloor | None = None
         self.created = int(time.time())
 
     def attach(self, llm: LLM) -> None:
@@ -66,6 +77,9 @@ class _State:
         self.scheduler = Scheduler(llm, n_parallel=s.n_parallel, queue_size=s.queue_size, timeout_s=s.timeout_s,
                                    sampler_core=s.sampler_core, sampler_rt=s.sampler_rt)
         self.model_id = s.alias or llm.model_file.path.name
+        tok = llm.tokenizer
+        self.token_floor = TokenFloor.of([tok.token_text(i) for i in range(tok.vocab_size)],
+                                         llm.model_file.metadata.get("tokenizer.ggml.model"))
         self.llm = llm
 
     def ready(self) -> tuple[LLM, Scheduler]:
@@ -119,19 +133,12 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         if state.scheduler is not None:
             state.scheduler.close()
 
-    async def auth(request: Request) -> None:
-        key = state.settings.api_key
-        if key is None or request.url.path in ("/health", "/metrics"):
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-            raise APIError(401, "Invalid API Key" if given else "no API key given (Authorization: Bearer KEY)",
-                           type="authentication_error", code="invalid_api_key")
-
-    app = FastAPI(title="ninfer", lifespan=lifespan, dependencies=[Depends(auth)])
+    app = FastAPI(title="ninfer", lifespan=lifespan)
     app.state.ninfer = state
     app.add_middleware(_JSONBodies)
+    cfg = state.settings  # (the middleware added last runs first: the key and the body's limits before all else)
+    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                       body_timeout_s=cfg.body_timeout_s)
     install(app)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
@@ -140,7 +147,20 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.model_id}'",
                            param="model", code="model_not_found")
 
+    def check_length(llm: LLM, text: str) -> None:
+        """Refuse a text that cannot fit the context whatever its tokens, before tokenizing it."""
+        floor = state.token_floor
+        if floor is None or 4 * len(text) < llm.n_ctx * floor.per_token:  # (4: the most bytes of a character)
+            return
+        n_bytes, n_tokens = floor.min_tokens(text)
+        if n_tokens >= llm.n_ctx:
+            raise APIError(400, f"the prompt is {n_bytes} bytes long, so at least {n_tokens} tokens, but the context "
+                                f"holds {llm.n_ctx} (n_ctx) including at least one generated token",
+                           code="context_length_exceeded")
+
     async def prompt_ids(llm: LLM, prompt: str | list[int], add_special: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            check_length(llm, prompt)
         try:
             return await asyncio.to_thread(llm._prompt_ids, prompt, add_special)
         except NinferError as e:
@@ -185,8 +205,9 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             out.append((tok, float("-inf") if b is False else float(b)))
         return out
 
-    def submit(sched: Scheduler, prompt: list[int], params: GenParams) -> GenRequest:
-        req = GenRequest(prompt, params, asyncio.get_running_loop(), time.monotonic() + state.settings.timeout_s)
+    def submit(sched: Scheduler, prompt: list[int], params: GenParams, stream: bool) -> GenRequest:
+        req = GenRequest(prompt, params, asyncio.get_running_loop(), time.monotonic() + state.settings.timeout_s,
+                         stream=stream)
         try:
             sched.submit(req)
         except QueueFullError as e:
@@ -203,23 +224,30 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         return APIError(500, f"generation failed: {e}", type="server_error")
 
     async def collect(http: Request, sched: Scheduler, req: GenRequest) -> Any:
-        """Wait for the result of a non-streamed request; a client that hangs up cancels it."""
+        """Wait for the result of a non-streamed request (no pieces: only "done" or "error" comes); a client that
+        hangs up cancels it at once. (The body is read: the next message receive() gives is http.disconnect.)"""
+
+        async def hung_up() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+
+        result = asyncio.ensure_future(req.events.get())
+        gone = asyncio.ensure_future(hung_up())
         try:
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(req.events.get(), timeout=0.5)
-                except TimeoutError:
-                    if await http.is_disconnected():
-                        sched.cancel(req)
-                        raise APIError(499, "client closed the request") from None
-                    continue
-                if kind == "done":
-                    return value
-                if kind == "error":
-                    raise failure(value)
+            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                sched.cancel(req)
+                raise APIError(499, "client closed the request")
+            kind, value = result.result()
+            if kind == "error":
+                raise failure(value)
+            return value
         except asyncio.CancelledError:
             sched.cancel(req)
             raise
+        finally:
+            result.cancel()
+            gone.cancel()
 
     async def events(sched: Scheduler, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
         """The request's events until done; closing the iterator early (client gone) cancels the request."""
@@ -248,7 +276,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         ids = await prompt_ids(llm, body.prompt)
         params = gen_params(llm, body, body.n_predict, "n_predict", parse_bias(body.logit_bias), body.n_probs)
         piece = llm.tokenizer.token_to_piece
-        req = submit(sched, ids, params)
+        req = submit(sched, ids, params, stream=body.stream)
         prompt_text = body.prompt if isinstance(body.prompt, str) else ""
         if not body.stream:
             return formats.llama_final(await collect(http, sched, req), state.model_id, params, prompt_text, piece)
@@ -285,8 +313,8 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
     async def v1_chat(body: ChatRequest, http: Request) -> Any:
         llm, sched = state.ready()
         check_model(body.model)
-        try:
-            text = llm.apply_chat_template([m.as_template_input() for m in body.messages])
+        try:  # (on a thread: a slow template must not hold the event loop, and every other client, meanwhile)
+            text = await asyncio.to_thread(llm.apply_chat_template, [m.as_template_input() for m in body.messages])
         except NinferError as e:
             raise from_ninfer(e) from None
         ids = await prompt_ids(llm, text, add_special=False)
@@ -299,7 +327,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
 
     async def openai_run(http: Request, llm: LLM, sched: Scheduler, ids: list[int], params: GenParams, body: Any,
                          chat: bool, logprobs: int | None) -> Any:
-        req = submit(sched, ids, params)
+        req = submit(sched, ids, params, stream=body.stream)
         fmt = formats.OpenAI(state.model_id, chat, llm.tokenizer.token_to_piece, logprobs)
         if not body.stream:
             return fmt.final(await collect(http, sched, req))
@@ -339,10 +367,12 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Any:
         llm, _ = state.ready()
-        ids = await asyncio.to_thread(llm.tokenize, body.content, body.add_special)
-        if body.with_pieces:
-            return {"tokens": [{"id": t, "piece": llm.detokenize([t])} for t in ids]}
-        return {"tokens": ids}
+
+        def work() -> Any:
+            ids = llm.tokenize(body.content, body.add_special)
+            return [{"id": t, "piece": llm.detokenize([t])} for t in ids] if body.with_pieces else ids
+
+        return {"tokens": await asyncio.to_thread(work)}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Any:
@@ -351,7 +381,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range for a vocabulary of {llm.n_vocab}",
                            param="tokens")
-        return {"content": llm.detokenize(body.tokens)}
+        return {"content": await asyncio.to_thread(llm.detokenize, body.tokens)}
 
     @app.get("/props")
     async def props() -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import sys
@@ -58,6 +59,14 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
                    help="requests that may wait for a slot; more get 503 with Retry-After (default 64)")
     p.add_argument("-to", "--timeout", type=float, default=600.0,
                    help="per-request deadline in seconds, queue wait included (default 600)")
+    p.add_argument("--max-body-size", type=_size, default=4 * 2**20, metavar="SIZE",
+                   help="largest request body accepted, e.g. 16MiB; a larger one is a 413, refused before it is "
+                        "read (default 4MiB)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's whole body must arrive within this long of its headers, else 408 and the "
+                        "connection is closed (default 30)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="an idle keep-alive connection is closed after this long (default 5)")
     p.add_argument("--sampler-core", type=int, default=None, metavar="N",
                    help="pin the sampler thread to CPU core N")
     p.add_argument("--sampler-rt", action="store_true",
@@ -75,8 +84,12 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"argument --port: must be <= 65535, got {args.port}")
     if args.ctx_size // args.parallel < 2:
         p.error(f"argument --ctx-size: {args.ctx_size} leaves fewer than 2 tokens per slot for {args.parallel} slots")
-    if args.timeout <= 0:
-        p.error(f"argument --timeout: must be > 0, got {args.timeout}")
+    for flag, seconds in (("--timeout", args.timeout), ("--body-timeout", args.body_timeout),
+                          ("--keep-alive-timeout", args.keep_alive_timeout)):
+        if not (seconds > 0 and math.isfinite(seconds)):
+            p.error(f"argument {flag}: must be a finite number of seconds > 0, got {seconds}")
+    if args.max_body_size < 1:
+        p.error(f"argument --max-body-size: must be at least 1 byte, got {args.max_body_size}")
     if args.sampler_core is not None and args.sampler_core < 0:
         p.error(f"argument --sampler-core: must be >= 0, got {args.sampler_core}")
 
@@ -158,7 +171,8 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     settings = ServerSettings(
         n_parallel=args.parallel, queue_size=args.queue_size, timeout_s=args.timeout, api_key=args.api_key,
         alias=args.alias, n_predict=args.n_predict, temperature=args.temp, metrics=args.metrics,
-        sampler_core=args.sampler_core, sampler_rt=args.sampler_rt,
+        sampler_core=args.sampler_core, sampler_rt=args.sampler_rt, max_body_bytes=args.max_body_size,
+        body_timeout_s=args.body_timeout,
     )
     failed: list[Exception] = []
 
@@ -168,7 +182,8 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
 
     app = create_app(load=load, settings=settings, on_load_error=stop_on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=5))
+                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=args.keep_alive_timeout))
     try:
         server.run()
     except KeyboardInterrupt:
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
 
 
 def _size(text: str) -> int:
-    """--gpu-mem-budget's value in bytes (argparse names the flag when it cannot be read)."""
+    """--gpu-mem-budget's and --max-body-size's value in bytes (argparse names the flag when it cannot be read)."""
     from ninfer.backends.budget import parse_size
     from ninfer.errors import InvalidArgumentError
 
