@@ -118,7 +118,7 @@ def _error(e: BaseException, line: int | None, timeout_s: float) -> ChatTemplate
     """One line naming the problem and the template line; text from the template or the messages is shown()."""
     at = f" at line {line}" if line is not None else ""
     if isinstance(e, bounds.RenderTimeout):
-        return ChatTemplateError(f"chat template took longer than {timeout_s:g} s{at} (an endless or huge loop?)")
+        return ChatTemplateError(f"chat template took longer than {timeout_s:.3g} s{at} (an endless or huge loop?)")
     if isinstance(e, bounds.RenderLimit):  # (our own words)
         return ChatTemplateError(f"chat template stopped{at}: {e}")
     if isinstance(e, jinja2.TemplateSyntaxError):

@@ -89,6 +89,9 @@ class BoundedNamespace(Namespace):
         object.__getattribute__(self, "_bounded_view")[name] = value
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def size(value: Any, limit: int = MAX_OUTPUT_CHARS) -> tuple[int, int]:
     """(characters, depth): about how many characters str(value) or tojson(value) writes, and how deeply its
     containers nest. Each container is measured once (shared ones are counted each time they are used, without
@@ -96,19 +99,20 @@ def size(value: Any, limit: int = MAX_OUTPUT_CHARS) -> tuple[int, int]:
     containers and items seen, never the size of the text."""
     memo: dict[int, tuple[int, int]] = {}
 
-    def walk(v: Any, budget: int) -> tuple[int, int]:
+    def scalar(v: Any) -> int:
         if isinstance(v, str):
-            return len(v) + 2, 0
+            return len(v) + 2
         if isinstance(v, bool) or v is None:
-            return 5, 0
+            return 5
         if isinstance(v, int):
-            return v.bit_length() * 3 // 10 + 2, 0
-        if isinstance(v, float):
-            return 24, 0
+            return v.bit_length() * 3 // 10 + 2
+        return 24 if isinstance(v, float) else 16
+
+    def walk(v: Any, budget: int) -> tuple[int, int]:
         if isinstance(v, BoundedNamespace):
             v = object.__getattribute__(v, "_bounded_view")
         if not isinstance(v, (list, tuple, set, frozenset, Mapping)):
-            return 16, 0
+            return scalar(v), 0
         key = id(v)
         if key in memo:
             return memo[key]
@@ -116,9 +120,13 @@ def size(value: Any, limit: int = MAX_OUTPUT_CHARS) -> tuple[int, int]:
         total, depth = 2, 0
         items = itertools.chain.from_iterable(v.items()) if isinstance(v, Mapping) else v
         for item in items:
-            n, d = walk(item, budget - total)
-            total += n + 2
-            depth = max(depth, d)
+            # (scalars and containers already seen inline: a call a item would be slow under the tracer)
+            if type(item) in _SCALARS:
+                total += scalar(item) + 2 if type(item) is not str else len(item) + 4
+            else:
+                n, d = memo.get(id(item)) or walk(item, budget - total)
+                total += n + 2
+                depth = max(depth, d)
             if total > budget:
                 break
         memo[key] = (total, depth + 1)
@@ -428,9 +436,10 @@ def _sum(env: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
         return jf.sync_do_sum(env, iterable, attribute, start)
     # Python's sum copies the growing list at each item (quadratic, in C): chain them once instead.
     items = list(iterable) if attribute is None else list(map(jf.make_attrgetter(env, attribute), iterable))
-    if any(not isinstance(x, type(start)) for x in items):
+    # (a comprehension and map: a generator would be resumed, and traced, at each item)
+    if any(not issubclass(t, type(start)) for t in {type(x) for x in items}):
         raise TypeError(f"can only concatenate {type(start).__name__}s")
-    if len(start) + sum(len(x) for x in items) > MAX_ITEMS:
+    if len(start) + sum(map(len, items)) > MAX_ITEMS:
         raise RenderLimit(f"the 'sum' filter would give over {MAX_ITEMS} items")
     return type(start)(itertools.chain(start, *items))
 
