@@ -84,7 +84,7 @@ def test_compile_errors_name_the_line() -> None:
 # -- render errors ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("template, line, problem", [
-    ("{% for i in range(10**9) %}{% endfor %}", 3, "OverflowError: 'Range too big"),
+    ("{% for i in range(10**9) %}{% endfor %}", 3, "OverflowError: Range too big"),
     ("{{ 1 / 0 }}", 3, "ZeroDivisionError"),
     ("{{ messages[5].content }}", 3, "list object has no element 5"),
     ("{{ ''.__class__ }}", 3, "sandbox"),
@@ -104,6 +104,11 @@ def test_quoted_text_is_escaped_and_cut() -> None:
     message = _fails("\n{{ raise_exception(messages[0].content) }}",
                      [{"role": "user", "content": "\x1b[2J roles must alternate\n" + "z" * 1000}])
     assert message.startswith("chat template error at line 2: '\\x1b[2J roles must alternate\\n")
+    assert message.endswith("...") and len(message) < 350
+    # and the messages Python composes (here a KeyError quoting the key) are escaped and cut the same way
+    message = _fails("{{ ('{' ~ messages[0].content ~ '}').format() }}",
+                     [{"role": "user", "content": "\x1bkey" + "k" * 1000}])
+    assert message.startswith("chat template failed at line 1: KeyError: ") and "\\x1bkey" in message
     assert message.endswith("...") and len(message) < 350
 
 

@@ -26,9 +26,13 @@ from ninfer.errors import ChatTemplateError, read_text_file, shown
 __all__ = ["ChatTemplate", "ChatTemplateError"]
 
 
+class _Raised(jinja2.exceptions.TemplateError):
+    """raise_exception(message) called by the template."""
+
+
 def _raise_exception(message: str) -> None:
     # Templates call raise_exception('Conversation roles must alternate ...') to reject a conversation.
-    raise jinja2.exceptions.TemplateError(message)
+    raise _Raised(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -114,20 +118,30 @@ def _suspended_line(gen: Any, template: jinja2.Template) -> int | None:
     return line
 
 
+def _clean(text: str, limit: int = 300) -> str:
+    """A message composed by jinja or Python (which may quote the template or the messages): every non-printable
+    or non-ASCII character escaped, cut to `limit` characters. (What the template says itself goes through shown.)"""
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[: 4 * limit])
+    out = out.encode("ascii", "backslashreplace").decode("ascii")
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
 def _error(e: BaseException, line: int | None, timeout_s: float) -> ChatTemplateError:
-    """One line naming the problem and the template line; text from the template or the messages is shown()."""
+    """One line naming the problem and the template line."""
     at = f" at line {line}" if line is not None else ""
     if isinstance(e, bounds.RenderTimeout):
         return ChatTemplateError(f"chat template took longer than {timeout_s:.3g} s{at} (an endless or huge loop?)")
     if isinstance(e, bounds.RenderLimit):  # (our own words)
         return ChatTemplateError(f"chat template stopped{at}: {e}")
+    if isinstance(e, _Raised):
+        return ChatTemplateError(f"chat template error{at}: {shown(e.message, 300)}")
     if isinstance(e, jinja2.TemplateSyntaxError):
-        return ChatTemplateError(f"chat template syntax error{at}: {shown(e.message, 300)}")
+        return ChatTemplateError(f"chat template syntax error{at}: {_clean(e.message or '')}")
     if isinstance(e, SecurityError):
-        return ChatTemplateError(f"chat template blocked by the sandbox{at}: {shown(str(e), 300)}")
-    if isinstance(e, jinja2.TemplateError):  # (raise_exception('...'), an undefined value used)
-        return ChatTemplateError(f"chat template error{at}: {shown(str(e), 300)}")
-    return ChatTemplateError(f"chat template failed{at}: {type(e).__name__}: {shown(str(e), 300)}")
+        return ChatTemplateError(f"chat template blocked by the sandbox{at}: {_clean(str(e))}")
+    if isinstance(e, jinja2.TemplateError):  # (an undefined value used)
+        return ChatTemplateError(f"chat template error{at}: {_clean(str(e))}")
+    return ChatTemplateError(f"chat template failed{at}: {type(e).__name__}: {_clean(str(e))}")
 
 
 def _normalized_messages(messages: Any) -> list[Any]:
