@@ -118,6 +118,33 @@ def test_verify_ok_then_names_a_flipped_byte_and_a_cut_file(converted: Path, tmp
     assert r.returncode == 1 and r.stdout.strip() == "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)"
 
 
+def test_metadata_checksum_is_written_and_checked(converted: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The converter writes gsq.metadata_checksum over the gsq.* keys; an entry changed afterwards (bits 3 -> 4,
+    which a valid file could hold) is a damaged file to verify (exit 1) and refused by the loader; `verify --help`
+    documents the exit codes."""
+    from ninfer import gsq
+    from ninfer.gsq_file import metadata_checksum
+    from ninfer.model_file import ModelFile
+
+    md = ModelFile(converted).metadata
+    assert md["gsq.metadata_checksum"] == metadata_checksum(md)
+    data = bytearray(converted.read_bytes())
+    at = data.find(b'"bits":3')
+    data[at + 7] = ord("4")
+    edited = tmp_path / "edited.gguf"
+    edited.write_bytes(bytes(data))
+    assert verify(edited) == (False, "checksum mismatch: the gsq.* metadata (tensor entries, layouts, format keys)")
+    assert gsq.main(["verify", "--model", str(edited)]) == 1
+    with pytest.raises(ModelFileError, match="gsq.metadata_checksum does not match the gsq.* metadata"):
+        ModelFile(edited).tensors
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        gsq.main(["verify", "--help"])
+    assert e.value.code == 0
+    assert re.search(r"exit status:\n  0  ok.*\n  1  damaged.*\n  2  not a GSQ-RCO file", capsys.readouterr().out)
+
+
 def mf_version(path: Path) -> int:
     return int(tensor_infos(path)[0].metadata["gsq.version"])
 

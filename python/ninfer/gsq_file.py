@@ -56,7 +56,8 @@ def metadata_checksum(md: dict[str, Any]) -> str:
     JSON array of [key, value] of every other gsq.* key, sorted by key, values as the reader parses them, no
     whitespace, non-ASCII escaped (docs/gsq-rco.md "In a GGUF file")."""
     pairs = [[k, md[k]] for k in sorted(md) if k.startswith("gsq.") and k != METADATA_CHECKSUM_KEY]
-    text = json.dumps(pairs, ensure_ascii=True, separators=(",", ":"), allow_nan=True)
+    text = json.dumps(pairs, ensure_ascii=True, separators=(",", ":"), allow_nan=True,
+                      default=lambda a: a.tolist())  # (the parser gives numeric arrays as numpy arrays)
     return hashlib.blake2b(text.encode("ascii"), digest_size=16).hexdigest()
 
 
@@ -147,7 +148,9 @@ def metadata_checksum_matches(path: Any, md: dict[str, Any]) -> bool | None:
 def _check_container(path: Any, md: dict[str, Any]) -> None:
     """The file-wide gsq.* keys: the record layout's constants, and the informational ones' types."""
     for key, value in (("gsq.group_size", GROUP), ("gsq.residual_bits", RESIDUAL_BITS)):
-        v = md.get(key)
+        if key not in md:
+            raise ModelFileError(f"{path}: no {key} in the metadata (format version {FORMAT_VERSION} has {value})")
+        v = md[key]
         if not _is_int(v) or v != value:
             raise ModelFileError(f"{path}: {key} is {shown(v)}; format version {FORMAT_VERSION} has {value}")
     for key in ("gsq.calibration_steps", "gsq.seed"):
@@ -181,7 +184,7 @@ def _check_entry(where: str, entry: dict[str, Any], stored: tuple) -> dict[str, 
             return None
         v = entry[name]
         if not ok(v):
-            raise ModelFileError(f"{where}: {name} is {shown(v)}; {expected}")
+            raise ModelFileError(f"{where}: {name} is {shown(v, 60)}; {expected}")
         return v
 
     kind = field("type", lambda v: isinstance(v, str), "expected a type name")
@@ -190,10 +193,10 @@ def _check_entry(where: str, entry: dict[str, Any], stored: tuple) -> dict[str, 
     for name in ("err", "err_rtn"):
         field(name, lambda v: v is None or _is_number(v), "expected a number or null", required=False)
     if kind != "GSQ-RCO":
-        field("shape", lambda v: isinstance(v, list) and all(_is_int(d) for d in v) and v == list(dims),
-              f"the tensor is stored with dims {shown(list(dims))}")
         if kind != type_name:
-            raise ModelFileError(f"{where}: type is {shown(kind)}; the tensor is stored as {type_name}")
+            raise ModelFileError(f"{where}: type is {shown(kind, 60)}; the tensor is stored as {type_name}")
+        field("shape", lambda v: isinstance(v, list) and all(_is_int(d) for d in v) and v == list(dims),
+              f"the tensor is stored with dims {shown(list(dims), 40)}")
         return entry
     bits = field("bits", lambda v: _is_int(v) and v in CODE_BITS, "the format has 3- or 4-bit codes")
     slots = field("slots", lambda v: _is_int(v) and 0 <= v <= MAX_SLOTS and v % 2 == 0,
@@ -201,14 +204,13 @@ def _check_entry(where: str, entry: dict[str, Any], stored: tuple) -> dict[str, 
     cols, rows = field("shape", lambda v: isinstance(v, list) and len(v) == 2 and all(_is_int(d) and d > 0 for d in v),
                        "expected [row length, rows], two positive integers")
     if cols % GROUP:
-        raise ModelFileError(f"{where}: shape is {shown([cols, rows])}; rows are not whole {GROUP}-weight records")
+        raise ModelFileError(f"{where}: shape is {shown([cols, rows], 60)}; rows are not whole {GROUP}-weight records")
     if type_id != GGMLQuantizationType.I8:
         raise ModelFileError(f"{where}: a GSQ-RCO tensor stored as {type_name}, not as I8 records")
     row_bytes = cols // GROUP * _core.gsq_row_bytes(GROUP, bits=bits, slots=slots)
     if [row_bytes, rows] != list(dims) or rows * row_bytes != n_bytes:
-        raise ModelFileError(f"{where}: shape {shown([cols, rows])} with {bits}-bit codes and {slots} slots is "
-                             f"{shown([row_bytes, rows])} bytes of records; the stored I8 tensor has dims "
-                             f"{shown(list(dims))}")
+        raise ModelFileError(f"{where}: shape {shown([cols, rows], 40)} ({bits}-bit codes, {slots} slots) does not "
+                             f"match the stored I8 records, dims {shown(list(dims), 40)}")
     return entry
 
 
