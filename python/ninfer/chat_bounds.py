@@ -336,7 +336,6 @@ _STR_METHODS: dict[str, Any] = {
     "rjust": lambda s, a, k: len(s) + _width(a, k, "width"),
     "zfill": lambda s, a, k: len(s) + _width(a, k, "width"),
     "expandtabs": lambda s, a, k: len(s) + s.count("\t") * _width(a, k, "tabsize") if (a or k) else 9 * len(s),
-    "join": lambda s, a, k: 0,  # (measured in bounded_str_call: it needs the items as a list)
     "replace": lambda s, a, k: _replace_size(s, *a[:3]) if len(a) >= 2 else len(s),
     "translate": lambda s, a, k: _translate_size(s, a[0]) if a else len(s),
 }
