@@ -274,14 +274,16 @@ def metadata_variants(base: GGUFReader) -> list[Variant]:
     out.append(Variant("an unknown field", lambda p: rewrite(base, p, edited(base, GSQ_T, note="hi")), 0, "ok"))
     out.append(Variant("an unknown gsq key", lambda p: rewrite(base, p, {"gsq.future": Typed(1, U32)}), 0, "ok"))
     # Tampered with and the metadata checksum left as it was: verify calls the file damaged (1), the loader refuses.
-    for label, c in (("bits 99", edited(base, GSQ_T, bits=99)), ("shape 10**12", edited(base, GSQ_T, shape=[640, 10**12])),
-                     ("calibration text", {"gsq.calibration": "other"}), ("entry dropped", {gt: DROP})):
+    stale = (("bits 99", edited(base, GSQ_T, bits=99)), ("shape 10**12", edited(base, GSQ_T, shape=[640, 10**12])),
+             ("calibration text", {"gsq.calibration": "other"}), ("entry dropped", {gt: DROP}))
+    for label, c in stale:
         out.append(Variant(f"{label}, stale metadata checksum", lambda p, c=c: rewrite(base, p, c, "keep"), 1,
                            "checksum mismatch: the gsq.* metadata"))
     # Without gsq.metadata_checksum (files written before it): validated, said to be unchecked.
     out.append(Variant("no metadata checksum", lambda p: rewrite(base, p, {}, "drop"), 0, "no gsq.metadata_checksum"))
-    out.append(Variant("no metadata checksum, bits 99", lambda p: rewrite(base, p, edited(base, GSQ_T, bits=99), "drop"),
-                       2, f"gsq.tensor.{GSQ_T}: bits is 99"))
+    out.append(Variant("no metadata checksum, bits 99",
+                       lambda p: rewrite(base, p, edited(base, GSQ_T, bits=99), "drop"), 2,
+                       f"gsq.tensor.{GSQ_T}: bits is 99"))
     out.append(Variant("metadata checksum a number", lambda p: rewrite(base, p, {METADATA_CHECKSUM_KEY: Typed(5, U32)},
                                                                       "keep"), 2, METADATA_CHECKSUM_KEY))
     out.append(Variant("metadata checksum not hex", lambda p: rewrite(base, p, {METADATA_CHECKSUM_KEY: "zz"}, "keep"),
