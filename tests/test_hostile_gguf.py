@@ -203,3 +203,13 @@ def test_valid_variants_still_load_and_run(header: Header, tmp_path: Path) -> No
     # An unsupported architecture is named as such (not a bad file)
     with pytest.raises(UnsupportedModelError, match="architecture 'mamba' is not supported"):
         ninfer.LLM(header.set("general.architecture", STR, "mamba").write(tmp_path / "v.gguf", sparse=True))
+
+
+def test_chat_template_of_a_file_with_numeric_tokens(header: Header, tmp_path: Path) -> None:
+    # `ninfer serve --chat-template-file` compiles the template against the file's metadata before the model loads
+    from ninfer.chat import ChatTemplate
+    from ninfer.model_file import ModelFile
+
+    path = header.set("tokenizer.ggml.tokens", ARR, range(49152), I32).write(tmp_path / "v.gguf", sparse=True)
+    t = ChatTemplate.from_metadata(ModelFile(path).metadata, template="{{ bos_token }}{{ messages[0].content }}")
+    assert t.render([{"role": "user", "content": "hi"}]) == "hi"

@@ -215,7 +215,9 @@ class ChatTemplate:
             if not isinstance(template, str) or not template.strip():
                 raise ChatTemplateError(f"the model has no chat template ({key} is missing from its metadata); "
                                         "give one with --chat-template-file (LLM(chat_template=...))")
-        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):  # (absent, or of the wrong type: the tokenizer names that at load)
+            tokens = []
 
         def text(key: str) -> str:
             tid = metadata.get(f"tokenizer.ggml.{key}")
