@@ -90,6 +90,17 @@ def metrics(base: str) -> dict[str, float]:
     return out
 
 
+def wait_idle(base: str, timeout: float = 10.0) -> dict[str, float]:
+    """The server's metrics once nothing runs or waits (an AssertionError with the last metrics after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(base)
+        if m["ninfer:requests_processing"] == 0 and m["ninfer:requests_deferred"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)
+
+
 def sse_events(lines: Any) -> list[Any]:
     """The JSON payloads of `data:` lines ('[DONE]' kept as the string)."""
     out = []

@@ -22,7 +22,7 @@ import httpx
 import ninfer
 import pytest
 from ninfer.server import ServerSettings, create_app
-from server_helpers import InProcessServer, ServerProcess, metrics, wait_healthy
+from server_helpers import InProcessServer, ServerProcess, metrics, wait_healthy, wait_idle
 
 KEY = "sk-hardening"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -43,16 +43,6 @@ def server(smollm2_path: Path) -> Iterator[InProcessServer]:
     s = InProcessServer(create_app(llm, settings=settings))
     yield s
     s.stop()
-
-
-def _wait_idle(base: str, timeout: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(base)
-        if m["ninfer:requests_processing"] == 0 and m["ninfer:requests_deferred"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.02)
 
 
 def _still_serving(base: str) -> None:
@@ -95,7 +85,7 @@ def _rss_mib() -> float:
 
 def test_non_streamed_hang_up_frees_the_slot_at_once(server: InProcessServer) -> None:
     """(It generated on for 12 s: the pieces it was sent kept the disconnect check from ever running.)"""
-    before = _wait_idle(server.base)
+    before = wait_idle(server.base)
     assert before["ninfer:kv_cache_blocks"] == 0
     sock = _connect(server.base)
     body = httpx.Request("POST", "http://x", json=LONG).read()
@@ -109,7 +99,7 @@ def test_non_streamed_hang_up_frees_the_slot_at_once(server: InProcessServer) ->
         time.sleep(0.02)
     sock.close()
     t_closed = time.monotonic()
-    after = _wait_idle(server.base, timeout=1.0)
+    after = wait_idle(server.base, timeout=1.0)
     freed_s = time.monotonic() - t_closed
     assert freed_s < 1.0, freed_s
     assert busy["ninfer:requests_processing"] == 1 and busy["ninfer:kv_cache_blocks"] >= 1
@@ -184,7 +174,7 @@ def test_burst_from_idle_admits_slots_plus_queue(server: InProcessServer) -> Non
             return await asyncio.gather(*(client.post(f"{server.base}/completion", json=body) for _ in range(8)))
 
     for _ in range(3):
-        _wait_idle(server.base)
+        wait_idle(server.base)
         rejected_before = metrics(server.base)["ninfer:requests_rejected_total"]
         answers = asyncio.run(burst())
         ok = [r for r in answers if r.status_code == 200]

@@ -19,7 +19,7 @@ import ninfer
 import openai
 import pytest
 from ninfer.server import ServerSettings, create_app
-from server_helpers import InProcessServer, ServerProcess, free_port, metrics, wait_healthy
+from server_helpers import InProcessServer, ServerProcess, free_port, metrics, wait_healthy, wait_idle
 
 KEY = "sk-test-123"
 N_CTX = 512
@@ -45,22 +45,12 @@ def _still_serving(base: str) -> None:
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
 
 
-def _wait_idle(base: str, timeout: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(base)
-        if m["ninfer:requests_processing"] == 0 and m["ninfer:requests_deferred"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.02)
-
-
 LONG = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "temperature": 0, "stream": True,
         "cache_prompt": False}
 
 
 def test_disconnect_mid_stream_stops_generation_and_frees_kv(server: InProcessServer) -> None:
-    before = _wait_idle(server.base)
+    before = wait_idle(server.base)
     assert before["ninfer:kv_cache_blocks"] == 0
     received = 0
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{server.base}/completion", headers=AUTH,
@@ -73,7 +63,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_kv(server: InProcessSe
                     break
     # The connection is closed here, mid-stream.
     t_closed = time.monotonic()
-    after = _wait_idle(server.base, timeout=2.0)
+    after = wait_idle(server.base, timeout=2.0)
     assert time.monotonic() - t_closed < 2.0
     assert busy["ninfer:kv_cache_blocks"] >= 1 and busy["ninfer:requests_processing"] == 1
     assert after["ninfer:kv_cache_blocks"] == before["ninfer:kv_cache_blocks"]
@@ -89,7 +79,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_kv(server: InProcessSe
 
 
 def test_t_max_predict_ms_is_a_deadline(server: InProcessServer) -> None:
-    before = _wait_idle(server.base)
+    before = wait_idle(server.base)
     t0 = time.monotonic()
     r = httpx.post(f"{server.base}/completion", headers=AUTH, timeout=60, json={
         "prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "temperature": 0,
@@ -102,7 +92,7 @@ def test_t_max_predict_ms_is_a_deadline(server: InProcessServer) -> None:
 
 
 def test_queue_full_gives_503_with_retry_after(server: InProcessServer) -> None:
-    _wait_idle(server.base)
+    wait_idle(server.base)
 
     async def scenario() -> tuple[int, str | None, dict, int]:
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
@@ -281,7 +271,7 @@ def test_health_is_503_while_loading(smollm2_path: Path) -> None:
 
 
 def test_harmless_large_values_are_clamped_not_refused(server: InProcessServer) -> None:
-    _wait_idle(server.base)  # (a request still decoding from an earlier test would batch with these: other sums)
+    wait_idle(server.base)  # (a request still decoding from an earlier test would batch with these: other sums)
     body = {"prompt": "Hi", "n_predict": 2, "temperature": 0}
     plain = httpx.post(f"{server.base}/completion", headers=AUTH, json=body, timeout=60).json()
     big = httpx.post(f"{server.base}/completion", headers=AUTH, timeout=60,
