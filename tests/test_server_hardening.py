@@ -286,6 +286,20 @@ def test_cli_flags_limit_body_and_idle_connections(smollm2_path: Path, tmp_path:
         sock.sendall(_head("/completion", "Content-Length: 1000\r\n") + b"{}")
         assert _read_response(sock)[0] == 408 and time.monotonic() - t0 < 2.5
         sock.close()
+        # A connection that sends no request, or its headers a byte at a time, is closed after --body-timeout.
+        for trickle in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"):
+            sock = _connect(s.base)
+            t0 = time.monotonic()
+            try:
+                for i in range(len(trickle)):
+                    sock.sendall(trickle[i:i + 1])
+                    time.sleep(0.05)  # (past the deadline: 34 bytes over 1.7 s)
+                sock.settimeout(5)
+                closed = sock.recv(100) == b""
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            assert closed and time.monotonic() - t0 < 2.5, trickle
+            sock.close()
         sock = _connect(s.base)  # an idle keep-alive connection is closed after --keep-alive-timeout
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(sock)[0] == 200

@@ -63,8 +63,9 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
                    help="largest request body accepted, e.g. 16MiB; a larger one is a 413, refused before it is "
                         "read (default 4MiB)")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="a request's whole body must arrive within this long of its headers, else 408 and the "
-                        "connection is closed (default 30)")
+                   help="a request's line and headers must arrive within this long, else the connection is "
+                        "closed; then its whole body within as long again, else 408 and the connection is closed "
+                        "(default 30)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="an idle keep-alive connection is closed after this long (default 5)")
     p.add_argument("--sampler-core", type=int, default=None, metavar="N",
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     from ninfer.llm import LLM
     from ninfer.model_file import ModelFile
     from ninfer.server import ServerSettings, create_app
+    from ninfer.server.guards import header_deadline_protocol
 
     model = args.model
     if model is None:
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     app = create_app(load=load, settings=settings, on_load_error=stop_on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
-                                           timeout_keep_alive=args.keep_alive_timeout))
+                                           timeout_keep_alive=args.keep_alive_timeout,
+                                           http=header_deadline_protocol(args.body_timeout)))
     try:
         server.run()
     except KeyboardInterrupt:

@@ -8,6 +8,10 @@
 3. the time the body takes to arrive: all of it within `body_timeout_s` of the request's headers, or 408 and the
    connection closed (a client that announces 1000 bytes and sends 10 no longer holds a connection).
 
+The headers come before any middleware can run, so their deadline is in the HTTP protocol instead
+(`header_deadline_protocol`): a connection whose request line and headers are not whole within the same time is
+closed (a client that connects and sends nothing, or a header a byte a second, no longer holds one).
+
 The body, once whole, is handed to the app as one message; after it the app's receive() is the server's own, so a
 handler still sees the client hang up (http.disconnect).
 
@@ -187,3 +191,47 @@ class TokenFloor:
         data = text.encode("utf-8", "surrogatepass")
         spelled = len(data.translate(None, self.dropped)) if self.dropped else len(data)
         return len(data), -(-spelled // self.per_token)
+
+
+def header_deadline_protocol(seconds: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with a deadline on each request's line and headers: `seconds` from the connection's
+    start, or from the first byte of a later request on a kept-alive connection, until the headers are whole; then
+    the connection is closed. (Between requests uvicorn's keep-alive timeout applies; a body, the Guard's.)"""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadline(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._watch_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_watching()
+            super().connection_lost(exc)
+
+        def _waiting_for_headers(self) -> bool:
+            # (uvicorn makes a request's cycle when its headers are whole, and keeps it after its response)
+            return self.cycle is None or self.cycle.response_complete
+
+        def _watch_headers(self) -> None:
+            if not self._waiting_for_headers():
+                self._stop_watching()
+            elif self._header_timer is None:  # (not re-armed by later bytes: a trickle does not extend it)
+                self._header_timer = self.loop.call_later(seconds, self._headers_late)
+
+        def _stop_watching(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self._waiting_for_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
