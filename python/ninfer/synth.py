@@ -20,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from ninfer import _core, gsq
 from ninfer.errors import InvalidArgumentError
+from ninfer.quant_mix import FALLBACK, MIX_BASE, mix_type
 
 Q = GGMLQuantizationType
 
@@ -57,8 +58,6 @@ TYPES: dict[str, GGMLQuantizationType] = {t.name: t for t in (
 GSQ_TYPES = {"GSQ3": 3, "GSQ4": 4}
 GSQ_SLOTS = 2
 
-# llama-quantize's replacements when a row length is not a multiple of 256 (e.g. Qwen2.5-0.5B's 896).
-_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -154,29 +153,13 @@ def _byte_tokens() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-# Mixtures named as llama-quantize names them: a base type, with some tensors raised (llama_tensor_get_type).
-MIXES = ("Q4_K_M",)
-
-
-def _use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def mix_type(mix: str, name: str, n_layer: int, tied: bool) -> GGMLQuantizationType:
-    """The type llama-quantize gives tensor `name` in a Q4_K_M file: Q6_K for the output head (the token
-    embedding when it is tied to it) and, in the layers where use_more_bits holds, attn_v and ffn_down; Q4_K
-    elsewhere."""
-    assert mix == "Q4_K_M"
-    if name == "output.weight" or (tied and name == "token_embd.weight"):
-        return Q.Q6_K
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(int(name.split(".")[1]), n_layer):
-        return Q.Q6_K
-    return Q.Q4_K
+# Mixtures named as llama-quantize names them: a base type, with some tensors raised (ninfer/quant_mix.py).
+MIXES = tuple(MIX_BASE)
 
 
 def tensor_type(ty: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
     block = GGML_QUANT_SIZES[ty][0]
-    return ty if cols % block == 0 else _FALLBACK.get(ty, Q.Q8_0)
+    return ty if cols % block == 0 else FALLBACK.get(ty, Q.Q8_0)
 
 
 def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | GGMLQuantizationType, *,
@@ -234,7 +217,9 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     def type_of(name: str, cols: int) -> GGMLQuantizationType:
         if gsq_bits:
             return tensor_type(Q.Q6_K if name == "output.weight" else Q.Q4_K, cols)
-        return tensor_type(mix_type(mix, name, layers, shape.tied) if mix else ty, cols)
+        if mix:
+            return mix_type(mix, name, (cols, 1), layers, shape.tied) or Q.F32
+        return tensor_type(ty, cols)
 
     def is_gsq(name: str, kind: str, cols: int) -> bool:
         return bool(gsq_bits) and kind == "w" and name.startswith("blk.") and cols % 128 == 0
