@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--shape", required=True, choices=list(SHAPES), help="architecture shape")
     sy.add_argument("--type", required=True, type=str.upper, choices=list(TYPES) + list(MIXES) + list(GSQ_TYPES),
                     help="type of every matrix, or one of llama-quantize's mixtures (Q3_K_M, Q4_K_M, ...: "
-                         "ninfer/quant_mix.py), or GSQ3 / GSQ4 (GSQ-RCO layer matrices with 3- or 4-bit codes and 2 slots)")
+                         "ninfer/quant_mix.py), or GSQ3 / GSQ4 (GSQ-RCO layer matrices with 3- or 4-bit codes and "
+                         "2 slots)")
     sy.add_argument("-o", "--output", required=True, help="GGUF file to write (atomically)")
     sy.add_argument("--seed", type=int, default=0)
     sy.add_argument("--n-layer", type=int, default=None, help="fewer layers than the shape has (quick tests)")

@@ -14,7 +14,8 @@ from typing import Any
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
 from ninfer.errors import ModelFileError, UnsupportedModelError, shown
-from ninfer.models.metadata import MAX_CONTEXT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, MetadataReader
+from ninfer.models.metadata import (MAX_CONTEXT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
+                                    MetadataReader)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 

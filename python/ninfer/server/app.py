@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ninfer.errors import InvalidArgumentError, NinferError
+from ninfer.errors import InvalidArgumentError, NinferError, shown
 from ninfer.llm import LLM
 from ninfer.server import formats, metrics
 from ninfer.server.errors import APIError, from_ninfer, install, sse
@@ -143,8 +143,9 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
-        if name is not None and name not in (state.model_id, state.llm.model_file.path.stem):  # type: ignore[union-attr]
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.model_id}'",
+        known = (state.model_id, state.llm.model_file.path.stem)  # type: ignore[union-attr]
+        if name is not None and name not in known:
+            raise APIError(404, f"the model {shown(name)} does not exist; this server serves '{state.model_id}'",
                            param="model", code="model_not_found")
 
     def check_length(llm: LLM, text: str) -> None:
@@ -201,7 +202,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             try:
                 tok = int(tok)
             except ValueError:
-                raise APIError(400, f"logit_bias: '{tok}' is not a token id", param="logit_bias") from None
+                raise APIError(400, f"logit_bias: {shown(tok)} is not a token id", param="logit_bias") from None
             out.append((tok, float("-inf") if b is False else float(b)))
         return out
 
