@@ -109,3 +109,10 @@ def sse_events(lines: Any) -> list[Any]:
             data = line[6:]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def still_serving(base: str, headers: dict[str, str]) -> None:
+    """A two-token /completion succeeds: the server still answers after whatever the test did to it."""
+    r = httpx.post(f"{base}/completion", headers=headers, json={"prompt": "Hi", "n_predict": 2, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 2

@@ -22,7 +22,7 @@ import httpx
 import ninfer
 import pytest
 from ninfer.server import ServerSettings, create_app
-from server_helpers import InProcessServer, ServerProcess, metrics, wait_healthy, wait_idle
+from server_helpers import InProcessServer, ServerProcess, metrics, still_serving, wait_healthy, wait_idle
 
 KEY = "sk-hardening"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -43,12 +43,6 @@ def server(smollm2_path: Path) -> Iterator[InProcessServer]:
     s = InProcessServer(create_app(llm, settings=settings))
     yield s
     s.stop()
-
-
-def _still_serving(base: str) -> None:
-    r = httpx.post(f"{base}/completion", headers=AUTH, json={"prompt": "Hi", "n_predict": 2, "temperature": 0},
-                   timeout=60)
-    assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
 
 
 def _connect(base: str) -> socket.socket:
@@ -107,7 +101,7 @@ def test_non_streamed_hang_up_frees_the_slot_at_once(server: InProcessServer) ->
     assert after["ninfer:requests_cancelled_total"] == before["ninfer:requests_cancelled_total"] + 1
     assert after["ninfer:tokens_after_cancel_total"] - before["ninfer:tokens_after_cancel_total"] <= 1
     assert after["ninfer:tokens_predicted_total"] - before["ninfer:tokens_predicted_total"] < 200
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
 
 
 def test_body_over_the_limit_is_413_before_it_is_read(server: InProcessServer) -> None:
@@ -133,7 +127,7 @@ def test_body_over_the_limit_is_413_before_it_is_read(server: InProcessServer) -
     # A client that writes its whole body before reading (httpx) gets the 413, not a reset connection.
     r = httpx.post(f"{server.base}/completion", headers=AUTH, content=b"x" * (MAX_BODY + 1), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
 
 
 def test_rejected_large_bodies_leave_rss_near_idle(server: InProcessServer) -> None:
@@ -143,7 +137,7 @@ def test_rejected_large_bodies_leave_rss_near_idle(server: InProcessServer) -> N
     big = b'{"prompt": "' + b"hello " * (6 * 2**20 // 6) + b'"}'  # 6 MiB: under it, far past the context
     for _ in range(2):  # (warm: the first requests grow pools that stay)
         httpx.post(f"{server.base}/completion", headers=AUTH, content=big, timeout=60)
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
     idle = _rss_mib()
     times = []
     for _ in range(4):
@@ -156,7 +150,7 @@ def test_rejected_large_bodies_leave_rss_near_idle(server: InProcessServer) -> N
         assert r.status_code == 400 and err["code"] == "context_length_exceeded"
         assert f"the prompt is {6 * 2**20} bytes long, so at least" in err["message"], err["message"]
         assert f"the context holds {N_CTX} (n_ctx)" in err["message"]
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
     grown = _rss_mib() - idle
     print(f"RSS idle {idle:.0f} MiB, after 4 x (16 MiB 413 + 6 MiB 400): {grown:+.0f} MiB; 400 in "
           f"{max(times) * 1e3:.0f} ms at most")
@@ -235,7 +229,7 @@ def test_body_that_never_finishes_is_408_within_the_timeout(server: InProcessSer
     sock.settimeout(5)
     assert sock.recv(100) == b""  # closed by the server
     sock.close()
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
 
 
 def test_auth_comes_before_validation_and_covers_the_docs(server: InProcessServer) -> None:

@@ -19,7 +19,8 @@ import ninfer
 import openai
 import pytest
 from ninfer.server import ServerSettings, create_app
-from server_helpers import InProcessServer, ServerProcess, free_port, metrics, wait_healthy, wait_idle
+from server_helpers import (InProcessServer, ServerProcess, free_port, metrics, still_serving, wait_healthy,
+                            wait_idle)
 
 KEY = "sk-test-123"
 N_CTX = 512
@@ -37,12 +38,6 @@ def server(llm: ninfer.LLM) -> Iterator[InProcessServer]:
     s = InProcessServer(create_app(llm, settings=settings))
     yield s
     s.stop()
-
-
-def _still_serving(base: str) -> None:
-    r = httpx.post(f"{base}/completion", headers=AUTH, json={"prompt": "Hi", "n_predict": 2, "temperature": 0},
-                   timeout=60)
-    assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
 
 
 LONG = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "temperature": 0, "stream": True,
@@ -75,7 +70,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_kv(server: InProcessSe
     # travelled, plus at most the one in flight; nowhere near the 400 asked for.
     extra = after["ninfer:tokens_predicted_total"] - before["ninfer:tokens_predicted_total"] - received
     assert 0 <= extra <= 6, extra
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
 
 
 def test_t_max_predict_ms_is_a_deadline(server: InProcessServer) -> None:
@@ -117,7 +112,7 @@ def test_queue_full_gives_503_with_retry_after(server: InProcessServer) -> None:
     assert body["error"]["code"] == "queue_full" and "busy" in body["error"]["message"]
     assert second == 200
     assert metrics(server.base)["ninfer:requests_rejected_total"] >= 1
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
 
 
 @pytest.mark.parametrize(("body", "status", "needle"), [
@@ -146,7 +141,7 @@ def test_bad_input_gets_an_openai_style_4xx(server: InProcessServer, body: bytes
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert needle in err["message"], err["message"]
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
 
 
 def test_prompt_longer_than_context_names_the_limit(server: InProcessServer) -> None:
@@ -172,7 +167,7 @@ def test_unknown_model_and_wrong_key(server: InProcessServer) -> None:
     r = httpx.post(f"{server.base}/v1/chat/completions", headers=AUTH, json={"messages": [], "model": "smol"})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     assert httpx.get(f"{server.base}/nowhere", headers=AUTH).json()["error"]["type"] == "not_found_error"
-    _still_serving(server.base)
+    still_serving(server.base, AUTH)
 
 
 @pytest.mark.parametrize(("kw", "msg"), [

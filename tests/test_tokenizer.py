@@ -164,9 +164,9 @@ def test_bad_metadata() -> None:
 def test_special_partition_longest_first() -> None:
     # llama.cpp cuts special tokens longest first over the whole text, not leftmost first: in "abcd" the longer
     # "bcd" wins over the earlier "ab"; and a text between cut tokens is never matched across a cut.
-    from ninfer.tokenizer import _bytes_to_unicode
+    from ninfer.tokenizer import bytes_to_unicode
 
-    chars = [_bytes_to_unicode()[b] for b in range(256)]
+    chars = [bytes_to_unicode()[b] for b in range(256)]
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.merges": [],
             "tokenizer.ggml.tokens": chars + ["ab", "bcd", "<x>"], "tokenizer.ggml.token_type": [1] * 256 + [3, 3, 4]}
     tok = Tokenizer.from_metadata(meta)

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from ninfer import _core, gsq
 from ninfer.errors import InvalidArgumentError
 from ninfer.quant_mix import FALLBACK, MIX_BASE, mix_type
+from ninfer.tokenizer import bytes_to_unicode
 
 Q = GGMLQuantizationType
 
@@ -145,14 +146,6 @@ def random_gsq_records(bits: int, slots: int, rows: int, cols: int, sigma: float
     return rec.reshape(rows, -1)
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map to U+0100 onwards."""
-    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    extra = iter(range(256, 512))
-    table = {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
-    return [table[b] for b in range(256)]
-
-
 # Mixtures named as llama-quantize names them: a base type, with some tensors raised (ninfer/quant_mix.py).
 MIXES = tuple(MIX_BASE)
 
@@ -240,7 +233,8 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     # The byte tokens, one merge (tokenizers need at least one) and placeholders up to the vocabulary size.
-    tokens = _byte_tokens() + ["ab"] + [f"<synth_{i}>" for i in range(shape.n_vocab - 257)]
+    chars = bytes_to_unicode()  # (GPT-2's byte-level alphabet)
+    tokens = [chars[b] for b in range(256)] + ["ab"] + [f"<synth_{i}>" for i in range(shape.n_vocab - 257)]
     w.add_token_list(tokens)
     w.add_token_types([1] * 257 + [3] * (shape.n_vocab - 257))
     w.add_token_merges(["a b"])

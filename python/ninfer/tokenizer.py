@@ -113,7 +113,7 @@ _FIM_TEXTS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PA
               "fim_sep": ("<|file_sep|>",)}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable code point table (unicode_byte_to_utf8_map in unicode.cpp)."""
     keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     table = {b: chr(b) for b in keep}
@@ -125,7 +125,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _split_merge(merge: str) -> tuple[str, str]:

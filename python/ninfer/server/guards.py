@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ninfer.server.errors import APIError
+from ninfer.tokenizer import bytes_to_unicode
 
 # Paths that answer without the API key, as llama-server's /health (and /metrics, which Prometheus scrapes).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -147,13 +148,6 @@ def _replay(body: bytes, receive: Any) -> Any:
 UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]
 
 
-def _byte_chars() -> dict[int, str]:
-    """The characters byte-level BPE writes bytes as (GPT-2's table; ninfer/tokenizer.py builds the same)."""
-    keep = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    rest = [b for b in range(256) if b not in keep]
-    return {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(rest)}
-
-
 @dataclass(frozen=True)
 class TokenFloor:
     """A floor on how many tokens a text becomes, from its length alone, so a prompt that certainly cannot fit the
@@ -175,7 +169,7 @@ class TokenFloor:
         SentencePiece without every byte token: a character it cannot spell may vanish whole)."""
         vocab = set(tokens)
         if model == "gpt2":
-            chars = _byte_chars()
+            chars = bytes_to_unicode()
             dropped = bytes(b for b in UTF8_BYTES if chars[b] not in vocab)
         elif model == "llama":
             if any(f"<0x{b:02X}>" not in vocab for b in UTF8_BYTES):
