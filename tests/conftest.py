@@ -66,3 +66,11 @@ def qwen15_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     return _optional("gemma3")
+
+
+@pytest.fixture(scope="session")
+def gsq_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer synthetic Qwen2.5-0.5B-shaped Q8_0 model: the source the GSQ-RCO converter tests convert."""
+    from ninfer.synth import write_synthetic
+
+    return write_synthetic(tmp_path_factory.mktemp("gsq") / "src.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=1, seed=4)

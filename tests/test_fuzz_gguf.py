@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
 from gguf_mutate import ARR, BOOL, F32, F64, I8, I32, I64, STR, U8, U16, U32, U64, Header, truncated
 
 from ninfer.cli import main as ninfer_main
