@@ -183,7 +183,7 @@ DOUBLING = "{% set ns = namespace(v=SEED) %}{% for i in range(64) %}{% set ns.v 
     (DOUBLING.replace("SEED", "'ab'").replace("STEP", "ns.v ~ ns.v"), "joined text would be over"),
     (DOUBLING.replace("SEED", "'ab'").replace("STEP", "ns.v + ns.v"), "adding two strings would be"),
     (DOUBLING.replace("SEED", "[1]").replace("STEP", "[ns.v, ns.v]"), "namespace attribute 'v' would be over"),
-    ("{% set a = [1] %}" + "".join(f"{{% set a = [a, a] %}}" for _ in range(60)) + "{{ a }}",
+    ("{% set a = [1] %}" + "{% set a = [a, a] %}" * 60 + "{{ a }}",
      "a printed value would be over"),
     ("{% macro m() %}{% for i in range(300) %}{{ 'a' * 10000000 }}{% endfor %}{% endmacro %}{{ m() }}",
      "the template printed over 4 times its output limit"),

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from ninfer import _core, cli, gsq
+from ninfer import _core, cli, gsq, gsq_file
 from ninfer.errors import ModelFileError, UnsupportedModelError
 from ninfer.gsq_file import METADATA_CHECKSUM_KEY, metadata_checksum
 from ninfer.model_file import ModelFile
@@ -49,7 +49,7 @@ MAX_MESSAGE = 300
 
 def write_tiny_gsq(path: Path) -> Path:
     """A one-layer llama-shaped model whose layer matrices are GSQ-RCO records (3- and 4-bit, 0-6 slots), one
-    kept Q8_0 and the rest F32, in the converter's container (gsq.add_container_metadata, fill_tensor_infos)."""
+    kept Q8_0 and the rest F32, in the converter's container (gsq_file.add_container_metadata, fill_tensor_infos)."""
     rng = np.random.default_rng(7)
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(1)
@@ -65,7 +65,7 @@ def write_tiny_gsq(path: Path) -> Path:
     w.add_token_types([1] * (VOCAB - 1) + [3])
     w.add_token_merges(["A B"])
     w.add_eos_token_id(VOCAB - 1)
-    gsq.add_container_metadata(w, list(TENSORS), residual_bits=8, steps=0, seed=0, calibration="none (fuzz test)")
+    gsq_file.add_container_metadata(w, list(TENSORS), residual_bits=8, steps=0, seed=0, calibration="none (fuzz test)")
     datas, infos = [], []
     for name, (rows, cols, ty) in TENSORS.items():
         dims = [cols] if rows == 1 else [cols, rows]
@@ -80,14 +80,14 @@ def write_tiny_gsq(path: Path) -> Path:
             info = {"shape": dims, "type": ty.name, "bpw": round(8 * data.size / (rows * cols), 4)}
             w.add_tensor_info(name, data.shape if rows > 1 else (data.size,), np.dtype(np.uint8), data.size, ty)
         datas.append(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-        infos.append(gsq.tensor_info(data, **info))
+        infos.append(gsq_file.tensor_info(data, **info))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for data in datas:
         w.write_tensor_data(data)
     w.close()
-    gsq.fill_tensor_infos(path, infos)
+    gsq_file.fill_tensor_infos(path, infos)
     return path
 
 
@@ -210,7 +210,7 @@ def byte_variants(base_path: Path, rng: np.random.Generator) -> list[Variant]:
 
 
 def metadata_variants(base: GGUFReader) -> list[Variant]:
-    U32, STR = GGUFValueType.UINT32, GGUFValueType.STRING
+    U32 = GGUFValueType.UINT32
     gt = f"gsq.tensor.{GSQ_T}"
     kv: list[tuple[str, dict[str, Any], str]] = [  # (label, changes, text the error must hold)
         ("version a string", {"gsq.version": "2"}, "gsq.version"),
@@ -346,7 +346,7 @@ def base_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_small_gsq_model_verifies_and_loads(base_path: Path) -> None:
-    assert gsq.verify(base_path) == (True, "ok")
+    assert gsq_file.verify(base_path) == (True, "ok")
     mf = ModelFile(base_path)
     assert len(mf.gsq_layouts()) == 6 and mf.spec["gsq"]
     assert run_main(cli.main, ["inspect", str(base_path)])[0] == 0

@@ -16,7 +16,8 @@ import pytest
 
 from ninfer import _core
 from ninfer.errors import InvalidArgumentError, ModelFileError
-from ninfer.gsq import convert, inspect_table, tensor_infos, verify
+from ninfer.gsq import convert
+from ninfer.gsq_file import inspect_table, tensor_infos, verify
 from ninfer.synth import write_synthetic
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from ninfer import _core
 from ninfer.errors import InvalidArgumentError
-from ninfer.gsq import convert, tensor_infos, verify
+from ninfer.gsq import convert
+from ninfer.gsq_file import tensor_infos, verify
 
 
 def test_calibration_chunks_are_spread_over_the_whole_text() -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ninfer.errors import InvalidArgumentError
-from ninfer.gsq import collect_importances, convert, tensor_infos, verify
+from ninfer.gsq import collect_importances, convert
+from ninfer.gsq_file import tensor_infos, verify
 from ninfer.gsq_sequential import SequentialCalibration
 from ninfer.llm import LLM
 from ninfer.model_file import ModelFile

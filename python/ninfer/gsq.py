@@ -31,7 +31,6 @@ from ninfer.config import MAX_THREADS
 from ninfer.cli import EXIT_USAGE
 from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError, read_text_file
 from ninfer.gsq_file import GROUP, add_container_metadata, checksum, fill_tensor_infos, inspect_table, verify
-from ninfer.gsq_file import tensor_info, tensor_infos  # noqa: F401 (the synthetic-model writer's and scripts' names)
 
 Q2K_BLOCK, Q2K_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]  # llama.cpp's block_q2_K
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from ninfer import _core, gsq
+from ninfer import _core, gsq_file
 from ninfer.errors import InvalidArgumentError
 from ninfer.quant_mix import FALLBACK, MIX_BASE, mix_type
 from ninfer.tokenizer import bytes_to_unicode
@@ -240,8 +240,8 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
     w.add_token_merges(["a b"])
     w.add_eos_token_id(shape.n_vocab - 1)
     w.add_add_bos_token(False)
-    if gsq_bits:  # the GSQ-RCO container: its metadata and a checksummed JSON entry per tensor (ninfer/gsq.py)
-        gsq.add_container_metadata(w, [p[0] for p in plan], residual_bits=8, steps=0, seed=seed,
+    if gsq_bits:  # the GSQ-RCO container: its metadata and a checksummed JSON entry per tensor (ninfer/gsq_file.py)
+        gsq_file.add_container_metadata(w, [p[0] for p in plan], residual_bits=8, steps=0, seed=seed,
                                    calibration="none (synthetic records)")
     for name, rows, cols, kind in plan:
         if is_gsq(name, kind, cols):
@@ -274,11 +274,11 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
                 data = random_blocks(t, rows, cols, cols ** -0.5, rng)
                 info = {"shape": dims, "type": t.name, "bpw": round(8 * data.size / (rows * cols), 4)}
             if gsq_bits:
-                infos.append(gsq.tensor_info(data, **info))
+                infos.append(gsq_file.tensor_info(data, **info))
             w.write_tensor_data(data)
         w.close()
         if gsq_bits:
-            gsq.fill_tensor_infos(tmp, infos)
+            gsq_file.fill_tensor_infos(tmp, infos)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
