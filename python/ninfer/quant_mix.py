@@ -12,6 +12,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ninfer.errors import InvalidArgumentError
+from ninfer.models.plan import blocks_present
 
 # The mixture's base type: what every quantizable matrix gets unless a rule below raises it.
 MIX_BASE = {"Q3_K_S": Q.Q3_K, "Q3_K_M": Q.Q3_K, "Q3_K_L": Q.Q3_K, "Q4_K_S": Q.Q4_K, "Q4_K_M": Q.Q4_K,
@@ -89,7 +90,7 @@ def mix_file_bytes(mf: object, mix: str) -> int:
     header as the source has it, then every tensor in its mixture type (or the source's), each padded to 32."""
     tensors = mf.tensors  # type: ignore[attr-defined]
     names = {t.name for t in tensors}
-    n_layer = len({_layer(n) for n in names if n.startswith("blk.")})
+    n_layer = len(blocks_present(names))
     tied = "output.weight" not in names
     total = mf.gguf.data_offset  # type: ignore[attr-defined]
     for t in tensors:

@@ -8,7 +8,7 @@ from the `gguf` package's tables, so this file holds only what is particular to 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
@@ -33,10 +33,10 @@ def _bias(kind: MODEL_TENSOR, layer: int) -> str:
     return TENSOR_NAMES[kind].format(bid=layer) + ".bias"
 
 
-def _blocks_present(tensors: Mapping[str, tuple[int, ...]]) -> set[int]:
-    """The layer indices that have at least one tensor (`blk.N.*`)."""
+def blocks_present(names: Iterable[str]) -> set[int]:
+    """The layer indices that have at least one tensor among `names` (`blk.N.*`)."""
     out = set()
-    for name in tensors:
+    for name in names:
         head, _, rest = name.partition(".")
         index = rest.partition(".")[0]
         if head == "blk" and index.isdigit() and len(index) < 8:
@@ -54,7 +54,7 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
     m = MetadataReader(metadata, path, arch)
     # The layer count sizes everything below: check it against the tensors that exist before building anything.
     n_layer = m.integer(Keys.LLM.BLOCK_COUNT, hi=MAX_LAYERS)
-    present = _blocks_present(tensors)
+    present = blocks_present(tensors)
     if len(present) != n_layer or (present and max(present) != n_layer - 1):
         raise m.fail(Keys.LLM.BLOCK_COUNT, f"= {n_layer}, but the file has tensors for {len(present)} blocks"
                      + (f" (blk.0 to blk.{max(present)})" if present else ""))
