@@ -29,7 +29,7 @@ def source(gsq_source: Path) -> Path:
 @pytest.fixture(scope="module")
 def converted(gsq_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gsq") / "out.gguf"
-    convert(gsq_source, out, steps=4, threads=2)
+    convert(gsq_source, out, steps=4, threads=2, size=None, calib_file=None)
     return out
 
 
@@ -152,7 +152,8 @@ def mf_version(path: Path) -> int:
 
 def test_tensor_types_choose_bits_and_slots(source: Path, tmp_path: Path) -> None:
     out = tmp_path / "mixed.gguf"
-    convert(source, out, steps=2, threads=2, tensor_types=[r"ffn_down=gsq4:2", r"attn_q=gsq3:0", r"attn_k=keep"])
+    convert(source, out, steps=2, threads=2, tensor_types=[r"ffn_down=gsq4:2", r"attn_q=gsq3:0", r"attn_k=keep"],
+            size=None, calib_file=None)
     _, infos = tensor_infos(out)
     assert (infos["blk.0.ffn_down.weight"]["bits"], infos["blk.0.ffn_down.weight"]["slots"]) == (4, 2)
     assert infos["blk.0.ffn_down.weight"]["bpw"] == 5.0
@@ -162,9 +163,9 @@ def test_tensor_types_choose_bits_and_slots(source: Path, tmp_path: Path) -> Non
     assert verify(out) == (True, "ok")
     for bad in ("ffn_down=gsq5", "ffn_down=gsq:3", "ffn_down=keep:2", "ffn_down=q2_k:2", "(=gsq"):
         with pytest.raises(InvalidArgumentError, match="--tensor-type"):
-            convert(source, tmp_path / "bad.gguf", steps=1, tensor_types=[bad])
+            convert(source, tmp_path / "bad.gguf", steps=1, tensor_types=[bad], size=None, calib_file=None)
     with pytest.raises(InvalidArgumentError, match="128-weight records"):
-        convert(source, tmp_path / "bad.gguf", steps=1, group=64)
+        convert(source, tmp_path / "bad.gguf", steps=1, group=64, size=None, calib_file=None)
 
 
 def test_version_1_files_are_refused(converted: Path, tmp_path: Path) -> None:
@@ -183,7 +184,7 @@ def test_version_1_files_are_refused(converted: Path, tmp_path: Path) -> None:
 
 def test_conversion_is_deterministic(source: Path, converted: Path, tmp_path: Path) -> None:
     again = tmp_path / "again.gguf"
-    convert(source, again, steps=4, threads=1)
+    convert(source, again, steps=4, threads=1, size=None, calib_file=None)
     assert sha256(again) == sha256(converted)
 
 
@@ -201,8 +202,9 @@ def test_failed_conversion_leaves_no_output_and_the_input_untouched(source: Path
 
     monkeypatch.setattr(_core, "gsq_quantize", failing)
     out = tmp_path / "out.gguf"
-    with pytest.raises(ModelFileError, match=r"out\.gguf: conversion stopped, nothing written: disk full \(simulated\)"):
-        convert(source, out, steps=2, threads=1)
+    with pytest.raises(ModelFileError, match=r"out\.gguf: conversion stopped,
+        nothing written: disk full \(simulated\)"):
+        convert(source, out, steps=2, threads=1, size=None, calib_file=None)
     assert not out.exists() and not (tmp_path / "out.gguf.partial").exists()
     assert sha256(source) == before
 
@@ -258,7 +260,8 @@ def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tm
     from ninfer.llm import LLM
     from ninfer.perplexity import perplexity
 
-    text = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 3
+    text = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self,
+        x):\n        self.items.append(x)\n" * 3
     base = tmp_path / "base.npy"
     ref = perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base_out=base)
     assert np.load(base, mmap_mode="r").shape == (2 * 7, 151936)
@@ -291,7 +294,8 @@ def test_q2_k_tensors_are_written_by_the_optimiser_and_run(source: Path, tmp_pat
     from ninfer.model_file import ModelFile
 
     out = tmp_path / "q2k.gguf"
-    convert(source, out, steps=4, threads=2, tensor_types=[r"ffn_down=q2_k", r"token_embd\.weight=q2_k"])
+    convert(source, out, steps=4, threads=2, tensor_types=[r"ffn_down=q2_k", r"token_embd\.weight=q2_k"], size=None,
+            calib_file=None)
     _, infos = tensor_infos(out)
     down = infos["blk.0.ffn_down.weight"]
     assert (down["type"], down["bpw"], down["shape"]) == ("Q2_K", 2.625, [4864, 896])
@@ -316,7 +320,8 @@ def test_a_source_tensor_no_larger_than_its_layout_is_kept(tmp_path: Path) -> No
     # 3-bit (3.75) it is converted.
     src = write_synthetic(tmp_path / "q4.gguf", "qwen2.5-0.5b", "Q4_0", n_layer=1, seed=5)
     out = tmp_path / "o.gguf"
-    convert(src, out, steps=1, threads=2, tensor_types=[r"attn_q=gsq4:0", r"blk\..*=gsq3:0"])
+    convert(src, out, steps=1, threads=2, tensor_types=[r"attn_q=gsq4:0", r"blk\..*=gsq3:0"], size=None,
+            calib_file=None)
     _, infos = tensor_infos(out)
     assert infos["blk.0.attn_q.weight"]["type"] == "Q4_0"
     assert infos["blk.0.attn_k.weight"]["type"] == "GSQ-RCO" and infos["blk.0.attn_k.weight"]["bits"] == 3
@@ -428,14 +433,16 @@ EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval"
 
 
 @pytest.mark.skipif(not (EVAL_DIR / "code.txt").is_file(), reason="../shared/eval not beside the checkout")
-def test_calibration_text_shares_no_lines_with_the_evaluation_texts(tmp_path: Path) -> None:
-    out = tmp_path / "calib.txt"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "make-calib-text"
-    subprocess.run(["bash", str(script), str(out)], check=True, capture_output=True)
+def test_builtin_calibration_text_shares_no_lines_with_the_evaluation_texts() -> None:
+    from ninfer.gsq import BUILTIN_CALIBRATION
+
+    text = BUILTIN_CALIBRATION.read_text()
+    assert 250_000 < len(text) < 500_000  # a few hundred KB, shipped in the wheel
     # Lines of some length with letters or digits in them (a row of '#' is in both, and is no text).
-    calib = [line for line in out.read_text().splitlines() if len(line.strip()) > 40 and any(map(str.isalnum, line))]
-    assert len(calib) > 500
+    calib = [line for line in text.splitlines() if len(line.strip()) > 40 and any(map(str.isalnum, line))]
+    assert len(calib) > 2000
+    assert any("\u3002" in line for line in calib) and any("Paket" in line for line in calib)  # CJK and German
     for name in ("code.txt", "prose.txt"):
-        text = (EVAL_DIR / name).read_text()
-        shared = [line for line in calib if line in text]
+        evaluation = (EVAL_DIR / name).read_text()
+        shared = [line for line in calib if line in evaluation]
         assert shared == [], (name, shared[:3])

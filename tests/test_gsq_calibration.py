@@ -43,18 +43,19 @@ def test_calibration_collects_each_matrix_inputs_mean_square(gsq_source: Path, t
     calib = tmp_path / "calib.txt"
     calib.write_text(text)
     saved = tmp_path / "imp.npz"
-    convert(gsq_source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2, save_importances=saved)
+    convert(gsq_source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2, save_importances=saved, size=None,
+            feedback=False)
     mf, infos = tensor_infos(out)
     assert mf.metadata["gsq.calibration"] == "calib.txt, 1024 tokens"
     assert verify(out) == (True, "ok")
     # Saved importances reproduce the calibrated conversion without running the model: the same tensor bytes.
     again = tmp_path / "again.gguf"
-    convert(gsq_source, again, steps=2, threads=2, importances_file=saved)
+    convert(gsq_source, again, steps=2, threads=2, importances_file=saved, size=None)
     assert tensor_infos(again)[0].metadata["gsq.calibration"] == "importances from imp.npz"
     a, b = tensor_infos(out)[1], tensor_infos(again)[1]
     assert all(a[n]["blake2b"] == b[n]["blake2b"] for n in a)
     with pytest.raises(InvalidArgumentError, match=r"calib.txt: not an .npz of importances \(what --save-importan"):
-        convert(gsq_source, tmp_path / "y.gguf", steps=1, importances_file=calib)
+        convert(gsq_source, tmp_path / "y.gguf", steps=1, importances_file=calib, size=None)
     # Importances that do not fit the model are named before any work (they were ignored, or quantized with).
     q = "blk.0.attn_q.weight"
     for bad, msg in (({q: np.ones(7, np.float32)}, f"importances for {q} have shape (7,), the matrix has 896"),
@@ -63,16 +64,17 @@ def test_calibration_collects_each_matrix_inputs_mean_square(gsq_source: Path, t
                      ({"foo.weight": np.ones(3, np.float32)}, "no importances for any matrix of this model")):
         np.savez(tmp_path / "bad.npz", **bad)
         with pytest.raises(InvalidArgumentError, match=re.escape(msg)):
-            convert(gsq_source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "bad.npz")
+            convert(gsq_source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "bad.npz", size=None)
     (tmp_path / "bin.txt").write_bytes(b"\x87\x00\xff" * 100)
     with pytest.raises(InvalidArgumentError, match="bin.txt: the calibration text is not UTF-8 \\(byte 0\\)"):
-        convert(gsq_source, tmp_path / "y.gguf", steps=1, calib_file=tmp_path / "bin.txt")
+        convert(gsq_source, tmp_path / "y.gguf", steps=1, calib_file=tmp_path / "bin.txt", size=None, feedback=False)
     np.save(tmp_path / "one.npy", np.ones(3))
     with pytest.raises(InvalidArgumentError, match="one.npy: not an .npz of importances"):
-        convert(gsq_source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "one.npy")
+        convert(gsq_source, tmp_path / "y.gguf", steps=1, importances_file=tmp_path / "one.npy", size=None)
     assert not (tmp_path / "y.gguf").exists()
     with pytest.raises(InvalidArgumentError, match="cannot read the calibration text"):
-        convert(gsq_source, tmp_path / "x.gguf", steps=1, calib_file=tmp_path / "missing.txt")
+        convert(gsq_source, tmp_path / "x.gguf", steps=1, calib_file=tmp_path / "missing.txt", size=None,
+                feedback=False)
 
 
 def test_calibration_collects_each_input_gram_matrix(gsq_source: Path) -> None:
@@ -111,21 +113,23 @@ def test_gptq_conversion_writes_a_valid_file_and_needs_a_calibration_text(gsq_so
     calib = tmp_path / "calib.txt"
     calib.write_text("def f(x):\n    return x * 2 + 1\n" * 40)
     out = tmp_path / "fed.gguf"
-    convert(gsq_source, out, steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True)
+    convert(gsq_source, out, steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True, size=None,
+            sequential=False)
     assert verify(out) == (True, "ok")
     plain = tmp_path / "plain.gguf"
-    convert(gsq_source, plain, steps=2, threads=2, calib_file=calib, calib_chunks=1)
+    convert(gsq_source, plain, steps=2, threads=2, calib_file=calib, calib_chunks=1, size=None, feedback=False)
     a, b = tensor_infos(out)[1], tensor_infos(plain)[1]
     assert a["blk.0.attn_q.weight"]["blake2b"] != b["blk.0.attn_q.weight"]["blake2b"]  # fed back
     assert a["blk.0.ffn_down.weight"]["blake2b"] == b["blk.0.ffn_down.weight"]["blake2b"]  # too wide: as before
     wide = tmp_path / "wide.gguf"
-    convert(gsq_source, wide, steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True, feedback_wide=True)
+    convert(gsq_source, wide, steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True,
+            feedback_wide=True, size=None, sequential=False)
     assert verify(wide) == (True, "ok")
     c = tensor_infos(wide)[1]
     assert c["blk.0.ffn_down.weight"]["blake2b"] != b["blk.0.ffn_down.weight"]["blake2b"]  # its diagonal blocks
     assert c["blk.0.attn_q.weight"]["blake2b"] == a["blk.0.attn_q.weight"]["blake2b"]
-    with pytest.raises(InvalidArgumentError, match="--gptq needs --calib-file"):
-        convert(gsq_source, tmp_path / "x.gguf", steps=1, feedback=True)
+    with pytest.raises(InvalidArgumentError, match="--gptq needs a calibration text"):
+        convert(gsq_source, tmp_path / "x.gguf", steps=1, feedback=True, size=None, calib_file=None, sequential=False)
 
 
 def test_error_feedback_lowers_the_output_error_on_correlated_inputs() -> None:

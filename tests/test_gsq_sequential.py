@@ -110,24 +110,26 @@ def test_sequential_conversion_writes_a_valid_file_in_forward_order(source: Path
     calib = tmp_path / "calib.txt"
     calib.write_text(TEXT)
     out = tmp_path / "seq.gguf"
-    convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2, feedback=True, sequential=True)
+    convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2, feedback=True, sequential=True,
+            size=None)
     assert verify(out) == (True, "ok")
     mf, infos = tensor_infos(out)
     assert mf.metadata["gsq.calibration"] == "calib.txt, 1024 tokens"
     names = [t.name for t in mf.tensors]
     assert names.index("blk.0.ffn_down.weight") < names.index("blk.1.attn_q.weight") < names.index("token_embd.weight")
     plain = tmp_path / "plain.gguf"
-    convert(source, plain, steps=2, threads=2, calib_file=calib, calib_chunks=2, feedback=True)
+    convert(source, plain, steps=2, threads=2, calib_file=calib, calib_chunks=2, feedback=True, size=None,
+            sequential=False)
     other = tensor_infos(plain)[1]
     # Layer 1 reads what the quantized layer 0 produces, so its records differ from the one-pass calibration's.
     assert infos["blk.1.attn_q.weight"]["blake2b"] != other["blk.1.attn_q.weight"]["blake2b"]
     assert infos["blk.1.attn_q.weight"]["err"] < 2 * other["blk.1.attn_q.weight"]["err"]
     with pytest.raises(InvalidArgumentError, match="--gptq-sequential needs --gptq"):
-        convert(source, tmp_path / "x.gguf", steps=1, calib_file=calib, sequential=True)
+        convert(source, tmp_path / "x.gguf", steps=1, calib_file=calib, sequential=True, size=None, feedback=False)
     short = tmp_path / "short.txt"
     short.write_text("def f(): pass\n")
     with pytest.raises(InvalidArgumentError, match=r"the calibration text has \d+ tokens, fewer than one chunk of 512"):
-        convert(source, tmp_path / "y.gguf", steps=1, calib_file=short, feedback=True, sequential=True)
+        convert(source, tmp_path / "y.gguf", steps=1, calib_file=short, feedback=True, sequential=True, size=None)
     assert not (tmp_path / "y.gguf").exists()
 
 
@@ -138,8 +140,8 @@ def test_sequential_pass_reads_q2_k_tensors_back(source: Path, tmp_path: Path) -
     calib.write_text(TEXT)
     out, ref = tmp_path / "q2k.gguf", tmp_path / "ref.gguf"
     kw = dict(steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True, sequential=True)
-    convert(source, out, tensor_types=[r"blk\.0\.ffn_down=q2_k"], **kw)
-    convert(source, ref, **kw)
+    convert(source, out, tensor_types=[r"blk\.0\.ffn_down=q2_k"], **kw, size=None)
+    convert(source, ref, **kw, size=None)
     assert verify(out) == (True, "ok")
     infos, other = tensor_infos(out)[1], tensor_infos(ref)[1]
     assert infos["blk.0.ffn_down.weight"]["type"] == "Q2_K"
@@ -190,7 +192,8 @@ def test_source_stream_gives_cross_statistics(source: Path, tmp_path: Path) -> N
     calib.write_text(TEXT)
     out = tmp_path / "asym.gguf"
     convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True, sequential=True,
-            asymmetric=True)
+            asymmetric=True, size=None)
     assert verify(out) == (True, "ok")
     with pytest.raises(InvalidArgumentError, match="--gptq-asymmetric needs --gptq-sequential"):
-        convert(source, tmp_path / "x.gguf", steps=1, calib_file=calib, feedback=True, asymmetric=True)
+        convert(source, tmp_path / "x.gguf", steps=1, calib_file=calib, feedback=True, asymmetric=True, size=None,
+                sequential=False)

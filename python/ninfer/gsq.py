@@ -15,73 +15,30 @@ and is filled in place once its tensor is written (before the rename), then the 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from ninfer import _core
 from ninfer.config import MAX_THREADS
 from ninfer.cli import EXIT_USAGE
 from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError, read_text_file
 from ninfer.gsq_file import GROUP, add_container_metadata, checksum, fill_tensor_infos, inspect_table, verify
+from ninfer.gsq_plan import (DEFAULT_SIZE, GGUF_ALIGNMENT, SIZE_PRESETS, Policy, allocate, budget_bytes,
+                             default_policy, fixed_policy, measure, parse_size, parse_tensor_types, policy_bytes,
+                             quick_importances, target_bytes)
 
-Q2K_BLOCK, Q2K_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]  # llama.cpp's block_q2_K
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What happens to one tensor: 'gsq' with `bits`-bit codes and `slots` residual slots per record, 'q2_k'
-    (llama.cpp's 2-bit k-quant, written by the same optimiser: for a token embedding that tolerates 2.625 bits),
-    or 'keep' the source type."""
-
-    kind: str
-    bits: int = 3
-    slots: int = 0
-
-
-def default_policy(name: str, dims: tuple[int, ...], n_layer: int) -> Policy:
-    """Token embedding, output head and vectors keep their source type; matrices whose rows are whole records
-    become GSQ-RCO, 3-bit with two slots, with more where errors cost most (attn_v, ffn_down, the first and last
-    layers; docs/gsq-rco.md has the measurements behind it)."""
-    if len(dims) < 2 or name in ("token_embd.weight", "output.weight") or dims[0] % GROUP:
-        return Policy("keep")
-    m = re.match(r"blk\.(\d+)\.", name)
-    layer = int(m.group(1)) if m else -1
-    costly = name.endswith(("attn_v.weight", "ffn_down.weight")) or layer in (0, n_layer - 1)
-    return Policy("gsq", 3, 6 if costly else 2)
-
-
-def parse_tensor_types(specs: list[str]) -> list[tuple[re.Pattern[str], Policy]]:
-    """--tensor-type REGEX=TYPE overrides, TYPE one of keep, q2_k, gsq[3|4][:SLOTS] (first match wins; gsq is
-    3-bit, two slots by default)."""
-    out = []
-    for spec in specs:
-        if "=" not in spec:
-            raise InvalidArgumentError(f"--tensor-type takes REGEX=TYPE, got {spec!r}")
-        pattern, ty = spec.rsplit("=", 1)
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise InvalidArgumentError(f"--tensor-type {spec!r}: bad regular expression: {e}") from None
-        m = re.fullmatch(r"keep|q2_k|gsq([34]?)(?::(\d+))?", ty.lower())
-        if not m:
-            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep, q2_k or gsq[3|4][:SLOTS]")
-        if ty.lower() in ("keep", "q2_k"):
-            out.append((rx, Policy(ty.lower())))
-            continue
-        slots = int(m.group(2)) if m.group(2) else 2
-        if slots > 16 or slots % 2:
-            raise InvalidArgumentError(f"--tensor-type {spec!r}: slots must be even and at most 16")
-        out.append((rx, Policy("gsq", int(m.group(1) or 3), slots)))
-    return out
-
+# The built-in calibration text (mixed code, prose and other languages; scripts/make-calib-text wrote it), used
+# when no --calib-file is given.
+BUILTIN_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+CALIB_CHUNKS = 36  # 512-token chunks: the most whose sequential pass fits the 1.5B's 15 minutes (docs/gsq-rco.md)
+MEASURE_CHUNKS = 4  # of them, spread, give the size presets' input statistics
 
 GRAM_MAX_COLS = 4096  # inputs up to this wide get their X^T X for error feedback (8960-wide: 321 MB each)
 # With --gptq-wide, wider inputs get the diagonal blocks of X^T X, at most GRAM_BLOCK_COLS wide, and feedback
@@ -200,31 +157,27 @@ def _read_calib_text(path: str | os.PathLike[str]) -> str:
     return read_text_file(path, "calibration text", InvalidArgumentError)
 
 
-def _sequential_calibration(mf: Any, text: str, max_chunks: int, *, wide: bool, source_stream: bool,
-                            log: Callable[[str], None]) -> Any:
-    from ninfer.gsq_sequential import SequentialCalibration
-    from ninfer.tokenizer import Tokenizer
-
-    chunks = _calibration_chunks_of(Tokenizer.from_metadata(mf.metadata).encode(text), CALIB_CTX, max_chunks)
-    return SequentialCalibration(mf, chunks, gram_max_cols=GRAM_MAX_COLS, gram_block_cols=GRAM_BLOCK_COLS if wide
-                                 else 0, source_stream=source_stream, log=log)
-
-
-def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: int = 128, residual_bits: int = 8,
-            steps: int = 100, threads: int = 0, seed: int = 0, tensor_types: list[str] = (),
-            calib_file: str | os.PathLike[str] | None = None, calib_chunks: int = 32,
+def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: str | float | None = DEFAULT_SIZE,
+            group: int = 128, residual_bits: int = 8, steps: int = 100, threads: int = 0, seed: int = 0,
+            tensor_types: Sequence[str] = (),
+            calib_file: str | os.PathLike[str] | None = BUILTIN_CALIBRATION, calib_chunks: int = CALIB_CHUNKS,
             importances_file: str | os.PathLike[str] | None = None,
-            save_importances: str | os.PathLike[str] | None = None, feedback: bool = False,
+            save_importances: str | os.PathLike[str] | None = None, feedback: bool | None = None,
             feedback_damp: float = 0.1, feedback_wide: bool = False, feedback_order: str = "in",
-            sequential: bool = False, asymmetric: bool = False, log: Callable[[str], None] | None = None,
+            sequential: bool | None = None, asymmetric: bool = False, log: Callable[[str], None] | None = None,
             verbose: bool = False) -> dict[str, Any]:
-    """Convert a GGUF model to GSQ-RCO. With `calib_file`, each weight's error is weighted by its input column's
-    mean squared activation over that text (run through the source model; `save_importances` keeps them in an
-    .npz that `importances_file` reads back instead of running the model again); else all weights count alike.
-    With `sequential` (and `feedback`), each matrix's statistics come from the text run through the model with
-    every matrix before it already quantized (gsq_sequential.py), and the tensors are written in that order;
-    with `asymmetric` too, each matrix is fitted to the source model's outputs from those inputs
-    (gsq_sequential.asymmetric_target).
+    """Convert a GGUF model to GSQ-RCO.
+
+    `size` (a preset of SIZE_PRESETS, llama-quantize's mixture names, or bits per weight; None: the per-kind
+    default policy) sets the byte budget, and each tensor's treatment is chosen by measured error within it
+    (gsq_plan.py); `tensor_types` overrides (REGEX=TYPE) fix the tensors they match. With `calib_file` (the
+    built-in text by default; None: no calibration, every weight counts alike), each weight's error is weighted by
+    its input column's mean squared activation over that text, and with `feedback` (default: on when there is a
+    text) quantized with GPTQ-style error feedback from each input's X^T X. With `sequential` (default: with
+    `feedback`), each matrix's statistics come from the text run through the model with every matrix before it
+    already quantized (gsq_sequential.py), and the tensors are written in that order; with `asymmetric` too, each
+    matrix is fitted to the source model's outputs from those inputs (gsq_sequential.asymmetric_target).
+    `importances_file` (from `save_importances`) replaces the text's mean squares (and so the feedback).
     Returns totals (bytes, bpw, weighted errors, seconds)."""
     import gguf
 
@@ -244,6 +197,13 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
         raise InvalidArgumentError(f"--seed must be in 0..{2**32 - 1}, got {seed}")
     if calib_chunks < 1:
         raise InvalidArgumentError(f"--calib-chunks must be >= 1, got {calib_chunks}")
+    size = None if size is None else parse_size(size)
+    if importances_file is not None:
+        calib_file = None  # (saved importances stand for the text)
+    if feedback is None:
+        feedback = calib_file is not None
+    if sequential is None:
+        sequential = feedback
     src, dst = Path(inp), Path(out)
     if src.resolve() == dst.resolve():
         raise InvalidArgumentError("the output would overwrite the input")
@@ -266,68 +226,73 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     grams: dict[str, list[np.ndarray]] = {}
     calib_tokens = 0
     if feedback and calib_file is None:
-        raise InvalidArgumentError("--gptq needs --calib-file (the inputs' X^T X comes from running the model)")
+        raise InvalidArgumentError("--gptq needs a calibration text (the inputs' X^T X comes from running the model)")
     if sequential and not feedback:
         raise InvalidArgumentError("--gptq-sequential needs --gptq")
     if asymmetric and not sequential:
         raise InvalidArgumentError("--gptq-asymmetric needs --gptq-sequential")
-    seq = None
-    if sequential:
-        seq = _sequential_calibration(mf, _read_calib_text(calib_file), calib_chunks, wide=feedback_wide,
-                                      source_stream=asymmetric, log=log)
-        calib_tokens = sum(len(c) for c in seq.chunks)
-    elif calib_file is not None:
-        importances, calib_tokens = collect_importances(src, _read_calib_text(calib_file), max_chunks=calib_chunks,
-                                                        threads=threads, log=log, grams=grams if feedback else None,
-                                                        wide=feedback_wide)
-        if save_importances is not None:
-            np.savez(save_importances, **importances)
+    chunks: list[list[int]] = []
+    if calib_file is not None:
+        from ninfer.tokenizer import Tokenizer
+
+        text = _read_calib_text(calib_file)
+        chunks = _calibration_chunks_of(Tokenizer.from_metadata(md).encode(text), CALIB_CTX, calib_chunks)
+        calib_tokens = sum(map(len, chunks))
     elif importances_file is not None:
         importances = _load_importances(importances_file, mf)
         calib_file = importances_file
+    calibration = ("none" if calib_file is None else f"{Path(calib_file).name}, {calib_tokens} tokens"
+                   if calib_tokens else f"importances from {Path(calib_file).name}")
 
-    plans = []
-    for t in mf.tensors:
-        pol = next((p for rx, p in overrides if rx.search(t.name)), None) or default_policy(t.name, t.dims, n_layer)
-        block = Q2K_BLOCK if pol.kind == "q2_k" else GROUP
-        if pol.kind != "keep" and (len(t.dims) != 2 or t.dims[0] % block):
-            pol = Policy("keep")  # an override cannot make a vector or a ragged row into groups
-        elif pol.kind != "keep" and t.n_bytes <= _target_bytes(t.n_elements, pol):
-            pol = Policy("keep")  # the source's tensor is exact and no larger (e.g. Q4_K against 4-bit GSQ-RCO)
-        plans.append((t, pol))
+    def begin(path: Path, plans: list[tuple[Any, Policy]]) -> Any:
+        """A writer of `path` with the header of `plans` written."""
+        w = gguf.GGUFWriter(str(path), arch)
+        for key, value in md.items():
+            if not key.startswith(("GGUF.", "general.architecture", "gsq.")):
+                _copy_kv(w, key, value)
+        add_container_metadata(w, [t.name for t, _ in plans], residual_bits=residual_bits, steps=steps, seed=seed,
+                               calibration=calibration)
+        for t, pol in plans:
+            if pol.kind != "keep":
+                cols, rows = t.dims
+                row_bytes = target_bytes(cols, pol)
+                w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8 if pol.kind == "gsq" else np.uint8),
+                                  rows * row_bytes, raw_dtype=gguf.GGMLQuantizationType.I8 if pol.kind == "gsq"
+                                  else gguf.GGMLQuantizationType.Q2_K)
+            else:
+                outer = tuple(reversed(t.dims[1:]))  # the writer takes byte shapes for raw types: rows x row bytes
+                shape = outer + (t.n_bytes // max(int(np.prod(outer)), 1),)
+                w.add_tensor_info(t.name, shape, np.dtype(np.uint8), t.n_bytes,
+                                  raw_dtype=gguf.GGMLQuantizationType(t.type_id))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        return w
+
+    tmp = dst.with_name(dst.name + ".partial")
+    plans = _plan(mf, overrides, size, n_layer, chunks, importances, threads=threads, log=log, verbose=verbose,
+                  header_bytes=lambda: _header_bytes(begin, mf))
+    seq = None
+    if sequential:
+        from ninfer.gsq_sequential import SequentialCalibration
+
+        seq = SequentialCalibration(mf, chunks, gram_max_cols=GRAM_MAX_COLS,
+                                    gram_block_cols=GRAM_BLOCK_COLS if feedback_wide else 0,
+                                    source_stream=asymmetric, log=log)
+    elif calib_file is not None and chunks:
+        importances, _ = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log,
+                                             grams=grams if feedback else None, wide=feedback_wide)
+        if save_importances is not None:
+            np.savez(save_importances, **importances)
     if seq is not None:  # the order in which the forward pass makes each matrix's statistics
         rank = {name: i for i, name in enumerate(seq.order())}
         plans.sort(key=lambda tp: rank.get(tp[0].name, len(rank)))
 
-    tmp = dst.with_name(dst.name + ".partial")
-    w = gguf.GGUFWriter(str(tmp), arch)
-    for key, value in md.items():
-        if key.startswith(("GGUF.", "general.architecture", "gsq.")):
-            continue
-        _copy_kv(w, key, value)
-    add_container_metadata(w, [t.name for t, _ in plans], residual_bits=residual_bits, steps=steps, seed=seed,
-                           calibration="none" if calib_file is None else
-                           f"{Path(calib_file).name}, {calib_tokens} tokens" if calib_tokens else
-                           f"importances from {Path(calib_file).name}")
-    for t, pol in plans:
-        if pol.kind != "keep":
-            cols, rows = t.dims
-            row_bytes = _target_bytes(cols, pol)
-            w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8 if pol.kind == "gsq" else np.uint8),
-                              rows * row_bytes, raw_dtype=gguf.GGMLQuantizationType.I8 if pol.kind == "gsq" else
-                              gguf.GGMLQuantizationType.Q2_K)
-        else:
-            outer = tuple(reversed(t.dims[1:]))  # the writer takes byte shapes for raw types: rows x row bytes
-            shape = outer + (t.n_bytes // max(int(np.prod(outer)), 1),)
-            w.add_tensor_info(t.name, shape, np.dtype(np.uint8), t.n_bytes,
-                              raw_dtype=gguf.GGMLQuantizationType(t.type_id))
     infos: list[dict[str, Any]] = []
     totals = {"bytes": 0, "weights": 0, "weight": 0.0, "err": 0.0, "err_rtn": 0.0, "gsq_weights": 0}
     t0 = time.perf_counter()
     try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
+        w = begin(tmp, plans)
         done_bytes, all_bytes = 0, sum(t.n_bytes for t, _ in plans)
         for t, pol in plans:
             info: dict[str, Any] = {"shape": list(t.dims)}
@@ -397,11 +362,51 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, group: 
     return totals
 
 
-def _target_bytes(n: int, pol: Policy) -> int:
-    """Bytes of `n` weights (whole records or blocks) under a 'gsq' or 'q2_k' policy."""
-    if pol.kind == "q2_k":
-        return n // Q2K_BLOCK * Q2K_BLOCK_BYTES
-    return n // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits, slots=pol.slots)
+def _header_bytes(begin: Callable[[Path, list[tuple[Any, Policy]]], Any], mf: Any) -> int:
+    """The bytes before the tensor data of the file the converter writes (its header does not depend on the
+    tensors' treatments: every matrix has two dims and a fixed-width JSON placeholder), by writing it once to a
+    scratch folder (not beside the output, where a stopped conversion would leave it)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gsq-header-") as d:
+        w = begin(Path(d) / "header.gguf", [(t, Policy("keep")) for t in mf.tensors])
+        n = w.fout[0].tell()
+        w.close()
+    return -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT + 64  # (+64: the calibration's token count may grow a digit)
+
+
+def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None, n_layer: int,
+          chunks: list[list[int]], importances: dict[str, np.ndarray], *, threads: int,
+          log: Callable[[str], None], verbose: bool, header_bytes: Callable[[], int]) -> list[tuple[Any, Policy]]:
+    """Every tensor's treatment: an override's where one matches, else the size preset's choice by measured error
+    within its budget (gsq_plan.allocate), or the per-kind default policy without a size."""
+    fixed: dict[str, Policy] = {}
+    free = []
+    for t in mf.tensors:
+        pol = next((p for rx, p in overrides if rx.search(t.name)), None)
+        if pol is None and size is None:
+            pol = default_policy(t.name, t.dims, n_layer)
+        if pol is None:
+            free.append(t)
+        else:
+            fixed[t.name] = fixed_policy(t, pol)
+    if free:
+        names = {t.name for t in mf.tensors}
+        tied = "output.weight" not in names
+        budget = budget_bytes(mf, size, header_bytes()) - sum(
+            -(-policy_bytes(t, fixed[t.name]) // GGUF_ALIGNMENT) * GGUF_ALIGNMENT for t in mf.tensors
+            if t.name in fixed)
+        if chunks and not importances:
+            importances = quick_importances(mf, chunks[:: max(1, len(chunks) // MEASURE_CHUNKS)][:MEASURE_CHUNKS],
+                                            log)
+        chosen = allocate(measure(mf, free, tied, importances, threads=threads, log=log), budget)
+        for t in free:
+            c = chosen[t.name]
+            fixed[t.name] = c.policy
+            if verbose:
+                log(f"size {size}: {t.name:32s} {c.policy!s:8s} {8 * c.bytes / t.n_elements:.3f} bpw  "
+                    f"measured error {c.err:.3e}")
+    return [(t, fixed[t.name]) for t in mf.tensors]
 
 
 def _dequantize_target(data: np.ndarray, rows: int, cols: int, pol: Policy) -> np.ndarray:
@@ -471,6 +476,8 @@ def _load_importances(path: str | os.PathLike[str], mf: Any) -> dict[str, np.nda
 
 # ---- command line ------------------------------------------------------------------------------------------
 def add_convert_args(p: Any) -> None:
+    import argparse
+
     p.add_argument("--input", required=True, help="source GGUF (any supported type)")
     p.add_argument("--output", required=True, help="GSQ-RCO GGUF to write")
     p.add_argument("--group-size", type=int, default=GROUP, help=f"weights per record (format v2: {GROUP})")
@@ -478,18 +485,25 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--calibration-steps", type=int, default=100, help="RCO refinement steps per group (default 100)")
     p.add_argument("--threads", type=int, default=0, help="worker threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="recorded in the metadata; the quantizer is deterministic")
+    p.add_argument("--size", default=DEFAULT_SIZE, metavar="SIZE",
+                   help=f"the file's size: a llama-quantize mixture of this model ({', '.join(SIZE_PRESETS)}; default "
+                        f"{DEFAULT_SIZE}) or bits per weight (e.g. 3.9); each tensor's treatment is chosen by measured "
+                        "error within it. 'none': the per-kind default policy, no budget")
     p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
                    help="override a tensor's treatment: keep, q2_k or gsq[3|4][:SLOTS] (first match wins)")
     p.add_argument("--calib-file", default=None, metavar="TEXT",
-                   help="calibration text: weigh errors by each input's mean squared activation over it (imatrix)")
-    p.add_argument("--calib-chunks", type=int, default=32,
-                   help="at most this many 512-token chunks of it, spread evenly over the text (32)")
+                   help="calibration text: weigh errors by each input's mean squared activation over it (imatrix); "
+                        "default: the built-in text (code, prose and other languages)")
+    p.add_argument("--no-calib", action="store_true",
+                   help="no calibration text: every weight counts alike (and no --gptq)")
+    p.add_argument("--calib-chunks", type=int, default=CALIB_CHUNKS,
+                   help=f"at most this many 512-token chunks of it, spread evenly over the text ({CALIB_CHUNKS})")
     p.add_argument("--save-importances", default=None, metavar="NPZ", help="keep --calib-file's importances here")
     p.add_argument("--importances", default=None, metavar="NPZ",
-                   help="importances saved by --save-importances, instead of --calib-file")
-    p.add_argument("--gptq", action="store_true",
-                   help="GPTQ-style error feedback from each input's X^T X over --calib-file (inputs up to "
-                        f"{GRAM_MAX_COLS} wide)")
+                   help="importances saved by --save-importances, instead of a calibration text (no --gptq)")
+    p.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ-style error feedback from each input's X^T X over the calibration text (inputs up to "
+                        f"{GRAM_MAX_COLS} wide; default: on with a calibration text)")
     p.add_argument("--gptq-damp", type=float, default=0.1,
                    help="--gptq: add this fraction of the mean diagonal to X^T X's diagonal (default 0.1, the best "
                         "measured with 4 and 16 calibration chunks; docs/gsq-rco.md)")
@@ -499,9 +513,10 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--gptq-order", choices=("in", "act"), default="in",
                    help="--gptq: the order the 128-column groups are quantized and fed back in: in (column order) or "
                         "act (the groups with the largest X^T X diagonal first, GPTQ's act-order by whole records)")
-    p.add_argument("--gptq-sequential", action="store_true",
+    p.add_argument("--gptq-sequential", action=argparse.BooleanOptionalAction, default=None,
                    help="--gptq: take each matrix's X^T X from the calibration text run through the model with the "
-                        "matrices before it already quantized (GPTQ's order), not from the source model")
+                        "matrices before it already quantized (GPTQ's order), not from the source model (default: "
+                        "on with --gptq)")
     p.add_argument("--gptq-asymmetric", action="store_true",
                    help="--gptq-sequential: fit each matrix to the source model's outputs from the quantized model's "
                         "inputs (runs the source model alongside: twice the forward work)")
@@ -518,9 +533,13 @@ def run_convert(args: Any) -> int:
     # A terminated conversion (kill, a batch system's time limit) leaves neither OUT nor OUT.partial behind.
     signal.signal(signal.SIGTERM, stop)
 
-    r = convert(args.input, args.output, group=args.group_size, residual_bits=args.residual_bits,
+    if args.no_calib and args.calib_file:
+        raise InvalidArgumentError("--no-calib and --calib-file contradict each other")
+    calib_file = None if args.no_calib else args.calib_file or BUILTIN_CALIBRATION
+    r = convert(args.input, args.output, size=None if args.size.lower() == "none" else args.size,
+                group=args.group_size, residual_bits=args.residual_bits,
                 steps=args.calibration_steps, threads=args.threads, seed=args.seed, tensor_types=args.tensor_type,
-                calib_file=args.calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
+                calib_file=calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
                 save_importances=args.save_importances, feedback=args.gptq,
                 feedback_damp=args.gptq_damp, feedback_wide=args.gptq_wide, feedback_order=args.gptq_order,
                 sequential=args.gptq_sequential, asymmetric=args.gptq_asymmetric, log=log,

@@ -299,19 +299,28 @@ fn optimiser_weights(w: &[f32], h: &[f32]) -> Vec<f32> {
     w.iter().zip(h).map(|(&x, &hj)| hj * (sigma2 + (x as f64).powi(2)).sqrt() as f32).collect()
 }
 
-/// One record's initial fit, then at most `steps` RCO steps; the best candidate seen.
+/// RCO steps without a better candidate after which a record stops: a record that has not settled by then is
+/// cycling between grids (more steps cost time and rarely find a lower error).
+const PATIENCE: usize = 3;
+
+/// One record's initial fit, then at most `steps` RCO steps (fewer once it settles, or after PATIENCE steps
+/// without improvement); the best candidate seen.
 fn optimise<const NS: usize, const G: usize>(w: &[f32], e: &[f32], nmax: u8, n_slots: usize, steps: usize) -> Candidate<NS, G> {
     let mut last = initial::<NS, G>(w, e, nmax, n_slots);
     let mut best = last.clone();
+    let mut stale = 0;
     for _ in 0..steps {
         let Some(g) = refit(w, e, &last) else { break };
         let next = evaluate::<NS, G>(w, e, &g, nmax, n_slots);
         let settled = next.grid == last.grid && next.codes == last.codes && next.slots == last.slots;
         if next.err < best.err {
             best = next.clone();
+            stale = 0;
+        } else {
+            stale += 1;
         }
         last = next;
-        if settled {
+        if settled || stale == PATIENCE {
             break;
         }
     }

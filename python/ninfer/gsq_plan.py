@@ -1,0 +1,261 @@
+"""What the GSQ-RCO converter does with each tensor: the treatments (Policy), `--tensor-type` overrides, and the size
+presets (`--size q3_k_m | q3_k_s | q4_k_m | ... | BPW`), which choose every tensor's treatment to minimise the
+measured error within the byte budget of that size for that model.
+
+The allocation, as ExLlamaV2's optimizer does it for its bits-per-weight targets: each tensor's candidate
+treatments (3- or 4-bit codes with 0..6 residual slots, Q2_K for the token embedding, or the source's own type)
+are measured on a sample of its rows, weighted by the inputs' mean squares over a few chunks of the calibration
+text; then one treatment per tensor is chosen to minimise the sum of the tensors' relative errors (the output head's and
+the embedding's scaled by their measured sensitivity) under the budget
+(a Lagrangian relaxation, exact for the convex hull of each tensor's choices, then the bytes left spent greedily
+on the best error per byte). The source's type counts as exact: the budget is spent where quantizing costs most.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ninfer import _core
+from ninfer.errors import InvalidArgumentError
+from ninfer.gsq_file import GROUP
+from ninfer.quant_mix import GGUF_ALIGNMENT, MIX_BASE, mix_file_bytes
+
+Q2K_BLOCK, Q2K_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]  # llama.cpp's block_q2_K
+DEFAULT_SIZE = "q3_k_m"
+SIZE_PRESETS = tuple(m.lower() for m in MIX_BASE)
+MEASURE_WEIGHTS = 1 << 18  # weights sampled (whole rows, spread over the matrix) to measure a tensor's choices
+MEASURE_STEPS = 4  # RCO steps when measuring: the choices' order is settled by then (docs/gsq-rco.md)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What happens to one tensor: 'gsq' with `bits`-bit codes and `slots` residual slots per record, 'q2_k'
+    (llama.cpp's 2-bit k-quant, written by the same optimiser: for a token embedding that tolerates 2.625 bits),
+    or 'keep' the source type."""
+
+    kind: str
+    bits: int = 3
+    slots: int = 0
+
+    def __str__(self) -> str:
+        return f"gsq{self.bits}:{self.slots}" if self.kind == "gsq" else self.kind
+
+
+def default_policy(name: str, dims: tuple[int, ...], n_layer: int) -> Policy:
+    """Without a size (`size=None`): token embedding, output head and vectors keep their source type; matrices
+    whose rows are whole records become GSQ-RCO, 3-bit with two slots, with more where errors cost most (attn_v,
+    ffn_down, the first and last layers)."""
+    if len(dims) < 2 or name in ("token_embd.weight", "output.weight") or dims[0] % GROUP:
+        return Policy("keep")
+    m = re.match(r"blk\.(\d+)\.", name)
+    layer = int(m.group(1)) if m else -1
+    costly = name.endswith(("attn_v.weight", "ffn_down.weight")) or layer in (0, n_layer - 1)
+    return Policy("gsq", 3, 6 if costly else 2)
+
+
+def parse_tensor_types(specs: Sequence[str]) -> list[tuple[re.Pattern[str], Policy]]:
+    """--tensor-type REGEX=TYPE overrides, TYPE one of keep, q2_k, gsq[3|4][:SLOTS] (first match wins; gsq is
+    3-bit, two slots by default)."""
+    out = []
+    for spec in specs:
+        if "=" not in spec:
+            raise InvalidArgumentError(f"--tensor-type takes REGEX=TYPE, got {spec!r}")
+        pattern, ty = spec.rsplit("=", 1)
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: bad regular expression: {e}") from None
+        m = re.fullmatch(r"keep|q2_k|gsq([34]?)(?::(\d+))?", ty.lower())
+        if not m:
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep, q2_k or gsq[3|4][:SLOTS]")
+        if ty.lower() in ("keep", "q2_k"):
+            out.append((rx, Policy(ty.lower())))
+            continue
+        slots = int(m.group(2)) if m.group(2) else 2
+        if slots > 16 or slots % 2:
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: slots must be even and at most 16")
+        out.append((rx, Policy("gsq", int(m.group(1) or 3), slots)))
+    return out
+
+
+def parse_size(text: str | float) -> str | float:
+    """--size: a llama-quantize mixture name (its file size for this model is the budget) or bits per weight (the
+    tensors' bytes over all weights, as the converter reports it)."""
+    if isinstance(text, (int, float)):
+        bpw = float(text)
+    elif text.lower() in SIZE_PRESETS:
+        return text.lower()
+    else:
+        try:
+            bpw = float(text)
+        except ValueError:
+            raise InvalidArgumentError(f"--size {text!r}: give one of {', '.join(SIZE_PRESETS)} or bits per weight "
+                                       "(e.g. 3.9)") from None
+    if not 1.0 <= bpw <= 32.0:
+        raise InvalidArgumentError(f"--size {text!r}: bits per weight must be in 1..32")
+    return bpw
+
+
+def target_bytes(n: int, pol: Policy) -> int:
+    """Bytes of `n` weights (whole records or blocks) under a 'gsq' or 'q2_k' policy."""
+    if pol.kind == "q2_k":
+        return n // Q2K_BLOCK * Q2K_BLOCK_BYTES
+    return n // GROUP * _core.gsq_row_bytes(GROUP, bits=pol.bits, slots=pol.slots)
+
+
+def fits(t: Any, pol: Policy) -> bool:
+    """Whether tensor `t` can take `pol`: a matrix whose rows are whole records (or Q2_K blocks)."""
+    if pol.kind == "keep":
+        return True
+    block = Q2K_BLOCK if pol.kind == "q2_k" else GROUP
+    return len(t.dims) == 2 and t.dims[0] % block == 0
+
+
+def policy_bytes(t: Any, pol: Policy) -> int:
+    return t.n_bytes if pol.kind == "keep" else target_bytes(t.n_elements, pol)
+
+
+def fixed_policy(t: Any, pol: Policy) -> Policy:
+    """`pol` as the converter applies it: a vector or ragged row keeps its type, and so does a tensor whose source
+    type takes no more bytes than the policy (it is exact and no larger: a source Q4_K tensor under 4-bit GSQ-RCO)."""
+    if pol.kind == "keep" or not fits(t, pol) or t.n_bytes <= target_bytes(t.n_elements, pol):
+        return Policy("keep")
+    return pol
+
+
+def candidates(t: Any, tied: bool) -> list[Policy]:
+    """The treatments a size preset chooses among for tensor `t`: none but keep for a vector or a ragged row; Q2_K
+    only for an untied token embedding (a lookup table: its error enters once; a tied one is also the head);
+    choices that take at least the source's bytes are dropped (keeping it is exact)."""
+    opts = [Policy("gsq", 3, 0), Policy("gsq", 3, 2), Policy("gsq", 3, 6), Policy("gsq", 4, 0), Policy("gsq", 4, 4)]
+    if t.name == "token_embd.weight" and not tied:
+        opts.insert(0, Policy("q2_k"))
+    return [p for p in opts if fits(t, p) and target_bytes(t.n_elements, p) < t.n_bytes] + [Policy("keep")]
+
+
+# How much a unit of relative error costs in the output head and the token embedding, against a layer matrix's:
+# the head's error goes straight into the logits, the embedding's into every token's first hidden state. From
+# Qwen2.5-Coder-1.5B's KL measurements (docs/gsq-rco.md, "Size presets"): a 3-bit head cost 20-45 times the KL
+# per unit of error that 3-bit layer matrices did, a Q2_K embedding about 3 times.
+SENSITIVITY = {"output.weight": 32.0, "token_embd.weight": 3.0}
+
+
+@dataclass(frozen=True)
+class Choice:
+    policy: Policy
+    bytes: int
+    err: float  # importance-weighted relative squared error of the sampled rows (0 for keep)
+    cost: float  # what the allocation minimises the sum of: err times the tensor's SENSITIVITY
+
+
+def sample_rows(mf: Any, t: Any, n_weights: int = MEASURE_WEIGHTS) -> np.ndarray:
+    """About n_weights weights of `t` as whole rows spread evenly over it, dequantized ([rows, row length] f32);
+    only those rows are read (an embedding has 150K)."""
+    cols, rows = t.dims
+    take = min(rows, max(8, n_weights // cols))
+    idx = (np.arange(take) * rows) // take
+    raw = np.asarray(mf.raw(t)).reshape(rows, -1)[idx]
+    return _core.dequantize(int(t.type_id), np.ascontiguousarray(raw).tobytes(), take * cols).reshape(take, cols)
+
+
+def measure(mf: Any, tensors: Sequence[Any], tied: bool, importances: dict[str, np.ndarray], *, threads: int,
+            log: Callable[[str], None]) -> dict[str, list[Choice]]:
+    """Each tensor's candidate treatments with their bytes and error on sampled rows."""
+    out: dict[str, list[Choice]] = {}
+    t0 = time.perf_counter()
+    for t in tensors:
+        opts = candidates(t, tied)
+        choices = [Choice(Policy("keep"), t.n_bytes, 0.0, 0.0)]
+        scale = SENSITIVITY.get(t.name, 1.0) if not (tied and t.name == "token_embd.weight") else \
+            SENSITIVITY["output.weight"]  # (a tied embedding is the head too)
+        if len(opts) > 1:
+            w = sample_rows(mf, t)
+            h = importances.get(t.name)
+            if h is None or h.shape != (w.shape[1],):
+                h = np.ones(w.shape[1], np.float32)
+            for pol in opts[:-1]:
+                if pol.kind == "q2_k":
+                    _, st = _core.q2_k_quantize(w, h, steps=MEASURE_STEPS, threads=threads)
+                else:
+                    _, st = _core.gsq_quantize(w, h, bits=pol.bits, slots=pol.slots, steps=MEASURE_STEPS,
+                                               threads=threads)
+                err = st["err"] / max(st["weight"], 1e-30)
+                choices.append(Choice(pol, target_bytes(t.n_elements, pol), err, scale * err))
+        out[t.name] = choices
+    log(f"size preset: measured {sum(len(c) - 1 for c in out.values())} choices of {len(out)} tensors in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def allocate(choices: dict[str, list[Choice]], budget: int) -> dict[str, Choice]:
+    """One choice per tensor, minimising the sum of costs with the bytes (each padded to GGUF's alignment) within
+    `budget`. Raises InvalidArgumentError when even the smallest choices exceed it."""
+    def pad(n: int) -> int:
+        return -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
+
+    names = list(choices)
+    smallest = {n: min(choices[n], key=lambda c: (pad(c.bytes), c.cost)) for n in names}
+    floor = sum(pad(c.bytes) for c in smallest.values())
+    if floor > budget:
+        raise InvalidArgumentError(f"the size asks for at most {budget:,} bytes of tensors, but the smallest layout "
+                                   f"of this model takes {floor:,}")
+
+    def pick(lam: float) -> dict[str, Choice]:
+        return {n: min(choices[n], key=lambda c: (c.cost + lam * pad(c.bytes), pad(c.bytes))) for n in names}
+
+    def total(sel: dict[str, Choice]) -> int:
+        return sum(pad(c.bytes) for c in sel.values())
+
+    lo, hi = 0.0, 1.0
+    while total(pick(hi)) > budget:  # the price of a byte at which the layout fits
+        hi *= 4.0
+    if total(pick(lo)) <= budget:
+        return pick(lo)
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if total(pick(mid)) <= budget else (mid, hi)
+    sel = pick(hi)
+    left = budget - total(sel)
+    while True:  # the bytes left: the upgrade with the most error saved per byte that still fits
+        best = None
+        for n in names:
+            cur = sel[n]
+            for c in choices[n]:
+                extra = pad(c.bytes) - pad(cur.bytes)
+                if 0 < extra <= left and c.cost < cur.cost:
+                    gain = (cur.cost - c.cost) / extra
+                    if best is None or gain > best[0]:
+                        best = (gain, n, c, extra)
+        if best is None:
+            return sel
+        _, n, c, extra = best
+        sel[n] = c
+        left -= extra
+
+
+def budget_bytes(mf: Any, size: str | float, header_bytes: int) -> int:
+    """The bytes the tensors (each padded to the alignment) may take: a preset's file size for this model less
+    this file's header, or bits per weight over all weights."""
+    if isinstance(size, str):
+        return mix_file_bytes(mf, size.upper()) - header_bytes
+    return int(size * sum(t.n_elements for t in mf.tensors) / 8)
+
+
+def quick_importances(mf: Any, chunks: Sequence[Sequence[int]], log: Callable[[str], None]) -> dict[str, np.ndarray]:
+    """Every matrix input's mean squares over `chunks`, from the source model (the numpy forward pass of
+    gsq_sequential without Gram matrices): what the size presets weigh their measurements by."""
+    from ninfer.gsq_sequential import SequentialCalibration
+
+    t0 = time.perf_counter()
+    seq = SequentialCalibration(mf, chunks, gram_max_cols=0)
+    out = {name: seq.stats(name).means for name in seq.order() if seq.reads(name)}
+    log(f"size preset: input statistics of {len(out)} matrices from {len(chunks)} chunks in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return out
