@@ -202,8 +202,7 @@ def test_failed_conversion_leaves_no_output_and_the_input_untouched(source: Path
 
     monkeypatch.setattr(_core, "gsq_quantize", failing)
     out = tmp_path / "out.gguf"
-    with pytest.raises(ModelFileError, match=r"out\.gguf: conversion stopped,
-        nothing written: disk full \(simulated\)"):
+    with pytest.raises(ModelFileError, match=r"out\.gguf: conversion stopped, nothing written: disk full \(simulated\)"):
         convert(source, out, steps=2, threads=1, size=None, calib_file=None)
     assert not out.exists() and not (tmp_path / "out.gguf.partial").exists()
     assert sha256(source) == before
@@ -260,8 +259,7 @@ def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tm
     from ninfer.llm import LLM
     from ninfer.perplexity import perplexity
 
-    text = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self,
-        x):\n        self.items.append(x)\n" * 3
+    text = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 3
     base = tmp_path / "base.npy"
     ref = perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base_out=base)
     assert np.load(base, mmap_mode="r").shape == (2 * 7, 151936)
@@ -269,8 +267,13 @@ def test_kl_divergence_against_saved_reference(source: Path, converted: Path, tm
     assert same.ppl == ref.ppl and same.kl == pytest.approx(0.0, abs=1e-6) and same.top1_agreement == 1.0
     q = perplexity(LLM(converted, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base=base)
     assert q.kl is not None and q.kl > 1e-6 and 0.0 <= q.top1_agreement <= 1.0
-    with pytest.raises(InvalidArgumentError, match="reference log-probabilities of shape"):
-        perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=1, kl_base=base)
+    first = perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=1, kl_base=base)
+    assert first.kl == pytest.approx(0.0, abs=1e-6)  # the first chunks of a whole-text reference
+    short = tmp_path / "short.npy"
+    perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=1, kl_base_out=short)
+    with pytest.raises(InvalidArgumentError, match=r"short.npy: reference log-probabilities of shape \(7, 151936\), "
+                                                   r"this run scores \(14, 151936\)"):
+        perplexity(LLM(source, n_ctx=32, threads=2), text, n_ctx=16, n_chunks=2, kl_base=short)
     # Bad arguments are named before any chunk runs (they were tracebacks: numpy's, a division by zero).
     llm = LLM(source, n_ctx=32, threads=2)
     (tmp_path / "text.txt").write_text("not an array")

@@ -88,7 +88,8 @@ def perplexity(
             raise InvalidArgumentError(not_npy) from None
         if not isinstance(ref, np.ndarray):
             raise InvalidArgumentError(not_npy)
-        if ref.shape != (total * per_chunk, llm.n_vocab):
+        # A reference of the whole text serves a run of its first chunks (--chunks N), as llama-perplexity's does.
+        if ref.ndim != 2 or ref.shape[1] != llm.n_vocab or ref.shape[0] < total * per_chunk:
             raise InvalidArgumentError(f"{kl_base}: reference log-probabilities of shape {ref.shape}, this run scores "
                                        f"{(total * per_chunk, llm.n_vocab)} (same text, context and chunks?)")
     if kl_base_out is not None:  # (created before any chunk runs, so a bad path fails at once)
