@@ -15,6 +15,7 @@
 //! - [`float`]: F32, F16 and BF16 rows;
 //! - [`legacy`]: the 32-element block formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q8_1;
 //! - [`kquants`]: the 256-element super-block formats Q2_K .. Q6_K and the activation format Q8_K;
+//! - [`math`]: scalar math the layers above share (`ggml_expf`, which the SIMD SiLU and softmax use);
 //! - [`simd`]: run-time selected SIMD kernels (AVX2 today); `vec_dot`, `quantize_act`/`quantize_row` and
 //!   `dequantize_row` route to them when the CPU has them, the scalar code being the fallback and oracle.
 //!
@@ -25,6 +26,7 @@
 mod float;
 mod kquants;
 mod legacy;
+pub(crate) mod math;
 pub mod simd;
 
 #[cfg(test)]

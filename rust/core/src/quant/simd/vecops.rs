@@ -5,7 +5,7 @@
 //! Every primitive rounds exactly like its scalar definition (one FMA or one multiply per element, f16 rounding
 //! where stated), so the SIMD versions give the same bits; that keeps attention bit-identical to llama.cpp's.
 
-use crate::cpu::ops::ggml_expf;
+use crate::quant::math::ggml_expf;
 
 /// `y[i] = fma(x[i], a, y[i])` (ggml_vec_mad_f32).
 pub type AxpyFn = fn(&mut [f32], &[f32], f32);

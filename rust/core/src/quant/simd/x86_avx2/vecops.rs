@@ -233,7 +233,7 @@ unsafe fn exp_shifted_k(n: usize, x: *mut f32, m: f32) {
     }
     for i in i..n {
         let v = *x.add(i);
-        *x.add(i) = if v == f32::NEG_INFINITY { 0.0 } else { crate::cpu::ops::ggml_expf(v - m) };
+        *x.add(i) = if v == f32::NEG_INFINITY { 0.0 } else { crate::quant::math::ggml_expf(v - m) };
     }
 }
 
