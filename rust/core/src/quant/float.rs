@@ -45,6 +45,18 @@ pub(super) fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits | ((h & 0x8000) << 16))
 }
 
+/// Read a little-endian IEEE half at the start of `b` as f32 (the `d`/`dmin`/`m`/`s` fields of the blocks).
+#[inline(always)]
+pub(super) fn f16_at(b: &[u8]) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// Write `v` rounded to nearest-even IEEE half, little-endian, into the first two bytes of `b`.
+#[inline(always)]
+pub(super) fn put_f16(b: &mut [u8], v: f32) {
+    b[..2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+}
+
 #[inline(always)]
 fn f16_le(b: [u8; 2]) -> f32 {
     f16_to_f32(u16::from_le_bytes(b))

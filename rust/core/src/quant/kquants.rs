@@ -18,14 +18,9 @@
 //! - the dot product sums `scale * sum(q * q8)` exactly in i32 over the sub-blocks and scales once per
 //!   super-block in f32, like `ggml_vec_dot_*_q8_K_generic`; the mins of Q2_K/Q4_K/Q5_K use Q8_K's `bsums`.
 
-use super::{f16_at, nearest_int, signed_abs_max, IntDot, ScalarDot, K_SCALE_SIZE, QK_K};
-
-pub(super) const Q2_K_BYTES: usize = QK_K / 16 + QK_K / 4 + 2 + 2;
-pub(super) const Q3_K_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;
-pub(super) const Q4_K_BYTES: usize = 2 + 2 + K_SCALE_SIZE + QK_K / 2;
-pub(super) const Q5_K_BYTES: usize = 2 + 2 + K_SCALE_SIZE + QK_K / 8 + QK_K / 2;
-pub(super) const Q6_K_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
-pub(super) const Q8_K_BYTES: usize = 4 + QK_K + 2 * (QK_K / 16);
+use super::float::f16_at;
+use super::format::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, QK_K};
+use super::math::{nearest_int, signed_abs_max, IntDot, ScalarDot};
 
 /// Integer codes of one super-block, in element order.
 type Codes = [i8; QK_K];

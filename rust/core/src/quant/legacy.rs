@@ -17,58 +17,9 @@
 //! `(int8_t)` casts, `roundf` for Q8), the dot products its `ggml_vec_dot_*_generic`: an exact i32 sum per
 //! block, scaled by the two block scales in f32.
 
-use super::{abs_max, dot_i8, f16_at, nearest_int, put_f16, signed_abs_max, QK_LEGACY as QK};
-
-pub(super) const Q4_0_BYTES: usize = 2 + QK / 2;
-pub(super) const Q4_1_BYTES: usize = 4 + QK / 2;
-pub(super) const Q5_0_BYTES: usize = 2 + 4 + QK / 2;
-pub(super) const Q5_1_BYTES: usize = 4 + 4 + QK / 2;
-pub(super) const Q8_0_BYTES: usize = 2 + QK;
-pub(super) const Q8_1_BYTES: usize = 4 + QK;
-
-/// How a 32-element weight format and its activation format (Q8_0 or Q8_1) lay out a block: what every SIMD
-/// kernel set reads blocks by (`simd::x86_avx2::legacy`, `simd::aarch64_neon`). Implemented by the marker
-/// types below, one per format.
-pub(super) trait BlockFormat {
-    /// Bytes of a weight block.
-    const WB: usize;
-    /// Bytes of an activation block.
-    const AB: usize;
-    /// Offset of the 32 int8 quants in an activation block.
-    const A_QS: usize;
-    /// Weight codes are signed (-16..=15, -8..=7, int8) rather than 0..=31. (The NEON kernels widen every code to
-    /// a signed byte, so only the x86 ones ask.)
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    const SIGNED: bool;
-    /// The weight block has a min `m` (f16 at byte 2) and the activation block its sum `s` (f16 at byte 2).
-    const MIN: bool;
-}
-
-pub(super) struct Q4_0;
-pub(super) struct Q4_1;
-pub(super) struct Q5_0;
-pub(super) struct Q5_1;
-pub(super) struct Q8_0;
-pub(super) struct Q8_1;
-
-macro_rules! block_format {
-    ($ty:ident, $wb:expr, $ab:expr, $a_qs:expr, signed: $signed:expr, min: $min:expr) => {
-        impl BlockFormat for $ty {
-            const WB: usize = $wb;
-            const AB: usize = $ab;
-            const A_QS: usize = $a_qs;
-            const SIGNED: bool = $signed;
-            const MIN: bool = $min;
-        }
-    };
-}
-
-block_format!(Q4_0, Q4_0_BYTES, Q8_0_BYTES, 2, signed: true, min: false);
-block_format!(Q4_1, Q4_1_BYTES, Q8_1_BYTES, 4, signed: false, min: true);
-block_format!(Q5_0, Q5_0_BYTES, Q8_0_BYTES, 2, signed: true, min: false);
-block_format!(Q5_1, Q5_1_BYTES, Q8_1_BYTES, 4, signed: false, min: true);
-block_format!(Q8_0, Q8_0_BYTES, Q8_0_BYTES, 2, signed: true, min: false);
-block_format!(Q8_1, Q8_1_BYTES, Q8_1_BYTES, 4, signed: true, min: false);
+use super::float::{f16_at, put_f16};
+use super::format::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q8_1_BYTES, QK_LEGACY as QK};
+use super::math::{abs_max, dot_i8, nearest_int, signed_abs_max};
 
 const HALF: usize = QK / 2;
 

@@ -1,5 +1,9 @@
 //! Scalar math shared by the layers above: the reference kernels, the SIMD kernels (`simd`) and the CPU ops
 //! (`crate::cpu::ops`). It depends on nothing else in the crate, so every layer may import it.
+//!
+//! - [`ggml_expf`]: ggml's exp, under the SiLU and the softmax (scalar `simd::vecops` and the AVX2 tails);
+//! - llama.cpp's rounding and max scans of the quantizers ([`nearest_int`], [`abs_max`], [`signed_abs_max`]);
+//! - the exact int8 dot product inside the K-quant dot products ([`IntDot`], [`ScalarDot`]).
 
 /// exp(x) as ggml's vectorised `ggml_v_expf` computes it (range reduction to 2^n * e^b, degree-5 polynomial),
 /// one element at a time with the same fused multiply-adds. llama.cpp evaluates SiLU through it on every x86
@@ -30,6 +34,67 @@ pub(crate) fn ggml_expf(x: f32) -> f32 {
     } else {
         s2.mul_add(j, s2) * s1
     }
+}
+
+/// llama.cpp's `nearest_int`: round to nearest, ties to even, by adding 1.5 * 2^23 and reading the mantissa.
+/// Valid for |v| <= 2^22 (the quantizers only use it on values within +-128); no libm call.
+#[inline(always)]
+pub(super) fn nearest_int(v: f32) -> i32 {
+    let biased = v + 12_582_912.0;
+    (biased.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+/// Largest |v| of `x` (0 for an empty slice; NaNs are skipped), in eight independent lanes so the compiler
+/// vectorizes it. Max is exact, so the grouping does not change the result.
+#[inline(always)]
+pub(super) fn abs_max(x: &[f32]) -> f32 {
+    #[inline(always)]
+    fn max(m: f32, v: f32) -> f32 {
+        if v > m {
+            v
+        } else {
+            m
+        }
+    }
+    let (groups, tail) = x.as_chunks::<8>();
+    let mut lanes = [0.0f32; 8];
+    for g in groups {
+        for (m, v) in lanes.iter_mut().zip(g) {
+            *m = max(*m, v.abs());
+        }
+    }
+    let m = lanes.into_iter().fold(0.0, max);
+    tail.iter().fold(m, |m, v| max(m, v.abs()))
+}
+
+/// The value of `x` with the largest |v|, sign included (0 if all are zero): the first such value, as the
+/// strict `>` scans of llama.cpp's Q4_0/Q5_0/Q8_K quantizers pick it (the sign of the scale depends on it).
+#[inline(always)]
+pub(super) fn signed_abs_max(x: &[f32]) -> f32 {
+    let amax = abs_max(x);
+    x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0)
+}
+
+/// The exact int8 dot product of codes and activation quants inside the K-quant dot products: the scalar loop
+/// here ([`ScalarDot`], the reference), NEON on aarch64 (`simd::aarch64_neon`).
+pub(crate) trait IntDot {
+    fn dot(a: &[i8], b: &[u8]) -> i32;
+}
+
+pub(crate) struct ScalarDot;
+
+impl IntDot for ScalarDot {
+    #[inline(always)]
+    fn dot(a: &[i8], b: &[u8]) -> i32 {
+        dot_i8(a, b)
+    }
+}
+
+/// Signed dot product of int8 values (`a`) with int8 values stored as bytes (`b`), over the shorter of the two.
+/// Written as a plain reduction so LLVM vectorizes it.
+#[inline(always)]
+pub(super) fn dot_i8(a: &[i8], b: &[u8]) -> i32 {
+    a.iter().zip(b).map(|(&x, &y)| x as i32 * (y as i8) as i32).sum()
 }
 
 #[cfg(test)]

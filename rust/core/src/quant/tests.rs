@@ -1,6 +1,8 @@
 //! Unit tests of the quant module: the type table against GGML's, known values, llama.cpp's rounding rules,
 //! round trips, and every `vec_dot` against the dot product of the dequantized rows.
 
+use super::float::{f16_at, put_f16};
+use super::math::nearest_int;
 use super::*;
 use crate::error::Error;
 use half::{bf16, f16};

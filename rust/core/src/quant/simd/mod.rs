@@ -31,7 +31,9 @@
 
 use std::sync::OnceLock;
 
-use super::{GgmlType, Result};
+use super::format::{check_row_size, GgmlType};
+use super::scalar;
+use crate::error::Result;
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64_neon;
@@ -279,6 +281,30 @@ pub struct MatmulPos {
     pub act_row: usize,
 }
 
+/// The body of [`crate::quant::vec_dot`] (one activation row, as in decoding): this CPU's kernel, or the scalar
+/// code. Also [`vec_dot_matmul`]'s fallback.
+pub(super) fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
+    debug_assert!(
+        n.is_multiple_of(ty.block_size()),
+        "vec_dot: {n} is not a whole number of {ty} blocks"
+    );
+    debug_assert!(
+        w.len() >= n / ty.block_size() * ty.type_size(),
+        "vec_dot: {ty} weight row too short"
+    );
+    debug_assert!(
+        act.len() >= n / ty.block_size() * ty.act_type().type_size(),
+        "vec_dot: {} activation row too short",
+        ty.act_type()
+    );
+    let nb = n / ty.block_size();
+    match kernels().vec_dot(ty) {
+        Some(f) => f(nb, w, act),
+        None => scalar::vec_dot_scalar(ty, nb, w, act),
+    }
+}
+
+
 /// [`crate::quant::vec_dot`] for the dot product at `pos` of a matmul, summed the way llama.cpp's CPU backend
 /// sums that one, so a whole matmul (prefill included) matches llama.cpp bit for bit. On the AVX2 kernel set
 /// (llama.cpp defaults, see the module docs for the switches):
@@ -295,7 +321,7 @@ pub struct MatmulPos {
 pub fn vec_dot_matmul(ty: GgmlType, n: usize, w: &[u8], act: &[u8], pos: MatmulPos) -> f32 {
     match kernels().vec_dot_at(ty, pos) {
         Some(f) => f(n / ty.block_size(), w, act),
-        None => crate::quant::vec_dot(ty, n, w, act),
+        None => vec_dot(ty, n, w, act),
     }
 }
 
@@ -393,7 +419,7 @@ pub fn has_simd_quantize(act_ty: GgmlType) -> bool {
 /// [`crate::quant::vec_dot`] with the scalar reference code, whatever the CPU: the oracle the SIMD kernels
 /// are tested against. Same contract as `vec_dot`.
 pub fn vec_dot_scalar(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
-    super::vec_dot_scalar(ty, n / ty.block_size(), w, act)
+    scalar::vec_dot_scalar(ty, n / ty.block_size(), w, act)
 }
 
 /// [`crate::quant::quantize_act`] with the scalar reference code (the SIMD kernels are byte-exact with it).
@@ -402,12 +428,12 @@ pub fn vec_dot_scalar(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
 /// If `act_ty` is not an activation type.
 pub fn quantize_act_scalar(act_ty: GgmlType, x: &[f32], dst: &mut [u8]) {
     assert!(act_ty.is_act_type(), "{act_ty} is not an activation type");
-    super::quantize_scalar(act_ty, x, dst);
+    scalar::quantize_scalar(act_ty, x, dst);
 }
 
 /// [`crate::quant::dequantize_row`] with the scalar reference code.
 pub fn dequantize_row_scalar(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
-    super::check_row_size(ty, src.len(), dst.len())?;
-    super::dequantize_scalar(ty, src, dst);
+    check_row_size(ty, src.len(), dst.len())?;
+    scalar::dequantize_scalar(ty, src, dst);
     Ok(())
 }

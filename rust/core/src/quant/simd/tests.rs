@@ -5,7 +5,8 @@
 //! kernel set.
 
 use super::{Kernels, MatmulPos, Orders, VecDotFn};
-use crate::quant::{dequantize_scalar, quantize_scalar, vec_dot_scalar, GgmlType, QK_K};
+use crate::quant::format::{GgmlType, QK_K};
+use crate::quant::scalar::{dequantize_scalar, quantize_scalar, vec_dot_scalar};
 
 /// Tiny xorshift64* generator: deterministic, no dependencies.
 struct Rng(u64);

@@ -18,9 +18,9 @@ mod gsq;
 use std::arch::aarch64::*;
 
 use super::{Kernels, VecDotFn};
+use crate::quant::format::{BlockFormat, GgmlType, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1};
 use crate::quant::kquants;
-use crate::quant::legacy::{BlockFormat, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1};
-use crate::quant::{GgmlType, IntDot};
+use crate::quant::math::IntDot;
 
 /// The NEON kernel table, or `None` without NEON.
 pub(super) fn detect() -> Option<Kernels> {

@@ -16,8 +16,7 @@ use super::{
     abs_max_lanes, f16_at, f16_at_tail, hmax_ps, hsum_float_8, hsum_i32_4, load128, load256, nearest_int,
     pack_low_bytes, prefetch_ahead, sum_i8_groups8,
 };
-use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
-use crate::quant::QK_K;
+use crate::quant::format::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, QK_K};
 
 const Q8K_QS: usize = 4;
 const Q8K_BSUMS: usize = 4 + QK_K;

@@ -12,14 +12,13 @@ use super::{
     abs_max_lanes, bytes_from_bits_32, bytes_from_nibbles_32, f16_at, hmax_ps, hsum_float_8, hsum_i32_8, load256,
     mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, prefetch_ahead, put_f16, sum_i8_groups8,
 };
-use crate::quant::legacy::{BlockFormat, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use crate::quant::QK_LEGACY as QK;
+use crate::quant::format::{BlockFormat, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES, QK_LEGACY as QK};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dot products; `nb` blocks, `x` the weight row, `y` the activation row (both in bounds for `nb` blocks)
 // ---------------------------------------------------------------------------------------------------------------
 
-pub(super) use crate::quant::legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1};
+pub(super) use crate::quant::format::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1};
 
 /// A 32-element block format, as these AVX2 kernels unpack it.
 pub(super) trait Block32: BlockFormat {

@@ -15,9 +15,8 @@
 use std::arch::x86_64::*;
 
 use super::{Kernels, Orders, TileFn, VecDotFn};
-use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
-use crate::quant::legacy::{BlockFormat, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES};
-use crate::quant::{GgmlType, QK_K, QK_LEGACY};
+use crate::quant::format::{BlockFormat, GgmlType, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES, QK_K, QK_LEGACY};
+use crate::quant::format::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 
 mod float;
 mod gsq;

@@ -17,8 +17,7 @@ use super::kquants::{
     q6_k_ints_unpacked, q6_k_unpack, shuffle_k4,
 };
 use super::{f16_at, f16_at_tail, hsum_i32_4, hsum_i32_8, load256, prefetch_ahead};
-use crate::quant::kquants::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
-use crate::quant::QK_K;
+use crate::quant::format::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, QK_K};
 
 const Q8K_QS: usize = 4;
 const Q8K_BSUMS: usize = 4 + QK_K;
