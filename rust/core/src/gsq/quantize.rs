@@ -20,8 +20,8 @@
 
 use half::f16;
 
-use super::{pack_codes, Layout, GROUP, OFF_SCALES, RESIDUAL_UNIT, SUB};
-use crate::quant::{GgmlType, QK_K};
+use super::format::{pack_codes, Layout, GROUP, OFF_SCALES, RESIDUAL_UNIT, SUB};
+use crate::quant::format::{GgmlType, QK_K};
 
 /// Sub-blocks of a GSQ-RCO record.
 const NSUB: usize = GROUP / SUB;

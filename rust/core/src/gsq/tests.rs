@@ -1,3 +1,4 @@
+use super::format::{code_at, pack_codes, OFF_PLANE0};
 use super::*;
 use crate::test_rng::uniform_floats;
 

@@ -28,7 +28,7 @@
 //! scaling in f32 per block.
 
 mod float;
-mod format;
+pub(crate) mod format;
 mod kquants;
 mod legacy;
 pub(crate) mod math;

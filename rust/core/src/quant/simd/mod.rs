@@ -34,6 +34,7 @@ use std::sync::OnceLock;
 use super::format::{check_row_size, GgmlType};
 use super::scalar;
 use crate::error::Result;
+use crate::gsq::format as gsq;
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64_neon;
@@ -63,9 +64,9 @@ pub(super) type DequantizeFn = fn(&[u8], &mut [f32]);
 /// GSQ-RCO dot products: `(layout, w, stride, x, out)`, rows `i` of `out.len()` rows (`w[i * stride..]`, whole
 /// records within `stride` bytes) with int8 activations (`gsq::dot_row_q8` each; the records that row and `x`
 /// both cover) into `out[i]`.
-pub(super) type GsqDotFn = fn(crate::gsq::Layout, &[u8], usize, &crate::gsq::ActQ8, &mut [f32]);
+pub(super) type GsqDotFn = fn(gsq::Layout, &[u8], usize, &gsq::ActQ8, &mut [f32]);
 /// GSQ-RCO activation quantization (`gsq::ActQ8::quantize`, byte-exact).
-pub(super) type GsqQuantizeFn = fn(&[f32], &mut crate::gsq::ActQ8);
+pub(super) type GsqQuantizeFn = fn(&[f32], &mut gsq::ActQ8);
 
 /// Table slots: GGML type ids run up to 30 (BF16).
 const SLOTS: usize = 31;
@@ -372,7 +373,7 @@ pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
 /// Dot product of one GSQ-RCO row's records with int8 activations `x` (the records both cover): the SIMD kernel of
 /// this CPU, or the scalar reference [`crate::gsq::dot_row_q8`]. The caller checks that the sizes match.
 #[inline]
-pub fn gsq_dot_q8(layout: crate::gsq::Layout, row: &[u8], x: &crate::gsq::ActQ8) -> f32 {
+pub fn gsq_dot_q8(layout: gsq::Layout, row: &[u8], x: &gsq::ActQ8) -> f32 {
     let mut out = [0.0f32];
     gsq_dot_rows(layout, row, row.len(), x, &mut out);
     out[0]
@@ -380,12 +381,12 @@ pub fn gsq_dot_q8(layout: crate::gsq::Layout, row: &[u8], x: &crate::gsq::ActQ8)
 
 /// [`gsq_dot_q8`] of `out.len()` rows `stride` bytes apart (row `i` at `w[i * stride..]`, `stride` bytes or, for
 /// the last one, the rest of `w`), into `out[i]`: the per-call setup of the kernel is shared by the rows.
-pub fn gsq_dot_rows(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &crate::gsq::ActQ8, out: &mut [f32]) {
+pub fn gsq_dot_rows(layout: gsq::Layout, w: &[u8], stride: usize, x: &gsq::ActQ8, out: &mut [f32]) {
     match kernels().gsq_dot {
         Some(f) => f(layout, w, stride, x, out),
         None => {
             for (i, o) in out.iter_mut().enumerate() {
-                *o = crate::gsq::dot_row_q8(layout, &w[i * stride..((i + 1) * stride).min(w.len())], x);
+                *o = gsq::dot_row_q8(layout, &w[i * stride..((i + 1) * stride).min(w.len())], x);
             }
         }
     }
@@ -393,7 +394,7 @@ pub fn gsq_dot_rows(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &cra
 
 /// Quantize `x` (whole 128-value blocks) into `a` for GSQ-RCO products: this CPU's kernel, byte-exact with the
 /// scalar reference [`crate::gsq::ActQ8::quantize`].
-pub fn gsq_quantize(x: &[f32], a: &mut crate::gsq::ActQ8) {
+pub fn gsq_quantize(x: &[f32], a: &mut gsq::ActQ8) {
     match kernels().gsq_quantize {
         Some(f) => f(x, a),
         None => a.quantize(x),

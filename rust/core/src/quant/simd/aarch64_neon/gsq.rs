@@ -8,7 +8,7 @@
 
 use std::arch::aarch64::*;
 
-use crate::gsq::{self, ActQ8, Layout, GROUP, OFF_PLANE0, OFF_PLANE1, SUB};
+use crate::gsq::format::{self as gsq, ActQ8, Layout, GROUP, OFF_PLANE0, OFF_PLANE1, SUB};
 
 /// 16 codes (bytes < 16) times 16 activation bytes, times the sub-block's scale, added to `acc`.
 #[inline(always)]

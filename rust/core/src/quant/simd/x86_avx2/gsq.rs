@@ -27,7 +27,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::gsq::{ActQ8, Layout, GROUP, OFF_PLANE0, OFF_PLANE1, OFF_SCALES, SUB};
+use crate::gsq::format::{ActQ8, Layout, GROUP, OFF_PLANE0, OFF_PLANE1, OFF_SCALES, SUB};
 
 /// `vpshufb` masks spreading scale bytes 2t (lower half) and 2t + 1 (upper half) of a vector present in both
 /// halves into all eight 16-bit words of each half (high bytes zero): the scales of chunk t's two sub-blocks.

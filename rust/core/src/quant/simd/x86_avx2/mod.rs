@@ -15,6 +15,7 @@
 use std::arch::x86_64::*;
 
 use super::{Kernels, Orders, TileFn, VecDotFn};
+use crate::gsq::format::{ActQ8, Layout};
 use crate::quant::format::{BlockFormat, GgmlType, Q4_0_BYTES, Q8_0_BYTES, Q8_1_BYTES, QK_K, QK_LEGACY};
 use crate::quant::format::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 
@@ -193,8 +194,8 @@ dot_wrapper!(vec_dot_q4_k_tiled, orders::vec_dot_q4_k_q8_k_tiled, Q4_K_BYTES, Q8
 dot_wrapper!(vec_dot_q5_k_tiled, orders::vec_dot_q5_k_q8_k_tiled, Q5_K_BYTES, Q8_K_BYTES);
 dot_wrapper!(vec_dot_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES);
 
-fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &crate::gsq::ActQ8, out: &mut [f32]) {
-    use crate::gsq::{GROUP, SUB};
+fn gsq_dot(layout: Layout, w: &[u8], stride: usize, x: &ActQ8, out: &mut [f32]) {
+    use crate::gsq::format::{GROUP, SUB};
     let rows = out.len();
     if rows == 0 {
         return;
@@ -207,7 +208,7 @@ fn gsq_dot(layout: crate::gsq::Layout, w: &[u8], stride: usize, x: &crate::gsq::
     unsafe { gsq::dot_rows(layout, nr, rows, w.as_ptr(), stride, x, out.as_mut_ptr()) }
 }
 
-fn gsq_quantize(x: &[f32], a: &mut crate::gsq::ActQ8) {
+fn gsq_quantize(x: &[f32], a: &mut ActQ8) {
     // SAFETY: the table holding this wrapper exists only on CPUs with AVX2, FMA and F16C.
     unsafe { gsq::quantize(x, a) }
 }
