@@ -4,7 +4,7 @@
 //! are exact integers in f32), activation quantizers byte for byte. Skipped, with a note, on CPUs without the
 //! kernel set.
 
-use super::{Kernels, MatmulPos, Orders, VecDotFn};
+use super::table::{Kernels, MatmulPos, Orders, VecDotFn};
 use crate::quant::format::{GgmlType, QK_K};
 use crate::quant::scalar::{dequantize_scalar, quantize_scalar, vec_dot_scalar};
 
@@ -455,7 +455,7 @@ fn entry_points_use_the_detected_set() {
 
 #[test]
 fn atoi_reads_switches_like_c() {
-    use super::atoi;
+    use super::table::atoi;
     assert_eq!(atoi("0"), 0);
     assert_eq!(atoi("1"), 1);
     assert_eq!(atoi(" 12abc"), 12);
@@ -467,7 +467,7 @@ fn atoi_reads_switches_like_c() {
 /// Every tile kernel of the table with the single kernel whose sums it must reproduce.
 fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, VecDotFn)> {
     let mut out = Vec::new();
-    for t in 0..super::SLOTS {
+    for t in 0..super::table::SLOTS {
         let Some(ty) = GgmlType::from_id(t as u32) else { continue };
         let plain = k.vec_dot_unpacked[t].or(k.vec_dot[t]);
         let slots = [

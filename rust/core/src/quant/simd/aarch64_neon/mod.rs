@@ -17,7 +17,7 @@ mod gsq;
 
 use std::arch::aarch64::*;
 
-use super::{Kernels, VecDotFn};
+use super::table::{Kernels, VecDotFn};
 use crate::quant::format::{BlockFormat, GgmlType, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1};
 use crate::quant::kquants;
 use crate::quant::math::IntDot;

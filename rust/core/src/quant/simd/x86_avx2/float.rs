@@ -145,6 +145,6 @@ pub(super) unsafe fn quantize_f16(n: usize, x: *const f32, dst: *mut u8) {
         i += 8;
     }
     for i in n8..n {
-        super::put_f16(dst.add(2 * i), *x.add(i));
+        super::prims::put_f16(dst.add(2 * i), *x.add(i));
     }
 }

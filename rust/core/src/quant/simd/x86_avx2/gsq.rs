@@ -186,9 +186,9 @@ unsafe fn rows_of<const FOUR: bool, const SLOTS: u8>(
         for r in 0..nr {
             let rec = wr.add(r * rb);
             // The weights stream from memory (decode): prefetch the lines a record spans, 1 KiB ahead.
-            super::prefetch_ahead::<1>(rec);
+            super::prims::prefetch_ahead::<1>(rec);
             if rb > 64 {
-                super::prefetch_ahead::<1>(rec.add(64));
+                super::prims::prefetch_ahead::<1>(rec.add(64));
             }
             let xr = xq.add(r * GROUP);
             // Scales (times their factors, at most 240: bytes) and mins (16-bit words, for the activation sums).

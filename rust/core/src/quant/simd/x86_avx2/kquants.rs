@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{
+use super::prims::{
     abs_max_lanes, f16_at, f16_at_tail, hmax_ps, hsum_float_8, hsum_i32_4, load128, load256, nearest_int,
     pack_low_bytes, prefetch_ahead, sum_i8_groups8,
 };

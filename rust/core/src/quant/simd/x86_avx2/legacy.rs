@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{
+use super::prims::{
     abs_max_lanes, bytes_from_bits_32, bytes_from_nibbles_32, f16_at, hmax_ps, hsum_float_8, hsum_i32_8, load256,
     mul_sum_us8_pairs_float, nearest_int, pack_low_bytes, prefetch_ahead, put_f16, sum_i8_groups8,
 };

@@ -16,7 +16,7 @@ use super::kquants::{
     f32_at, k4_min_prod, k4_mins_and_scales, q2_k_ints, q3_k_ints, q4_k_block_sumi, q5_k_block_sumi, q6_k_ints,
     q6_k_ints_unpacked, q6_k_unpack, shuffle_k4,
 };
-use super::{f16_at, f16_at_tail, hsum_i32_4, hsum_i32_8, load256, prefetch_ahead};
+use super::prims::{f16_at, f16_at_tail, hsum_i32_4, hsum_i32_8, load256, prefetch_ahead};
 use crate::quant::format::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, QK_K};
 
 const Q8K_QS: usize = 4;
