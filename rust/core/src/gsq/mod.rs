@@ -1,8 +1,8 @@
 //! GSQ-RCO, ninfer's 3-bit weight format (docs/gsq-rco.md is the specification; format version 2).
 //!
-//! - [`format`]: the record layout (in its module docs), [`Layout`], the activations [`ActQ8`] and the scalar
+//! - `format`: the record layout (in its module docs), [`Layout`], the activations [`ActQ8`] and the scalar
 //!   reference (dequantization, dot products): data, importing nothing above it;
-//! - [`quantize`]: the quantizer with its residual calibration optimizer (RCO), one record at a time; it builds on
+//! - `quantize`: the quantizer with its residual calibration optimizer (RCO), one record at a time; it builds on
 //!   `format` (and `quant::format` for Q2_K), and `format` never imports it;
 //! - this file: the public paths, whole matrices on a thread pool, and [`ActQ8::from_f32`] (which runs the SIMD
 //!   kernel of `quant::simd`, a layer above `format`).

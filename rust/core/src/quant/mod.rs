@@ -12,13 +12,13 @@
 //!
 //! Layout of this module, from the bottom up (a file imports only the ones above it in this list; see the
 //! layering in `lib.rs`):
-//! - [`math`]: scalar math the layers above share (`ggml_expf`, which the SIMD SiLU and softmax use, and the
+//! - `math`: scalar math the layers above share (`ggml_expf`, which the SIMD SiLU and softmax use, and the
 //!   quantizers' rounding and int8 helpers);
-//! - [`format`]: the type table, block sizes and block layouts, as data;
+//! - `format`: the type table, block sizes and block layouts, as data;
 //! - [`float`]: F32, F16 and BF16 rows;
 //! - [`legacy`]: the 32-element block formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q8_1;
 //! - [`kquants`]: the 256-element super-block formats Q2_K .. Q6_K and the activation format Q8_K;
-//! - [`scalar`]: the scalar reference code of all of them, dispatched on the type;
+//! - `scalar`: the scalar reference code of all of them, dispatched on the type;
 //! - [`simd`]: run-time selected SIMD kernels (AVX2 today); `vec_dot`, `quantize_act`/`quantize_row` and
 //!   `dequantize_row` route to them when the CPU has them, the scalar code being the fallback and oracle;
 //! - this file: the public entry points, which dispatch once on the type (and re-export the type table).
