@@ -709,7 +709,7 @@ def test_synthetic_1_5b_teacher_forced_greedy_gpu_agrees_with_cpu(ty: str, tmp_p
     cpu, gpu, margins = teacher_forced(path, [17, 400, 9000, 123, 5555, 42, 7, 100000], 64)
     differ = [i for i in range(64) if gpu[i] != cpu[i]]
     # 0.25: above the margins at which the CPU engine flips against itself under a 1e-7 input perturbation (up to
-    # 0.21, scripts/noise-floor); the GPU's sums run in another order (K-split warps, persistent blocks).
+    # 0.21, dev/noise-floor); the GPU's sums run in another order (K-split warps, persistent blocks).
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 6, differ
 

@@ -126,11 +126,11 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
 
 
 def _cubin_script():
-    """scripts/cubin as a module (a script without the .py suffix)."""
+    """dev/cubin as a module (a script without the .py suffix)."""
     import importlib.machinery
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "cubin"
+    path = Path(__file__).resolve().parent.parent / "dev" / "cubin"
     loader = importlib.machinery.SourceFileLoader("cubin_script", str(path))
     spec = importlib.util.spec_from_loader("cubin_script", loader)
     module = importlib.util.module_from_spec(spec)
@@ -139,7 +139,7 @@ def _cubin_script():
 
 
 def test_cubin_script_reads_registers_and_spills_from_ptxas() -> None:
-    """scripts/cubin's reading of NVRTC's ptxas -v lines: each entry function's registers and spilled bytes (stores
+    """dev/cubin's reading of NVRTC's ptxas -v lines: each entry function's registers and spilled bytes (stores
     and loads together), whatever else the log says between them."""
     log = """ptxas info    : Compiling entry function 'gemv_gsq8_stream' for 'sm_90'
 ptxas info    : Function properties for gemv_gsq8_stream
@@ -161,12 +161,12 @@ def test_streamed_kernel_builds_in_64_registers_without_spills() -> None:
     except SystemExit:
         pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc-cu12)")
     # On the GPU host (NVRTC 13) the log had no ptxas lines in every pytest process after a machine's first, also
-    # when compiled by scripts/cubin in a process of its own (2026-12-03, three calls): as if a compile of the same
+    # when compiled by dev/cubin in a process of its own (2026-12-03, three calls): as if a compile of the same
     # source and options were served from a cache without ptxas running. A define of no use, new each run, and
     # the driver's cache off make every compile a new one.
     # (ninfer imported first, so the script's compile reads the package the tests import, wherever it is
     # installed: a clean checkout's python/ninfer has no built _core)
-    script = Path(__file__).resolve().parent.parent / "scripts" / "cubin"
+    script = Path(__file__).resolve().parent.parent / "dev" / "cubin"
     nonce = f"-DNINFER_REGISTER_CHECK={os.getpid()}{time.time_ns()}"
     code = (
         "import json, runpy\n"
@@ -579,7 +579,7 @@ def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
     """GEMV_STREAM_TRACE builds: decode steps of the two-layer 32B-shape model leave, for every attention launch of
     a step, its blocks' six stages in order on the GPU's timer and their dry pass done between their entry and
     their grid_dep_wait, after the q/k/v launch began and before the output projection's blocks are past their
-    dependency wait, and the SMs blocks ran on (what scripts/stream-trace reads)."""
+    dependency wait, and the SMs blocks ran on (what dev/stream-trace reads)."""
     import ninfer
     from ninfer.backends import cuda_ops as K
     from ninfer.backends import stream_trace as T

@@ -1,4 +1,4 @@
-"""scripts/ncu-source-summary: Nsight Compute's source page (PC sampling per SASS instruction) summed over a region."""
+"""dev/ncu-source-summary: Nsight Compute's source page (PC sampling per SASS instruction) summed over a region."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ncu-source-summary"
+SCRIPT = Path(__file__).resolve().parents[1] / "dev" / "ncu-source-summary"
 
 PAGE = '''"Kernel Name","gemv_gsq8_stream"
 "# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_long_sb"

@@ -57,7 +57,7 @@ GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared me
 GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
 STREAM_PREFETCH_CAP = 65536  # bytes a block of each matrix a streamed launch asks L2 for on a later launch's behalf
 STREAM_ATT_SLACK = 8  # SMs q/k/v and the output projection leave free besides attention's (CudaEngine._room_grid)
-# GEMV_STREAM_TRACE builds (scripts/stream-trace): each streamed launch's label, by its trace slot (launch order),
+# GEMV_STREAM_TRACE builds (dev/stream-trace): each streamed launch's label, by its trace slot (launch order),
 # and each attention launch's (kernels/attention.cu keeps a trace of its own)
 stream_trace_labels: list[str] = []
 att_trace_labels: list[str] = []
@@ -100,7 +100,7 @@ def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
     """Whether a lane-pair launch (gsq_pairs) may stream its weights into shared memory by the bulk-copy engine
     (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
     gemv() then takes it where the walk fills its rounds (gsq_stream_walk_full: every product of the 32B shape).
-    H200, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in
+    H200, `dev/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in
     teams of 4: q/k/v 14.84 / 14.81, o 12.50 / 9.09, gate/up 51.12 / 44.72, down 32.49 / 32.92; 32B GSQ3 tg128
     132.4 against the pair kernel's 123.7 t/s in earlier calls)."""
     import cupy as cp
@@ -246,7 +246,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     inside the kernel, or pre = (codes, scales, sums) that quant_act already wrote (x unused then; as
     ACT_GSQ8_PAIRS for the lane-pair kernel). kernel (a
     compiled function), rows_per_warp: another instantiation of the template, warps_per_block, k_split: warps
-    per block and per row instead of the launcher's choice (for scripts/gemv-bench). gsq_pairs (GSQ8 activations
+    per block and per row instead of the launcher's choice (for dev/gemv-bench). gsq_pairs (GSQ8 activations
     only): the lane-pair kernel for 3-bit records (gsq_pairs()), whose weights stream into shared memory
     (kernels/gemv_stream.cu) where gsq_stream() says, or as `stream` says: False, True, or the compiled
     gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
@@ -259,7 +259,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     if mode == MODE_ARGMAX and not k_split:
         # The greedy output head: its rows (152,064 in Qwen2.5) fill the GPU many times over, so a warp a row,
         # not gemv_k_split's two for 5,120 columns (whose halves meet through shared memory). H200, 32B shape's
-        # Q6_K head alone 211.9 -> 176.3 µs (scripts/gemv-bench --cases head, variants r2u1w8 and r2u1w8k1;
+        # Q6_K head alone 211.9 -> 176.3 µs (dev/gemv-bench --cases head, variants r2u1w8 and r2u1w8k1;
         # r4u1w8 201.4, r2u1w16 276.7, r2u2w8 417.8); synthetic 32B GSQ3 tg128 183.77 / 183.80 -> 184.93 / 185.22
         # t/s (2026-12-02). GEMV_HEAD_KS in NINFER_CUDA_DEFINES: another split (0: gemv_k_split's).
         k_split = _define("GEMV_HEAD_KS", GEMV_HEAD_K_SPLIT)
@@ -311,7 +311,7 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
             if filled is not None and teams * team > consumers:
                 consumers, plan = teams * team, filled
         fits = plan is not None and 32 * (consumers + 1) <= sfn.max_threads_per_block
-        if stream and not fits:  # asked for by name (a test, scripts/gemv-bench): say so, not the pair kernel's time
+        if stream and not fits:  # asked for by name (a test, dev/gemv-bench): say so, not the pair kernel's time
             raise ValueError(f"gemv_gsq8_stream cannot take this launch ({consumers} consumers in teams of {team}, "
                              f"{n_cols} columns: " + ("too few ring slots fit" if plan is None else
                                                       f"{32 * (consumers + 1)} threads, the kernel takes at most "
@@ -500,7 +500,7 @@ def gsq_pairs_warps(plan_w: tuple[int, int, int], plan_2w: tuple[int, int, int])
     """Warps per block of a lane-pair launch, from its (k split, steps, grid) with GEMV_WARPS and with twice as many.
     The pair kernel's 128 registers let an SM hold one block, so twice the warps is twice the loads in flight an SM:
     taken where no row is split between warps and the persistent grid's rounds stay as full (at least 90% of the
-    fill with GEMV_WARPS). H200, synthetic 32B-shape GSQ3, `scripts/gemv-bench --gsq --pdl --shapes 32b`, µs with 8
+    fill with GEMV_WARPS). H200, synthetic 32B-shape GSQ3, `dev/gemv-bench --gsq --pdl --shapes 32b`, µs with 8
     and 16 warps: q/k/v 20.82 / 16.36 (rounds 85% / 85% full), gate/up 66.70 / 60.21 (97% / 94%), o 13.47 / 14.31
     (81% / 61%), down (rows split four ways) 35.28 / 39.42."""
     def fill(plan: tuple[int, int, int]) -> float:

@@ -39,7 +39,7 @@ def source_of(*files: str) -> str:
     return "\n".join(parts)
 
 
-# The compiler options every module takes, before its own and NINFER_CUDA_DEFINES (scripts/cubin builds with them
+# The compiler options every module takes, before its own and NINFER_CUDA_DEFINES (dev/cubin builds with them
 # too, so that its CUBINs are the engine's).
 BASE_OPTIONS = ("-std=c++17",)
 # An attention module's sources, and the switches that pick its head size and group size.

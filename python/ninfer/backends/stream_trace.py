@@ -1,6 +1,6 @@
 """The streamed GEMV's launches on a timeline (kernels/gemv_stream.cu built with GEMV_STREAM_TRACE=1): where each
 block of each launch was when, inside a captured decode step, which no profiler on the lent machine shows. Read by
-scripts/stream-trace; the analysis works on the array alone, so it is tested without a GPU.
+dev/stream-trace; the analysis works on the array alone, so it is tested without a GPU.
 
 Per block and event the kernel stores two clocks: %globaltimer (ns, one clock for the whole GPU: launches and blocks
 against each other) and clock64 (the SM's cycles: exact durations inside a block). The same builds' attention

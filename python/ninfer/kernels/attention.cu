@@ -57,7 +57,7 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 #endif
 #if GEMV_STREAM_TRACE
 // Trace builds (NINFER_CUDA_DEFINES=-DGEMV_STREAM_TRACE=1, as for kernels/gemv_stream.cu): each launch's blocks with
-// keys record when they reached each stage, %globaltimer (ns), so scripts/stream-trace puts attention on the same
+// keys record when they reached each stage, %globaltimer (ns), so dev/stream-trace puts attention on the same
 // timeline as the streamed products. [launch slot][block: split * n_head_kv + KV head][event]; events: 0 entry,
 // 1 the work before grid_dep_wait done, 2 past grid_dep_wait, 3 queries roped and the new K / V row written (the
 // block's barrier), 4 the keys done (the merge's barrier), 5 the output written (and quantized), or this split's

@@ -71,7 +71,7 @@ struct RawQ4K { int4 c0, c1, h; };  // codes of units 2p, 2p + 1; d, dmin, scale
 
 // A 16-byte vector of weights through the read-only path, without L1 allocation and with a 256-byte L2 fetch
 // (the neighbouring lanes' vectors come in whole DRAM bursts). For Q4_K rows wider than the pair path's: H200,
-// 32B shape, gate/up 84.5 -> 78.9 us (scripts/gemv-bench --pdl); Q6_K by units, whose scale words were separate
+// 32B shape, gate/up 84.5 -> 78.9 us (dev/gemv-bench --pdl); Q6_K by units, whose scale words were separate
 // small loads that then missed L1, measured slower with it, and neutral on the Q6_K slices' ql loads (1.5B tg128
 // 744 -> 736 tokens/s).
 __device__ __forceinline__ int4 ld_stream16(const void* p) {
@@ -129,7 +129,7 @@ __device__ __forceinline__ float q4k_unit_dot(const RawQ4K& r, int u, const int*
 // (task t: super-block t / 4, pair t % 4), so each lane's 48 loaded bytes are its own and the scale bytes are
 // decoded four at a time with word operations. The pair's integer dots meet their 6-bit scales as integers and
 // one float expression per pair follows (the activation's scale is one per 256, the same for both units).
-// Measured on the H200 (scripts/gemv-bench --pdl): 1,536-wide rows faster (1.5B gate/up 14.7 -> 13.2 us, o 5.5
+// Measured on the H200 (dev/gemv-bench --pdl): 1,536-wide rows faster (1.5B gate/up 14.7 -> 13.2 us, o 5.5
 // -> 5.2), 5,120-wide slower (32B gate/up 83 -> 88 us), so only for rows up to GEMV_Q4K_PAIRS units.
 struct PairQ4K { int4 c0, c1, h; };  // the pair's 32 code bytes; d, dmin, scales
 
@@ -176,7 +176,7 @@ __device__ __forceinline__ float q4k_pair_dot(const PairQ4K& r, int t, const int
 // Tasks are numbered as units are (eight per super-block), so a warp's lanes read 512 consecutive ql bytes of four
 // super-blocks, each byte once and whole (by units two lanes loaded the same 32 bytes and each used a nibble of
 // every byte, and the qh bytes twice as often), and since a lane's tasks are 32 apart, its q is the same at every
-// step. H200 (scripts/gemv-bench --pdl, against units and code pairs): 1.5B head 103 -> 77 us, down 7.7 -> 6.8;
+// step. H200 (dev/gemv-bench --pdl, against units and code pairs): 1.5B head 103 -> 77 us, down 7.7 -> 6.8;
 // 32B head 303 -> 218, down 48 -> 45.5. (The same for Q4_K, with plain or L2-hinted code loads, on rows past the
 // pair path's: 32B q/k/v 25.5 -> 24.3-24.8 us, o 18.5 -> 17.8-18.3, but gate/up 79.0 -> 81.3-82.4, no net gain.)
 struct SliceQ6K { int4 l, hb; int2 sc; u32 d; };  // ql bytes, qh bytes, the two scale words, d
@@ -296,7 +296,7 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 #ifndef GEMV_GSQ_PAIRS_U
 // Records a lane loads before it computes any. Five: the whole share of a pair in the 32B shape's 5,120-wide
 // products (two rows of 40 records for 16 pairs) in one round of loads, at 129 registers (one block an SM). H200,
-// scripts/gemv-bench --gsq --pdl --shapes 32b, µs against two: q/k/v 21.04 / 22.07, o 13.95 / 15.15, gate/up
+// dev/gemv-bench --gsq --pdl --shapes 32b, µs against two: q/k/v 21.04 / 22.07, o 13.95 / 15.15, gate/up
 // 70.87 / 78.90, down 37.95 / 36.27.
 #define GEMV_GSQ_PAIRS_U 5
 #endif

@@ -61,7 +61,7 @@
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #endif
 #ifndef GEMV_STREAM_TRACE
-// 1: every launch records, per block, when it reached each stage (scripts/stream-trace reads it): the timeline of
+// 1: every launch records, per block, when it reached each stage (dev/stream-trace reads it): the timeline of
 // the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
 #define GEMV_STREAM_TRACE 0
 #endif

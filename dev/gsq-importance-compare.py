@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/gsq-importance-compare.py SRC.gguf IMP_REF.npz IMP_TEST.npz NAME[,NAME...]: h_ref-weighted error of GSQ-RCO 3-bit quantized with
+"""dev/gsq-importance-compare.py SRC.gguf IMP_REF.npz IMP_TEST.npz NAME[,NAME...]: h_ref-weighted error of GSQ-RCO 3-bit quantized with
 h_ref and with h_test (do fewer calibration tokens lose quality?)."""
 import sys
 import numpy as np

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/gsq-sparsity.py SRC.gguf IMP.npz NAME[,NAME...]: what dynamic group sparsity would give in format v2.
+"""dev/gsq-sparsity.py SRC.gguf IMP.npz NAME[,NAME...]: what dynamic group sparsity would give in format v2.
 
 Each tensor is quantized as the converter does (3-bit codes, no slots, 100 RCO steps, the calibrated importances
 h), its records parsed, and every 16-weight sub-block's grid (levels d sc c - dmin m, c = 0..7) changed so that the

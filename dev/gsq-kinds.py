@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/gsq-kinds.py FILE.gguf: per tensor kind, the layout(s) and the mean importance-weighted error (RTN -> stored)."""
+"""dev/gsq-kinds.py FILE.gguf: per tensor kind, the layout(s) and the mean importance-weighted error (RTN -> stored)."""
 import sys, re, collections
 from ninfer.gsq_file import tensor_infos
 _, infos = tensor_infos(sys.argv[1])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/gsq-ablate-tensor.py SRC.gguf IMP.npz NAME[,NAME...]: h-weighted error of v2 components: sub-block fit only (0 steps), + RCO (100 steps),
+"""dev/gsq-ablate-tensor.py SRC.gguf IMP.npz NAME[,NAME...]: h-weighted error of v2 components: sub-block fit only (0 steps), + RCO (100 steps),
 + 2 slots, calibrated vs importances 1 (error always weighted by the calibrated h), and plain RTN."""
 import sys
 import numpy as np

@@ -6,7 +6,7 @@ of S weights with their own (scale, min), fitted by weighted least squares, both
 128-weight super-block's largest (kept in f16): SxB in the output. Importances from an .npz saved by
 `gsq-rco convert --save-importances` (columns without one count 1).
 
-Usage: scripts/gsq-tensor-errors.py SRC.gguf REF.gguf IMPORTANCES.npz NAME[,NAME...] [BITS/SLOTS,...]
+Usage: dev/gsq-tensor-errors.py SRC.gguf REF.gguf IMPORTANCES.npz NAME[,NAME...] [BITS/SLOTS,...]
 """
 import sys
 
