@@ -614,7 +614,7 @@ class CudaEngine:
         and `prefetch_cap` (bytes a block of each: kernels/gemv_stream.cu has each block ask for the first that
         many bytes of its 1/grid share of each region): the output projection gate/up's weights, gate/up the down
         projection's. The shares' lines are read all through the next launch, so what comes in while the memory
-        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/gsq-rco-gpu.md)."""
+        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/journal/gsq-rco-gpu.md)."""
         def ask(mats: list, n: int) -> dict[str, Any]:
             return {"prefetch": [(m.ptr, m.rows * m.row_bytes) for m in mats], "prefetch_cap": n}
 
@@ -640,8 +640,8 @@ class CudaEngine:
         179.2 against 177.5 / 177.2). The slack: q/k/v's blocks take the first SMs the previous down projection's
         blocks leave and attention's the next, so attention no longer waits for the down projection's slowest
         blocks (its latest block past its wait 0.5 µs after q/k/v's end instead of 2.5-4.9; 185.5 against 185.2
-        t/s, docs/gsq-rco-gpu.md). Not where that would take more than a quarter of the SMs (the slack goes first);
-        GEMV_STREAM_ATT_ROOM=0 (NINFER_CUDA_DEFINES) turns it off, GEMV_STREAM_ATT_SLACK=N sets the slack."""
+        t/s, docs/journal/gsq-rco-gpu.md). Not where that would take more than a quarter of the SMs (the slack goes
+        first); GEMV_STREAM_ATT_ROOM=0 (NINFER_CUDA_DEFINES) turns it off, GEMV_STREAM_ATT_SLACK=N sets the slack."""
         n_kv = self.spec["n_head_kv"]
         if not K._define("GEMV_STREAM_ATT_ROOM", 1):
             return 0

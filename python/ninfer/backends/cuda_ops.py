@@ -48,7 +48,8 @@ def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) ->
 
 GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus its producer warp)
 # Consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn. Six teams of four beat
-# three of eight end to end on the H200 (32B GSQ3 tg128 131.0 against 126.8 t/s; docs/gsq-rco-gpu.md "Team shapes").
+# three of eight end to end on the H200 (32B GSQ3 tg128 131.0 against 126.8 t/s; docs/journal/gsq-rco-gpu.md
+# "Team shapes").
 GEMV_STREAM_TEAM = 4
 GEMV_STREAM_LONG_WARPS = 16  # consumers where a launch's warps take two rounds or more (stream_consumers_for_rounds)
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
@@ -91,8 +92,8 @@ def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
     exactly (rows of 40 records, 8 pairs, 5 a lane) and its down projection, split four ways, 68% by 5 records
     a lane: alone it was no faster streamed (32.9 against the pair kernel's 32.5 µs), but in the decode step it
     is, its weights arriving before quant_act's result does (H200, 32B GSQ3 tg128 134.6 / 134.8 against 132.5 /
-    132.2 t/s; docs/gsq-rco-gpu.md). A 5,376-wide row (Gemma-3-27B) fills 52% by 5 and 66% by 4, and keeps the pair
-    kernel, which skips the empty slots (a rule from the loop's shape, not measured there)."""
+    132.2 t/s; docs/journal/gsq-rco-gpu.md). A 5,376-wide row (Gemma-3-27B) fills 52% by 5 and 66% by 4, and keeps
+    the pair kernel, which skips the empty slots (a rule from the loop's shape, not measured there)."""
     return 3 * gsq_stream_walk_fill(n_cols, ks, gsq_stream_lane_records(n_cols, ks)) >= 2
 
 

@@ -455,7 +455,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     // whatever the q/k/v buffer and the cache hold then, nothing written to global memory, so that the real pass
     // finds that code in its SM's instruction cache. At short depth the stages after the wait are bound by the
     // code's cold fetch, not by memory (with the share's K/V rows in shared memory the keys stage took as long;
-    // docs/gsq-rco-gpu.md), and the engine leaves attention's SMs free during q/k/v (CudaEngine._room_grid), so the dry
+    // docs/journal/gsq-rco-gpu.md), and the engine leaves attention's SMs free during q/k/v (CudaEngine._room_grid), so the dry
     // pass runs under q/k/v. One copy of the code serves both passes: the loop stays rolled, since a second copy
     // would be fetched cold again. H200, 32B GSQ3 tg128 179.1 / 179.2 against 177.5 / 177.2 t/s (2026-12-02).
     int pass = STEP && n_used == 1 ? 0 : 1;
@@ -499,7 +499,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                     // buffer's loads apart, so a loop of load-then-store made HD / 32 round trips to L2 one after
                     // another (this warp's, the longest of the stage), where one will do. H200, 32B GSQ3 tg128
                     // 189.2 / 189.3 against 186.3 / 186.3 t/s; the trace's RoPE stage 0.93 µs against 2.05
-                    // (2026-12-03, docs/gsq-rco-gpu.md).
+                    // (2026-12-03, docs/journal/gsq-rco-gpu.md).
                     float t[HD / WARP];
 #pragma unroll
                     for (int k = 0; k < HD / WARP; ++k)

@@ -375,7 +375,7 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
 // The pair kernel copies a pre-quantized activation (the down projection's) into shared memory first, so its
 // loop reads the activation by LDS from one 32-bit address instead of generic loads from 64-bit ones. H200, 32B
 // GSQ3 tg128, alternating in one call: 122.34 / 121.99 against 119.72 / 118.81 t/s; in another 122.59 / 122.84
-// against 121.89 / 122.21 (docs/gsq-rco-gpu.md).
+// against 121.89 / 122.21 (docs/journal/gsq-rco-gpu.md).
 #define GEMV_GSQ_PAIRS_STAGE 1
 #endif
 

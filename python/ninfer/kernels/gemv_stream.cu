@@ -3,7 +3,7 @@
 //
 // Why: the lane-pair kernel (gemv.cu, gemv_gsq8_pairs) loads records into registers and computes after each round
 // of loads; Nsight Compute found its warps stalled on those loads with DRAM at a third to a half of its peak, and
-// neither more records a lane, more warps, L2 prefetches nor fewer instructions closed the gap (docs/gsq-rco-gpu.md).
+// neither more records a lane, more warps, L2 prefetches nor fewer instructions closed the gap (docs/journal/gsq-rco-gpu.md).
 // Here one producer warp a block keeps up to `stages` chunks of the block's rows in flight into a ring in shared
 // memory, one bulk copy per matrix a chunk touches, and the consumer warps compute from shared memory: the memory
 // always has the block's next chunks asked for, and no register waits on them. The first two chunks are asked for
@@ -41,7 +41,7 @@
 #ifndef GEMV_STREAM_EVICT_FIRST
 // 1: the copies ask L2 to evict the streamed weights first: they are read once a token, and should not push out
 // the activations, the KV pages and the lines other launches prefetch (H200, 32B GSQ3 tg128 132.2 against 131.0 t/s
-// with normal priority; docs/gsq-rco-gpu.md "Team shapes and an L2 hint").
+// with normal priority; docs/journal/gsq-rco-gpu.md "Team shapes and an L2 hint").
 #define GEMV_STREAM_EVICT_FIRST 1
 #endif
 #ifndef GEMV_STREAM_MAX_WARPS
@@ -187,7 +187,7 @@ __device__ __forceinline__ void ring_refill(Issue issue, const u64* empty, int e
 // A consumer warp's side of the ring (gemv_gsq8_stream): it takes its team's chunks in turn and computes its group
 // of each. A struct with a template method, so each record count a lane takes (U) is its own loop.
 // (Tried and dropped, 2026-12-02: computing a lane's record offsets once per launch where a row pair takes one round
-// of the walk cost 72 registers and measured 2.8% slower in the decode step: docs/gsq-rco-gpu.md.)
+// of the walk cost 72 registers and measured 2.8% slower in the decode step: docs/journal/gsq-rco-gpu.md.)
 struct StreamConsumer {
     const MatDesc* mats;
     int n_mats, total_rows, mode, glu_act, per_group;

@@ -3,12 +3,12 @@
 //
 // Why: the head is the largest single product of a decode step (Qwen2.5-32B: 152,064 rows of 5,120, 681 MB in the
 // GPU's padded blocks), and gemv.cu's kernel, whose lanes load their slices into registers, reads it at 3.9 TB/s
-// where the streamed 3-bit products' steady phases reach 4.9 (docs/gsq-rco-gpu.md). Streamed, its rows need no
+// where the streamed 3-bit products' steady phases reach 4.9 (docs/journal/gsq-rco-gpu.md). Streamed, its rows need no
 // aligned blocks either: they are re-laid planar on upload (T_Q6_K_PLANAR, common.cuh: each field in its own run
 // of the row, 4,208 bytes for 5,120 columns against 4,480 in padded blocks). H200, synthetic 32B GSQ3 tg128 (t/s,
 // two rounds, 2026-12-04): 200.04 / 200.00 against 199.00 / 199.06 with gemv.cu's head; in another call planar
 // (with clamps) 199.39 / 199.43, streamed in padded blocks 199.22 / 199.09, gemv.cu's head 198.09 / 198.12
-// (docs/gsq-rco-gpu.md, "The output head streamed"). The engine takes it for rows whose super-blocks fill the
+// (docs/journal/gsq-rco-gpu.md, "The output head streamed"). The engine takes it for rows whose super-blocks fill the
 // lanes' rounds (cuda_ops.q6k_stream_shape), and only those: the loop has no clamps.
 //
 // Work: row pairs (GEMV_R) in chunks of `team` pairs, block b taking chunks b, b + grid, ... (gemv_stream.cu); the
