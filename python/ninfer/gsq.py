@@ -30,9 +30,10 @@ from ninfer.config import MAX_THREADS
 from ninfer.cli import EXIT_USAGE
 from ninfer.errors import InvalidArgumentError, ModelFileError, NinferError, read_text_file
 from ninfer.gsq_file import GROUP, add_container_metadata, checksum, fill_tensor_infos, inspect_table, verify
-from ninfer.gsq_plan import (DEFAULT_SIZE, GGUF_ALIGNMENT, SIZE_PRESETS, Policy, allocate, budget_bytes,
+from ninfer.gsq_plan import (DEFAULT_SIZE, SIZE_PRESETS, Policy, allocate, budget_bytes,
                              default_policy, fixed_policy, measure, parse_size, parse_tensor_types, policy_bytes,
                              quick_importances, target_bytes)
+from ninfer.quant_mix import aligned
 
 # The built-in calibration text (mixed code, prose and other languages; scripts/make-calib-text wrote it), used
 # when no --calib-file is given.
@@ -269,6 +270,11 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
         w.write_ti_data_to_file()
         return w
 
+    if chunks and not sequential:  # the one-pass statistics, before the plan: a size preset measures with them
+        importances, _ = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log,
+                                             grams=grams if feedback else None, wide=feedback_wide)
+        if save_importances is not None:
+            np.savez(save_importances, **importances)
     tmp = dst.with_name(dst.name + ".partial")
     plans = _plan(mf, overrides, size, n_layer, chunks, importances, threads=threads, log=log, verbose=verbose,
                   header_bytes=lambda: _header_bytes(begin, mf))
@@ -279,12 +285,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
         seq = SequentialCalibration(mf, chunks, gram_max_cols=GRAM_MAX_COLS,
                                     gram_block_cols=GRAM_BLOCK_COLS if feedback_wide else 0,
                                     source_stream=asymmetric, log=log)
-    elif calib_file is not None and chunks:
-        importances, _ = collect_importances(src, text, max_chunks=calib_chunks, threads=threads, log=log,
-                                             grams=grams if feedback else None, wide=feedback_wide)
-        if save_importances is not None:
-            np.savez(save_importances, **importances)
-    if seq is not None:  # the order in which the forward pass makes each matrix's statistics
+        # the order in which the forward pass makes each matrix's statistics
         rank = {name: i for i, name in enumerate(seq.order())}
         plans.sort(key=lambda tp: rank.get(tp[0].name, len(rank)))
 
@@ -372,7 +373,7 @@ def _header_bytes(begin: Callable[[Path, list[tuple[Any, Policy]]], Any], mf: An
         w = begin(Path(d) / "header.gguf", [(t, Policy("keep")) for t in mf.tensors])
         n = w.fout[0].tell()
         w.close()
-    return -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT + 64  # (+64: the calibration's token count may grow a digit)
+    return aligned(n) + 64  # (+64: the calibration's token count may grow a digit)
 
 
 def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None, n_layer: int,
@@ -394,8 +395,7 @@ def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None
         names = {t.name for t in mf.tensors}
         tied = "output.weight" not in names
         budget = budget_bytes(mf, size, header_bytes()) - sum(
-            -(-policy_bytes(t, fixed[t.name]) // GGUF_ALIGNMENT) * GGUF_ALIGNMENT for t in mf.tensors
-            if t.name in fixed)
+            aligned(policy_bytes(t, fixed[t.name])) for t in mf.tensors if t.name in fixed)
         if chunks and not importances:
             importances = quick_importances(mf, chunks[:: max(1, len(chunks) // MEASURE_CHUNKS)][:MEASURE_CHUNKS],
                                             log)

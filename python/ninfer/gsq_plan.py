@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ninfer import _core
 from ninfer.errors import InvalidArgumentError
 from ninfer.gsq_file import GROUP
-from ninfer.quant_mix import GGUF_ALIGNMENT, MIX_BASE, mix_file_bytes
+from ninfer.quant_mix import MIX_BASE, aligned, mix_file_bytes
 
 Q2K_BLOCK, Q2K_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]  # llama.cpp's block_q2_K
 DEFAULT_SIZE = "q3_k_m"
@@ -197,21 +197,18 @@ def measure(mf: Any, tensors: Sequence[Any], tied: bool, importances: dict[str, 
 def allocate(choices: dict[str, list[Choice]], budget: int) -> dict[str, Choice]:
     """One choice per tensor, minimising the sum of costs with the bytes (each padded to GGUF's alignment) within
     `budget`. Raises InvalidArgumentError when even the smallest choices exceed it."""
-    def pad(n: int) -> int:
-        return -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
-
     names = list(choices)
-    smallest = {n: min(choices[n], key=lambda c: (pad(c.bytes), c.cost)) for n in names}
-    floor = sum(pad(c.bytes) for c in smallest.values())
+    smallest = {n: min(choices[n], key=lambda c: (aligned(c.bytes), c.cost)) for n in names}
+    floor = sum(aligned(c.bytes) for c in smallest.values())
     if floor > budget:
         raise InvalidArgumentError(f"the size asks for at most {budget:,} bytes of tensors, but the smallest layout "
                                    f"of this model takes {floor:,}")
 
     def pick(lam: float) -> dict[str, Choice]:
-        return {n: min(choices[n], key=lambda c: (c.cost + lam * pad(c.bytes), pad(c.bytes))) for n in names}
+        return {n: min(choices[n], key=lambda c: (c.cost + lam * aligned(c.bytes), aligned(c.bytes))) for n in names}
 
     def total(sel: dict[str, Choice]) -> int:
-        return sum(pad(c.bytes) for c in sel.values())
+        return sum(aligned(c.bytes) for c in sel.values())
 
     lo, hi = 0.0, 1.0
     while total(pick(hi)) > budget:  # the price of a byte at which the layout fits
@@ -228,7 +225,7 @@ def allocate(choices: dict[str, list[Choice]], budget: int) -> dict[str, Choice]
         for n in names:
             cur = sel[n]
             for c in choices[n]:
-                extra = pad(c.bytes) - pad(cur.bytes)
+                extra = aligned(c.bytes) - aligned(cur.bytes)
                 if 0 < extra <= left and c.cost < cur.cost:
                     gain = (cur.cost - c.cost) / extra
                     if best is None or gain > best[0]:

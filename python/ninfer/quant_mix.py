@@ -22,6 +22,11 @@ FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6
 GGUF_ALIGNMENT = 32
 
 
+def aligned(n: int) -> int:
+    """`n` bytes padded to GGUF's data alignment, as every tensor's data (and the header before them) is."""
+    return -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
+
+
 def use_more_bits(i: int, n: int) -> bool:
     """llama.cpp's choice of the layers that get more bits in the _M mixtures: the first and last eighths and every
     third layer between."""
@@ -96,5 +101,5 @@ def mix_file_bytes(mf: object, mix: str) -> int:
     for t in tensors:
         ty = mix_type(mix, t.name, t.dims, n_layer, tied)
         n = t.n_bytes if ty is None else tensor_bytes(ty, t.dims)
-        total += -(-n // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
+        total += aligned(n)
     return total
