@@ -2,7 +2,7 @@
 //!
 //! # Layers of the formats and kernels
 //!
-//! `quant`, `gsq` and `cpu` are layered: a file imports only files of its own layer or of the layers below it,
+//! `quant`, `gsq`, `kv` and `cpu` are layered: a file imports only files of its own layer or of the layers below it,
 //! and no two files import each other, directly or around a cycle (`layering_tests` checks both on the source).
 //! As in candle's quantized formats, the formats are data and the kernels depend on them, never the reverse.
 //!
@@ -16,7 +16,10 @@
 //!    point.
 //! 4. entry points: `quant/mod.rs` (`dequantize_row`, `quantize_act`, `vec_dot`, ...) and `gsq/mod.rs` (public
 //!    paths, whole-matrix quantization, `ActQ8::from_f32`); both re-export their formats' public types.
-//! 5. `cpu`: ops, matmuls, attention and the layer loop; it may also import `model`, `kv` and the rest.
+//! 5. `kv`: the paged KV cache. `kv::blocks` keeps the books (block tables, free list, reference counts, each
+//!    block's home) and imports only `error`; `kv::cache` is the CPU's storage, which quantizes rows through the
+//!    entry points and executes the books' block copies.
+//! 6. `cpu`: ops, matmuls, attention and the layer loop; it may also import `model` and the rest.
 
 pub mod cpu;
 pub mod error;

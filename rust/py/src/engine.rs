@@ -331,26 +331,8 @@ impl PyEngine {
         tokens: Vec<u32>,
         n_batch: usize,
     ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        if tokens.is_empty() || n_batch == 0 {
-            return Err(PyValueError::new_err("prefill needs at least one token and n_batch >= 1"));
-        }
-        let start = self.kv.seq_len(seq);
         let (model, kv) = (&self.model, &mut self.kv);
-        let logits = py
-            .detach(|| {
-                // Check the whole prompt fits before computing anything.
-                kv.extend(seq, tokens.len())?;
-                kv.truncate(seq, start);
-                let mut last = Vec::new();
-                for chunk in tokens.chunks(n_batch) {
-                    last = model.forward(kv, &[SeqTokens { seq, tokens: chunk }], &[chunk.len() - 1])?;
-                }
-                Ok(last)
-            })
-            .map_err(|e| {
-                self.kv.truncate(seq, start);
-                to_py(e)
-            })?;
+        let logits = py.detach(|| model.prefill(kv, seq, &tokens, n_batch)).map_err(to_py)?;
         Ok(logits.into_pyarray(py))
     }
 
@@ -358,16 +340,26 @@ impl PyEngine {
         self.kv.seq_len(seq)
     }
 
-    /// Keep the first n positions of a sequence (prompt reuse, speculative rollback).
-    fn truncate(&mut self, seq: u32, n: usize) {
-        self.kv.truncate(seq, n)
+    /// Keep the first n positions of a sequence (prompt reuse, speculative rollback). ContextOverflowError only
+    /// when the cut falls inside a block shared with a fork and no block is free for this sequence's own copy.
+    fn truncate(&mut self, seq: u32, n: usize) -> PyResult<()> {
+        self.kv.truncate(seq, n).map_err(to_py)
     }
 
     fn remove(&mut self, seq: u32) {
         self.kv.remove(seq)
     }
 
-    /// (blocks in use, bytes allocated) of the KV cache.
+    /// Make sequence `dst` (replacing what it held) the first `n` positions of sequence `src`, sharing src's
+    /// whole KV blocks and copying a partial last one, so a prompt prefix computed once serves several sequences;
+    /// both then grow independently. InvalidArgumentError if src holds fewer than n positions or dst is src,
+    /// ContextOverflowError if a block is needed and none is free (nothing changed on either error).
+    fn fork(&mut self, py: Python<'_>, src: u32, dst: u32, n: usize) -> PyResult<()> {
+        let kv = &mut self.kv;
+        py.detach(|| kv.fork(src, dst, n)).map_err(to_py)
+    }
+
+    /// (blocks in use, bytes allocated) of the KV cache; a block shared by forked sequences counts once.
     fn kv_usage(&self) -> (usize, usize) {
         (self.kv.blocks_in_use(), self.kv.allocated_bytes())
     }

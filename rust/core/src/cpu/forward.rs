@@ -57,6 +57,30 @@ impl Model {
         self.forward_from(kv, batch, None, logit_rows)
     }
 
+    /// Append a prompt to `seq` in forward passes of at most `n_batch` tokens; returns the logits of its last token
+    /// [n_vocab]. Fails before computing anything if the whole prompt does not fit, and leaves `seq` as it was on
+    /// any error.
+    pub fn prefill(&self, kv: &mut KvCache, seq: SeqId, tokens: &[u32], n_batch: usize) -> Result<Vec<f32>> {
+        if tokens.is_empty() || n_batch == 0 {
+            return Err(Error::InvalidArgument("prefill needs at least one token and n_batch >= 1".into()));
+        }
+        kv.check_extend(seq, tokens.len())?;
+        let start = kv.seq_len(seq);
+        let mut last = Vec::new();
+        for chunk in tokens.chunks(n_batch) {
+            match self.forward(kv, &[SeqTokens { seq, tokens: chunk }], &[chunk.len() - 1]) {
+                Ok(logits) => last = logits,
+                Err(e) => {
+                    // As in forward_from: back to a length the sequence had, which cannot fail.
+                    let undone = kv.truncate(seq, start);
+                    debug_assert!(undone.is_ok());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(last)
+    }
+
     /// `forward` for a model whose first layers ran elsewhere (the GPU): `hidden` holds the residual stream
     /// entering this model's first layer, [total tokens, n_embd]; the tokens only give the batch its shape.
     pub fn forward_hidden(
@@ -111,7 +135,10 @@ impl Model {
                 }
                 Err(e) => {
                     for &(seq, start) in grown.iter().rev() {
-                        kv.truncate(seq, start);
+                        // Back to a length the sequence had: it ends in a full block or in its own partial one
+                        // (never shared), so this copies nothing and cannot fail.
+                        let undone = kv.truncate(seq, start);
+                        debug_assert!(undone.is_ok());
                     }
                     return Err(e);
                 }

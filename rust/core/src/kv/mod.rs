@@ -1,0 +1,17 @@
+//! Paged KV cache (ARCHITECTURE.md, decision 4).
+//!
+//! Storage is a pool of fixed-size blocks of `block_size` token positions. One block id covers every layer (each
+//! layer has its own K and V buffers for it), and each sequence has a block table: position p of a sequence lives
+//! in block `table[p / block_size]`, slot `p % block_size`. Several sequences share the pool, and may share blocks
+//! (a forked prompt prefix); truncation (speculative rollback, prompt reuse) returns whole blocks at once.
+//!
+//! Two parts, one job each: `blocks::BlockManager` keeps the books (tables, free list, reference counts, each
+//! block's home) and knows no bytes; a backend keeps the storage and executes the `BlockCopy`s the books hand it.
+//! `cache::KvCache` is the CPU's storage; the CUDA backend holds its page pools in Python over the same books
+//! (`ninfer._core.BlockManager`).
+
+pub mod blocks;
+pub mod cache;
+
+pub use blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
+pub use cache::{KvCache, KvConfig};
