@@ -1,6 +1,7 @@
 //! The `ninfer._core` extension: a thin layer over ninfer-core. Each file converts arguments, releases the GIL
 //! around the work, and maps errors through errors.rs; no logic of its own.
 
+mod blocks;
 mod engine;
 mod errors;
 mod gguf;
@@ -15,6 +16,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     gguf::register(m)?;
     engine::register(m)?;
+    blocks::register(m)?;
     sampler::register(m)?;
     quant::register(m)?;
     gsq::register(m)?;
