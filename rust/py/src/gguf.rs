@@ -11,6 +11,9 @@ use pyo3::IntoPyObjectExt;
 
 use crate::errors::to_py;
 
+/// One row of `GgufFile.tensors()`: (name, type id, type name, dims in GGML order, absolute offset, bytes).
+type TensorEntry = (String, u32, &'static str, Vec<u64>, u64, u64);
+
 #[pyclass(name = "GgufFile", module = "ninfer._core", frozen)]
 pub struct PyGgufFile {
     pub inner: Arc<GgufFile>,
@@ -106,7 +109,7 @@ impl PyGgufFile {
     }
 
     /// The tensor index: (name, type id, type name, dims in GGML order, absolute offset, bytes) per tensor.
-    fn tensors(&self) -> Vec<(String, u32, &'static str, Vec<u64>, u64, u64)> {
+    fn tensors(&self) -> Vec<TensorEntry> {
         self.inner
             .tensors
             .iter()
