@@ -427,9 +427,8 @@ def test_rms_norm_rows_equals_cpu(rows: int, n: int, add: bool) -> None:
 
 
 def test_greedy_head_launch_takes_a_warp_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuda_ops.gemv's k-split (no GPU): the greedy output head (MODE_ARGMAX) one warp a row, GEMV_HEAD_KS
-    overriding it (0: gemv_k_split's rule), every other mode of the same shape gemv_k_split's two warps for 5,120
-    columns."""
+    """cuda_ops.gemv's k-split (no GPU): the greedy output head (MODE_ARGMAX) one warp a row, every other mode of
+    the same shape gemv_k_split's two warps for 5,120 columns."""
     from types import SimpleNamespace
 
     from ninfer.backends import cuda_ops as K
@@ -441,16 +440,13 @@ def test_greedy_head_launch_takes_a_warp_a_row(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(K, "resident_blocks", lambda fn, threads, smem: 264)
     monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append(int(args[10])))
 
-    def k_split(mode: int, defines: list[str]) -> int:
-        monkeypatch.setattr(K, "_DEFINES", defines)
+    def k_split(mode: int) -> int:
         assert K.gemv(ACT_Q8_K, 0, 1, 152064, 5120, 1, 2, 1e-6, mode, best=3) is False
         return seen.pop()
 
     assert K.gemv_k_split(5120) == 2
-    assert k_split(K.MODE_ARGMAX, []) == K.GEMV_HEAD_K_SPLIT == 1
-    assert k_split(K.MODE_STORE, []) == 2
-    assert k_split(K.MODE_ARGMAX, ["-DGEMV_HEAD_KS=4"]) == 4
-    assert k_split(K.MODE_ARGMAX, ["-DGEMV_HEAD_KS=0"]) == 2
+    assert k_split(K.MODE_ARGMAX) == K.GEMV_HEAD_K_SPLIT == 1
+    assert k_split(K.MODE_STORE) == 2
 
 
 @needs_cuda

@@ -1,7 +1,6 @@
-"""The streamed GEMV (kernels/gemv_stream.cu): the launcher's rules and trial arguments (no GPU needed), the trace's
-analysis, and on an sm_90 GPU the kernel against the CPU's scalar reference in every mode and shape, and a
-32B-shape model through it against the CPU. `bash scripts/gpu-check trialtests` runs this file once per trial
-build."""
+"""The streamed GEMV (kernels/gemv_stream.cu): the launcher's rules and arguments (no GPU needed), its build's
+registers (NVRTC, no GPU needed), and on an sm_90 GPU the kernel against the CPU's scalar reference in every mode
+and shape, and a 32B-shape model through it against the CPU."""
 
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ def test_streamed_gemv_only_where_its_walk_fills_its_rounds() -> None:
     assert gsq_stream_walk_fill(5120, 1, 5) == 1.0 and gsq_stream_lane_records(5120, 1) == 5  # 32B: 80 records
     assert gsq_stream_walk_fill(27648, 4, 5) == 432 / 640 and gsq_stream_walk_fill(27648, 4, 4) == 432 / 512
     assert gsq_stream_lane_records(27648, 4) == 4  # the 32B down projection split four ways
-    assert gsq_stream_lane_records(27648, 4, ["-DGEMV_STREAM_PICK_U=0"]) == 5
     assert gsq_stream_walk_full(5120, 1) and gsq_stream_walk_full(27648, 4)
     assert gsq_stream_walk_full(10240, 1) and gsq_stream_walk_full(10240, 2)
     assert gsq_stream_walk_full(4096, 1) and gsq_stream_walk_full(8192, 1)  # 64 records: one round of 4 a lane
@@ -65,46 +63,23 @@ def test_stream_consumers_for_one_round_of_row_groups() -> None:
     assert stream_consumers_one_round(2560, 4, 4, 132, 1024) == 0  # rows split four ways: 80 warps
 
 
-def test_streamed_kernel_takes_no_trace_argument_by_default() -> None:
-    """The streamed kernel's trace slot exists only in GEMV_STREAM_TRACE builds; the launcher must pass none
-    otherwise, or every launch's arguments would be misread."""
-    from ninfer.backends import cuda_ops as K
-
-    if any("GEMV_STREAM_TRACE" in d for d in K._DEFINES):
-        pytest.skip("a trace build (NINFER_CUDA_DEFINES)")
-    assert K.stream_trace_arg(K.MODE_STORE, 7168, 5120) == ()
-    assert K.stream_trace_labels == []
-
-
-def test_streamed_kernel_prefetch_and_trace_arguments_match_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launcher's (const u64* pf, int n_pf, int pf_cap), zeros where nothing is asked, and in trace builds
-    (int trace_slot), the slot counting launches from 0, in the kernel's C types."""
+def test_streamed_kernel_prefetch_arguments_match_its_signature() -> None:
+    """The launcher's (const u64* pf, int n_pf, int pf_cap), zeros where nothing is asked, in the kernel's C
+    types."""
     from ninfer.backends import cuda_ops as K
 
     pf = K.stream_prefetch_args((1234, 3, 65536))
     assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
     assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
-    monkeypatch.setattr(K, "stream_trace_labels", [])
-    first, second = K.stream_trace_arg(K.MODE_GLU, 27648, 5120), K.stream_trace_arg(K.MODE_ADD, 5120, 27648)
-    assert [type(a) for a in first + second] == [np.int32, np.int32] and (int(first[0]), int(second[0])) == (0, 1)
-    assert K.stream_trace_labels == ["glu 27648x5120", "add 5120x27648"]
-    # the attention kernel's own slot (kernels/attention.cu), numbered apart
-    monkeypatch.setattr(K, "att_trace_labels", [])
-    slots = K.att_trace_arg("attention_step_hd128_g5") + K.att_trace_arg("attention_step_hd128_g5")
-    assert [type(a) for a in slots] == [np.int32, np.int32] and [int(a) for a in slots] == [0, 1]
-    monkeypatch.setattr(K, "_DEFINES", [])
-    assert K.att_trace_arg("attention_step_hd128_g5") == () and len(K.att_trace_labels) == 2
 
 
 def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda_ops._launch_stream, where gemv() builds gemv_gsq8_stream's arguments: the kernel's fifteen parameters
-    and the prefetch's three in its order and C types, then the trace slot in trace builds only."""
+    and the prefetch's three in its order and C types."""
     from ninfer.backends import cuda_ops as K
 
     seen = []
     monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append((grid, block, args, kw)))
-    monkeypatch.setattr(K, "stream_trace_labels", [])
     u64, i32, f32 = np.uint64, np.int32, np.float32
     base = [u64, i32, i32, i32, u64, u64, f32, i32, i32, i32, i32, i32, u64, u64, i32, u64, i32, i32]
     descs = np.uint64(77)  # (a device array in use; anything the launcher passes through)
@@ -117,12 +92,8 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
         assert [int(a) for a in args[:15]] == [77, 1, 5120, 5120, 11, 0, 0, K.MODE_ADD, 0, 1, 4, 8, 0, 0, 5]
         return [type(a) for a in args], [int(a) for a in args[15:18]]
 
-    monkeypatch.setattr(K, "_DEFINES", [])
     assert launch(prefetch=(3, 4, 5)) == (base, [3, 4, 5])
     assert launch() == (base, [0, 0, 0])
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_TRACE=1"])
-    assert launch() == (base + [i32], [0, 0, 0])
-    assert K.stream_trace_labels == ["add 5120x5120"]
 
 
 def _cubin_script():
@@ -242,9 +213,8 @@ def test_stream_activation_bytes_and_filled_teams() -> None:
 
 def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaEngine._room_grid (no GPU): the streamed q/k/v and output projections take the SMs less one a KV head
-    (attention's blocks at a short depth) and 8 more (K.STREAM_ATT_SLACK; GEMV_STREAM_ATT_SLACK=N sets it), without
-    the slack where it would leave more than a quarter of the SMs, none where even attention's would, and one an SM
-    (0) with GEMV_STREAM_ATT_ROOM=0."""
+    (attention's blocks at a short depth) and K.STREAM_ATT_SLACK (8) more, without the slack where it would leave
+    more than a quarter of the SMs, and none (0: one an SM) where even attention's would."""
     from types import SimpleNamespace
 
     from ninfer.backends import cuda_ops as K
@@ -253,129 +223,12 @@ def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.Monkey
     def grid(sms: int, n_kv: int) -> int:
         return CudaEngine._room_grid(SimpleNamespace(sms=sms, spec={"n_head_kv": n_kv}))
 
-    monkeypatch.setattr(K, "_DEFINES", [])  # (8 SMs of slack, dropped first where they break the quarter rule)
+    assert K.STREAM_ATT_SLACK == 8  # (dropped first where it breaks the quarter rule)
     assert (grid(132, 8), grid(132, 2), grid(132, 25), grid(132, 26), grid(132, 33), grid(132, 34)) == \
         (116, 122, 99, 106, 99, 0)
     assert (grid(46, 4), grid(46, 8), grid(20, 8)) == (42, 38, 0)
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_ROOM=0"])
-    assert grid(132, 8) == 0
-    monkeypatch.setattr(K, "_DEFINES", ["-DGEMV_STREAM_ATT_SLACK=0"])
+    monkeypatch.setattr(K, "STREAM_ATT_SLACK", 0)
     assert (grid(132, 8), grid(132, 33), grid(132, 34)) == (124, 99, 0)
-
-
-def test_stream_trace_timeline_from_a_synthetic_trace() -> None:
-    """backends/stream_trace.py on a hand-made trace (no GPU): two launches of two blocks, the second starting
-    0.5 µs before the first ends; each block's clock64 runs at 2 GHz from its own origin, so stage durations come
-    from one block's clock and the timeline from %globaltimer. A slot whose blocks did not all run is left out."""
-    from ninfer.backends import stream_trace as T
-
-    trace = np.zeros((3, T.TRACE_BLOCKS, len(T.EVENTS), 2), np.uint64)
-    offsets = [0, 100, 500, 1500, 2000, 8000, 9000]  # entry .. last_done, ns after the block's entry
-    for slot, start in ((0, 1000), (1, 10500)):
-        for b in range(2):
-            entry = start + 200 * b
-            for ev, off in enumerate(offsets):
-                t = entry + off + (1000 * b if ev == T.LAST_DONE else 0)
-                trace[slot, b, ev] = (t, 2 * (t - entry) + 777 * (b + 1))
-            trace[slot, b, T.SM] = (b, 2)
-            if slot == 0:  # (a norm prologue: x loaded 300 ns and the scale 700 ns after the dependency wait;
-                # the first chunk seen landed at the scale's mark, 1.1 µs after it was asked)
-                for ev, off in ((T.X_LOADED, 800), (T.SCALED, 1200), (T.LANDED, 1200)):
-                    trace[slot, b, ev] = (entry + off, 2 * off + 777 * (b + 1))
-    trace[2, 0, T.SM] = (0, 2)
-    trace[2, 0, T.ENTRY] = (50000, 1)  # block 1 of slot 2 never ran
-    launches = T.summarize(trace, ["store 8x256", "add 8x256", "store 8x256"])
-    assert [ln.label for ln in launches] == ["store 8x256", "add 8x256"]
-    a, b = launches
-    assert (a.start_ns, a.end_ns, a.end_spread_ns, a.entry_spread_ns) == (1000, 11200, 1200, 200)
-    assert a.dep_wait_ns == 1600  # (the median of the blocks past grid_dep_wait at 1500 and 1700)
-    assert b.start_ns == 10500
-    assert a.cycles == {"asked": 200, "dep_wait": 1000, "prologue": 2000, "first_chunk": 1000, "compute": 12000,
-                        "compute_last": 15000, "x_load": 600, "norm_sum": 800, "quantize": 600, "landed": 2200}
-    assert all(np.isnan(b.cycles[k]) for k in ("x_load", "norm_sum", "quantize", "landed"))  # (no norm prologue;
-    assert (a.unlanded, b.unlanded) == (0.0, 1.0)  # the second launch's first chunks not landed by its end)
-    assert T.clock_ghz(trace, 2) == pytest.approx(2.0)
-    assert T.timer_step_ns(trace, 3) == 200
-    rows = {r["label"]: r for r in T.per_kind([launches], 2.0)}
-    assert rows["add 8x256"]["gap"] == pytest.approx(-0.7)  # 10.5 µs against the first's end at 11.2
-    assert np.isnan(rows["store 8x256"]["gap"])  # (the first launch has no predecessor)
-    assert rows["store 8x256"]["span"] == pytest.approx(10.2)
-    assert rows["store 8x256"]["prologue"] == pytest.approx(1.0)
-    assert rows["store 8x256"]["compute_last"] == pytest.approx(7.5)
-    assert (rows["store 8x256"]["landed"], rows["add 8x256"]["unlanded"]) == (pytest.approx(1.1), 1.0)
-    apart = {r["label"]: r for r in T.per_kind([[a], [b]], 2.0)}  # two graphs: no gap between them
-    assert np.isnan(apart["add 8x256"]["gap"]) and apart["add 8x256"]["span"] == pytest.approx(10.2)
-
-
-def test_sm_lateness_tells_a_slow_sm_from_noise() -> None:
-    """stream_trace.sm_lateness on hand-made launches of four blocks: SM 2 always ends 300 ns after the others
-    (a fixed lateness: spread between SMs, halves that agree), the blocks change SMs between launches, and a
-    launch-to-launch wobble of 40 ns shows as an SM's own spread."""
-    from ninfer.backends import stream_trace as T
-
-    trace = np.zeros((6, T.TRACE_BLOCKS, len(T.EVENTS), 2), np.uint64)
-    launches = []
-    for slot in range(6):
-        for b in range(4):
-            sm = (b + slot) % 4
-            end = 10_000 + (300 if sm == 2 else 0) + (40 if slot % 2 else 0) * (sm == 1)
-            trace[slot, b, T.SM] = (sm, 4)
-            trace[slot, b, T.ENTRY, 0], trace[slot, b, T.LAST_DONE, 0] = 1000 + 10 * sm, end
-            trace[slot, b, T.DEP_WAIT, 0] = 2000  # (every block past its wait at once: lateness is the work's)
-        launches.append(T.Launch("glu", 4, 1000, 10_300, 300, 0, 0, {}, 0.0, slot))
-    r = T.sm_lateness(trace, launches)
-    # lateness by SM: even launches (median end 10,000) 0, 0, 300, 0; odd ones (median 10,020) -20, 20, 280, -20
-    assert r["sms"] == 4 and r["same_sm"] == pytest.approx(2 / 6)  # (launches 0 and 4 put block b on SM b)
-    assert r["max_mean"] == pytest.approx(290)
-    assert r["between"] == pytest.approx(np.std([-10, 10, 290, -10]))
-    assert r["within"] == pytest.approx(10)
-    assert r["halves"] > 0.99
-    assert r["busy_corr"] == pytest.approx(1.0)  # (the same wait for all: an SM's lateness is its work's time)
-    assert abs(r["entry_corr"]) < 0.5  # (entries 10 ns apart by SM id, unrelated to SM 2's lateness)
-    assert T.sm_lateness(trace, launches[:3]) == {}  # (too few launches to say)
-
-
-def test_attention_on_the_timeline_from_a_synthetic_trace() -> None:
-    """backends/stream_trace.py's attention part on a hand-made trace (no GPU): two blocks with keys of one launch
-    and one launch no block recorded fully; the boundaries against hand-made q/k/v and output projection launches."""
-    from ninfer.backends import stream_trace as T
-
-    att = np.zeros((2, T.ATT_TRACE_BLOCKS, len(T.ATT_EVENTS)), np.uint64)
-    att[0, 0] = [20_000, 20_500, 22_000, 23_000, 25_000, 26_000, 21_500, 8]  # (dry pass done at 21,500; SM 7)
-    att[0, 9] = [21_000, 21_700, 22_200, 23_400, 25_800, 26_600, 0, 1]  # (block 9: split 1 of 8 KV heads; SM 0)
-    att[1, 3, :3] = [1, 2, 3]  # (never reached its end)
-    a, none = T.summarize_attention(att, range(2))
-    assert none is None and (a.blocks, a.start_ns, a.end_ns) == (2, 20_000, 26_600)
-    assert a.stages == {"before_wait": 600, "dep_wait": 1000, "rope": 1100, "keys": 2200, "out": 900}
-    assert (a.entry_ns, a.dry_ns, a.wait_ns) == (20_500, 21_500, 22_100)
-    assert (a.last_entry_ns, a.last_dry_ns, a.last_wait_ns, a.last_sm) == (21_000, 21_500, 22_200, 0)
-
-    def launch(end_ns: int, dep_wait_ns: int) -> T.Launch:
-        return T.Launch("x", 132, 0, end_ns, 0, 0, dep_wait_ns, {})
-
-    b = T.attention_boundaries([(launch(19_000, 0), a, launch(40_000, 27_600)), (launch(0, 0), None, launch(0, 0))])
-    assert b["layers"] == 1 and b["qkv_end_to_entry"] == pytest.approx(1.0)
-    assert (b["qkv_end_to_median_entry"], b["qkv_end_to_dry_done"], b["qkv_end_to_wait"]) == pytest.approx(
-        (1.5, 2.5, 3.1))
-    assert (b["qkv_end_to_last_entry"], b["qkv_end_to_last_dry_done"], b["qkv_end_to_last_wait"],
-            b["qkv_end_to_end"]) == pytest.approx((2.0, 2.5, 3.2, 7.6))
-    assert b["keys"] == pytest.approx(2.2) and b["span"] == pytest.approx(6.6)
-    assert b["end_to_o_wait"] == pytest.approx(1.0)
-    assert T.attention_boundaries([(launch(0, 0), None, launch(0, 0))]) == {}
-    att[0, 0, 6] = 0  # (no block ran a dry pass: NaN, not a time)
-    b = T.attention_boundaries([(launch(19_000, 0), T.summarize_attention(att, range(1))[0], launch(40_000, 0))])
-    assert np.isnan(b["qkv_end_to_dry_done"]) and b["qkv_end_to_wait"] == pytest.approx(3.1)
-    assert np.isnan(b["qkv_end_to_last_dry_done"])
-
-    # The latest block's SM: the launch before q/k/v (slot 1 of a streamed trace, two blocks, on SMs 5 and 0)
-    trace = np.zeros((2, T.TRACE_BLOCKS, len(T.EVENTS), 2), np.uint64)
-    trace[1, :2, T.SM, 0] = [5, 0]
-    trace[1, :2, T.LAST_DONE, 0] = [18_000, 20_700]
-    down = T.Launch("add 5120x27648", 2, 0, 20_700, 0, 0, 0, {}, slot=1)
-    assert T.sm_block_ends(trace, down) == {5: 18_000, 0: 20_700}
-    sm = T.latest_block_sm([(T.sm_block_ends(trace, down), launch(19_000, 0), a), ({5: 1}, launch(0, 0), a)])
-    assert sm == pytest.approx({"layers": 1, "sm_freed_after_qkv_end": 1.7, "entry_after_sm_freed": 0.3})
-    assert T.latest_block_sm([({}, launch(0, 0), a), ({0: 1}, launch(0, 0), None)]) == {}
 
 
 @needs_cuda
@@ -456,21 +309,19 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
 def test_streamed_q6k_head_only_for_a_vocabulary_sized_q6k_head() -> None:
     """cuda_ops.q6k_stream_shape (no GPU): a Q6_K matrix of a vocabulary's rows (not a layer's Q6_K product)
     storing logits or taking their argmax (not a residual add), whose rows the lanes walk in whole rounds (the 32B
-    head's 5,120 columns, not the 1.5B's 1,536, which measured slower streamed); GEMV_HEAD_STREAM=0 turns it off."""
+    head's 5,120 columns, not the 1.5B's 1,536, which measured slower streamed)."""
     from ninfer.backends import cuda_ops as K
 
     shape = K.q6k_stream_shape
     with pytest.raises(ValueError, match="not mode 1"):
         K.gemv_q6k_stream(0, 152064, 5120, 0, 0, 1e-6, K.MODE_ADD)
-    assert shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, []) and shape(K.T_Q6_K, 152064, 5120, K.MODE_STORE, [])
-    assert not shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX, ["-DGEMV_HEAD_STREAM=0"])
-    assert not shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX, [])
-    assert shape(K.T_Q6_K, 151936, 2560, K.MODE_ARGMAX, [])  # (10 super-blocks: one round)
-    assert not shape(K.T_Q6_K, 5120, 27648, K.MODE_ADD, [])  # (a down projection)
-    assert not shape(K.T_Q6_K, 152064, 5120, K.MODE_ADD, [])
-    assert not shape(12, 152064, 5120, K.MODE_ARGMAX, [])  # Q4_K
-    assert not shape(K.T_Q6_K, K.Q6K_STREAM_MIN_ROWS - 1, 5120, K.MODE_STORE, [])
-    assert shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX, ["-DGEMV_Q6K_STREAM_U=3"])  # (6 super-blocks, 3 a lane)
+    assert shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX) and shape(K.T_Q6_K, 152064, 5120, K.MODE_STORE)
+    assert not shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX)
+    assert shape(K.T_Q6_K, 151936, 2560, K.MODE_ARGMAX)  # (10 super-blocks: one round)
+    assert not shape(K.T_Q6_K, 5120, 27648, K.MODE_ADD)  # (a down projection)
+    assert not shape(K.T_Q6_K, 152064, 5120, K.MODE_ADD)
+    assert not shape(12, 152064, 5120, K.MODE_ARGMAX)  # Q4_K
+    assert not shape(K.T_Q6_K, K.Q6K_STREAM_MIN_ROWS - 1, 5120, K.MODE_STORE)
 
 
 def test_q6k_planar_rows_hold_each_field_of_every_block_in_its_own_run() -> None:
@@ -572,47 +423,3 @@ def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: 
     differ = [i for i in range(24) if gpu[i] != cpu[i]]
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
     assert len(differ) <= 3, differ
-
-
-@needs_cuda
-def test_trace_build_puts_attention_on_the_timeline(tmp_path: Path) -> None:
-    """GEMV_STREAM_TRACE builds: decode steps of the two-layer 32B-shape model leave, for every attention launch of
-    a step, its blocks' six stages in order on the GPU's timer and their dry pass done between their entry and
-    their grid_dep_wait, after the q/k/v launch began and before the output projection's blocks are past their
-    dependency wait, and the SMs blocks ran on (what dev/stream-trace reads)."""
-    import ninfer
-    from ninfer.backends import cuda_ops as K
-    from ninfer.backends import stream_trace as T
-
-    if not K._define("GEMV_STREAM_TRACE", 0):
-        pytest.skip("not a GEMV_STREAM_TRACE build (NINFER_CUDA_DEFINES)")
-    path = write_synthetic(tmp_path / "q32.gguf", "qwen2.5-32b", "GSQ3", n_layer=2, seed=13)
-    eng = ninfer.LLM(path, n_ctx=512, device="cuda")._engine
-    greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
-    eng.prefill(0, [17, 400, 9000], 512)
-    att_first, first = len(K.att_trace_labels), len(K.stream_trace_labels)
-    eng.step(0, 5, greedy)  # (the first decode step runs uncaptured, then captures: its slots' last writes)
-    import cupy as cp
-
-    cp.cuda.Device().synchronize()
-    spec = eng.spec
-    slots = range(att_first, len(K.att_trace_labels))
-    att = T.read_att_trace(spec["head_dim"], spec["n_head"] // spec["n_head_kv"], len(K.att_trace_labels))
-    done = [a for a in T.summarize_attention(att, slots) if a is not None]
-    assert len(done) == len(slots) and len(slots) >= 2
-    for a in done:
-        assert a.blocks >= spec["n_head_kv"] and a.end_ns > a.start_ns
-        assert all(v >= 0 for v in a.stages.values())
-        # (a few keys: one split, so every block ran its dry pass before grid_dep_wait; the wait may return in
-        # the timer's same tick where q/k/v had ended by then)
-        assert a.entry_ns < a.dry_ns <= a.wait_ns
-    launches = T.summarize(T.read_trace(len(K.stream_trace_labels)), K.stream_trace_labels,
-                           range(first, len(K.stream_trace_labels)))
-    qkv, o = launches[0], launches[1]  # (the first layer's q/k/v and output projection)
-    a = T.summarize_attention(att, range(att_first, att_first + 1))[0]
-    assert qkv.start_ns < a.start_ns and a.end_ns <= o.dep_wait_ns
-    # the SMs: attention's latest block's and one per block of a streamed launch (one block an SM)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    assert 0 <= a.last_sm < sms
-    ends = T.sm_block_ends(T.read_trace(len(K.stream_trace_labels)), qkv)
-    assert len(ends) == qkv.grid and all(0 <= sm < sms for sm in ends) and max(ends.values()) == qkv.end_ns

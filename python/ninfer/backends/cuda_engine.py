@@ -634,18 +634,14 @@ class CudaEngine:
         """Blocks for the streamed launches on either side of attention, q/k/v and the output projection
         (cuda_ops.gemv max_grid; 0: one an SM): the SMs less those attention's blocks take (at a short depth one
         block a KV head) and K.STREAM_ATT_SLACK more. The output projection's blocks, one an SM, then all start
-        together instead of some waiting for an attention block to leave its SM (H200, 32B GSQ3 tg128 175.7 / 175.3
-        against 174.5 / 174.3 t/s, 8 of 132 SMs left; 2026-12-02); and attention's blocks start on their free SMs
-        under q/k/v and run their code once before its results land (kernels/attention.cu, the dry pass: 179.1 /
-        179.2 against 177.5 / 177.2). The slack: q/k/v's blocks take the first SMs the previous down projection's
-        blocks leave and attention's the next, so attention no longer waits for the down projection's slowest
-        blocks (its latest block past its wait 0.5 µs after q/k/v's end instead of 2.5-4.9; 185.5 against 185.2
-        t/s, docs/journal/gsq-rco-gpu.md). Not where that would take more than a quarter of the SMs (the slack goes
-        first); GEMV_STREAM_ATT_ROOM=0 (NINFER_CUDA_DEFINES) turns it off, GEMV_STREAM_ATT_SLACK=N sets the slack."""
+        together instead of some waiting for an attention block to leave its SM; and attention's blocks start on
+        their free SMs under q/k/v and run their code once before its results land (kernels/attention.cu, the dry
+        pass). The slack: q/k/v's blocks take the first SMs the previous down projection's blocks leave and
+        attention's the next, so attention no longer waits for the down projection's slowest blocks (each measured
+        faster on the H200, docs/journal/gsq-rco-gpu.md). Not where that would take more than a quarter of the SMs
+        (the slack goes first)."""
         n_kv = self.spec["n_head_kv"]
-        if not K._define("GEMV_STREAM_ATT_ROOM", 1):
-            return 0
-        for slack in (K._define("GEMV_STREAM_ATT_SLACK", K.STREAM_ATT_SLACK), 0):
+        for slack in (K.STREAM_ATT_SLACK, 0):
             if 4 * (n_kv + slack) <= self.sms:
                 return self.sms - n_kv - slack
         return 0
@@ -683,7 +679,7 @@ class CudaEngine:
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
         group = s["n_head"] // s["n_head_kv"]
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
-        pf_cap = K._define("GEMV_STREAM_PREFETCH_CAP", K.STREAM_PREFETCH_CAP)
+        pf_cap = K.STREAM_PREFETCH_CAP
         room = self._room_grid()
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]

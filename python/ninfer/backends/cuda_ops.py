@@ -8,8 +8,6 @@ type of the kernel's parameter here."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ninfer.backends import launch
@@ -24,44 +22,32 @@ GEMV_HEAD_K_SPLIT = 1  # warps a row of the greedy output head's launch (gemv)
 WARP_LANES = 32
 ATT_WARPS, MAX_GROUP = 8, 8  # kernels/attention.cu
 
-# The kernels' compile-time switches given in NINFER_CUDA_DEFINES (A/B runs), where the launcher must agree.
-_DEFINES = os.environ.get("NINFER_CUDA_DEFINES", "").split()
+# Launches whose 3-bit GSQ-RCO rows go by lane pairs (gsq_pairs): at least this many 32-weight units a row and rows.
+GEMV_GSQ_PAIRS_MIN_UNITS = 128
+GEMV_GSQ_PAIRS_MIN_ROWS = 4096
 
 
-def _define(name: str, default: int, defines: list[str] | None = None) -> int:
-    """A compile-time switch as NINFER_CUDA_DEFINES (or `defines`) gives it, for the launch rules that mirror one."""
-    defs = _DEFINES if defines is None else defines
-    return next((int(d.split("=")[1]) for d in defs if d.startswith(f"-D{name}=")), default)
-
-
-def gsq_pairs(n_cols: int, total_rows: int, defines: list[str] | None = None) -> bool:
+def gsq_pairs(n_cols: int, total_rows: int) -> bool:
     """Whether a launch's 3-bit GSQ-RCO rows (64-byte records) go by lane pairs (kernels/gemv.cu
     gemv_gsq8_pairs, or gemv_stream.cu where gsq_stream() says): launches of at least GEMV_GSQ_PAIRS_MIN_UNITS
-    32-weight units a row and GEMV_GSQ_PAIRS_MIN_ROWS rows (4,096 and 4,096: every product of the 32B shape, none of
-    the 1.5B's; H200, synthetic GSQ3 tg128: the 1.5B shape's products by pairs 724-730 against 738-740 by units),
-    never with GEMV_GSQ_PAIRS=0. The names are given like the kernels' compile-time switches (`defines`,
-    NINFER_CUDA_DEFINES's by default) so an A/B run sets them in one place, but only this rule reads them."""
-    return bool(_define("GEMV_GSQ_PAIRS", 1, defines)) \
-        and n_cols >= 32 * _define("GEMV_GSQ_PAIRS_MIN_UNITS", 128, defines) \
-        and total_rows >= _define("GEMV_GSQ_PAIRS_MIN_ROWS", 4096, defines)
+    32-weight units a row and GEMV_GSQ_PAIRS_MIN_ROWS rows, that is every product of the 32B shape and none of the
+    1.5B's, whose smaller products measured slower by pairs than by units on the H200
+    (docs/journal/gsq-rco-gpu.md)."""
+    return n_cols >= 32 * GEMV_GSQ_PAIRS_MIN_UNITS and total_rows >= GEMV_GSQ_PAIRS_MIN_ROWS
 
 
 GEMV_STREAM_WARPS = 24  # consumer warps a block of kernels/gemv_stream.cu (plus its producer warp)
 # Consumer warps that share a ring slot (a chunk of rows); the teams take slots in turn. Six teams of four beat
-# three of eight end to end on the H200 (32B GSQ3 tg128 131.0 against 126.8 t/s; docs/journal/gsq-rco-gpu.md
-# "Team shapes").
+# three of eight end to end on the H200 (docs/journal/gsq-rco-gpu.md "Team shapes").
 GEMV_STREAM_TEAM = 4
 GEMV_STREAM_LONG_WARPS = 16  # consumers where a launch's warps take two rounds or more (stream_consumers_for_rounds)
 GEMV_STREAM_MAX_STAGES = 8  # kernels/gemv_stream.cu
-GEMV_STREAM_FILL_CAP = 5  # teams at most where a launch takes a team a ring slot (gemv: GEMV_STREAM_FILL_TEAMS)
+GEMV_STREAM_FILL_CAP = 5  # teams at most where a launch takes a team a ring slot (gemv, stream_fill_teams)
 GEMV_STREAM_U = 5  # kernels/gemv_stream.cu: records a lane loads from shared memory before it computes any
 GEMV_STREAM_U_ALT = 4  # kernels/gemv_stream.cu: the other choice, for rows whose walk it fills better
+QUANT_ACT_BLOCK = 1024  # kernels/norm.cu QUANT_ACT_BLOCK: elements a block of quant_act
 STREAM_PREFETCH_CAP = 65536  # bytes a block of each matrix a streamed launch asks L2 for on a later launch's behalf
 STREAM_ATT_SLACK = 8  # SMs q/k/v and the output projection leave free besides attention's (CudaEngine._room_grid)
-# GEMV_STREAM_TRACE builds (dev/stream-trace): each streamed launch's label, by its trace slot (launch order),
-# and each attention launch's (kernels/attention.cu keeps a trace of its own)
-stream_trace_labels: list[str] = []
-att_trace_labels: list[str] = []
 
 
 def gsq_stream_walk_fill(n_cols: int, ks: int, u: int) -> float:
@@ -74,14 +60,11 @@ def gsq_stream_walk_fill(n_cols: int, ks: int, u: int) -> float:
     return tasks / (-(-tasks // per_round) * per_round)
 
 
-def gsq_stream_lane_records(n_cols: int, ks: int, defines: list[str] | None = None) -> int:
+def gsq_stream_lane_records(n_cols: int, ks: int) -> int:
     """Records a lane of the streamed kernel takes a round: GEMV_STREAM_U, or GEMV_STREAM_U_ALT where that fills
-    the walk better (the 32B down projection: 84% against 68%, so about a fifth less of its loop is padding; the
-    5,120-wide products stay at 5, exactly full). H200: that down projection alone 28.8 µs (32.9 with 5 in an
-    earlier call), 32B GSQ3 tg128 137.7 / 138.1 against 134.9 / 134.3 t/s (2026-12-02). GEMV_STREAM_PICK_U=0 in
-    NINFER_CUDA_DEFINES keeps 5 everywhere (an A/B switch)."""
-    if _define("GEMV_STREAM_PICK_U", 1, defines) and \
-            gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U_ALT) > gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U):
+    the walk better (the 32B down projection: 84% against 68%, so about a fifth less of its loop is padding, which
+    measured faster alone and in the decode step; the 5,120-wide products stay at 5, exactly full)."""
+    if gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U_ALT) > gsq_stream_walk_fill(n_cols, ks, GEMV_STREAM_U):
         return GEMV_STREAM_U_ALT
     return GEMV_STREAM_U
 
@@ -90,24 +73,20 @@ def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
     """Whether the streamed kernel's walk over a row fills at least two thirds of its rounds' slots
     (gsq_stream_walk_fill, with gsq_stream_lane_records' choice). The 32B shape's 5,120-wide products fill theirs
     exactly (rows of 40 records, 8 pairs, 5 a lane) and its down projection, split four ways, 68% by 5 records
-    a lane: alone it was no faster streamed (32.9 against the pair kernel's 32.5 µs), but in the decode step it
-    is, its weights arriving before quant_act's result does (H200, 32B GSQ3 tg128 134.6 / 134.8 against 132.5 /
-    132.2 t/s; docs/journal/gsq-rco-gpu.md). A 5,376-wide row (Gemma-3-27B) fills 52% by 5 and 66% by 4, and keeps
+    a lane: alone it was no faster streamed than by the pair kernel, but in the decode step it is, its weights
+    arriving before quant_act's result does (docs/journal/gsq-rco-gpu.md). A 5,376-wide row (Gemma-3-27B) fills 52% by 5 and 66% by 4, and keeps
     the pair kernel, which skips the empty slots (a rule from the loop's shape, not measured there)."""
     return 3 * gsq_stream_walk_fill(n_cols, ks, gsq_stream_lane_records(n_cols, ks)) >= 2
 
 
-def gsq_stream(mode: int, defines: list[str] | None = None) -> bool:
+def gsq_stream(mode: int) -> bool:
     """Whether a lane-pair launch (gsq_pairs) may stream its weights into shared memory by the bulk-copy engine
-    (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's, unless GEMV_GSQ_STREAM=0.
-    gemv() then takes it where the walk fills its rounds (gsq_stream_walk_full: every product of the 32B shape).
-    H200, `dev/gemv-bench --gsq --pdl --shapes 32b`, µs by the pair kernel and streamed with 24 consumers in
-    teams of 4: q/k/v 14.84 / 14.81, o 12.50 / 9.09, gate/up 51.12 / 44.72, down 32.49 / 32.92; 32B GSQ3 tg128
-    132.4 against the pair kernel's 123.7 t/s in earlier calls)."""
+    (kernels/gemv_stream.cu): on sm_90 and later, in every mode but the argmax head's. gemv() then takes it where
+    the walk fills its rounds (gsq_stream_walk_full: every product of the 32B shape), where the streamed kernel
+    beat the pair kernel alone (`dev/gemv-bench --gsq --pdl --shapes 32b`) and end to end."""
     import cupy as cp
 
-    return bool(_define("GEMV_GSQ_STREAM", 1, defines)) and mode != MODE_ARGMAX \
-        and int(cp.cuda.Device().compute_capability) >= 90
+    return mode != MODE_ARGMAX and int(cp.cuda.Device().compute_capability) >= 90
 
 
 def gemv_stream_plan(fn, n_cols: int, groups: int, team: int = GEMV_STREAM_TEAM, k_split: int = 0,
@@ -141,7 +120,7 @@ def stream_act_bytes(n_cols: int) -> int:
 
 
 def stream_fill_teams(fit_stages: int, team: int, max_threads: int, cap: int = 0) -> int:
-    """Teams for a streamed launch that would leave each team one ring slot (GEMV_STREAM_FILL_TEAMS): as many as
+    """Teams for a streamed launch that would leave each team one ring slot (gemv): as many as
     the slots that fit (a team each), within the kernel's launch bounds (its producer warp included) and `cap`
     (0: none)."""
     n = min(fit_stages, (max_threads // 32 - 1) // team)
@@ -252,18 +231,15 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     (kernels/gemv_stream.cu) where gsq_stream() says, or as `stream` says: False, True, or the compiled
     gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
     max_stages caps its ring's slots, lane_records sets its records a lane (gsq_stream_lane_records' choice by
-    default); GEMV_STREAM_WARPS, GEMV_STREAM_TEAM and GEMV_STREAM_STAGES in NINFER_CUDA_DEFINES or the
-    GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
+    default); the GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
     launch to ask L2 for at its end (prefetch_regions' array; ignored where the streamed kernel does not take the
     launch). max_grid: at most that many blocks for a streamed launch (0: one an SM). True when the streamed kernel
     took the launch."""
     if mode == MODE_ARGMAX and not k_split:
         # The greedy output head: its rows (152,064 in Qwen2.5) fill the GPU many times over, so a warp a row,
-        # not gemv_k_split's two for 5,120 columns (whose halves meet through shared memory). H200, 32B shape's
-        # Q6_K head alone 211.9 -> 176.3 µs (dev/gemv-bench --cases head, variants r2u1w8 and r2u1w8k1;
-        # r4u1w8 201.4, r2u1w16 276.7, r2u2w8 417.8); synthetic 32B GSQ3 tg128 183.77 / 183.80 -> 184.93 / 185.22
-        # t/s (2026-12-02). GEMV_HEAD_KS in NINFER_CUDA_DEFINES: another split (0: gemv_k_split's).
-        k_split = _define("GEMV_HEAD_KS", GEMV_HEAD_K_SPLIT)
+        # not gemv_k_split's two for 5,120 columns (whose halves meet through shared memory): faster alone and end
+        # to end (dev/gemv-bench --cases head; docs/journal/gsq-rco-gpu.md).
+        k_split = GEMV_HEAD_K_SPLIT
     per_warp = rows_per_warp // 2 if mode == MODE_GLU else rows_per_warp  # GLU: a gate and an up row per output
     groups = -(-total_rows // per_warp)
     if stream and not (gsq_pairs and rows_per_warp == GEMV_ROWS_PER_WARP):
@@ -274,40 +250,34 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
         sfn = function("gemv_gsq8_stream") if stream is None or stream is True else stream
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         sms = min(sms, max_grid) if max_grid else sms
-        consumers = warps_per_block or _define("GEMV_STREAM_WARPS", GEMV_STREAM_WARPS)
+        consumers = warps_per_block or GEMV_STREAM_WARPS
         if not warps_per_block:
             consumers = stream_consumers_for_rounds(
-                groups, k_split or gemv_k_split(n_cols, _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM),
-                                                gsq_pairs=True, groups=groups),
-                sms, consumers, _define("GEMV_STREAM_LONG_WARPS", GEMV_STREAM_LONG_WARPS))
-        team = min(consumers, stream_team or _define("GEMV_STREAM_TEAM", GEMV_STREAM_TEAM))
+                groups, k_split or gemv_k_split(n_cols, GEMV_STREAM_TEAM, gsq_pairs=True, groups=groups),
+                sms, consumers, GEMV_STREAM_LONG_WARPS)
+        team = min(consumers, stream_team or GEMV_STREAM_TEAM)
         consumers -= consumers % team  # whole teams
-        stages_cap = max_stages or _define("GEMV_STREAM_STAGES", GEMV_STREAM_MAX_STAGES)
+        stages_cap = max_stages or GEMV_STREAM_MAX_STAGES
         plan = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, consumers // team)
-        if plan is not None and not warps_per_block and _define("GEMV_STREAM_ONE_ROUND", 1):
+        if plan is not None and not warps_per_block:
             # the fewest whole teams that give every warp of the grid one group (a launch with few groups: 32B
-            # q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds. H200, 32B GSQ3
-            # tg128 143.6 / 143.0 against 142.0 / 142.4 t/s (GEMV_STREAM_ONE_ROUND=0 in NINFER_CUDA_DEFINES: off)
+            # q/k/v, 3,584 groups on 132 SMs, 28 consumers instead of 24), within the launch bounds: a second
+            # round of a few groups would cost a whole round's time
             one_round = stream_consumers_one_round(groups, plan[0], team, sms, sfn.max_threads_per_block)
             if one_round > consumers:
                 wider = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, one_round // team)
                 if wider is not None:
                     consumers, plan = one_round, wider
-        fill = _define("GEMV_STREAM_FILL_TEAMS", 1)
-        if plan is not None and not warps_per_block and fill and (plan[1] < 2 * (consumers // team) or fill > 1) \
+        if plan is not None and not warps_per_block and plan[1] < 2 * (consumers // team) \
                 and groups * plan[0] >= 2 * consumers * sms:
             # A launch of several rounds whose teams would get one ring slot each (the 32B down projection's 27.6
             # KB chunks: four teams, four slots) takes a team for every slot that fits instead, up to
-            # GEMV_STREAM_FILL_CAP teams: a team that finishes a chunk no longer waits a whole refill for its next.
-            # H200, 32B GSQ3 tg128 (t/s, 2026-12-02, two calls): four teams 180.25 / 180.05, five 183.77 / 183.46,
-            # six (all that fit) 182.99 / 182.80, seven with a compact activation (a trial, branch
-            # trials-compact-d-warm-rope) 180.80 / 181.72. One-round launches, q/k/v and o, keep their teams: each
-            # team takes about one chunk there; and gate/up, whose teams have two slots each, lost with seven teams
-            # of one (GEMV_STREAM_FILL_TEAMS=2: every launch of several rounds; 180.65 / 180.82).
-            # GEMV_STREAM_FILL_TEAMS=0: off.
+            # GEMV_STREAM_FILL_CAP teams: a team that finishes a chunk no longer waits a whole refill for its next
+            # (five teams beat four, and six, all that fit; docs/journal/gsq-rco-gpu.md). One-round launches, q/k/v
+            # and o, keep their teams: each team takes about one chunk there; and gate/up, whose teams have two
+            # slots each, lost with seven teams of one.
             fit = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, 1)
-            teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block,
-                                      _define("GEMV_STREAM_FILL_CAP", GEMV_STREAM_FILL_CAP)) if fit else 0
+            teams = stream_fill_teams(fit[1], team, sfn.max_threads_per_block, GEMV_STREAM_FILL_CAP) if fit else 0
             filled = gemv_stream_plan(sfn, n_cols, groups, team, k_split, stages_cap, teams) if teams else None
             if filled is not None and teams * team > consumers:
                 consumers, plan = teams * team, filled
@@ -369,12 +339,11 @@ def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_co
                    eps: float, ks: int, team: int, stages: int, pre_q: int, pre_d: int, u: int,
                    prefetch: tuple[int, int, int] | None = None) -> None:
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
-    mode, glu_act), the prefetch's, then the trace slot in GEMV_STREAM_TRACE builds."""
+    mode, glu_act), then the prefetch's."""
     descs, n_mats, total_rows, mode, glu_act = product
     launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
                                              I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_prefetch_args(prefetch),
-                                             *stream_trace_arg(mode, total_rows, n_cols)),
+                                             I(u), *stream_prefetch_args(prefetch)),
                   shared_mem=smem, dependent=True)
 
 
@@ -387,23 +356,21 @@ Q6K_STREAM_U = 5  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_U
 Q6K_STREAM_MAX_WARPS = 17  # kernels/gemv_stream_q6k.cu GEMV_Q6K_STREAM_MAX_WARPS (the producer's included)
 
 
-def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int, defines: list[str] | None = None) -> bool:
+def q6k_stream_shape(type_id: int, rows: int, n_cols: int, mode: int) -> bool:
     """Whether gemv_q6k_stream can take a launch of one matrix of this shape (q6k_stream, less the GPU's check): a
     Q6_K output head (at least Q6K_STREAM_MIN_ROWS rows) storing its logits or taking their argmax, whose rows its
     lanes walk in whole rounds (a half-warp's two super-blocks at a time, U slices a lane: 5,120 columns, 20
-    super-blocks, two rounds). H200 (2026-12-03/04, t/s, two rounds each, three calls): synthetic 32B GSQ3 tg128
-    200.04 / 200.00 against gemv.cu's head 199.00 / 199.06 (the landed kernel: planar rows, no clamps), 199.39 /
-    199.43 (planar rows, clamped) against 198.09 / 198.12, 199.96 / 199.91 (padded blocks) against 199.75 / 199.68;
-    the 1.5B Q4_K_M shape's 1,536-column head (6 super-blocks: rounds 60% full, padded blocks) 958.2 against 982.8,
-    so it keeps gemv.cu's. GEMV_HEAD_STREAM=0 in NINFER_CUDA_DEFINES: never."""
-    return bool(_define("GEMV_HEAD_STREAM", 1, defines)) and type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS \
-        and n_cols % q6k_stream_round(defines) == 0 and mode in (MODE_STORE, MODE_ARGMAX)
+    super-blocks, two rounds). On the H200 it beat gemv.cu's head on the 32B shape; the 1.5B shape's 1,536-column
+    head (6 super-blocks: rounds 60% full) was slower streamed, so it keeps gemv.cu's
+    (docs/journal/gsq-rco-gpu.md)."""
+    return type_id == T_Q6_K and rows >= Q6K_STREAM_MIN_ROWS and n_cols % q6k_stream_round() == 0 \
+        and mode in (MODE_STORE, MODE_ARGMAX)
 
 
-def q6k_stream_round(defines: list[str] | None = None) -> int:
+def q6k_stream_round() -> int:
     """Columns of one round of gemv_q6k_stream's walk over a row, whose rows must be whole rounds (its loop has no
-    clamps): a half-warp's two super-blocks at a time, GEMV_Q6K_STREAM_U slices a lane."""
-    return 2 * 256 * _define("GEMV_Q6K_STREAM_U", Q6K_STREAM_U, defines)
+    clamps): a half-warp's two super-blocks at a time, Q6K_STREAM_U slices a lane."""
+    return 2 * 256 * Q6K_STREAM_U
 
 
 def q6k_stream(type_id: int, rows: int, n_cols: int, mode: int) -> bool:
@@ -429,8 +396,8 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
                     team: int = 0, teams: int = 0, max_stages: int = 0) -> None:
     """The Q6_K head streamed (q6k_stream): out = W . y for the one T_Q6_K_PLANAR matrix in `desc` (mat_descs), y =
     RMSNorm(x) * norm_w quantized as Q8_K in the kernel; MODE_ARGMAX also packs the argmax into `best` (as gemv()).
-    team, teams, max_stages: another shape than Q6K_STREAM_TEAM, Q6K_STREAM_TEAMS (GEMV_HEAD_STREAM_TEAM, _TEAMS
-    in NINFER_CUDA_DEFINES) and the ring's most slots (tests)."""
+    team, teams, max_stages: another shape than Q6K_STREAM_TEAM, Q6K_STREAM_TEAMS and the ring's most slots
+    (tests)."""
     if mode not in (MODE_STORE, MODE_ARGMAX):
         raise ValueError(f"gemv_q6k_stream stores logits or takes their argmax, not mode {mode}")
     if n_cols % q6k_stream_round():
@@ -440,8 +407,8 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
 
     row_bytes = gpu_row_bytes(T_Q6_K_PLANAR, n_cols)
     fn = function("gemv_q6k_stream")
-    team = team or _define("GEMV_HEAD_STREAM_TEAM", Q6K_STREAM_TEAM)
-    teams = teams or _define("GEMV_HEAD_STREAM_TEAMS", Q6K_STREAM_TEAMS)
+    team = team or Q6K_STREAM_TEAM
+    teams = teams or Q6K_STREAM_TEAMS
     if 32 * (team * teams + 1) > fn.max_threads_per_block:
         raise ValueError(f"gemv_q6k_stream takes at most {fn.max_threads_per_block // 32 - 1} consumer warps, not "
                          f"{teams} teams of {team}")
@@ -458,31 +425,12 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
                                             I(team), I(stages)), shared_mem=smem, dependent=True)
 
 
-def stream_trace_arg(mode: int, total_rows: int, n_cols: int) -> tuple:
-    """The streamed kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
-    stream_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""
-    from .stream_trace import TRACE_LAUNCHES
-
-    return _trace_slot(stream_trace_labels, f"{('store', 'add', 'glu', 'argmax')[mode]} {total_rows}x{n_cols}",
-                       TRACE_LAUNCHES)
-
-
-def _trace_slot(labels: list[str], label: str, slots: int) -> tuple:
-    """In GEMV_STREAM_TRACE builds, `label` appended to `labels` and the launch's trace slot (its place there,
-    modulo the kernel's `slots`) as the kernel's int argument; nothing in other builds."""
-    if not _define("GEMV_STREAM_TRACE", 0):
-        return ()
-    labels.append(label)
-    return (I((len(labels) - 1) % slots),)
-
-
 def stream_consumers_for_rounds(groups: int, ks: int, sms: int, consumers: int, long_warps: int) -> int:
     """Consumer warps a block of gemv_gsq8_stream for a launch of `groups` row groups (ks warps each) on `sms` SMs:
     `long_warps` (four teams of four, two ring slots a team) where `consumers` would take two rounds of groups or
-    more (the 32B gate/up and down projections), else `consumers`. H200, synthetic 32B GSQ3 tg128 149.80 / 150.09
-    against 143.55 / 143.29 t/s with 24 everywhere (2026-12-02); alone gate/up 42.2 and down 27.9 µs against 43.1
-    and 28.8, while o and q/k/v, one round, were slower with 16 (10.6 against 9.5 µs). long_warps 0 (the define
-    GEMV_STREAM_LONG_WARPS=0): `consumers` everywhere."""
+    more (the 32B gate/up and down projections), else `consumers` (long_warps 0: `consumers` everywhere). Fewer,
+    longer-lived warps won on those launches alone and end to end, while o and q/k/v, one round, were slower with
+    16 (docs/journal/gsq-rco-gpu.md)."""
     if long_warps and groups * ks >= 2 * consumers * sms:
         return long_warps
     return consumers
@@ -514,10 +462,8 @@ def gsq_pairs_warps(plan_w: tuple[int, int, int], plan_2w: tuple[int, int, int])
 
 
 def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_f: int = 0) -> None:
-    """Quantize a long vector without a norm, QUANT_ACT_BLOCK (1024) elements per block (kernels/norm.cu
-    quant_act)."""
-    per_block = _define("QUANT_ACT_BLOCK", 1024)
-    launch.kernel(function("quant_act"), (-(-n // per_block),), (256,),
+    """Quantize a long vector without a norm, QUANT_ACT_BLOCK elements per block (kernels/norm.cu quant_act)."""
+    launch.kernel(function("quant_act"), (-(-n // QUANT_ACT_BLOCK),), (256,),
                   (P(x), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_f)), dependent=True)
 
 
@@ -603,16 +549,8 @@ def attention(params, rows: int, n_split: int, n_head_kv: int, hd: int, step: bo
     name = f"attention_step_hd{hd}_g{group}" if step else f"attention_hd{hd}_g{group}"
     fn, smem = function(name), attention_smem(hd)
     _allow_smem(fn, smem)  # head dim 256: 82 KB
-    launch.kernel(fn, (n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params, *att_trace_arg(name)),
+    launch.kernel(fn, (n_split, n_head_kv, rows), (32 * ATT_WARPS,), (params,),
                   shared_mem=smem, dependent=True)
-
-
-def att_trace_arg(name: str) -> tuple:
-    """The attention kernel's last argument in GEMV_STREAM_TRACE builds, a launch's trace slot (its place in
-    att_trace_labels, modulo the kernel's buffer); none in other builds, whose kernel has no such argument."""
-    from .stream_trace import ATT_TRACE_LAUNCHES
-
-    return _trace_slot(att_trace_labels, name, ATT_TRACE_LAUNCHES)
 
 
 def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: int, scale: float, out: int,

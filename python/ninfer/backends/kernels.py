@@ -3,9 +3,8 @@ architecture, as one module (every file sees common.cuh and quant.cuh, prepended
 on disk keyed by the source text, options and architecture, so a second process starts without compiling.
 
 The sources live in python/ninfer/kernels/ (kernels/ at the top of the repository points there), so the wheel
-ships them as package data; NINFER_KERNELS_DIR overrides (for trying a kernel edit against an installed package).
-NINFER_CUDA_DEFINES adds compiler options to every module (e.g. "-DGEMV_PREFETCH=0": A/B runs of a kernel's
-compile-time switches in one process tree, as scripts/gpu-check does)."""
+ships them as package data; NINFER_KERNELS_DIR overrides (for trying a kernel edit against an installed package,
+or A/B runs of another tree's kernels, as scripts/gpu-check does)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ def source_of(*files: str) -> str:
     return "\n".join(parts)
 
 
-# The compiler options every module takes, before its own and NINFER_CUDA_DEFINES (dev/cubin builds with them
-# too, so that its CUBINs are the engine's).
+# The compiler options every module takes, before its own (dev/cubin builds with them too, so that its CUBINs are
+# the engine's).
 BASE_OPTIONS = ("-std=c++17",)
 # An attention module's sources, and the switches that pick its head size and group size.
 ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "attention.cu")
@@ -51,7 +50,7 @@ def attention_options(hd: int, group: int) -> tuple[str, ...]:
 
 
 def _options(*extra: str) -> tuple[str, ...]:
-    return (*BASE_OPTIONS, *extra, *os.environ.get("NINFER_CUDA_DEFINES", "").split())
+    return (*BASE_OPTIONS, *extra)
 
 
 @lru_cache(maxsize=None)

@@ -18,7 +18,7 @@
 //
 // Numerics as the CPU's decode path: q rounded to f16 (the cache's dot format), score = (q . k) * scale, f32
 // softmax and accumulation (on tensor cores too: f16 x f16 products are exact in f32, and the probabilities go in
-// as two f16 parts). ATT_MMA=0 (NINFER_CUDA_DEFINES) keeps every head size on CUDA cores, for A/B runs.
+// as two f16 parts).
 
 struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARAMS
     const float* q;     // roped queries [rows][n_head][HD] (prompt form)
@@ -48,41 +48,6 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
 
 #define ATT_WARPS 8
 #define MAX_GROUP 8
-#ifndef ATT_MMA
-#define ATT_MMA 1
-#endif
-
-#ifndef GEMV_STREAM_TRACE
-#define GEMV_STREAM_TRACE 0
-#endif
-#if GEMV_STREAM_TRACE
-// Trace builds (NINFER_CUDA_DEFINES=-DGEMV_STREAM_TRACE=1, as for kernels/gemv_stream.cu): each launch's blocks with
-// keys record when they reached each stage, %globaltimer (ns), so dev/stream-trace puts attention on the same
-// timeline as the streamed products. [launch slot][block: split * n_head_kv + KV head][event]; events: 0 entry,
-// 1 the work before grid_dep_wait done, 2 past grid_dep_wait, 3 queries roped and the new K / V row written (the
-// block's barrier), 4 the keys done (the merge's barrier), 5 the output written (and quantized), or this split's
-// part handed to the merge, 6 the dry pass done (0 where the block ran none), 7 its SM's id + 1 (not a time: which
-// launch's block it waited for, if for any). backends/stream_trace.py ATT_TRACE_* mirrors the sizes.
-#define ATT_TRACE_LAUNCHES 512
-#define ATT_TRACE_BLOCKS 64
-#define ATT_TRACE_EVENTS 8
-__device__ unsigned long long att_trace[ATT_TRACE_LAUNCHES * ATT_TRACE_BLOCKS * ATT_TRACE_EVENTS];
-
-__device__ __forceinline__ unsigned long long att_now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Thread 0's record of event `ev` (time t) of block `blk` in launch slot `slot` (slot < 0: not traced).
-__device__ __forceinline__ void att_mark(int slot, int blk, int ev, unsigned long long t) {
-    if (slot >= 0 && threadIdx.x == 0 && blk < ATT_TRACE_BLOCKS)
-        att_trace[((size_t)(slot % ATT_TRACE_LAUNCHES) * ATT_TRACE_BLOCKS + blk) * ATT_TRACE_EVENTS + ev] = t;
-}
-#define ATT_MARK(ev) att_mark(trace_slot, trace_blk, ev, att_now())
-#else
-#define ATT_MARK(ev)
-#endif
 
 // The cache cell of position `key` for KV head g: its K and V rows start at cell * HD in the pools.
 __device__ __forceinline__ long long kv_cell(const int* table, int key, int page_size, int n_head_kv, int g) {
@@ -379,7 +344,7 @@ __device__ __noinline__ void head_rms_norm_outlined(float* v, const float* w, in
 }
 
 template <int HD, int NG, bool STEP>
-__device__ void attend(const AttnParams& P, int trace_slot = -1) {
+__device__ void attend(const AttnParams& P) {
     const int n_head = P.n_head, n_head_kv = P.n_head_kv, page_size = P.page_size, window = P.window;
     const float scale = P.scale;
     const u16* k_pool = P.k_pool;
@@ -389,10 +354,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     float* out = P.out;
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-#if GEMV_STREAM_TRACE
-    const unsigned long long t_entry = att_now();
-    const int trace_blk = row == 0 ? split * gridDim.y + g : ATT_TRACE_BLOCKS;  // (decode: one row)
-#endif
     constexpr int ng = NG;  // query heads per KV head: a template parameter, so loops over heads unroll exactly
     extern __shared__ float att_sm[];
     float* qs = att_sm;                                  // [ng][HD]
@@ -409,15 +370,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     const int per = max((((kend - kbeg) + n_split - 1) / n_split + 31) & ~31, 32 * ATT_WARPS);
     const int n_used = (kend - kbeg + per - 1) / per;
     if (split >= n_used) return;
-#if GEMV_STREAM_TRACE
-    att_mark(trace_slot, trace_blk, 0, t_entry);
-    att_mark(trace_slot, trace_blk, 6, 0);  // (set where a dry pass runs)
-    {
-        u32 smid;
-        asm("mov.u32 %0, %%smid;" : "=r"(smid));
-        att_mark(trace_slot, trace_blk, 7, smid + 1ull);
-    }
-#endif
     if (ng * n_split > ATT_WARPS * MAX_GROUP * HD / 2) {  // more splits than the merge holds: NaN, loudly
         grid_dep_wait();
         for (int i = tid; i < ng * HD; i += blockDim.x)
@@ -449,7 +401,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
     // 2026-12-03).
     const u32 first_cell = s0 + 32 * warp < s1 ? tile_cell(table, s0 + 32 * warp, lane, s1, page_size, n_head_kv, g)
                                                : 0u;
-    ATT_MARK(1);
     grid_dep_launch();
     // A one-split decode block (short contexts) runs its path after grid_dep_wait once before it: a dry pass on
     // whatever the q/k/v buffer and the cache hold then, nothing written to global memory, so that the real pass
@@ -463,10 +414,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
 #pragma unroll 1
     for (;; ++pass) {
         const bool dry = pass == 0;  // (false in every pass that writes to global memory)
-        if (!dry) {
-            grid_dep_wait();
-            ATT_MARK(2);
-        }
+        if (!dry) grid_dep_wait();
         if (STEP) {
             // Rope this block's query heads from the raw projections (as rope_kv does), and, in the block whose
             // share holds position p, write the new token's K and V for this KV head.
@@ -514,17 +462,13 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
                 qs[i] = f16_round(P.q[((long long)row * n_head + g * ng) * HD + i]);
         }
         __syncthreads();
-        if (!dry) ATT_MARK(3);
         const WarpKeys W = {k_pool, v_pool, table, n_head_kv, g, page_size, s0, s1, scale, qs, pt, wml, wacc, warp,
                             lane, first_cell};
-#if ATT_MMA
         if constexpr (HD % 64 == 0 && HD <= 128)
             warp_keys_mma<HD, NG>(W);
         else
-#endif
             warp_keys_fma<HD, NG>(W);
         __syncthreads();
-        if (!dry) ATT_MARK(4);
         // out quantized too (AttnParams.out_q): a warp a head quantizes the head's outputs as quant_act does (a head
         // is one 128-value group), so the output projection's launch copies them in instead of quantizing 5,120 values
         // in every block.
@@ -572,10 +516,8 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             }
             if (dry) {
                 __syncthreads();  // (the real pass writes the shared memory the dry one read)
-                ATT_MARK(6);
                 continue;
             }
-            ATT_MARK(5);
             return;
         }
         // Several splits: this block's part (its warps merged) for the last block to finish, which merges the splits
@@ -614,10 +556,7 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             if (last_block) *ticket = 0;
         }
         __syncthreads();
-        if (!last_block) {
-            ATT_MARK(5);
-            return;
-        }
+        if (!last_block) return;
         __threadfence();
         // The last block merges the splits that held keys (the others are empty). Each split's weight
         // exp(m_s - M) per head goes to shared memory first (wacc is free again), so the per-dimension sums below are
@@ -681,7 +620,6 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
             __syncthreads();
         }
         if (quant) quantize_heads(oh0);
-        ATT_MARK(5);
         return;  // (several splits: no dry pass)
     }
 }
@@ -690,24 +628,17 @@ __device__ void attend(const AttnParams& P, int trace_slot = -1) {
 // (backends/kernels.py defines ATT_HD and ATT_NG): attention_hd128_g6 and attention_step_hd128_g6 serve
 // Qwen2.5-1.5B. Each is small: decode kernels run once per token, so their code is fetched cold on every SM each
 // launch, and loops unrolled for every possible group size cost more in instruction fetch than they save.
-#if GEMV_STREAM_TRACE
-#define ATT_TRACE_PARAM , int trace_slot  // (cuda_ops passes it in trace builds only)
-#define ATT_TRACE_ARG , trace_slot
-#else
-#define ATT_TRACE_PARAM
-#define ATT_TRACE_ARG
-#endif
 // The parameters by value (__grid_constant__: read in place from the launch's parameter space, no copy), not
 // through a pointer: the load of a struct from device memory was the first of the round trips before
 // grid_dep_wait, which at short depths ends after the q/k/v launch has (kernels/attention.cu's trace).
 #define ATTN_KERNEL(HD, NG)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_hd##HD##_g##NG(                     \
-        const __grid_constant__ AttnParams P ATT_TRACE_PARAM) {                                                \
-        attend<HD, NG, false>(P ATT_TRACE_ARG);                                                                \
+        const __grid_constant__ AttnParams P) {                                                                \
+        attend<HD, NG, false>(P);                                                                              \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_step_hd##HD##_g##NG(                \
-        const __grid_constant__ AttnParams P ATT_TRACE_PARAM) {                                                \
-        attend<HD, NG, true>(P ATT_TRACE_ARG);                                                                 \
+        const __grid_constant__ AttnParams P) {                                                                \
+        attend<HD, NG, true>(P);                                                                               \
     }
 #define ATTN_KERNEL_OF(HD, NG) ATTN_KERNEL(HD, NG)
 

@@ -25,15 +25,8 @@
 #define MODE_GLU 2
 #define MODE_ARGMAX 3
 
-#ifndef GEMV_Q4K_PAIRS
-#define GEMV_Q4K_PAIRS 64  // Q4_K rows of up to this many units by code pairs (load_q4k_pair; 0: never)
-#endif
-#ifndef GEMV_Q4K_L2HINT
-#define GEMV_Q4K_L2HINT 1  // ld_stream16 for the unit-per-lane Q4_K loads (0: plain loads)
-#endif
-#ifndef GEMV_PREFETCH
+#define GEMV_Q4K_PAIRS 64  // Q4_K rows of up to this many units by code pairs (load_q4k_pair)
 #define GEMV_PREFETCH 32768  // bytes of weights a block asks L2 for before it waits for the previous kernel
-#endif
 
 struct MatDesc {  // 48 bytes; mirrored by python/ninfer/backends/cuda_ops.py MAT_DESC
     const u8* w;
@@ -75,14 +68,10 @@ struct RawQ4K { int4 c0, c1, h; };  // codes of units 2p, 2p + 1; d, dmin, scale
 // small loads that then missed L1, measured slower with it, and neutral on the Q6_K slices' ql loads (1.5B tg128
 // 744 -> 736 tokens/s).
 __device__ __forceinline__ int4 ld_stream16(const void* p) {
-#if GEMV_Q4K_L2HINT
     int4 v;
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-#else
-    return *(const int4*)p;
-#endif
 }
 
 __device__ __forceinline__ void load_q4k_unit(const u8* row, int u, RawQ4K& r) {
@@ -293,13 +282,11 @@ __device__ __forceinline__ void rows_loads_first(int u_first, int u_step, int n_
 // A kernel of its own (gemv_gsq8_pairs) takes records by pairs; the launcher picks it for big launches only
 // (cuda_ops.gsq_pairs: every product of the 32B shape, none of the 1.5B's), so the unit loop's kernel keeps its
 // smaller register count and occupancy.
-#ifndef GEMV_GSQ_PAIRS_U
 // Records a lane loads before it computes any. Five: the whole share of a pair in the 32B shape's 5,120-wide
 // products (two rows of 40 records for 16 pairs) in one round of loads, at 129 registers (one block an SM). H200,
 // dev/gemv-bench --gsq --pdl --shapes 32b, µs against two: q/k/v 21.04 / 22.07, o 13.95 / 15.15, gate/up
 // 70.87 / 78.90, down 37.95 / 36.27.
 #define GEMV_GSQ_PAIRS_U 5
-#endif
 
 // What a lane of a pair loads of one record: half h's code words (quant.cuh: the 16 bytes at 32h, the 8 at 16 + 8h)
 // and the header.
@@ -370,14 +357,6 @@ __device__ __forceinline__ float gsq3_half_dot(const Gsq3Half& r, int h, const i
     const int msum = gsq3_mins(sw, ((const int2*)(xr + 32))[h]);
     return gsq3_scale(r.hd, isum, msum, ad[4 * r.rec]);
 }
-
-#ifndef GEMV_GSQ_PAIRS_STAGE
-// The pair kernel copies a pre-quantized activation (the down projection's) into shared memory first, so its
-// loop reads the activation by LDS from one 32-bit address instead of generic loads from 64-bit ones. H200, 32B
-// GSQ3 tg128, alternating in one call: 122.34 / 121.99 against 119.72 / 118.81 t/s; in another 122.59 / 122.84
-// against 121.89 / 122.21 (docs/journal/gsq-rco-gpu.md).
-#define GEMV_GSQ_PAIRS_STAGE 1
-#endif
 
 // A pre-quantized ACT_GSQ8_PAIRS activation of n columns (quant_act's codes with their int16 sums, then its scales,
 // a float a 32) copied by the whole block into shared memory at dst, in the same layout; returns where the scales
@@ -520,7 +499,7 @@ __device__ __forceinline__ void rows_dot_gsq(int type, const u8* const* w, int u
 template <int T, int ACT, int R, int U>
 __device__ __forceinline__ void rows_dot_q(const u8* const* w, int u_first, int u_step, int n_units, const int* aq,
                                            const float* ad, const float2* as, float* acc) {
-    if (ACT == ACT_Q8_K && T == T_Q4_K && GEMV_Q4K_PAIRS > 0 && n_units <= GEMV_Q4K_PAIRS) {
+    if (ACT == ACT_Q8_K && T == T_Q4_K && n_units <= GEMV_Q4K_PAIRS) {
         rows_loads_first<PairQ4K, R, 1>(  // lanes over pairs (u_first, u_step: units numbered as pairs here)
             u_first, u_step, n_units >> 1, [&](int r, int t, PairQ4K& raw) { load_q4k_pair(w[r], t, raw); },
             [&](int, int t, const PairQ4K& raw) { return q4k_pair_dot(raw, t, aq, ad, as); }, acc);
@@ -726,8 +705,10 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
         act_q = quant ? (const void*)q : (const void*)f;
         sd = d;
         ss = sums;
-    } else if (PAIRS && GEMV_GSQ_PAIRS_STAGE) {  // the pair kernel's pre-quantized codes and scales, copied in
-        // (cuda_ops.gemv sizes shared memory for it)
+    } else if (PAIRS) {
+        // The pair kernel copies a pre-quantized activation (the down projection's) into shared memory first, so
+        // its loop reads the activation by LDS from one 32-bit address instead of generic loads from 64-bit ones
+        // (measured faster on the H200: docs/journal/gsq-rco-gpu.md). cuda_ops.gemv sizes shared memory for it.
         sd = stage_gsq8_pairs_act(gemv_sm, pre_q, pre_d, n_cols);
         __syncthreads();
         act_q = gemv_sm;

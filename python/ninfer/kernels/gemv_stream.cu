@@ -31,27 +31,16 @@
 // the ACT_GSQ8_PAIRS activation (codes, scales, sums as gemv.cu's prologue lays them), padded to 128 bytes, then
 // the ring.
 
-#ifndef GEMV_STREAM_U
 #define GEMV_STREAM_U 5  // records a lane loads from shared memory before it computes any
-#endif
 // The launch's other choice of records a lane (argument `u`), for rows whose walk fills its rounds better with it
 // (cuda_ops.gsq_stream_lane_records: the 32B down projection, 432 records a group over four warps, 84% full by 4
 // against 68% by 5).
 #define GEMV_STREAM_U_ALT 4
-#ifndef GEMV_STREAM_EVICT_FIRST
-// 1: the copies ask L2 to evict the streamed weights first: they are read once a token, and should not push out
-// the activations, the KV pages and the lines other launches prefetch (H200, 32B GSQ3 tg128 132.2 against 131.0 t/s
-// with normal priority; docs/journal/gsq-rco-gpu.md "Team shapes and an L2 hint").
-#define GEMV_STREAM_EVICT_FIRST 1
-#endif
-#ifndef GEMV_STREAM_MAX_WARPS
 // A block's warps at most (the producer and up to 31 consumers: 28 for the 32B q/k/v, cuda_ops
 // stream_consumers_one_round): up to 64 registers (63 used, no spills).
 #define GEMV_STREAM_MAX_WARPS 32
-#endif
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
-#ifndef GEMV_STREAM_EARLY_CHUNKS
 // Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
 // before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
 // prologues at 4.4 and 7.3 µs, a pre-quantized copy at 1.2). H200, 32B GSQ3 tg128: 2 chunks 162.86 / 162.86 /
@@ -59,52 +48,6 @@
 // launches whose prologue is a copy (the output and down projections): 4 or the whole ring there, 170.2 and
 // 169.5 against 174.4 (2026-12-02, 11:00 UTC).
 #define GEMV_STREAM_EARLY_CHUNKS 2
-#endif
-#ifndef GEMV_STREAM_TRACE
-// 1: every launch records, per block, when it reached each stage (dev/stream-trace reads it): the timeline of
-// the launches inside a captured decode step, which no profiler on the lent machine shows. Off in normal builds.
-#define GEMV_STREAM_TRACE 0
-#endif
-#if GEMV_STREAM_TRACE
-#define GEMV_STREAM_TRACE_LAUNCHES 2048  // backends/stream_trace.py TRACE_LAUNCHES, TRACE_BLOCKS
-#define GEMV_STREAM_TRACE_BLOCKS 256
-#define GEMV_STREAM_TRACE_EVENTS 11
-// [launch slot][block][event][globaltimer ns, clock64]. Events: 0 entry, 1 the first chunks asked for (producer),
-// 2 past grid_dep_wait, 3 the activation ready (past the prologue's barrier), 4 consumer warp 0's first chunk
-// arrived, 5 consumer warp 0 done, 6 the last consumer warp done (atomicMax), 7 (the SM id, the grid size); in the
-// norm prologue, thread 0's 8 loads of x summed and 9 past the sum's step (norm.cu norm_quant_v's marks: with the
-// scale applied late, LATE, nothing waits there); 10 the
-// block's first chunk (slot 0, asked before grid_dep_wait) seen landed by thread 0, at the first of its checks past
-// events 2, 8, 9 and 3 that found it so (0: not by the end of the prologue).
-__device__ unsigned long long gemv_stream_trace[GEMV_STREAM_TRACE_LAUNCHES * GEMV_STREAM_TRACE_BLOCKS *
-                                                GEMV_STREAM_TRACE_EVENTS * 2];
-
-__device__ __forceinline__ unsigned long long* stream_trace_at(int slot, int ev) {
-    return gemv_stream_trace +
-           (((size_t)(slot % GEMV_STREAM_TRACE_LAUNCHES) * GEMV_STREAM_TRACE_BLOCKS + blockIdx.x) *
-                GEMV_STREAM_TRACE_EVENTS + ev) * 2;
-}
-
-// Event `ev` of this block now; `latest`: kept only if later than what is there (event 6, the last consumer warp).
-__device__ __forceinline__ void stream_trace(int slot, int ev, bool latest = false) {
-    if (slot < 0 || blockIdx.x >= GEMV_STREAM_TRACE_BLOCKS) return;
-    unsigned long long g;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    const unsigned long long c = (unsigned long long)clock64();
-    unsigned long long* t = stream_trace_at(slot, ev);
-    if (latest) {
-        atomicMax(t, g);
-        atomicMax(t + 1, c);
-    } else {
-        t[0] = g;
-        t[1] = c;
-    }
-}
-#define STREAM_TRACE(slot, ev) stream_trace(slot, ev)
-#else
-#define STREAM_TRACE(slot, ev)
-#endif
-
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -135,16 +78,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 
 // bytes (a multiple of 16) from global src to shared dst, completing that many transactions on bar.
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-#if GEMV_STREAM_EVICT_FIRST
     u64 policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
         ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
-#else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#endif
 }
 
 // Half h of the record at shared address a (volatile: kept after the slot's barrier wait).
@@ -204,9 +142,6 @@ struct StreamConsumer {
     const double* late_sums;
     int late_warps, n_cols;
     float eps;
-#if GEMV_STREAM_TRACE
-    int trace_slot;
-#endif
 
     // U: records a lane loads before it computes any.
     template <int U>
@@ -223,9 +158,6 @@ struct StreamConsumer {
                 parity ^= 1;
             }
             mbar_wait(smem_u32(&full[s]), parity);
-#if GEMV_STREAM_TRACE
-            if (warp == 0 && lane == 0 && i == team) STREAM_TRACE(trace_slot, 4);
-#endif
             const int g = slot < per_step ? g0 + i * cstride + slot : g1;  // (warps past ks * per_step: none)
             const u32 base = ring + s * stage_bytes;
             float acc[R];
@@ -308,12 +240,6 @@ struct StreamConsumer {
                 }
             }
         }
-#if GEMV_STREAM_TRACE
-        if (lane == 0) {
-            if (warp == 0) STREAM_TRACE(trace_slot, 5);
-            stream_trace(trace_slot, 6, true);
-        }
-#endif
     }
 };
 #endif
@@ -323,9 +249,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                                             int ks, int team_warps, int stages, const void* pre_q,
                                             const float* pre_d, int u,
                                             const u64* pf, int n_pf, int pf_cap  // (the tail's L2 prefetch)
-#if GEMV_STREAM_TRACE
-                                            , int trace_slot  // (cuda_ops passes it in trace builds only)
-#endif
                                             ) {
 #if __CUDA_ARCH__ >= 900
     constexpr int R = GEMV_R;
@@ -346,20 +269,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     const u32 stage_bytes = (u32)per_step * R * rb;
     const u32 ring = smem_u32(stream_sm) + act_bytes;
 
-#if GEMV_STREAM_TRACE
-    if (threadIdx.x == 0 && trace_slot >= 0 && blockIdx.x < GEMV_STREAM_TRACE_BLOCKS) {
-        STREAM_TRACE(trace_slot, 0);
-        unsigned long long* t = stream_trace_at(trace_slot, 6);
-        t[0] = t[1] = 0;  // (the consumers' atomicMax starts after the block's first barrier)
-        t = stream_trace_at(trace_slot, 10);
-        t[0] = t[1] = 0;  // (stays 0 where the first chunk lands after the prologue)
-        u32 smid;
-        asm("mov.u32 %0, %%smid;" : "=r"(smid));
-        t = stream_trace_at(trace_slot, 7);
-        t[0] = smid;
-        t[1] = gridDim.x;
-    }
-#endif
     if (threadIdx.x == 0) ring_init(full, empty, stages, team_warps);
     __syncthreads();
 
@@ -385,57 +294,28 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
         }
     };
     const bool producer = warp == n_cons;
-    const int early = GEMV_STREAM_EARLY_CHUNKS ? min(GEMV_STREAM_EARLY_CHUNKS, stages) : stages;
+    const int early = min(GEMV_STREAM_EARLY_CHUNKS, stages);
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
-        STREAM_TRACE(trace_slot, 1);
     }
 
     grid_dep_launch();
     grid_dep_wait();
-    if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 2);
-#if GEMV_STREAM_TRACE
-    // (event 10: thread 0 tests slot 0's barrier without waiting, after each of its prologue marks)
-    bool landed = false;
-    const auto check_landed = [&]() {
-        if (threadIdx.x != 0 || landed || n_st == 0) return;
-        u32 done;
-        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.test_wait.parity.shared::cta.b64 p, [%1], 0;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_u32(&full[0])) : "memory");
-        if (done) {
-            landed = true;
-            STREAM_TRACE(trace_slot, 10);
-        }
-    };
-    check_landed();
-#endif
 
     // The activation (as gemv.cu's prologue for the pair kernel): normed and quantized here, or copied in.
     i8* q = (i8*)stream_sm;
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
-#if GEMV_STREAM_TRACE
-        const auto mark = [&](int stage) {
-            if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 8 + stage);
-            check_landed();
-        };
-#else
-        const NoMark mark;
-#endif
         // The groups quantized from x * w, the norm's scale left to the consumers (norm_quant_v's LATE), so the
         // block's reduction is off the prologue's path: its trace's norm_sum 0.12 µs against 0.7-1.4, the q/k/v and
         // gate/up prologues 2.39 and 2.59 µs against 2.95 and 3.6. H200, 32B GSQ3 tg128 186.18 / 186.01 against
         // 185.59 / 185.55 t/s (2026-12-03).
-        norm_quant_v<4, true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0, mark,
+        norm_quant_v<4, true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0,
                               late_sums);
     } else {
         stage_gsq8_pairs_act(stream_sm, pre_q, pre_d, n_cols);  // (the scales land at d)
     }
     __syncthreads();
-    if (threadIdx.x == 0) STREAM_TRACE(trace_slot, 3);
-#if GEMV_STREAM_TRACE
-    check_landed();
-#endif
 
     if (producer) {  // the rest of the chunks, each once its slot is read
         if (lane == 0) {
@@ -475,9 +355,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
                               stages, per_step, slot, sub, ks, warp, lane, h, g0, g1, cstride, n_st, n_rec, ring,
                               stage_bytes, rb, full, empty, partial, (const int*)q, d
                               , (!pre_q && norm_w) ? late_sums : nullptr, (int)(blockDim.x >> 5), n_cols, eps
-#if GEMV_STREAM_TRACE
-                              , trace_slot
-#endif
                               };
     if (u == GEMV_STREAM_U_ALT) cons.run<GEMV_STREAM_U_ALT>();
     else cons.run<GEMV_STREAM_U>();

@@ -18,14 +18,10 @@
 // kept in the skewed order (ACT_Q8_K_SKEW) whose codes they read without bank conflicts. Modes STORE (the logits)
 // and ARGMAX (the logits and the packed argmax into *best, one atomic a block, gemv.cu argmax_key).
 
-#ifndef GEMV_Q6K_STREAM_U
 #define GEMV_Q6K_STREAM_U 5  // slices a lane loads from shared memory before it computes any
-#endif
-#ifndef GEMV_Q6K_STREAM_EARLY
 // Chunks the producer asks for before grid_dep_wait (gemv_stream.cu GEMV_STREAM_EARLY_CHUNKS, there measured for the
 // products' prologues; for the head's, whose input is the last layer's residual, not measured apart).
 #define GEMV_Q6K_STREAM_EARLY GEMV_STREAM_EARLY_CHUNKS
-#endif
 #define GEMV_Q6K_STREAM_MAX_WARPS 17  // the producer and up to 16 consumers (cuda_ops.Q6K_STREAM_MAX_WARPS)
 
 #if __CUDA_ARCH__ >= 900
@@ -74,7 +70,7 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
         bulk_copy(ring + (i % stages) * stage_bytes, m.w + (long long)ra * rb, bytes, bar);
     };
     const bool producer = warp == n_cons;
-    const int early = GEMV_Q6K_STREAM_EARLY ? min(GEMV_Q6K_STREAM_EARLY, stages) : stages;
+    const int early = min(GEMV_Q6K_STREAM_EARLY, stages);
     if (producer && lane == 0) {
         for (int i = 0; i < min(early, n_st); ++i) issue(i);
     }

@@ -112,12 +112,10 @@ __device__ __forceinline__ float rms_scale(double sum_sq, int n, float eps) {
 // previous kernel just wrote. (Staging x in shared memory with cp.async first,
 // one round trip instead of two passes, measured slower on the H200: 1.5B gate/up 15.7 -> 19.0 us, the 32B
 // shape's 27,648-wide rows lost occupancy to the staging area.)
-#ifndef NORM_QUANT_KEEP
 // Floats a lane keeps in registers between the two passes (its first groups, V a group; GSQ8 activations only), so
 // the second pass reads from L2 only the groups past them: 16 covers a 5,120-wide row with 10 or more warps.
 // 0: both passes read x (H200, 32B GSQ3 tg128 136.2 / 136.0 against 137.7 / 138.1 t/s kept, 2026-12-02).
 #define NORM_QUANT_KEEP 16
-#endif
 
 // V consecutive floats at p, through L2 only (cg: a vector the previous kernel just wrote) or the read-only path
 // (the norm weights). Where V is a multiple of 4 (the GSQ8 and Q8_K kinds, whose rows are multiples of 128 floats, so
@@ -140,12 +138,6 @@ __device__ __forceinline__ void load_floats(const float* p, float (&v)[V]) {
     }
 }
 
-// norm_quant_v's stage marks (0: this thread's loads of x summed, 1: the block's scale known): nothing, except in
-// the streamed GEMV's trace builds (kernels/gemv_stream.cu GEMV_STREAM_TRACE), whose timeline splits the prologue.
-struct NoMark {
-    __device__ __forceinline__ void operator()(int) const {}
-};
-
 // Groups a warp of norm_quant_v keeps in registers: for the GSQ8 kinds (V = 4) only; with Q8_K's V = 8 the kept
 // floats took gemv_q8_k from 71 to 91 registers (fewer blocks an SM), the 3-bit kernels stay within their occupancy
 // (67 -> 72, 121 -> 126).
@@ -158,9 +150,9 @@ __device__ constexpr int norm_keep() {
 // each warp's sum of squares is left in late_sums[warp] for the caller, who applies the norm's scale (a positive
 // scalar, so it commutes with the groups' int8 quantization up to rounding) to the products' results: the block's
 // reduction leaves the path between the loads of x and the quantization.
-template <int V, bool LATE = false, class Mark = NoMark>
+template <int V, bool LATE = false>
 __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, int act, i8* out_q, float* out_d,
-                             float2* out_s, u16* out_h, float* out_f, Mark mark = Mark(), double* late_sums = nullptr) {
+                             float2* out_s, u16* out_h, float* out_f, double* late_sums = nullptr) {
     constexpr int KEEP = norm_keep<V>();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
     const int n_groups = n / (32 * V);
@@ -202,7 +194,6 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
                 s += (double)(v * v);
             }
         }
-        mark(0);
         if constexpr (LATE) {
             late_s = s;
         } else {
@@ -217,7 +208,6 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
             __syncthreads();
             scale = s_scale;
         }
-        mark(1);
     }
 #pragma unroll
     for (int j = 0; j < KEEP; ++j) {  // the kept groups (read here where there was no norm pass)
@@ -275,13 +265,11 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float eps,
 // Quantization without a norm is local to each unit (Q8_K: to each 256-element block), so a long vector (the
 // feed-forward activation before the down projection) is quantized by many blocks at once, QUANT_ACT_BLOCK
 // elements each (cuda_ops.quant_act launches them, 256 threads a block).
-#ifndef QUANT_ACT_BLOCK
 // 1024: a GSQ8 block's eight warps one 128-value group each, so each warp's load of x is one round trip on the path
 // between gate/up's end and the down projection's wait; at 2048 each warp loaded and quantized two groups in turn
 // (H200, 32B GSQ3 tg128 180.45 / 180.43 against 179.38 / 179.31 t/s; the down projection's wait 3.25 against 3.82
 // µs in the trace; 2026-12-02).
 #define QUANT_ACT_BLOCK 1024
-#endif
 extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, float* out_d, float2* out_s,
                                      float* out_f) {
     grid_dep_launch();
