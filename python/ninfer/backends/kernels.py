@@ -2,9 +2,9 @@
 architecture, as one module (every file sees common.cuh and quant.cuh, prepended here). CuPy caches the binary
 on disk keyed by the source text, options and architecture, so a second process starts without compiling.
 
-The sources live in python/ninfer/kernels/ (kernels/ at the top of the repository points there), so the wheel
-ships them as package data; NINFER_KERNELS_DIR overrides (for trying a kernel edit against an installed package,
-or A/B runs of another tree's kernels, as scripts/gpu-check does)."""
+The sources live in python/ninfer/kernels/, so the wheel ships them as package data. NINFER_KERNELS_DIR overrides
+them (for trying a kernel edit against an installed package, or A/B runs of another tree's kernels, as
+scripts/gpu-check does)."""
 
 from __future__ import annotations
 
