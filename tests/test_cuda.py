@@ -10,18 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ninfer
 import numpy as np
 import pytest
-
-import ninfer
+from conftest import model_path
+from cuda_helpers import needs_cuda, nmse, rms_norm_ref, teacher_forced
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.errors import BackendUnavailableError
 from ninfer.synth import SHAPES, TYPES, random_blocks, write_synthetic
-
-from conftest import model_path
-from cuda_helpers import needs_cuda, nmse, rms_norm_ref, teacher_forced
-
 
 SMOLLM2 = model_path("smollm2")
 
@@ -105,11 +102,11 @@ def test_dependent_launch_arguments_keep_the_kernels_parameter_types() -> None:
     with pytest.raises(TypeError, match="wrap scalars in their numpy type"):
         launch._c_arg(7)
     # a struct by value (the attention kernels' AttnParams): its C layout's bytes, fields at C's offsets
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
-    params = K.struct_value(K.ATTN_PARAMS, k_pool=5, scale=0.25, out_d=7)
+    params = ops.struct_value(ops.ATTN_PARAMS, k_pool=5, scale=0.25, out_d=7)
     arg = launch._c_arg(params)
-    assert ctypes.sizeof(arg) == K.ATTN_PARAMS.itemsize == 200 and bytes(arg) == params.tobytes()
+    assert ctypes.sizeof(arg) == ops.ATTN_PARAMS.itemsize == 200 and bytes(arg) == params.tobytes()
     assert bytes(arg)[56:64] == (5).to_bytes(8, "little") and bytes(arg)[192:] == (7).to_bytes(8, "little")
     assert bytes(arg)[160:164] == np.float32(0.25).tobytes()
     assert ctypes.sizeof(launch._LaunchConfig) == 56 and launch._LaunchConfig.attrs.offset == 40
@@ -172,8 +169,7 @@ def test_memory_plan_puts_the_embedding_table_on_the_gpu_where_it_fits() -> None
 @pytest.mark.parametrize("cols", [1024, 5120])
 def test_gemv_equals_cpu_dot_products(ty: str, cols: int) -> None:
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import LAYOUTS, gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(7)
@@ -192,10 +188,10 @@ def test_gemv_equals_cpu_dot_products(ty: str, cols: int) -> None:
     af = cp.zeros(cols, cp.float32)
     out = cp.zeros(rows, cp.float32)
     quant = kind >= 3
-    K.norm_quant(1, xd.data.ptr, 0, 1e-6, cols, kind, out_q=aq.data.ptr if quant else 0, out_d=ad.data.ptr,
+    ops.norm_quant(1, xd.data.ptr, 0, 1e-6, cols, kind, out_q=aq.data.ptr if quant else 0, out_d=ad.data.ptr,
                  out_s=as_.data.ptr, out_f=0 if quant else af.data.ptr)
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, cols), tid, rows)])
-    K.gemv(kind, descs, 1, rows, cols, xd.data.ptr, 0, 1e-6, K.MODE_STORE)  # quantizes x itself, as norm_quant
+    descs = ops.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, cols), tid, rows)])
+    ops.gemv(kind, descs, 1, rows, cols, xd.data.ptr, 0, 1e-6, ops.MODE_STORE)  # quantizes x itself, as norm_quant
     got = out.get()
     assert nmse(got, ref) < 1e-6, (ty, nmse(got, ref))
     if ty in ("Q8_0", "Q4_K"):  # the activation quants are the CPU's, byte for byte
@@ -212,8 +208,7 @@ def test_gemv_equals_cpu_dot_products(ty: str, cols: int) -> None:
 @pytest.mark.parametrize("ty", list(TYPES))
 def test_dequantize_to_f16_equals_cpu_dequantize(ty: str) -> None:
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(3)
@@ -223,7 +218,7 @@ def test_dequantize_to_f16_equals_cpu_dequantize(ty: str) -> None:
     ref = _core.dequantize(tid, raw.tobytes(), rows * cols).reshape(rows, cols)
     w = to_gpu(raw, tid, rows, cols, "w")
     out = cp.zeros((rows, cols), cp.uint16)
-    K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, cols), rows, cols, out.data.ptr)
+    ops.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, cols), rows, cols, out.data.ptr)
     got = out.get().view(np.float16).astype(np.float32)
     assert (got == ref.astype(np.float16).astype(np.float32)).all(), ty
 
@@ -235,14 +230,14 @@ def test_lane_pair_launches_take_sixteen_warps_where_rounds_stay_full() -> None:
     """cuda_ops.gsq_pairs_warps on the 32B shape's products, from (k split, steps, grid) with 8 and 16 warps a block
     and 132 SMs holding one block each: q/k/v and gate/up take 16, o (its rounds 61% full with 16) and the down
     projection (rows split four ways) 8."""
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
     def plan(groups: int, warps: int, ks: int = 1) -> tuple[int, int, int]:
         steps = -(-groups // (warps // ks))
         return ks, steps, min(steps, 132)
 
     for groups, ks, want in [(3584, 1, 16), (27648, 1, 16), (2560, 1, 8), (2560, 4, 8)]:
-        assert K.gsq_pairs_warps(plan(groups, 8, ks), plan(groups, 16, ks)) == want, groups
+        assert ops.gsq_pairs_warps(plan(groups, 8, ks), plan(groups, 16, ks)) == want, groups
 
 
 @needs_cuda
@@ -253,8 +248,7 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
     int8 activations (gsq::ActQ8); with a norm weight the GEMV norms and quantizes its input itself and adds. The
     4099 x 4096 case is big enough for 3-bit records to go by lane pairs (cuda_ops.gsq_pairs)."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_pairs_type, gsq_type, to_gpu
     from ninfer.synth import random_gsq_records
 
@@ -269,28 +263,28 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
     tid = gsq_type(bits, slots)
     w = to_gpu(raw, tid, rows, n, "w")
     x_d, norm_d, out = cp.asarray(x), cp.asarray(norm_w), cp.asarray(base)
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    descs = ops.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
     # Every K-split: the default one, the lane pairs' (3 bits, at most two slots), and eight warps a row; by the
     # unit loop's kernel and, where the launcher would pick it, the lane-pair kernel (gemv_gsq8_pairs), with the
     # launcher's warps per block and with sixteen (cuda_ops.gsq_pairs_warps).
-    pairs = gsq_pairs_type(tid) and K.gsq_pairs(n, rows)
+    pairs = gsq_pairs_type(tid) and ops.gsq_pairs(n, rows)
     assert pairs == (bits == 3 and slots <= 2 and rows > 4096)
     for by_pairs in sorted({False, pairs}):
-        for ks in sorted({K.gemv_k_split(n), K.gemv_k_split(n, gsq_pairs=by_pairs, groups=-(-rows // 2)), 8}):
+        for ks in sorted({ops.gemv_k_split(n), ops.gemv_k_split(n, gsq_pairs=by_pairs, groups=-(-rows // 2)), 8}):
             for wpb in (0, 16) if by_pairs else (0,):
                 out[:] = cp.asarray(base)
-                K.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
-                       K.MODE_ADD if norm else K.MODE_STORE, k_split=ks, gsq_pairs=by_pairs, warps_per_block=wpb,
+                ops.gemv(ACT_GSQ8, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr if norm else 0, 1e-6,
+                       ops.MODE_ADD if norm else ops.MODE_STORE, k_split=ks, gsq_pairs=by_pairs, warps_per_block=wpb,
                        stream=False)
                 assert nmse(out.get(), ref) < 1e-6, (by_pairs, ks, wpb, nmse(out.get(), ref))
         # The same through quant_act (the down projection's pre-quantized input) and the GEMV's `pre` path.
         if not norm:
-            aq = cp.zeros(K.act_code_bytes(n, by_pairs), cp.int8)
+            aq = cp.zeros(ops.act_code_bytes(n, by_pairs), cp.int8)
             ad, as_ = cp.zeros(n // 32, cp.float32), cp.zeros(n // 16, cp.float32)
-            K.quant_act(x_d.data.ptr, n, ACT_GSQ8_PAIRS if by_pairs else ACT_GSQ8, aq.data.ptr, ad.data.ptr,
+            ops.quant_act(x_d.data.ptr, n, ACT_GSQ8_PAIRS if by_pairs else ACT_GSQ8, aq.data.ptr, ad.data.ptr,
                         as_.data.ptr)
             out[:] = 0
-            K.gemv(ACT_GSQ8, descs, 1, rows, n, 0, 0, 1e-6, K.MODE_STORE, pre=(aq.data.ptr, ad.data.ptr, as_.data.ptr),
+            ops.gemv(ACT_GSQ8, descs, 1, rows, n, 0, 0, 1e-6, ops.MODE_STORE, pre=(aq.data.ptr, ad.data.ptr, as_.data.ptr),
                    gsq_pairs=by_pairs, stream=False)
             assert nmse(out.get(), ref) < 1e-6, (by_pairs, nmse(out.get(), ref))
 
@@ -299,8 +293,7 @@ def test_gsq_gemv_equals_cpu_dot_products(bits: int, slots: int, n: int, norm: b
 @pytest.mark.parametrize("bits,slots", GSQ_LAYOUTS)
 def test_gsq_dequantize_to_f16_equals_cpu_dequantize(bits: int, slots: int) -> None:
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import gpu_row_bytes, gsq_type, to_gpu
     from ninfer.synth import random_gsq_records
 
@@ -311,7 +304,7 @@ def test_gsq_dequantize_to_f16_equals_cpu_dequantize(bits: int, slots: int) -> N
     tid = gsq_type(bits, slots)
     w = to_gpu(raw, tid, rows, cols, "w")
     out = cp.zeros((rows, cols), cp.uint16)
-    K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, cols), rows, cols, out.data.ptr)
+    ops.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, cols), rows, cols, out.data.ptr)
     got = out.get().view(np.float16).astype(np.float32)
     assert (got == ref.astype(np.float16).astype(np.float32)).all()
 
@@ -321,8 +314,7 @@ def test_gsq_dequantize_to_f16_equals_cpu_dequantize(bits: int, slots: int) -> N
 def test_gemv_norms_its_input_and_adds_the_residual_like_the_cpu(ty: str) -> None:
     """MODE_ADD with a norm weight: out += W . quantize(RMSNorm(x) * w), against the CPU's norm and dot products."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import LAYOUTS, gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(5)
@@ -340,8 +332,8 @@ def test_gemv_norms_its_input_and_adds_the_residual_like_the_cpu(ty: str) -> Non
     out = cp.asarray(base)
     w = to_gpu(raw, tid, rows, n, "w")
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)  # named: a temporary's memory would be reused at once
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
-    K.gemv(LAYOUTS[tid].act, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_ADD)
+    descs = ops.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    ops.gemv(LAYOUTS[tid].act, descs, 1, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, ops.MODE_ADD)
     assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
 
 
@@ -350,8 +342,7 @@ def test_gemv_of_two_types_in_one_launch_equals_cpu() -> None:
     """Q4_K and Q6_K matrices in one launch (as q/k with v), the boundary inside a warp's row group: each row
     against the CPU's dot product."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(9)
@@ -368,9 +359,9 @@ def test_gemv_of_two_types_in_one_launch_equals_cpu() -> None:
         keep.append(to_gpu(raw, tid, rows, n, ty))
         entries.append((keep[-1].data.ptr, 0, out.data.ptr + 4 * off, gpu_row_bytes(tid, n), tid, rows))
         off += rows
-    descs = K.mat_descs(entries)
+    descs = ops.mat_descs(entries)
     x_d = cp.asarray(x)
-    K.gemv(K.ACT_Q8_K, descs, len(shapes), off, n, x_d.data.ptr, 0, 1e-6, K.MODE_STORE)
+    ops.gemv(ops.ACT_Q8_K, descs, len(shapes), off, n, x_d.data.ptr, 0, 1e-6, ops.MODE_STORE)
     ref = np.concatenate(refs)
     assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
 
@@ -381,8 +372,7 @@ def test_gate_up_gemv_with_swiglu_equals_cpu(n: int) -> None:
     """MODE_GLU: out = silu(gate . y) * (up . y) with y = quantize(RMSNorm(x) * w), one output per gate/up row pair
     (5,120 columns: the row split over two warps), against the CPU's norm and dot products."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(13)
@@ -398,8 +388,8 @@ def test_gate_up_gemv_with_swiglu_equals_cpu(n: int) -> None:
     wg, wu = to_gpu(gate, tid, rows, n, "gate"), to_gpu(up, tid, rows, n, "up")
     out = cp.zeros(rows, cp.float32)
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in (wg, wu)])
-    K.gemv(K.ACT_Q8_K, descs, 2, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, K.MODE_GLU)
+    descs = ops.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows) for w in (wg, wu)])
+    ops.gemv(ops.ACT_Q8_K, descs, 2, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, ops.MODE_GLU)
     assert nmse(out.get(), ref) < 1e-6, nmse(out.get(), ref)
 
 
@@ -411,8 +401,7 @@ def test_rms_norm_rows_equals_cpu(rows: int, n: int, add: bool) -> None:
     RMSNorm(x) * w, or out += it, a row per block, against the CPU's norm (sum of squares in f64); widths of the
     270M and 27B gemma3 shapes and one more, so a block's threads take several elements each."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
     rng = np.random.default_rng(29)
     x = rng.standard_normal((rows, n)).astype(np.float32)
@@ -422,7 +411,7 @@ def test_rms_norm_rows_equals_cpu(rows: int, n: int, add: bool) -> None:
     if add:
         ref = base + ref
     x_d, w_d, out = cp.asarray(x), cp.asarray(w), cp.asarray(base)
-    K.rms_norm_rows(rows, x_d.data.ptr, w_d.data.ptr, 1e-6, n, out.data.ptr, add)
+    ops.rms_norm_rows(rows, x_d.data.ptr, w_d.data.ptr, 1e-6, n, out.data.ptr, add)
     assert nmse(out.get(), ref) < 1e-12, nmse(out.get(), ref)
 
 
@@ -431,30 +420,29 @@ def test_greedy_head_launch_takes_a_warp_a_row(monkeypatch: pytest.MonkeyPatch) 
     the same shape gemv_k_split's two warps for 5,120 columns."""
     from types import SimpleNamespace
 
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import ACT_Q8_K
 
     seen = []
     fake = SimpleNamespace(num_regs=64, max_dynamic_shared_size_bytes=0, shared_size_bytes=0)
-    monkeypatch.setattr(K, "function", lambda name: fake)
-    monkeypatch.setattr(K, "resident_blocks", lambda fn, threads, smem: 264)
-    monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append(int(args[10])))
+    monkeypatch.setattr(ops, "function", lambda name: fake)
+    monkeypatch.setattr(ops, "resident_blocks", lambda fn, threads, smem: 264)
+    monkeypatch.setattr(ops.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append(int(args[10])))
 
     def k_split(mode: int) -> int:
-        assert K.gemv(ACT_Q8_K, 0, 1, 152064, 5120, 1, 2, 1e-6, mode, best=3) is False
+        assert ops.gemv(ACT_Q8_K, 0, 1, 152064, 5120, 1, 2, 1e-6, mode, best=3) is False
         return seen.pop()
 
-    assert K.gemv_k_split(5120) == 2
-    assert k_split(K.MODE_ARGMAX) == K.GEMV_HEAD_K_SPLIT == 1
-    assert k_split(K.MODE_STORE) == 2
+    assert ops.gemv_k_split(5120) == 2
+    assert k_split(ops.MODE_ARGMAX) == ops.GEMV_HEAD_K_SPLIT == 1
+    assert k_split(ops.MODE_STORE) == 2
 
 
 @needs_cuda
 def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     """A vocabulary-sized head: persistent blocks walk many row groups; the argmax is the first maximum."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import gpu_row_bytes, to_gpu
 
     rng = np.random.default_rng(11)
@@ -466,9 +454,9 @@ def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     best = cp.zeros(1, cp.uint64)
     token = cp.zeros(1, cp.int32)
     x_d = cp.asarray(x)
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
-    K.gemv(K.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ARGMAX, best=best.data.ptr)
-    K.argmax_finish(best.data.ptr, token.data.ptr)
+    descs = ops.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    ops.gemv(ops.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, ops.MODE_ARGMAX, best=best.data.ptr)
+    ops.argmax_finish(best.data.ptr, token.data.ptr)
     assert int(best.get()[0]) == 0  # (reset for the next head by argmax_finish)
     logits = out.get()
     act = _core.quantize_act(15, x)
@@ -478,8 +466,8 @@ def test_gemv_argmax_over_more_rows_than_the_gpu_holds_blocks_for() -> None:
     assert int(token.get()[0]) == int(np.argmax(logits))
     # a second head with another input starts from the reset accumulator, not the first one's maximum
     x_d = cp.asarray(-x)
-    K.gemv(K.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, K.MODE_ARGMAX, best=best.data.ptr)
-    K.argmax_finish(best.data.ptr, token.data.ptr)
+    ops.gemv(ops.ACT_Q8_K, descs, 1, rows, n, x_d.data.ptr, 0, 1e-6, ops.MODE_ARGMAX, best=best.data.ptr)
+    ops.argmax_finish(best.data.ptr, token.data.ptr)
     assert int(token.get()[0]) == int(np.argmax(out.get())) != int(np.argmax(logits))
 
 
@@ -514,8 +502,7 @@ def _attention_ref(q, keys, vals, scale):
 def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, length: int, n_split: int,
                                                window: int) -> None:
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
     rng = np.random.default_rng(hd + length)
     page, rows = 256, 3  # three query rows at the last three positions (a batch of decode rows)
@@ -534,7 +521,7 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
     # Device arrays stay bound to names while kernels use them: a temporary's memory returns to CuPy's pool as
     # soon as only its pointer is left.
     qkv_d, pos_all = cp.asarray(qkv), cp.arange(length, dtype=cp.int32)
-    K.rope_kv(length, qkv_d.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
+    ops.rope_kv(length, qkv_d.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
               vp.data.ptr, table.data.ptr, page, theta_scale)
     q_all = q_rot.get().reshape(length, n_head, hd)
     for t in (0, length - 1):
@@ -556,12 +543,12 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
     part_acc = cp.zeros(rows * n_head * n_split * hd, cp.float32)
     tickets = cp.zeros(rows * n_kv, cp.int32)
     row_seq, pos_d = cp.zeros(rows, cp.int32), cp.asarray(positions)
-    params = K.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
+    params = ops.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
                            table_stride=0, row_seq=row_seq.data.ptr, pos=pos_d.data.ptr, window=window,
                            page_size=page, out=out.data.ptr, part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr,
                            tickets=tickets.data.ptr)
     for rep in range(2):  # the tickets reset themselves: a second launch gives the same result
-        K.attention(params, rows, n_split, n_kv, hd, False, n_head // n_kv)
+        ops.attention(params, rows, n_split, n_kv, hd, False, n_head // n_kv)
         got = out.get().reshape(rows, n_head, hd)
         g = n_head // n_kv
         for i, p in enumerate(positions):
@@ -578,15 +565,15 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
     from ninfer.backends.layouts import ACT_GSQ8_PAIRS
 
     n = rows * n_head * hd
-    q_att, d_att = cp.full(K.act_code_bytes(n, True), 99, cp.int8), cp.full(n // 32, -1, cp.float32)
+    q_att, d_att = cp.full(ops.act_code_bytes(n, True), 99, cp.int8), cp.full(n // 32, -1, cp.float32)
     out2 = cp.zeros_like(out)
-    params_q = K.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
+    params_q = ops.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
                              table_stride=0, row_seq=row_seq.data.ptr, pos=pos_d.data.ptr, window=window,
                              page_size=page, out=out2.data.ptr, part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr,
                              tickets=tickets.data.ptr, out_q=q_att.data.ptr, out_d=d_att.data.ptr)
-    K.attention(params_q, rows, n_split, n_kv, hd, False, n_head // n_kv)
+    ops.attention(params_q, rows, n_split, n_kv, hd, False, n_head // n_kv)
     q_ref, d_ref, s_ref = cp.full_like(q_att, 99), cp.full_like(d_att, -1), cp.zeros(n // 16, cp.float32)
-    K.quant_act(out2.data.ptr, n, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
+    ops.quant_act(out2.data.ptr, n, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
     assert (out2.get() == out.get()).all()
     assert (q_att.get() == q_ref.get()).all() and (d_att.get() == d_ref.get()).all()
     assert (d_att.get() > 0).all() and (tickets.get() == 0).all()
@@ -605,8 +592,7 @@ def test_decode_step_attention_equals_rope_kv_then_prompt_attention(hd: int, rop
     for bit, with and without biases and per-head norms, both RoPE layouts (neox and adjacent pairs), RoPE over the
     whole head and over half of it, one key split (a warp a head merges) and several (the last block merges)."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
     rng = np.random.default_rng(hd + length + n_head)
     page = 256
@@ -642,17 +628,17 @@ def test_decode_step_attention_equals_rope_kv_then_prompt_attention(hd: int, rop
         part_acc = cp.zeros(n_head * n_split * hd, cp.float32)
         tickets = cp.zeros(n_kv, cp.int32)
         rows = last if step else length  # (the decode form writes the last row's K and V itself)
-        K.rope_kv(rows, qkv.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
+        ops.rope_kv(rows, qkv.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
                   vp.data.ptr, table.data.ptr, page, theta_scale)
         common = dict(k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr, table_stride=0,
                       row_seq=row_seq.data.ptr, pos=pos_last.data.ptr, window=0, page_size=page, out=out.data.ptr,
                       part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr, tickets=tickets.data.ptr)
         if step:
-            params = K.attn_params(spec, qkv=qkv.data.ptr + 4 * last * qkv_dim, qkv_stride=qkv_dim, layer=layer,
+            params = ops.attn_params(spec, qkv=qkv.data.ptr + 4 * last * qkv_dim, qkv_stride=qkv_dim, layer=layer,
                                    theta_scale=theta_scale, **common)
         else:
-            params = K.attn_params(spec, q=q_rot.data.ptr + 4 * last * n_head * hd, **common)
-        K.attention(params, 1, n_split, n_kv, hd, step, n_head // n_kv)
+            params = ops.attn_params(spec, q=q_rot.data.ptr + 4 * last * n_head * hd, **common)
+        ops.attention(params, 1, n_split, n_kv, hd, step, n_head // n_kv)
         outs.append(out.get())
         caches.append((kp.get(), vp.get()))
         assert (tickets.get() == 0).all()

@@ -13,11 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
+from cuda_helpers import needs_cuda, nmse, rms_norm_ref, teacher_forced
 from ninfer import _core
 from ninfer.synth import write_synthetic
-
-from cuda_helpers import needs_cuda, nmse, rms_norm_ref, teacher_forced
 
 
 def test_streamed_gemv_only_where_its_walk_fills_its_rounds() -> None:
@@ -66,30 +64,30 @@ def test_stream_consumers_for_one_round_of_row_groups() -> None:
 def test_streamed_kernel_prefetch_arguments_match_its_signature() -> None:
     """The launcher's (const u64* pf, int n_pf, int pf_cap), zeros where nothing is asked, in the kernel's C
     types."""
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
-    pf = K.stream_prefetch_args((1234, 3, 65536))
+    pf = ops.stream_prefetch_args((1234, 3, 65536))
     assert [type(a) for a in pf] == [np.uint64, np.int32, np.int32] and [int(a) for a in pf] == [1234, 3, 65536]
-    assert [int(a) for a in K.stream_prefetch_args(None)] == [0, 0, 0]
+    assert [int(a) for a in ops.stream_prefetch_args(None)] == [0, 0, 0]
 
 
 def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda_ops._launch_stream, where gemv() builds gemv_gsq8_stream's arguments: the kernel's fifteen parameters
     and the prefetch's three in its order and C types."""
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
     seen = []
-    monkeypatch.setattr(K.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append((grid, block, args, kw)))
+    monkeypatch.setattr(ops.launch, "kernel", lambda fn, grid, block, args, **kw: seen.append((grid, block, args, kw)))
     u64, i32, f32 = np.uint64, np.int32, np.float32
     base = [u64, i32, i32, i32, u64, u64, f32, i32, i32, i32, i32, i32, u64, u64, i32, u64, i32, i32]
     descs = np.uint64(77)  # (a device array in use; anything the launcher passes through)
 
     def launch(**kw):
-        K._launch_stream("fn", 132, 544, 200_000, (descs, 1, 5120, K.MODE_ADD, 0), 5120, 11, 0, 1e-6, 1, 4, 8, 0, 0,
+        ops._launch_stream("fn", 132, 544, 200_000, (descs, 1, 5120, ops.MODE_ADD, 0), 5120, 11, 0, 1e-6, 1, 4, 8, 0, 0,
                          5, **kw)
         grid, block, args, extra = seen.pop()
         assert (grid, block, extra) == ((132,), (544,), {"shared_mem": 200_000, "dependent": True})
-        assert [int(a) for a in args[:15]] == [77, 1, 5120, 5120, 11, 0, 0, K.MODE_ADD, 0, 1, 4, 8, 0, 0, 5]
+        assert [int(a) for a in args[:15]] == [77, 1, 5120, 5120, 11, 0, 0, ops.MODE_ADD, 0, 1, 4, 8, 0, 0, 5]
         return [type(a) for a in args], [int(a) for a in args[15:18]]
 
     assert launch(prefetch=(3, 4, 5)) == (base, [3, 4, 5])
@@ -201,33 +199,33 @@ def test_stream_activation_bytes_and_filled_teams() -> None:
     record) and 12 bytes a 32-value unit, 128-byte aligned; the 32B down projection's 27,648 columns 41,472 bytes,
     room for six 27,648-byte ring slots in the H200's 232,448 (less the kernel's static shared memory, under 1 KB).
     stream_fill_teams: a team a slot, within 1,024 threads and a cap where one is given."""
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
-    assert (K.stream_act_bytes(27648), K.stream_act_bytes(5120)) == (41472, 7680)
-    assert (232448 - 1024 - K.stream_act_bytes(27648)) // 27648 == 6
-    assert (K.stream_fill_teams(7, 4, 1024), K.stream_fill_teams(9, 4, 1024), K.stream_fill_teams(6, 4, 1024)) == (
+    assert (ops.stream_act_bytes(27648), ops.stream_act_bytes(5120)) == (41472, 7680)
+    assert (232448 - 1024 - ops.stream_act_bytes(27648)) // 27648 == 6
+    assert (ops.stream_fill_teams(7, 4, 1024), ops.stream_fill_teams(9, 4, 1024), ops.stream_fill_teams(6, 4, 1024)) == (
         7, 7, 6)
-    assert K.stream_fill_teams(0, 4, 1024) == 1
-    assert (K.stream_fill_teams(7, 4, 1024, cap=5), K.stream_fill_teams(3, 4, 1024, cap=5)) == (5, 3)
+    assert ops.stream_fill_teams(0, 4, 1024) == 1
+    assert (ops.stream_fill_teams(7, 4, 1024, cap=5), ops.stream_fill_teams(3, 4, 1024, cap=5)) == (5, 3)
 
 
 def test_launches_around_attention_leave_its_sms_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaEngine._room_grid (no GPU): the streamed q/k/v and output projections take the SMs less one a KV head
-    (attention's blocks at a short depth) and K.STREAM_ATT_SLACK (8) more, without the slack where it would leave
+    (attention's blocks at a short depth) and ops.STREAM_ATT_SLACK (8) more, without the slack where it would leave
     more than a quarter of the SMs, and none (0: one an SM) where even attention's would."""
     from types import SimpleNamespace
 
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.cuda_engine import CudaEngine
 
     def grid(sms: int, n_kv: int) -> int:
         return CudaEngine._room_grid(SimpleNamespace(sms=sms, spec={"n_head_kv": n_kv}))
 
-    assert K.STREAM_ATT_SLACK == 8  # (dropped first where it breaks the quarter rule)
+    assert ops.STREAM_ATT_SLACK == 8  # (dropped first where it breaks the quarter rule)
     assert (grid(132, 8), grid(132, 2), grid(132, 25), grid(132, 26), grid(132, 33), grid(132, 34)) == \
         (116, 122, 99, 106, 99, 0)
     assert (grid(46, 4), grid(46, 8), grid(20, 8)) == (42, 38, 0)
-    monkeypatch.setattr(K, "STREAM_ATT_SLACK", 0)
+    monkeypatch.setattr(ops, "STREAM_ATT_SLACK", 0)
     assert (grid(132, 8), grid(132, 33), grid(132, 34)) == (124, 99, 0)
 
 
@@ -245,12 +243,11 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
     (5,120 fills the round), so the slot goes back before any dot product (GEMV_STREAM_EARLY_RELEASE); 6,144: two
     rounds with one warp a group."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import ACT_GSQ8, ACT_GSQ8_PAIRS, gpu_row_bytes, gsq_type, to_gpu
     from ninfer.synth import random_gsq_records
 
-    if not K.gsq_stream(K.MODE_STORE):
+    if not ops.gsq_stream(ops.MODE_STORE):
         pytest.skip("gemv_gsq8_stream needs sm_90")
     rng = np.random.default_rng(7)
     tid = gsq_type(3, 2)
@@ -277,29 +274,29 @@ def test_gsq_stream_gemv_equals_cpu_dot_products(mode: str, n: int) -> None:
         b = bias_d.data.ptr if (i == 1 and bias_d is not None) else 0
         entries.append((w.data.ptr, b, out.data.ptr + 4 * off, gpu_row_bytes(tid, n), tid, r))
         off += 0 if mode == "glu" else r
-    descs = K.mat_descs(entries)
+    descs = ops.mat_descs(entries)
     total = shapes[0] if mode == "glu" else sum(shapes)
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
-    kmode = {"store": K.MODE_STORE, "add": K.MODE_ADD, "glu": K.MODE_GLU, "pre": K.MODE_STORE}[mode]
+    kmode = {"store": ops.MODE_STORE, "add": ops.MODE_ADD, "glu": ops.MODE_GLU, "pre": ops.MODE_STORE}[mode]
     pre = None
     if mode == "pre":
-        aq, ad, as_ = cp.zeros(K.act_code_bytes(n, True), cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16,
+        aq, ad, as_ = cp.zeros(ops.act_code_bytes(n, True), cp.int8), cp.zeros(n // 32, cp.float32), cp.zeros(n // 16,
                                                                                                         cp.float32)
-        K.quant_act(x_d.data.ptr, n, ACT_GSQ8_PAIRS, aq.data.ptr, ad.data.ptr, as_.data.ptr)
+        ops.quant_act(x_d.data.ptr, n, ACT_GSQ8_PAIRS, aq.data.ptr, ad.data.ptr, as_.data.ptr)
         pre = (aq.data.ptr, ad.data.ptr, as_.data.ptr)
     norm = norm_d.data.ptr if mode in ("add", "glu") else 0
-    stream = K.function("gemv_gsq8_stream")
+    stream = ops.function("gemv_gsq8_stream")
     for consumers, team in ((24, 8), (16, 16), (16, 4), (12, 4), (8, 8), (15, 3), (12, 6)):
         if 32 * (consumers + 1) > stream.max_threads_per_block:
             continue
         for ks in (0, 1, 2, 3, 4, 6):
             if ks > team:  # (a team's warps on one group at most)
                 continue
-            for stages in (K.GEMV_STREAM_MAX_STAGES, max(2, consumers // team)):  # (the smallest ring)
-                assert K.gemv_stream_plan(stream, n, 1, team, ks, stages, consumers // team) is not None
-                for u in (K.GEMV_STREAM_U, K.GEMV_STREAM_U_ALT):
+            for stages in (ops.GEMV_STREAM_MAX_STAGES, max(2, consumers // team)):  # (the smallest ring)
+                assert ops.gemv_stream_plan(stream, n, 1, team, ks, stages, consumers // team) is not None
+                for u in (ops.GEMV_STREAM_U, ops.GEMV_STREAM_U_ALT):
                     out[:] = cp.asarray(base) if base is not None else 0
-                    K.gemv(ACT_GSQ8, descs, len(shapes), total, n, x_d.data.ptr, norm, 1e-6, kmode, pre=pre,
+                    ops.gemv(ACT_GSQ8, descs, len(shapes), total, n, x_d.data.ptr, norm, 1e-6, kmode, pre=pre,
                            gsq_pairs=True, stream=stream, warps_per_block=consumers, k_split=ks, max_stages=stages,
                            stream_team=team, lane_records=u)
                     got = out.get()
@@ -310,18 +307,18 @@ def test_streamed_q6k_head_only_for_a_vocabulary_sized_q6k_head() -> None:
     """cuda_ops.q6k_stream_shape (no GPU): a Q6_K matrix of a vocabulary's rows (not a layer's Q6_K product)
     storing logits or taking their argmax (not a residual add), whose rows the lanes walk in whole rounds (the 32B
     head's 5,120 columns, not the 1.5B's 1,536, which measured slower streamed)."""
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
-    shape = K.q6k_stream_shape
+    shape = ops.q6k_stream_shape
     with pytest.raises(ValueError, match="not mode 1"):
-        K.gemv_q6k_stream(0, 152064, 5120, 0, 0, 1e-6, K.MODE_ADD)
-    assert shape(K.T_Q6_K, 152064, 5120, K.MODE_ARGMAX) and shape(K.T_Q6_K, 152064, 5120, K.MODE_STORE)
-    assert not shape(K.T_Q6_K, 151936, 1536, K.MODE_ARGMAX)
-    assert shape(K.T_Q6_K, 151936, 2560, K.MODE_ARGMAX)  # (10 super-blocks: one round)
-    assert not shape(K.T_Q6_K, 5120, 27648, K.MODE_ADD)  # (a down projection)
-    assert not shape(K.T_Q6_K, 152064, 5120, K.MODE_ADD)
-    assert not shape(12, 152064, 5120, K.MODE_ARGMAX)  # Q4_K
-    assert not shape(K.T_Q6_K, K.Q6K_STREAM_MIN_ROWS - 1, 5120, K.MODE_STORE)
+        ops.gemv_q6k_stream(0, 152064, 5120, 0, 0, 1e-6, ops.MODE_ADD)
+    assert shape(ops.T_Q6_K, 152064, 5120, ops.MODE_ARGMAX) and shape(ops.T_Q6_K, 152064, 5120, ops.MODE_STORE)
+    assert not shape(ops.T_Q6_K, 151936, 1536, ops.MODE_ARGMAX)
+    assert shape(ops.T_Q6_K, 151936, 2560, ops.MODE_ARGMAX)  # (10 super-blocks: one round)
+    assert not shape(ops.T_Q6_K, 5120, 27648, ops.MODE_ADD)  # (a down projection)
+    assert not shape(ops.T_Q6_K, 152064, 5120, ops.MODE_ADD)
+    assert not shape(12, 152064, 5120, ops.MODE_ARGMAX)  # Q4_K
+    assert not shape(ops.T_Q6_K, ops.Q6K_STREAM_MIN_ROWS - 1, 5120, ops.MODE_STORE)
 
 
 def test_q6k_planar_rows_hold_each_field_of_every_block_in_its_own_run() -> None:
@@ -357,8 +354,7 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
     accumulator reset by argmax_finish for the next head. The planar rows dequantized for the prompt path
     (dequant_f16) equal the padded blocks'."""
     import cupy as cp
-
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
     from ninfer.backends.layouts import T_Q6_K_PLANAR, gpu_row_bytes, to_gpu
     from ninfer.synth import TYPES, random_blocks
 
@@ -371,37 +367,37 @@ def test_q6k_stream_head_equals_cpu_dot_products(mode: str, n: int) -> None:
     norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
     act = _core.quantize_act(15, rms_norm_ref(x, norm_w, 1e-6))
     rb = len(raw) // rows
-    ref = np.array([_core.vec_dot(K.T_Q6_K, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)],
+    ref = np.array([_core.vec_dot(ops.T_Q6_K, n, raw[r * rb : (r + 1) * rb].tobytes(), act) for r in range(rows)],
                    np.float32)
     w = to_gpu(raw, tid, rows, n, "w")
-    padded = to_gpu(raw, K.T_Q6_K, rows, n, "w")
+    padded = to_gpu(raw, ops.T_Q6_K, rows, n, "w")
     f16, f16_ref = cp.zeros((rows, n), cp.float16), cp.zeros((rows, n), cp.float16)
-    K.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, n), rows, n, f16.data.ptr)
-    K.dequant_f16(K.T_Q6_K, padded.data.ptr, gpu_row_bytes(K.T_Q6_K, n), rows, n, f16_ref.data.ptr)
+    ops.dequant_f16(tid, w.data.ptr, gpu_row_bytes(tid, n), rows, n, f16.data.ptr)
+    ops.dequant_f16(ops.T_Q6_K, padded.data.ptr, gpu_row_bytes(ops.T_Q6_K, n), rows, n, f16_ref.data.ptr)
     assert bool((f16 == f16_ref).all()) and bool(cp.isfinite(f16).all())
     out = cp.zeros(rows, cp.float32)
     best, token = cp.zeros(1, cp.uint64), cp.zeros(1, cp.int32)
     x_d, norm_d = cp.asarray(x), cp.asarray(norm_w)
-    descs = K.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
-    kmode = K.MODE_ARGMAX if mode == "argmax" else K.MODE_STORE
+    descs = ops.mat_descs([(w.data.ptr, 0, out.data.ptr, gpu_row_bytes(tid, n), tid, rows)])
+    kmode = ops.MODE_ARGMAX if mode == "argmax" else ops.MODE_STORE
     if n % 2560:  # (the kernel's loop has no clamps: whole rounds of 10 super-blocks)
         with pytest.raises(ValueError, match="whole rounds of 10 super-blocks, not"):
-            K.gemv_q6k_stream(descs, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode, best.data.ptr)
+            ops.gemv_q6k_stream(descs, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode, best.data.ptr)
         return
-    for team, teams in ((K.Q6K_STREAM_TEAM, K.Q6K_STREAM_TEAMS), (1, 1), (1, 16), (2, 4), (4, 2), (16, 1)):
-        for stages in (K.GEMV_STREAM_MAX_STAGES, teams):
+    for team, teams in ((ops.Q6K_STREAM_TEAM, ops.Q6K_STREAM_TEAMS), (1, 1), (1, 16), (2, 4), (4, 2), (16, 1)):
+        for stages in (ops.GEMV_STREAM_MAX_STAGES, teams):
             args = (descs, rows, n, x_d.data.ptr, norm_d.data.ptr, 1e-6, kmode, best.data.ptr)
             out[:] = 0
-            if teams > K.GEMV_STREAM_MAX_STAGES:  # (the launcher refuses it: fewer slots than teams)
+            if teams > ops.GEMV_STREAM_MAX_STAGES:  # (the launcher refuses it: fewer slots than teams)
                 with pytest.raises(ValueError, match="no ring of"):
-                    K.gemv_q6k_stream(*args, team=team, teams=teams)
+                    ops.gemv_q6k_stream(*args, team=team, teams=teams)
                 continue
-            K.gemv_q6k_stream(*args, team=team, teams=teams, max_stages=stages)
+            ops.gemv_q6k_stream(*args, team=team, teams=teams, max_stages=stages)
             got = out.get()
             assert nmse(got, ref) < 1e-6, (team, teams, stages, nmse(got, ref))
             assert np.abs(got - ref).max() < 1e-3 * np.abs(ref).max(), (team, teams, stages)
             if mode == "argmax":
-                K.argmax_finish(best.data.ptr, token.data.ptr)
+                ops.argmax_finish(best.data.ptr, token.data.ptr)
                 assert int(token.get()[0]) == int(np.argmax(got)), (team, teams, stages)
                 assert int(best.get()[0]) == 0
             else:
@@ -414,9 +410,9 @@ def test_synthetic_32b_shape_gsq3_streamed_greedy_gpu_agrees_with_cpu(tmp_path: 
     kernel (kernels/gemv_stream.cu; the 1.5B shape's rows are too narrow for it), so this checks its launches as
     the engine chains them (norm prologues, residual adds, the GLU, the pre-quantized down projection, the L2
     prefetches of the next launch's weights), against the CPU."""
-    from ninfer.backends import cuda_ops as K
+    from ninfer.backends import cuda_ops as ops
 
-    if not K.gsq_stream(K.MODE_STORE):
+    if not ops.gsq_stream(ops.MODE_STORE):
         pytest.skip("gemv_gsq8_stream needs sm_90")
     path = write_synthetic(tmp_path / "q32.gguf", "qwen2.5-32b", "GSQ3", n_layer=2, seed=13)
     cpu, gpu, margins = teacher_forced(path, [17, 400, 9000, 123, 5555, 42, 7, 100000], 24)

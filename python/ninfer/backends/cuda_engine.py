@@ -29,10 +29,20 @@ import numpy as np
 
 from ninfer import _core
 from ninfer.backends import budget as budget_mod
-from ninfer.backends import cuda_ops as K
+from ninfer.backends import cuda_ops as ops
 from ninfer.backends import launch
-from ninfer.backends.layouts import (ACT_GSQ8, ACT_GSQ8_PAIRS, QUANTIZED_ACTS, T_Q6_K, T_Q6_K_PLANAR, gpu_row_bytes,
-                                     gpu_type, gsq_pairs_type, layout, to_gpu)
+from ninfer.backends.layouts import (
+    ACT_GSQ8,
+    ACT_GSQ8_PAIRS,
+    QUANTIZED_ACTS,
+    T_Q6_K,
+    T_Q6_K_PLANAR,
+    gpu_row_bytes,
+    gpu_type,
+    gsq_pairs_type,
+    layout,
+    to_gpu,
+)
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 _CUBLAS_OP_N, _CUBLAS_OP_T, _R_16F, _R_32F, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 2, 0, 68, -1
@@ -112,8 +122,8 @@ class CudaEngine:
         if s["head_dim"] != s["head_dim_v"] or s["head_dim"] not in (64, 128, 256):
             raise InvalidArgumentError(f"the CUDA attention kernel needs head_dim == head_dim_v in (64, 128, 256); "
                                        f"this model has {s['head_dim']} / {s['head_dim_v']}")
-        if s["n_head"] % s["n_head_kv"] or s["n_head"] // s["n_head_kv"] > K.MAX_GROUP:
-            raise InvalidArgumentError(f"the CUDA attention kernel serves up to {K.MAX_GROUP} query heads per KV "
+        if s["n_head"] % s["n_head_kv"] or s["n_head"] // s["n_head_kv"] > ops.MAX_GROUP:
+            raise InvalidArgumentError(f"the CUDA attention kernel serves up to {ops.MAX_GROUP} query heads per KV "
                                        f"head; this model has {s['n_head']} / {s['n_head_kv']}")
         self.n_ctx, self.n_batch, self.page_size, self.n_seq_max = n_ctx, n_batch, page_size, n_seq_max
         self.tensors = {t.name: t for t in model_file.tensors}
@@ -203,7 +213,7 @@ class CudaEngine:
         s = self.spec
         t = self.tensors[s["output"]]
         ty = gpu_type(t)
-        if s["token_embd"] != s["output"] and ty == T_Q6_K and K.q6k_stream(ty, t.dims[1], t.dims[0], K.MODE_ARGMAX):
+        if s["token_embd"] != s["output"] and ty == T_Q6_K and ops.q6k_stream(ty, t.dims[1], t.dims[0], ops.MODE_ARGMAX):
             return T_Q6_K_PLANAR
         return ty
 
@@ -220,11 +230,11 @@ class CudaEngine:
         self.qkv = cp.zeros((T, self.qkv_dim), f32)
         self.q_rot = cp.zeros((T, s["n_head"] * s["head_dim"]), f32)
         self.att = cp.zeros((T, self.att_dim), f32)
-        self.gu = cp.zeros((T, 2 * self.n_ff), f32)
+        self.gate_up = cp.zeros((T, 2 * self.n_ff), f32)
         self.act = cp.zeros((T, self.n_ff), f32)
-        self.aq = cp.zeros(T * width + width // 8, cp.int8)  # (+: one vector's padded ACT_GSQ8_PAIRS codes)
-        self.ad = cp.zeros(T * width // 32, f32)
-        self.as_ = cp.zeros(2 * T * width // 32, f32)
+        self.act_codes = cp.zeros(T * width + width // 8, cp.int8)  # (+: one vector's padded ACT_GSQ8_PAIRS codes)
+        self.act_scales = cp.zeros(T * width // 32, f32)
+        self.act_sums = cp.zeros(2 * T * width // 32, f32)
         self.ah = cp.zeros(T * width, cp.uint16)
         biggest = max(m.rows * m.cols for lw in self.layers for m in lw.values() if isinstance(m, _Matrix)) \
             if self.layers else 0
@@ -245,8 +255,8 @@ class CudaEngine:
         # Key splits of decode attention: as many blocks as the GPU holds at once, over the KV heads
         # (NINFER_CUDA_ATT_SPLIT overrides, for measuring other choices).
         n_split = (env_count("NINFER_CUDA_ATT_SPLIT")
-                   or K.attention_resident(s["head_dim"], group) // s["n_head_kv"])
-        self.n_split = max(1, min(-(-self.n_ctx // 256), n_split, K.attention_max_split(s["head_dim"], group)))
+                   or ops.attention_resident(s["head_dim"], group) // s["n_head_kv"])
+        self.n_split = max(1, min(-(-self.n_ctx // 256), n_split, ops.attention_max_split(s["head_dim"], group)))
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)
@@ -522,15 +532,15 @@ class CudaEngine:
         """Seconds per GPU layer (the last entry: the output head and glue), summed over profiled steps."""
         return list(self.prof_layers)
 
-    def _run_profiled(self, ops: list[tuple[str, int, Callable[[], None]]]) -> None:
+    def _run_profiled(self, launches: list[tuple[str, int, Callable[[], None]]]) -> None:
         cp = self.cp
         with self.stream:
             # Hold the stream for ~50 ms so every launch below is queued before the first runs: the events then
             # time the kernels, not Python's launch gaps.
-            K.function("spin")((1,), (1,), (np.int64(100_000_000),))
+            ops.function("spin")((1,), (1,), (np.int64(100_000_000),))
             events = [cp.cuda.Event()]
             events[0].record()
-            for _, _, fn in ops:
+            for _, _, fn in launches:
                 fn()
                 ev = cp.cuda.Event()
                 ev.record()
@@ -545,15 +555,15 @@ class CudaEngine:
 
     # ---- decode: the captured token step -----------------------------------------------------------------
     def _capture(self, seq: int, greedy: bool, parity: int):
-        ops = self._ops(seq, greedy, parity)
+        launches = self._ops(seq, greedy, parity)
         with self.stream:
-            for _, _, fn in ops:  # run once uncaptured: compiles and loads every kernel first
+            for _, _, fn in launches:  # run once uncaptured: compiles and loads every kernel first
                 fn()
         self.stream.synchronize()
         with self.stream, launch.dependent_launches(self.pdl):
             self.stream.begin_capture()
             try:
-                for _, _, fn in ops:
+                for _, _, fn in launches:
                     fn()
             finally:
                 graph = self.stream.end_capture()
@@ -568,45 +578,45 @@ class CudaEngine:
         norm: the down projection's input) a quant_act launch first. Descriptor arrays are appended to `keep`
         (they must live as long as a graph that launches them). `prefetch`: (address, bytes) regions of a later
         launch's weights for a streamed GEMV to ask L2 for at its end (each block its share of each, its first
-        prefetch_cap bytes if > 0; _prefetch_regions). `quantized`: x is already in aq / ad as ACT_GSQ8_PAIRS (the
+        prefetch_cap bytes if > 0; _prefetch_regions). `quantized`: x is already in act_codes / act_scales as ACT_GSQ8_PAIRS (the
         attention kernel wrote it; only for a launch _att_quantizes_o accepts). max_grid: at most that many blocks
         for a streamed launch (cuda_ops.gemv)."""
         keep = self._keep if keep is None else keep
         pf = None
         if prefetch:
-            regions = K.prefetch_regions(prefetch)
+            regions = ops.prefetch_regions(prefetch)
             keep.append(regions)
             pf = (regions.data.ptr, len(prefetch), prefetch_cap)
-        ops: list[Callable[[], None]] = []
+        fns: list[Callable[[], None]] = []
         n = mats[0].cols
         if mats[0].type == T_Q6_K_PLANAR:  # the streamed Q6_K head (_head_type), its only reader
             m = mats[0]
-            desc = K.mat_descs([(m.ptr, 0, outs[0], m.row_bytes, m.type, m.rows)])
+            desc = ops.mat_descs([(m.ptr, 0, outs[0], m.row_bytes, m.type, m.rows)])
             keep.append(desc)
             eps = self.spec["rms_eps"]
-            return [lambda: K.gemv_q6k_stream(desc, m.rows, n, x, norm, eps, mode, best)]
+            return [lambda: ops.gemv_q6k_stream(desc, m.rows, n, x, norm, eps, mode, best)]
         kinds = sorted({m.act for m in mats})
-        if mode == K.MODE_GLU and len(kinds) > 1:
+        if mode == ops.MODE_GLU and len(kinds) > 1:
             raise AssertionError("GLU fusion needs gate and up of one activation kind")
         eps = self.spec["rms_eps"]
         for kind in kinds:
             group = [(m, o) for m, o in zip(mats, outs) if m.act == kind]
-            descs = K.mat_descs([(m.ptr, 0, o, m.row_bytes, m.type, m.rows) for m, o in group])
+            descs = ops.mat_descs([(m.ptr, 0, o, m.row_bytes, m.type, m.rows) for m, o in group])
             keep.append(descs)
-            total = group[0][0].rows if mode == K.MODE_GLU else sum(m.rows for m, _ in group)
-            pairs = K.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
-            staged = (self.aq.data.ptr, self.ad.data.ptr, self.as_.data.ptr)  # (codes, scales, sums)
+            total = group[0][0].rows if mode == ops.MODE_GLU else sum(m.rows for m, _ in group)
+            pairs = ops.gsq_pairs(n, total) and all(gsq_pairs_type(m.type) for m, _ in group)
+            staged = (self.act_codes.data.ptr, self.act_scales.data.ptr, self.act_sums.data.ptr)  # (codes, scales, sums)
             pre = None
             if quantized:
                 pre = staged
             elif prequantize and not norm and kind in QUANTIZED_ACTS:
                 pre = staged
                 q_kind = ACT_GSQ8_PAIRS if pairs else kind
-                ops.append(lambda q_kind=q_kind, pre=pre: K.quant_act(x, n, q_kind, *pre))
-            ops.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: K.gemv(
+                fns.append(lambda q_kind=q_kind, pre=pre: ops.quant_act(x, n, q_kind, *pre))
+            fns.append(lambda kind=kind, descs=descs, g=group, total=total, pre=pre, pairs=pairs: ops.gemv(
                 kind, descs, len(g), total, n, x, norm, eps, mode, glu_act, best, pre, gsq_pairs=pairs, prefetch=pf,
                 max_grid=max_grid))
-        return ops
+        return fns
 
     @staticmethod
     def _prefetch_regions(lw: dict, cap: int) -> dict[str, dict[str, Any]]:
@@ -628,12 +638,12 @@ class CudaEngine:
         streamed). H200, 32B GSQ3 tg128 173.3 / 173.7 against 172.5 / 172.1 t/s (2026-12-02)."""
         wo = lw["wo"]
         return (self.spec["head_dim"] == 128 and wo.act == ACT_GSQ8 and gsq_pairs_type(wo.type)
-                and K.gsq_pairs(wo.cols, wo.rows))
+                and ops.gsq_pairs(wo.cols, wo.rows))
 
     def _room_grid(self) -> int:
         """Blocks for the streamed launches on either side of attention, q/k/v and the output projection
         (cuda_ops.gemv max_grid; 0: one an SM): the SMs less those attention's blocks take (at a short depth one
-        block a KV head) and K.STREAM_ATT_SLACK more. The output projection's blocks, one an SM, then all start
+        block a KV head) and ops.STREAM_ATT_SLACK more. The output projection's blocks, one an SM, then all start
         together instead of some waiting for an attention block to leave its SM; and attention's blocks start on
         their free SMs under q/k/v and run their code once before its results land (kernels/attention.cu, the dry
         pass). The slack: q/k/v's blocks take the first SMs the previous down projection's blocks leave and
@@ -641,7 +651,7 @@ class CudaEngine:
         faster on the H200, docs/journal/gsq-rco-gpu.md). Not where that would take more than a quarter of the SMs
         (the slack goes first)."""
         n_kv = self.spec["n_head_kv"]
-        for slack in (K.STREAM_ATT_SLACK, 0):
+        for slack in (ops.STREAM_ATT_SLACK, 0):
             if 4 * (n_kv + slack) <= self.sms:
                 return self.sms - n_kv - slack
         return 0
@@ -660,16 +670,16 @@ class CudaEngine:
         e = s["n_embd"]
         x, o, act, att, qkv = (self.x.data.ptr, self.o.data.ptr, self.act.data.ptr, self.att.data.ptr,
                                self.qkv.data.ptr)
-        ops: list[tuple[str, int, Callable[[], None]]] = []
+        launches: list[tuple[str, int, Callable[[], None]]] = []
 
         def add(kind: str, layer: int, fns: list[Callable[[], None]]) -> None:
-            ops.extend((kind, layer, f) for f in fns)
+            launches.extend((kind, layer, f) for f in fns)
 
         tok_in, tok_out = self.tok.dev_ptr + 4 * parity, self.tok.dev_ptr + 4 * (1 - parity)
         pos_in = self.in_pos.dev_ptr + 4 * parity
         if self.embd_gpu is not None:  # the token's embedding row, dequantized on the GPU, and the position
             m = self.embd_gpu
-            add("other", -1, [lambda: K.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x, pos_in,
+            add("other", -1, [lambda: ops.embed(m.type, m.ptr, m.row_bytes, tok_in, 1, e, s["embd_scale"], x, pos_in,
                                               self.pos.data.ptr)])
         else:
             add("other", -1, [lambda: launch.copy(x, self.in_x.host_ptr, 4 * e, _H2D)])
@@ -679,7 +689,7 @@ class CudaEngine:
         q_dim, k_dim = s["n_head"] * s["head_dim"], s["n_head_kv"] * s["head_dim"]
         group = s["n_head"] // s["n_head_kv"]
         # what the streamed launches ask L2 for on a later one's behalf (_prefetch_regions)
-        pf_cap = K.STREAM_PREFETCH_CAP
+        pf_cap = ops.STREAM_PREFETCH_CAP
         room = self._room_grid()
         for il, lw in enumerate(self.layers):
             ls = s["layers"][il]
@@ -689,46 +699,46 @@ class CudaEngine:
             att_quant = self._att_quantizes_o(lw)
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
-                                               K.MODE_STORE, max_grid=room, **pf["qkv"]))
-            params = K.attn_params(
+                                               ops.MODE_STORE, max_grid=room, **pf["qkv"]))
+            params = ops.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
                 page_tables=table, table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
                 window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,
                 part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att,
-                **({"out_q": self.aq.data.ptr, "out_d": self.ad.data.ptr} if att_quant else {}))
-            add("attention", il, [lambda params=params: K.attention(params, 1, self.n_split, s["n_head_kv"],
+                **({"out_q": self.act_codes.data.ptr, "out_d": self.act_scales.data.ptr} if att_quant else {}))
+            add("attention", il, [lambda params=params: ops.attention(params, 1, self.n_split, s["n_head_kv"],
                                                                     s["head_dim"], True, group)])
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,
-                                               K.MODE_STORE if post_a else K.MODE_ADD, quantized=att_quant,
+                                               ops.MODE_STORE if post_a else ops.MODE_ADD, quantized=att_quant,
                                                max_grid=room, **pf["o"]))
             if post_a:
-                add("other", il, [lambda w=post_a: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
+                add("other", il, [lambda w=post_a: ops.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
             if lw["w_gate"].act == lw["w_up"].act:  # gate/up with the GLU fused
-                add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], K.MODE_GLU,
+                add("matmul", il, self._matmul_vec(gate_up, [act, act], x, lw["ptr"]["ffn_norm"], ops.MODE_GLU,
                                                    glu_act, **pf["gate_up"]))
             else:
-                gu = self.gu.data.ptr
-                add("matmul", il, self._matmul_vec(gate_up, [gu, gu + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
-                                                   K.MODE_STORE))
-                add("other", il, [lambda gu=gu: K.glu_rows(gu, self.n_ff, 1, glu_act, act)])
+                gate_up_ptr = self.gate_up.data.ptr
+                add("matmul", il, self._matmul_vec(gate_up, [gate_up_ptr, gate_up_ptr + 4 * self.n_ff], x, lw["ptr"]["ffn_norm"],
+                                                   ops.MODE_STORE))
+                add("other", il, [lambda gate_up_ptr=gate_up_ptr: ops.glu_rows(gate_up_ptr, self.n_ff, 1, glu_act, act)])
             add("matmul", il, self._matmul_vec([lw["w_down"]], [o if post_f else x], act, 0,
-                                               K.MODE_STORE if post_f else K.MODE_ADD, prequantize=True, **pf["down"]))
+                                               ops.MODE_STORE if post_f else ops.MODE_ADD, prequantize=True, **pf["down"]))
             if post_f:
-                add("other", il, [lambda w=post_f: K.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
+                add("other", il, [lambda w=post_f: ops.rms_norm_rows(1, o, w, s["rms_eps"], e, x, True)])
         if not self.plan.head_on_gpu:
             add("other", -1, [lambda: launch.copy(self.out_x.host_ptr, x, 4 * e, _D2H)])
-            return ops
+            return launches
         norm = self.output_norm.data.ptr
         best = self.best.data.ptr
         if greedy:  # (best is zero: allocated so, and argmax_finish resets it)
-            add("matmul", -1, self._matmul_vec([self.output], [self.logits_dev.data.ptr], x, norm, K.MODE_ARGMAX,
+            add("matmul", -1, self._matmul_vec([self.output], [self.logits_dev.data.ptr], x, norm, ops.MODE_ARGMAX,
                                                best=best))
-            add("other", -1, [lambda: K.argmax_finish(best, tok_out)])
+            add("other", -1, [lambda: ops.argmax_finish(best, tok_out)])
         else:
-            add("matmul", -1, self._matmul_vec([self.output], [self.out_logits.dev_ptr], x, norm, K.MODE_STORE))
-        return ops
+            add("matmul", -1, self._matmul_vec([self.output], [self.out_logits.dev_ptr], x, norm, ops.MODE_STORE))
+        return launches
 
     # ---- prompts: batched layers on cuBLAS -------------------------------------------------------------
     def _gemm(self, m: _Matrix, x16: int, T: int, out: int, ldc: int, beta: float) -> None:
@@ -742,14 +752,14 @@ class CudaEngine:
         rows_per = max(1, min(m.rows, self.w16.size // m.cols))
         for r0 in range(0, m.rows, rows_per):
             n = min(rows_per, m.rows - r0)
-            K.dequant_f16(m.type, m.ptr + r0 * m.row_bytes, m.row_bytes, n, m.cols, self.w16.data.ptr)
+            ops.dequant_f16(m.type, m.ptr + r0 * m.row_bytes, m.row_bytes, n, m.cols, self.w16.data.ptr)
             cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, T, m.cols, alpha.ctypes.data, self.w16.data.ptr,
                           _R_16F, m.cols, x16, _R_16F, m.cols, b.ctypes.data, out + 4 * r0, _R_32F, ldc,
                           _COMPUTE_32F, _GEMM_DEFAULT)
 
     def _act16(self, T: int, x: int, norm: int, n: int, kind: int) -> int:
         """The activation rows as the CPU would quantize them, dequantized to f16 for the GEMM."""
-        K.norm_quant(T, x, norm, self.spec["rms_eps"], n, kind, out_h=self.ah.data.ptr)
+        ops.norm_quant(T, x, norm, self.spec["rms_eps"], n, kind, out_h=self.ah.data.ptr)
         return self.ah.data.ptr
 
     def _matmul_rows(self, T: int, mats: list[_Matrix], outs: list[int], ldc: int, x: int, norm: int,
@@ -792,25 +802,25 @@ class CudaEngine:
         x, qkv, o = self.x.data.ptr, self.qkv.data.ptr, self.o.data.ptr
         self._matmul_rows(T, [lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim, qkv + 4 * (q_dim + k_dim)],
                           self.qkv_dim, x, lw["ptr"]["attn_norm"], 0.0)
-        K.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
+        ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
                   self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
                   self.tables.data.ptr + 4 * self.max_pages * seq, self.page_size,
                   self.theta_scale[il])
-        params = K.attn_params(s, q=self.q_rot.data.ptr, k_pool=self.k_pools[il].data.ptr,
+        params = ops.attn_params(s, q=self.q_rot.data.ptr, k_pool=self.k_pools[il].data.ptr,
                                v_pool=self.v_pools[il].data.ptr, page_tables=self.tables.data.ptr + 4 * self.max_pages * seq,
                                table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
                                window=ls.get("sliding_window") or 0, page_size=self.page_size, out=self.att.data.ptr)
-        K.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
+        ops.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
         post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
         self._matmul_rows(T, [lw["wo"]], [o if post_a else x], e, self.att.data.ptr, 0, 0.0 if post_a else 1.0)
         if post_a:
-            K.rms_norm_rows(T, o, post_a, s["rms_eps"], e, x, True)
-        gu, act, nff = self.gu.data.ptr, self.act.data.ptr, self.n_ff
-        self._matmul_rows(T, [lw["w_gate"], lw["w_up"]], [gu, gu + 4 * nff], 2 * nff, x, lw["ptr"]["ffn_norm"], 0.0)
-        K.glu_rows(gu, nff, T, 0 if s["activation"] == "silu" else 1, act)
+            ops.rms_norm_rows(T, o, post_a, s["rms_eps"], e, x, True)
+        gate_up_ptr, act, nff = self.gate_up.data.ptr, self.act.data.ptr, self.n_ff
+        self._matmul_rows(T, [lw["w_gate"], lw["w_up"]], [gate_up_ptr, gate_up_ptr + 4 * nff], 2 * nff, x, lw["ptr"]["ffn_norm"], 0.0)
+        ops.glu_rows(gate_up_ptr, nff, T, 0 if s["activation"] == "silu" else 1, act)
         self._matmul_rows(T, [lw["w_down"]], [o if post_f else x], e, act, 0, 0.0 if post_f else 1.0)
         if post_f:
-            K.rms_norm_rows(T, o, post_f, s["rms_eps"], e, x, True)
+            ops.rms_norm_rows(T, o, post_f, s["rms_eps"], e, x, True)
 
     def _head_rows(self, T: int, rows: list[int]) -> np.ndarray:
         cp, s = self.cp, self.spec
@@ -821,13 +831,13 @@ class CudaEngine:
         e = s["n_embd"]
         idx = cp.asarray(np.array(rows, np.int32))
         sel = cp.empty((m, e), cp.float32)
-        K.gather_rows(self.x.data.ptr, idx.data.ptr, m, e, sel.data.ptr)
+        ops.gather_rows(self.x.data.ptr, idx.data.ptr, m, e, sel.data.ptr)
         norm = self.output_norm.data.ptr
         if m <= 4:  # a few rows: the decode GEMV, one row at a time
             keep: list[Any] = []
             for i in range(m):
                 for fn in self._matmul_vec([self.output], [self.logits_dev.data.ptr], sel.data.ptr + 4 * e * i,
-                                           norm, K.MODE_STORE, keep=keep):
+                                           norm, ops.MODE_STORE, keep=keep):
                     fn()
                 out[i] = self.logits_dev[0].get()
             return out

@@ -4,7 +4,7 @@ stream (the engine enters its own stream, which is what a CUDA graph captures); 
 predecessor themselves (grid_dep_wait) say `dependent=True`, so a decode step can overlap them (launch.py).
 
 CuPy passes a Python int as a 64-bit integer and a float as a double, so every scalar is wrapped in the numpy
-type of the kernel's parameter here."""
+type of the kernel's parameter here: u64 (a device pointer), i32 (an int), f32 (a float)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,20 @@ import numpy as np
 
 from ninfer.backends import launch
 from ninfer.backends.kernels import function
-from ninfer.backends.layouts import (ACT_BF16, ACT_F16, ACT_F32, ACT_GSQ8, ACT_Q8_0, ACT_Q8_1, ACT_Q8_K, T_Q6_K,
-                                     T_Q6_K_PLANAR, gpu_row_bytes)
+from ninfer.backends.layouts import (
+    ACT_BF16,
+    ACT_F16,
+    ACT_F32,
+    ACT_GSQ8,
+    ACT_Q8_0,
+    ACT_Q8_1,
+    ACT_Q8_K,
+    T_Q6_K,
+    T_Q6_K_PLANAR,
+    gpu_row_bytes,
+)
+
+u64, i32, f32 = np.uint64, np.int32, np.float32  # the kernels' parameter types
 
 MODE_STORE, MODE_ADD, MODE_GLU, MODE_ARGMAX = range(4)
 GEMV_WARPS = 8
@@ -151,18 +163,6 @@ def struct_value(dtype: np.dtype, **fields) -> np.void:
     for k, v in fields.items():
         a[0][k] = v
     return a[0]
-
-
-def P(ptr: int) -> np.uint64:
-    return np.uint64(ptr)
-
-
-def I(v: int) -> np.int32:  # noqa: E743 (a one-letter name for the commonest wrapper)
-    return np.int32(v)
-
-
-def F(v: float) -> np.float32:
-    return np.float32(v)
 
 
 def mat_descs(entries: list[tuple[int, int, int, int, int, int]]):
@@ -315,8 +315,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     ks, steps, grid = plan(warps)
     threads = 32 * warps
     pq, pd, ps = pre or (0, 0, 0)
-    launch.kernel(fn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
-                                            I(mode), I(glu_act), P(best), I(ks), P(pq), P(pd), P(ps)),
+    launch.kernel(fn, (grid,), (threads,), (descs, i32(n_mats), i32(total_rows), i32(n_cols), u64(x), u64(norm_w), f32(eps),
+                                            i32(mode), i32(glu_act), u64(best), i32(ks), u64(pq), u64(pd), u64(ps)),
                   shared_mem=smem, dependent=True)
     return False
 
@@ -332,7 +332,7 @@ def prefetch_regions(regions: list[tuple[int, int]]):
 def stream_prefetch_args(prefetch: tuple[int, int, int] | None) -> tuple:
     """The streamed kernel's prefetch arguments from (regions, n, cap), or none asked (n = 0)."""
     regions, n, cap = prefetch or (0, 0, 0)
-    return (P(regions), I(n), I(cap))
+    return (u64(regions), i32(n), i32(cap))
 
 
 def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_cols: int, x: int, norm_w: int,
@@ -341,9 +341,9 @@ def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_co
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
     mode, glu_act), then the prefetch's."""
     descs, n_mats, total_rows, mode, glu_act = product
-    launch.kernel(sfn, (grid,), (threads,), (descs, I(n_mats), I(total_rows), I(n_cols), P(x), P(norm_w), F(eps),
-                                             I(mode), I(glu_act), I(ks), I(team), I(stages), P(pre_q), P(pre_d),
-                                             I(u), *stream_prefetch_args(prefetch)),
+    launch.kernel(sfn, (grid,), (threads,), (descs, i32(n_mats), i32(total_rows), i32(n_cols), u64(x), u64(norm_w), f32(eps),
+                                             i32(mode), i32(glu_act), i32(ks), i32(team), i32(stages), u64(pre_q), u64(pre_d),
+                                             i32(u), *stream_prefetch_args(prefetch)),
                   shared_mem=smem, dependent=True)
 
 
@@ -421,8 +421,8 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
     groups = -(-total_rows // GEMV_ROWS_PER_WARP)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     grid = min(-(-groups // team), resident_blocks(fn, threads, smem), sms)
-    launch.kernel(fn, (grid,), (threads,), (desc, I(total_rows), I(n_cols), P(x), P(norm_w), F(eps), I(mode), P(best),
-                                            I(team), I(stages)), shared_mem=smem, dependent=True)
+    launch.kernel(fn, (grid,), (threads,), (desc, i32(total_rows), i32(n_cols), u64(x), u64(norm_w), f32(eps), i32(mode), u64(best),
+                                            i32(team), i32(stages)), shared_mem=smem, dependent=True)
 
 
 def stream_consumers_for_rounds(groups: int, ks: int, sms: int, consumers: int, long_warps: int) -> int:
@@ -464,7 +464,7 @@ def gsq_pairs_warps(plan_w: tuple[int, int, int], plan_2w: tuple[int, int, int])
 def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_f: int = 0) -> None:
     """Quantize a long vector without a norm, QUANT_ACT_BLOCK elements per block (kernels/norm.cu quant_act)."""
     launch.kernel(function("quant_act"), (-(-n // QUANT_ACT_BLOCK),), (256,),
-                  (P(x), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_f)), dependent=True)
+                  (u64(x), i32(n), i32(act), u64(out_q), u64(out_d), u64(out_s), u64(out_f)), dependent=True)
 
 
 def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS, gsq_pairs: bool = False, groups: int = 0) -> int:
@@ -489,11 +489,11 @@ def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS, gsq_pairs: bool
 def norm_quant(rows: int, x: int, w: int, eps: float, n: int, act: int, out_q: int = 0, out_d: int = 0,
                out_s: int = 0, out_h: int = 0, out_f: int = 0) -> None:
     launch.kernel(function("norm_quant"), (rows,), (256,), (
-        P(x), P(w), F(eps), I(n), I(act), P(out_q), P(out_d), P(out_s), P(out_h), P(out_f)))
+        u64(x), u64(w), f32(eps), i32(n), i32(act), u64(out_q), u64(out_d), u64(out_s), u64(out_h), u64(out_f)))
 
 
 def rms_norm_rows(rows: int, x: int, w: int, eps: float, n: int, out: int, add: bool) -> None:
-    launch.kernel(function("rms_norm_rows"), (rows,), (256,), (P(x), P(w), F(eps), I(n), P(out), I(int(add))),
+    launch.kernel(function("rms_norm_rows"), (rows,), (256,), (u64(x), u64(w), f32(eps), i32(n), u64(out), i32(int(add))),
                   dependent=True)
 
 
@@ -503,10 +503,10 @@ def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict
     heads = s["n_head"] + s["n_head_kv"]
     hd = max(s["head_dim"], s["head_dim_v"])
     launch.kernel(function("rope_kv"), (rows, (heads + warps - 1) // warps), (32 * warps,), (
-        P(qkv), I(qkv_stride), P(pos), I(s["n_head"]), I(s["n_head_kv"]), I(s["head_dim"]), I(s["head_dim_v"]),
-        P(layer["bq"]), P(layer["bk"]), P(layer["bv"]), P(layer["q_norm"]), P(layer["k_norm"]), F(s["rms_eps"]),
-        I(s["rope_dims"]), F(theta_scale), F(layer["rope_freq_scale"]), I(int(s["rope_neox"])), F(s["q_scale"]),
-        P(q_out), P(k_pool), P(v_pool), P(page_table), I(page_size)), shared_mem=4 * warps * hd)
+        u64(qkv), i32(qkv_stride), u64(pos), i32(s["n_head"]), i32(s["n_head_kv"]), i32(s["head_dim"]), i32(s["head_dim_v"]),
+        u64(layer["bq"]), u64(layer["bk"]), u64(layer["bv"]), u64(layer["q_norm"]), u64(layer["k_norm"]), f32(s["rms_eps"]),
+        i32(s["rope_dims"]), f32(theta_scale), f32(layer["rope_freq_scale"]), i32(int(s["rope_neox"])), f32(s["q_scale"]),
+        u64(q_out), u64(k_pool), u64(v_pool), u64(page_table), i32(page_size)), shared_mem=4 * warps * hd)
 
 
 def attention_smem(hd: int) -> int:
@@ -558,27 +558,28 @@ def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: i
     """Rows `tokens` of the table into `out` (times `scale`); with pos_out, also the int at pos_in copied there."""
     units = n // 32
     launch.kernel(function("embed"), ((units + 127) // 128, rows), (128,), (
-        I(type_id), P(table), np.int64(row_bytes), P(tokens), I(n), F(scale), P(out), P(pos_in), P(pos_out)))
+        i32(type_id), u64(table), np.int64(row_bytes), u64(tokens), i32(n), f32(scale), u64(out), u64(pos_in), u64(pos_out)))
 
 
 def dequant_f16(type_id: int, w: int, row_bytes: int, rows: int, cols: int, out: int) -> None:
     total = rows * (cols // 32)
     launch.kernel(function("dequant_f16"), ((total + 255) // 256,), (256,), (
-        I(type_id), P(w), np.int64(row_bytes), I(rows), I(cols), P(out)))
+        i32(type_id), u64(w), np.int64(row_bytes), i32(rows), i32(cols), u64(out)))
 
 
-def glu_rows(gu: int, n: int, rows: int, act: int, out: int) -> None:
+def glu_rows(gate_up: int, n: int, rows: int, act: int, out: int) -> None:
+    """out[r] = act(gate) * up for `rows` rows of gate_up [rows][2n] (gate in the first n, up in the second)."""
     total = n * rows
-    launch.kernel(function("glu_rows"), ((total + 255) // 256,), (256,), (P(gu), I(n), I(rows), I(act), P(out)),
+    launch.kernel(function("glu_rows"), ((total + 255) // 256,), (256,), (u64(gate_up), i32(n), i32(rows), i32(act), u64(out)),
                   dependent=True)
 
 
 def gather_rows(x: int, rows_idx: int, n_rows: int, n: int, out: int) -> None:
     launch.kernel(function("gather_rows"), (max(1, min(64, (n + 255) // 256)), n_rows), (256,),
-                  (P(x), P(rows_idx), I(n), P(out)))
+                  (u64(x), u64(rows_idx), i32(n), u64(out)))
 
 
 def argmax_finish(best: int, token: int) -> None:
     """The token of a MODE_ARGMAX launch's accumulator `best` (which must start at zero) into `token`, and `best`
     back to zero for the next."""
-    launch.kernel(function("argmax_finish"), (1,), (1,), (P(best), P(token)), dependent=True)
+    launch.kernel(function("argmax_finish"), (1,), (1,), (u64(best), u64(token)), dependent=True)
