@@ -4,93 +4,17 @@
 use ninfer_core::cpu::forward::SeqTokens;
 use ninfer_core::cpu::profile::Work;
 use ninfer_core::kv::{KvCache, KvConfig};
-use ninfer_core::model::{Activation, LayerSpec, Model, ModelSpec};
+use ninfer_core::model::Model;
 use ninfer_core::quant::GgmlType;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
-use pyo3::conversion::FromPyObjectOwned;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::errors::to_py;
 use crate::gguf::PyGgufFile;
 use crate::sampler::{PySampler, PySamplerThread, SampledPy};
-
-fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
-    d.get_item(key)?.ok_or_else(|| PyValueError::new_err(format!("model spec lacks '{key}'")))
-}
-
-fn convert<'py, T: FromPyObjectOwned<'py>>(v: Bound<'py, PyAny>, key: &str) -> PyResult<T> {
-    v.extract::<T>().map_err(|e| {
-        let e: PyErr = e.into();
-        PyValueError::new_err(format!("model spec '{key}': {e}"))
-    })
-}
-
-fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
-    convert(item(d, key)?, key)
-}
-
-fn opt<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<T>> {
-    match d.get_item(key)? {
-        Some(v) if !v.is_none() => convert(v, key).map(Some),
-        _ => Ok(None),
-    }
-}
-
-fn parse_spec(d: &Bound<'_, PyDict>) -> PyResult<ModelSpec> {
-    let activation = match get::<String>(d, "activation")?.as_str() {
-        "silu" => Activation::Silu,
-        "gelu_tanh" => Activation::GeluTanh,
-        other => return Err(PyValueError::new_err(format!("unknown activation '{other}'"))),
-    };
-    let mut layers = Vec::new();
-    for l in item(d, "layers")?.cast::<PyList>()?.iter() {
-        let l = l.cast::<PyDict>()?;
-        layers.push(LayerSpec {
-            attn_norm: get(l, "attn_norm")?,
-            wq: get(l, "wq")?,
-            wk: get(l, "wk")?,
-            wv: get(l, "wv")?,
-            wo: get(l, "wo")?,
-            bq: opt(l, "bq")?,
-            bk: opt(l, "bk")?,
-            bv: opt(l, "bv")?,
-            q_norm: opt(l, "q_norm")?,
-            k_norm: opt(l, "k_norm")?,
-            post_attn_norm: opt(l, "post_attn_norm")?,
-            ffn_norm: get(l, "ffn_norm")?,
-            w_gate: get(l, "w_gate")?,
-            w_up: get(l, "w_up")?,
-            w_down: get(l, "w_down")?,
-            post_ffn_norm: opt(l, "post_ffn_norm")?,
-            sliding_window: opt(l, "sliding_window")?,
-            rope_base: get(l, "rope_base")?,
-            rope_freq_scale: get(l, "rope_freq_scale")?,
-        });
-    }
-    Ok(ModelSpec {
-        arch: get(d, "arch")?,
-        n_embd: get(d, "n_embd")?,
-        n_head: get(d, "n_head")?,
-        n_head_kv: get(d, "n_head_kv")?,
-        head_dim: get(d, "head_dim")?,
-        head_dim_v: get(d, "head_dim_v")?,
-        n_vocab: get(d, "n_vocab")?,
-        rms_eps: get(d, "rms_eps")?,
-        rope_dims: get(d, "rope_dims")?,
-        rope_neox: get(d, "rope_neox")?,
-        activation,
-        embd_scale: get(d, "embd_scale")?,
-        q_scale: get(d, "q_scale")?,
-        attn_scale: get(d, "attn_scale")?,
-        token_embd: get(d, "token_embd")?,
-        output_norm: get(d, "output_norm")?,
-        output: get(d, "output")?,
-        layers,
-        gsq: opt(d, "gsq")?.unwrap_or_default(),
-    })
-}
+use crate::spec;
 
 fn cache_type(id: u32) -> PyResult<GgmlType> {
     GgmlType::from_id(id).ok_or_else(|| PyValueError::new_err(format!("unknown cache type id {id}")))
@@ -110,7 +34,7 @@ impl PyEngine {
     fn new(
         py: Python<'_>,
         file: &PyGgufFile,
-        spec: &Bound<'_, PyDict>,
+        spec: &Bound<'_, PyAny>,
         threads: usize,
         n_ctx: usize,
         n_seq_max: usize,
@@ -118,7 +42,7 @@ impl PyEngine {
         k_type: u32,
         v_type: u32,
     ) -> PyResult<Self> {
-        let spec = parse_spec(spec)?;
+        let spec = spec::extract(spec)?;
         let (k_type, v_type) = (cache_type(k_type)?, cache_type(v_type)?);
         let file = file.inner.clone();
         py.detach(move || {

@@ -8,6 +8,7 @@ mod gguf;
 mod gsq;
 mod quant;
 mod sampler;
+mod spec;
 
 use pyo3::prelude::*;
 
