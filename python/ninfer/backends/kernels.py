@@ -15,7 +15,8 @@ from pathlib import Path
 
 HEADERS = ("common.cuh", "quant.cuh")
 # in dependency order
-SOURCES = ("norm.cu", "rope_kv.cu", "gemv.cu", "gemv_stream.cu", "gemv_stream_q6k.cu", "attention.cu", "misc.cu")
+SOURCES = ("norm.cu", "rope_kv.cu", "gemv_dot.cu", "gemv_gsq3_pairs.cu", "gemv.cu", "gemv_stream.cu",
+           "gemv_stream_q6k.cu", "attention_keys.cu", "attention.cu", "misc.cu")
 
 
 def kernels_dir() -> Path:
@@ -42,7 +43,7 @@ def source_of(*files: str) -> str:
 # the engine's).
 BASE_OPTIONS = ("-std=c++17",)
 # An attention module's sources, and the switches that pick its head size and group size.
-ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "attention.cu")
+ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "attention_keys.cu", "attention.cu")
 
 
 def attention_options(hd: int, group: int) -> tuple[str, ...]:

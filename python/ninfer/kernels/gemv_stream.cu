@@ -22,7 +22,7 @@
 //
 // The consumers walk a row group by half-warps, lanes 0-15 its first row and 16-31 its second, lane pair p of a
 // half-warp taking records p, p + 8 ks, ... of its row (the 5,120-wide rows' 40 records: five a pair, one round),
-// reading them by LDS and computing them as gemv_gsq8_pairs does (gemv.cu gsq3_half_dot). Each lane's row is fixed:
+// reading them by LDS and computing them as gemv_gsq8_pairs does (gemv_gsq3_pairs.cu gsq3_half_dot). Each lane's row is fixed:
 // no row select for a record's address, no wrap from one row to the next, one accumulator (the loop's SASS: 105-110
 // instructions a half record where the pair kernel's flat walk over both rows took 123). H200, 32B GSQ3 tg128
 // 153.8 against 149.6 t/s; alone down 26.1 against 27.6 µs (2026-12-02).
