@@ -86,7 +86,8 @@ def gsq_stream_walk_full(n_cols: int, ks: int) -> bool:
     (gsq_stream_walk_fill, with gsq_stream_lane_records' choice). The 32B shape's 5,120-wide products fill theirs
     exactly (rows of 40 records, 8 pairs, 5 a lane) and its down projection, split four ways, 68% by 5 records
     a lane: alone it was no faster streamed than by the pair kernel, but in the decode step it is, its weights
-    arriving before quant_act's result does (docs/journal/gsq-rco-gpu.md). A 5,376-wide row (Gemma-3-27B) fills 52% by 5 and 66% by 4, and keeps
+    arriving before quant_act's result does (docs/journal/gsq-rco-gpu.md). A 5,376-wide row (Gemma-3-27B) fills
+    52% by 5 and 66% by 4, and keeps
     the pair kernel, which skips the empty slots (a rule from the loop's shape, not measured there)."""
     return 3 * gsq_stream_walk_fill(n_cols, ks, gsq_stream_lane_records(n_cols, ks)) >= 2
 
@@ -142,12 +143,12 @@ def stream_fill_teams(fit_stages: int, team: int, max_threads: int, cap: int = 0
 _GEMV_KERNEL = {ACT_F32: "gemv_f32act", ACT_F16: "gemv_f16act", ACT_BF16: "gemv_bf16act",
                 ACT_Q8_0: "gemv_q8_0", ACT_Q8_1: "gemv_q8_1", ACT_Q8_K: "gemv_q8_k", ACT_GSQ8: "gemv_gsq8"}
 
-# struct MatDesc in kernels/gemv.cu (48 bytes).
+# struct MatDesc in kernels/gemv_dot.cu (48 bytes).
 MAT_DESC = np.dtype([("w", "<u8"), ("bias", "<u8"), ("out", "<u8"), ("row_bytes", "<i8"), ("type", "<i4"),
                      ("rows", "<i4"), ("row0", "<i4"), ("pad", "<i4")])
 
 
-# struct AttnParams in kernels/attention.cu (C layout: align=True).
+# struct AttnParams in kernels/attention_keys.cu (C layout: align=True).
 ATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "qkv", "bias_q", "bias_k", "bias_v", "q_norm", "k_norm", "k_pool", "v_pool",
                           "page_tables", "row_seq", "pos", "part_ml", "part_acc", "tickets", "out")]
@@ -231,7 +232,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     (kernels/gemv_stream.cu) where gsq_stream() says, or as `stream` says: False, True, or the compiled
     gemv_gsq8_stream to use (warps_per_block then counts its consumer warps, stream_team the warps of a team;
     max_stages caps its ring's slots, lane_records sets its records a lane (gsq_stream_lane_records' choice by
-    default); the GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a streamed
+    default); the GEMV_STREAM_* constants by default). prefetch = (regions, n, cap): a later launch's weights for a
+    streamed
     launch to ask L2 for at its end (prefetch_regions' array; ignored where the streamed kernel does not take the
     launch). max_grid: at most that many blocks for a streamed launch (0: one an SM). True when the streamed kernel
     took the launch."""
@@ -315,7 +317,8 @@ def gemv(act: int, descs, n_mats: int, total_rows: int, n_cols: int, x: int, nor
     ks, steps, grid = plan(warps)
     threads = 32 * warps
     pq, pd, ps = pre or (0, 0, 0)
-    launch.kernel(fn, (grid,), (threads,), (descs, i32(n_mats), i32(total_rows), i32(n_cols), u64(x), u64(norm_w), f32(eps),
+    launch.kernel(fn, (grid,), (threads,), (descs, i32(n_mats), i32(total_rows), i32(n_cols), u64(x), u64(norm_w),
+                                            f32(eps),
                                             i32(mode), i32(glu_act), u64(best), i32(ks), u64(pq), u64(pd), u64(ps)),
                   shared_mem=smem, dependent=True)
     return False
@@ -341,9 +344,10 @@ def _launch_stream(sfn, grid: int, threads: int, smem: int, product: tuple, n_co
     """One launch of gemv_gsq8_stream, its arguments in the kernel's order: product = (descs, n_mats, total_rows,
     mode, glu_act), then the prefetch's."""
     descs, n_mats, total_rows, mode, glu_act = product
-    launch.kernel(sfn, (grid,), (threads,), (descs, i32(n_mats), i32(total_rows), i32(n_cols), u64(x), u64(norm_w), f32(eps),
-                                             i32(mode), i32(glu_act), i32(ks), i32(team), i32(stages), u64(pre_q), u64(pre_d),
-                                             i32(u), *stream_prefetch_args(prefetch)),
+    launch.kernel(sfn, (grid,), (threads,), (descs, i32(n_mats), i32(total_rows), i32(n_cols), u64(x), u64(norm_w),
+                                             f32(eps),
+                                             i32(mode), i32(glu_act), i32(ks), i32(team), i32(stages), u64(pre_q),
+                                             u64(pre_d), i32(u), *stream_prefetch_args(prefetch)),
                   shared_mem=smem, dependent=True)
 
 
@@ -421,7 +425,8 @@ def gemv_q6k_stream(desc, total_rows: int, n_cols: int, x: int, norm_w: int, eps
     groups = -(-total_rows // GEMV_ROWS_PER_WARP)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     grid = min(-(-groups // team), resident_blocks(fn, threads, smem), sms)
-    launch.kernel(fn, (grid,), (threads,), (desc, i32(total_rows), i32(n_cols), u64(x), u64(norm_w), f32(eps), i32(mode), u64(best),
+    launch.kernel(fn, (grid,), (threads,), (desc, i32(total_rows), i32(n_cols), u64(x), u64(norm_w), f32(eps),
+                                            i32(mode), u64(best),
                                             i32(team), i32(stages)), shared_mem=smem, dependent=True)
 
 
@@ -471,8 +476,8 @@ def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS, gsq_pairs: bool
     """Warps sharing one row group: about two units (64 elements) per lane, a power of two up to the block. (More
     warps for launches with few rows, down to one unit per lane, measured slower on the H200: the 1.5B shape's
     q/k/v 8.0 -> 9.0 us and o 5.4 -> 6.6 us with two warps per 1,536-wide row.) gsq_pairs: 3-bit GSQ-RCO
-    records by lane pairs (kernels/gemv.cu rows_dot_gsq3_pairs), where a warp's 16 pairs share the group's
-    records: at least six records a pair, or at least two while the launch's `groups` (row groups) would fill
+    records by lane pairs (kernels/gemv_gsq3_pairs.cu rows_dot_gsq3_pairs), where a warp's 16 pairs share the
+    group's records: at least six records a pair, or at least two while the launch's `groups` (row groups) would fill
     fewer than 2,048 warps (the 1.5B shape's down projection, 768 groups of 70 records: 15.7 us with one warp a
     group, 7.8 with the unit loop's four)."""
     if gsq_pairs:
@@ -493,7 +498,8 @@ def norm_quant(rows: int, x: int, w: int, eps: float, n: int, act: int, out_q: i
 
 
 def rms_norm_rows(rows: int, x: int, w: int, eps: float, n: int, out: int, add: bool) -> None:
-    launch.kernel(function("rms_norm_rows"), (rows,), (256,), (u64(x), u64(w), f32(eps), i32(n), u64(out), i32(int(add))),
+    launch.kernel(function("rms_norm_rows"), (rows,), (256,), (u64(x), u64(w), f32(eps), i32(n), u64(out),
+                                                               i32(int(add))),
                   dependent=True)
 
 
@@ -503,9 +509,12 @@ def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict
     heads = s["n_head"] + s["n_head_kv"]
     hd = max(s["head_dim"], s["head_dim_v"])
     launch.kernel(function("rope_kv"), (rows, (heads + warps - 1) // warps), (32 * warps,), (
-        u64(qkv), i32(qkv_stride), u64(pos), i32(s["n_head"]), i32(s["n_head_kv"]), i32(s["head_dim"]), i32(s["head_dim_v"]),
-        u64(layer["bq"]), u64(layer["bk"]), u64(layer["bv"]), u64(layer["q_norm"]), u64(layer["k_norm"]), f32(s["rms_eps"]),
-        i32(s["rope_dims"]), f32(theta_scale), f32(layer["rope_freq_scale"]), i32(int(s["rope_neox"])), f32(s["q_scale"]),
+        u64(qkv), i32(qkv_stride), u64(pos), i32(s["n_head"]), i32(s["n_head_kv"]), i32(s["head_dim"]),
+        i32(s["head_dim_v"]),
+        u64(layer["bq"]), u64(layer["bk"]), u64(layer["bv"]), u64(layer["q_norm"]), u64(layer["k_norm"]),
+        f32(s["rms_eps"]),
+        i32(s["rope_dims"]), f32(theta_scale), f32(layer["rope_freq_scale"]), i32(int(s["rope_neox"])),
+        f32(s["q_scale"]),
         u64(q_out), u64(k_pool), u64(v_pool), u64(page_table), i32(page_size)), shared_mem=4 * warps * hd)
 
 
@@ -558,7 +567,8 @@ def embed(type_id: int, table: int, row_bytes: int, tokens: int, rows: int, n: i
     """Rows `tokens` of the table into `out` (times `scale`); with pos_out, also the int at pos_in copied there."""
     units = n // 32
     launch.kernel(function("embed"), ((units + 127) // 128, rows), (128,), (
-        i32(type_id), u64(table), np.int64(row_bytes), u64(tokens), i32(n), f32(scale), u64(out), u64(pos_in), u64(pos_out)))
+        i32(type_id), u64(table), np.int64(row_bytes), u64(tokens), i32(n), f32(scale), u64(out), u64(pos_in),
+        u64(pos_out)))
 
 
 def dequant_f16(type_id: int, w: int, row_bytes: int, rows: int, cols: int, out: int) -> None:
@@ -570,7 +580,8 @@ def dequant_f16(type_id: int, w: int, row_bytes: int, rows: int, cols: int, out:
 def glu_rows(gate_up: int, n: int, rows: int, act: int, out: int) -> None:
     """out[r] = act(gate) * up for `rows` rows of gate_up [rows][2n] (gate in the first n, up in the second)."""
     total = n * rows
-    launch.kernel(function("glu_rows"), ((total + 255) // 256,), (256,), (u64(gate_up), i32(n), i32(rows), i32(act), u64(out)),
+    launch.kernel(function("glu_rows"), ((total + 255) // 256,), (256,), (u64(gate_up), i32(n), i32(rows), i32(act),
+                                                                          u64(out)),
                   dependent=True)
 
 
