@@ -1,4 +1,5 @@
-"""`AsyncLLM`: ninfer inside an asyncio program, on the server's engine loop (continuous batching over slots).
+"""`AsyncLLM`: ninfer inside an asyncio program, on the engine loop run by an EngineThread (continuous batching
+over slots), as the server runs it.
 
     llm = ninfer.AsyncLLM("model.gguf", n_parallel=4)
     async for piece in llm.stream("Once upon a time", max_tokens=64):
@@ -17,32 +18,34 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ninfer.config import SamplingParams, stop_strings
+from ninfer.engine import AsyncRequest, EngineThread, GenParams, Result, check_serving_args
 from ninfer.errors import InvalidArgumentError
 from ninfer.llm import LLM, Completion, Timings
-from ninfer.server.scheduler import GenParams, Request, Result, Scheduler, check_scheduler_args
 
 
 class AsyncLLM:
     def __init__(self, model: Any = None, *, n_parallel: int = 1, queue_size: int = 64, timeout_s: float = 600.0,
                  **llm_kwargs: Any):
         """`llm_kwargs` go to `LLM` (n_ctx is per slot); the model runs on the CPU engine."""
-        check_scheduler_args(n_parallel, queue_size, timeout_s)  # (before the model loads)
+        check_serving_args(n_parallel, queue_size, timeout_s)  # (before the model loads)
         self.llm = LLM(model, n_seq_max=n_parallel, **llm_kwargs)
-        self._sched = Scheduler(self.llm, n_parallel=n_parallel, queue_size=queue_size, timeout_s=timeout_s)
+        self._sched = EngineThread(self.llm.engine, queue_size=queue_size, timeout_s=timeout_s)
 
     async def _submit(self, prompt: str | Sequence[int], max_tokens: int, sampling: dict[str, Any],
-                      stop: str | Sequence[str], add_special: bool, cache_prompt: bool, ignore_eos: bool) -> Request:
+                      stop: str | Sequence[str], add_special: bool, cache_prompt: bool,
+                      ignore_eos: bool) -> AsyncRequest:
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         SamplingParams(**{k: sampling[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")})
-        ids = await asyncio.to_thread(self.llm._prompt_ids, prompt, add_special)
+        ids = await asyncio.to_thread(self.llm.encode_prompt, prompt, add_special)
         params = GenParams(max_tokens=max_tokens, stop=stop_strings(stop), cache_prompt=cache_prompt,
                            ignore_eos=ignore_eos, **sampling)
-        req = Request(ids, params, asyncio.get_running_loop(), time.monotonic() + self._sched.timeout_s)
+        req = AsyncRequest(ids, params, asyncio.get_running_loop(),
+                           deadline=time.monotonic() + self._sched.timeout_s)
         self._sched.submit(req)
         return req
 
-    async def _events(self, req: Request) -> AsyncIterator[tuple[str, Any]]:
+    async def _events(self, req: AsyncRequest) -> AsyncIterator[tuple[str, Any]]:
         finished = False
         try:
             while True:

@@ -71,25 +71,25 @@ class NinferRunner:
 
     def pp(self, context: list[int], prompt: list[int]) -> float:
         llm = self.llm
-        llm._reset()
-        if context:
-            llm._prefill(context, cache_prompt=False)
+        llm.clear_cache()
+        if context:  # (the context goes through the engine loop; only the prompt's evaluation is timed)
+            llm.generate(context, max_tokens=1, temperature=0.0, ignore_eos=True, cache_prompt=True)
         t = time.perf_counter()
-        llm._engine.prefill(0, prompt, llm.config.n_batch)
+        llm.backend.prefill(0, prompt, llm.config.n_batch)
         dt = time.perf_counter() - t
-        llm._reset()
+        llm.clear_cache()
         return dt
 
     def tg(self, context: list[int], n: int, profile: bool) -> tuple[float, dict[str, float] | None]:
-        llm, eng = self.llm, self.llm._engine
-        llm._reset()
-        llm._prefill(context, cache_prompt=False)
+        llm, eng = self.llm, self.llm.backend
+        llm.clear_cache()
+        llm.generate(context, max_tokens=1, temperature=0.0, ignore_eos=True, cache_prompt=True)
         eng.set_profiling(profile)
         eng.reset_profile()
         # The prompt is already in the cache: generate evaluates only its last token again, then n steps.
         out = llm.generate(context, max_tokens=n + 1, temperature=0.0, ignore_eos=True, cache_prompt=True)
         eng.set_profiling(False)
-        llm._reset()
+        llm.clear_cache()
         wall = out.timings.predicted_ms / 1e3
         if not profile:
             return wall, None
@@ -263,7 +263,7 @@ def format_table(results: list[Result], info: dict[str, Any]) -> str:
             row.append(f"{r.avg_ts / peer.avg_ts:.2f}x" if r.engine == "ninfer" and peer and peer.avg_ts else "")
         rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i >= 4 else c.ljust(w)  # noqa: E731
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i >= 4 else c.ljust(w)
                                             for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
     return "\n".join(out)

@@ -80,7 +80,7 @@ def collect_importances(model: str | os.PathLike[str], text: str, *, n_ctx: int 
 
     llm = LLM(model, n_ctx=n_ctx, threads=threads)
     chunks = _calibration_chunks_of(llm.tokenize(text), n_ctx, max_chunks)
-    eng = llm._engine
+    eng = llm.backend  # (the CPU engine: it collects the statistics)
     eng.set_collect_act_stats(True)
     if grams is not None:
         eng.set_collect_grams(GRAM_MAX_COLS, GRAM_BLOCK_COLS if wide else 0)

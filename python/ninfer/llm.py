@@ -5,15 +5,15 @@
     for piece in llm.stream("Once upon a time", max_tokens=64): print(piece, end="")
     llm.chat([{"role": "user", "content": "Hi"}])
 
-Per generated token Python makes one call into Rust (`Engine.step`: the layer loop, then sampling); prompts are
-evaluated in batches of `n_batch` tokens.
+Generation runs on the engine loop (ninfer.engine), stepped here on the caller's thread: per generated token one
+call into the backend (the layer loop, then sampling); prompts are evaluated in chunks of `n_batch` tokens.
 """
 
 from __future__ import annotations
 
 import numbers
 import os
-import time
+import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +22,12 @@ from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
 from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams, stop_strings
+from ninfer.engine import Backend, EngineCore, GenParams, Limits, Request, Result
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 from ninfer.model_file import ModelFile
-from ninfer.tokenizer import IncrementalDecoder, Tokenizer
+from ninfer.tokenizer import Tokenizer
 
-# The LLM object serves one sequence; several sequences at once are the server's scheduler's business.
+# The sequence eval_logits uses (the engine loop's first slot, idle while it runs).
 _SEQ = 0
 
 
@@ -66,17 +67,6 @@ class Stream:
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
-
-
-def _stop_holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that could still grow into a stop string."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return hold
 
 
 class LLM:
@@ -125,13 +115,13 @@ class LLM:
 
             if (cache_type_k, cache_type_v) != ("f16", "f16"):
                 raise InvalidArgumentError("the CUDA backend keeps its KV cache in f16 (cache types f16/f16)")
-            self._engine: Any = CudaEngine(
+            self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
                 n_seq_max=n_seq_max,
             )
         else:
-            self._engine = _core.Engine(
+            self.backend = _core.Engine(
                 self.model_file.gguf,
                 spec,
                 threads=self.config.resolved_threads,
@@ -142,8 +132,8 @@ class LLM:
                 n_seq_max=n_seq_max,
             )
         self.n_seq_max = n_seq_max
-        self._n_vocab = int(self._engine.n_vocab)  # read once: the server reads it while its thread runs a step
-        self._seq_tokens: list[int] = []  # what the KV cache holds for _SEQ, for prompt-prefix reuse
+        self._n_vocab = int(self.backend.n_vocab)  # read once: the server reads it while its thread runs a step
+        self._engine: EngineCore | None = None
         self._chat_template: ChatTemplate | None = None
         if chat_template is not None:  # (compiled now: a syntax error is named at load, not at the first chat)
             self._chat_template = ChatTemplate.from_metadata(self.model_file.metadata, template=chat_template)
@@ -167,47 +157,53 @@ class LLM:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens))
 
+    # ---- the engine loop -------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> EngineCore:
+        """The engine loop over this model's backend, one slot per sequence the KV cache holds (n_seq_max). The
+        LLM methods step it on the caller's thread; the server and AsyncLLM run it on an EngineThread."""
+        if self._engine is None:
+            c = self.config
+            max_blocks = -(-c.n_ctx // c.kv_block_size) * self.n_seq_max
+            self._engine = EngineCore(self.backend, self.tokenizer, Limits(c.n_ctx, c.n_batch, max_blocks),
+                                      n_slots=self.n_seq_max)
+        return self._engine
+
+    def clear_cache(self) -> None:
+        """Forget every idle sequence's KV cache (prompts kept for reuse by cache_prompt)."""
+        self._check_not_served()
+        for i in range(len(self.engine.slots)):
+            if not self.engine.slots[i].busy:
+                self.engine.release(i)
+
     # ---- evaluation ----------------------------------------------------------------------------------------
     def eval_logits(self, tokens: Sequence[int], rows: Sequence[int]) -> Any:
         """Run `tokens` from an empty context; float32 logits [len(rows), n_vocab] for the given positions.
         Used by perplexity; the sequence is cleared afterwards."""
-        self._reset()
+        self._check_not_served()
+        self.engine.release(_SEQ)
         try:
             out = []
             step = self.config.n_batch
             for start in range(0, len(tokens), step):
                 chunk = list(tokens[start : start + step])
                 want = [r - start for r in rows if start <= r < start + len(chunk)]
-                out.append(self._engine.forward([(_SEQ, chunk)], want))
+                out.append(self.backend.forward([(_SEQ, chunk)], want))
             import numpy as np
 
             return np.concatenate(out, axis=0)
         finally:
-            self._reset()
+            self.engine.release(_SEQ)
 
-    def _reset(self) -> None:
-        self._engine.remove(_SEQ)
-        self._seq_tokens = []
-
-    def _prefill(self, prompt: list[int], cache_prompt: bool) -> Any:
-        """Logits after the prompt; with cache_prompt, reusing the longest prefix the KV cache already holds.
-
-        Reuse is off by default: llama.cpp's kernels (and ours, which follow them bit for bit) sum differently for
-        different batch sizes, so evaluating only the new part of a prompt can change the last bits of the logits
-        and, now and then, a greedy token. Off, the same prompt always gives the same output."""
-        keep = 0
-        for a, b in zip(self._seq_tokens if cache_prompt else [], prompt[:-1]):
-            if a != b:
-                break
-            keep += 1
-        self._engine.truncate(_SEQ, keep)
-        self._seq_tokens = self._seq_tokens[:keep]
-        logits = self._engine.prefill(_SEQ, prompt[keep:], self.config.n_batch)
-        self._seq_tokens = list(prompt)
-        return logits
+    def _check_not_served(self) -> None:
+        if self._engine is not None and self._engine.on_thread:
+            raise InvalidArgumentError("this LLM is being served by an engine thread (the server or AsyncLLM): "
+                                       "it evaluates only through requests (generate, stream) until that stops")
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | Sequence[int], add_special: bool) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[int], add_special: bool = True) -> list[int]:
+        """A prompt's token ids, checked: text is tokenized; ids must be integers in the vocabulary; the prompt
+        must not be empty and must leave room in the context for at least one generated token."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special=add_special)
         else:
@@ -227,61 +223,59 @@ class LLM:
             )
         return ids
 
-    def _run(
-        self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: str | Sequence[str],
-        add_special: bool, cache_prompt: bool, ignore_eos: bool, stream: Stream | None,
-    ) -> Iterator[str]:
+    def _run(self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: str | Sequence[str],
+             add_special: bool, cache_prompt: bool, ignore_eos: bool, stream: Stream) -> Iterator[str]:
+        """One request through the engine loop, stepped here until it is done. Prompt reuse (cache_prompt) is off
+        by default: llama.cpp's kernels (and ours, which follow them bit for bit) sum differently for different
+        batch sizes, so evaluating only the new part of a prompt can change the last bits of the logits and, now
+        and then, a greedy token. Off, the same prompt always gives the same output."""
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        stops = stop_strings(stop)
-        ids = self._prompt_ids(prompt, add_special)
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-        sampler = _core.Sampler(
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed
+        gen = GenParams(
+            max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            min_p=params.min_p, seed=params.seed, stop=stop_strings(stop), ignore_eos=ignore_eos,
+            cache_prompt=cache_prompt,
         )
-        t0 = time.perf_counter()
-        logits = self._prefill(ids, cache_prompt)
-        token = sampler.sample(logits)
-        t1 = time.perf_counter()
+        ids = self.encode_prompt(prompt, add_special)
+        engine = self.engine
+        if engine.on_thread:  # the server or AsyncLLM runs the loop: this is one more request for its thread
+            inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+            req = Request(ids, gen, lambda kind, value: inbox.put((kind, value)))
 
-        decoder = IncrementalDecoder(self.tokenizer)
-        out_tokens: list[int] = []
-        text, emitted, finish, stop_word = "", 0, "length", ""
-        budget = min(max_tokens, self.n_ctx - len(ids))
-        while True:
-            if self.tokenizer.is_eog(token) and not ignore_eos:
-                finish = "stop"
-                break
-            out_tokens.append(token)
-            text += decoder.push(token)
-            hit = min(((text.find(s, max(0, emitted - len(s) + 1)), s) for s in stops if s in text), default=None)
-            if hit is not None:
-                text, finish, stop_word = text[: hit[0]], "stop", hit[1]
-                break
-            safe = len(text) - _stop_holdback(text, stops)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            if len(out_tokens) >= budget:
-                break
-            token = self._engine.step(_SEQ, token, sampler)
-            self._seq_tokens.append(out_tokens[-1])
-        if finish == "length" and not stop_word:
-            text += decoder.flush()
-        if len(text) > emitted:
-            yield text[emitted:]
-        t2 = time.perf_counter()
-        result = Completion(
-            text=text,
-            tokens=out_tokens,
-            prompt_tokens=len(ids),
-            completion_tokens=len(out_tokens),
-            finish_reason=finish,
-            timings=Timings(len(ids), (t1 - t0) * 1e3, len(out_tokens), (t2 - t1) * 1e3),
-            stopping_word=stop_word,
+            def wait() -> list[tuple[str, Any]]:
+                return [inbox.get()]
+        else:  # step the loop here, on the caller's thread
+            events: list[tuple[str, Any]] = []
+            req = Request(ids, gen, lambda kind, value: events.append((kind, value)))
+
+            def wait() -> list[tuple[str, Any]]:
+                engine.step()
+                out = list(events)
+                events.clear()
+                return out
+
+        engine.add_request(req)
+        result: Result | None = None
+        try:
+            while result is None:
+                for kind, value in wait():
+                    if kind == "error":
+                        raise value
+                    if kind == "done":
+                        result = value
+                    else:
+                        yield value[0]
+        finally:
+            if not req.finished:  # the caller stopped iterating (or an exception left the loop): free the slot now
+                engine.abort(req)
+                if not engine.on_thread:
+                    engine.step()
+        stream.result = Completion(
+            text=result.text, tokens=result.tokens, prompt_tokens=len(ids), completion_tokens=len(result.tokens),
+            finish_reason=result.finish_reason,
+            timings=Timings(len(ids), result.prompt_ms, len(result.tokens), result.predicted_ms),
+            stopping_word=result.stopping_word,
         )
-        if stream is not None:
-            stream.result = result
 
     def stream(
         self,

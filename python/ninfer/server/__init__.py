@@ -12,7 +12,7 @@ __all__ = ["ServerSettings", "create_app"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use, so ninfer.server.scheduler (AsyncLLM) works without the web stack installed.
+    # Imported on first use: `import ninfer.server` does not need the web stack until the app is asked for.
     if name in __all__:
         from ninfer.server import app
 

@@ -3,7 +3,7 @@ llama-server's surface (/health, /v1/models, /tokenize, /detokenize, /props, /me
 
     app = ninfer.server.create_app(ninfer.LLM("model.gguf", n_seq_max=4), settings=ServerSettings(n_parallel=4))
 
-The handlers validate, tokenize and hand a `Request` to the scheduler's engine loop; they never run the model.
+The handlers validate, tokenize and hand a request to the engine loop (ninfer.engine, on its EngineThread); they never run the model.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ninfer import _core
+from ninfer.engine import AsyncRequest, DeadlineError, EngineThread, GenParams, QueueFullError
 from ninfer.errors import InvalidArgumentError, NinferError, shown
 from ninfer.llm import LLM
 from ninfer.server import formats, metrics
 from ninfer.server.errors import APIError, from_ninfer, install, sse
 from ninfer.server.guards import Guard, TokenFloor
-from ninfer.server.scheduler import DeadlineError, GenParams, QueueFullError, Scheduler
-from ninfer.server.scheduler import Request as GenRequest
 from ninfer.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -67,27 +67,42 @@ class _State:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.llm: LLM | None = None
-        self.scheduler: Scheduler | None = None
+        self.scheduler: EngineThread | None = None
         self.load_error: str | None = None
         self.token_floor: TokenFloor | None = None
         self.created = int(time.time())
 
     def attach(self, llm: LLM) -> None:
         s = self.settings
-        self.scheduler = Scheduler(llm, n_parallel=s.n_parallel, queue_size=s.queue_size, timeout_s=s.timeout_s,
-                                   sampler_core=s.sampler_core, sampler_rt=s.sampler_rt)
+        self.scheduler = serve(llm, s)
         self.model_id = s.alias or llm.model_file.path.name
         tok = llm.tokenizer
         self.token_floor = TokenFloor.of([tok.token_text(i) for i in range(tok.vocab_size)],
                                          llm.model_file.metadata.get("tokenizer.ggml.model"))
         self.llm = llm
 
-    def ready(self) -> tuple[LLM, Scheduler]:
+    def ready(self) -> tuple[LLM, EngineThread]:
         if self.load_error is not None:
             raise APIError(503, f"the model failed to load: {self.load_error}", type="unavailable_error")
         if self.llm is None or self.scheduler is None:
             raise APIError(503, "Loading model", type="unavailable_error")
         return self.llm, self.scheduler
+
+
+def serve(llm: LLM, s: ServerSettings) -> EngineThread:
+    """The LLM's engine loop on a thread of its own, with the settings' slots and sampler thread."""
+    engine = llm.engine
+    n_parallel = max(1, min(s.n_parallel, len(engine.slots)))
+    if n_parallel < s.n_parallel:
+        log.warning("%d slots asked for, but the model was loaded for %d sequences (LLM(n_seq_max=)): serving %d",
+                    s.n_parallel, len(engine.slots), n_parallel)
+    sampler = None
+    if s.sampler_core is not None or s.sampler_rt:
+        sampler = _core.SamplerThread(core=s.sampler_core, realtime=s.sampler_rt)
+        for w in sampler.warnings:
+            log.warning("%s", w)
+    engine.configure(n_slots=n_parallel, sampler=sampler)
+    return EngineThread(engine, queue_size=s.queue_size, timeout_s=s.timeout_s)
 
 
 class _JSONBodies:
@@ -163,7 +178,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         if isinstance(prompt, str):
             check_length(llm, prompt)
         try:
-            return await asyncio.to_thread(llm._prompt_ids, prompt, add_special)
+            return await asyncio.to_thread(llm.encode_prompt, prompt, add_special)
         except NinferError as e:
             raise from_ninfer(e) from None
 
@@ -206,9 +221,9 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             out.append((tok, float("-inf") if b is False else float(b)))
         return out
 
-    def submit(sched: Scheduler, prompt: list[int], params: GenParams, stream: bool) -> GenRequest:
-        req = GenRequest(prompt, params, asyncio.get_running_loop(), time.monotonic() + state.settings.timeout_s,
-                         stream=stream)
+    def submit(sched: EngineThread, prompt: list[int], params: GenParams, stream: bool) -> AsyncRequest:
+        req = AsyncRequest(prompt, params, asyncio.get_running_loop(),
+                           deadline=time.monotonic() + state.settings.timeout_s, stream=stream)
         try:
             sched.submit(req)
         except QueueFullError as e:
@@ -224,7 +239,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             return from_ninfer(e)
         return APIError(500, f"generation failed: {e}", type="server_error")
 
-    async def collect(http: Request, sched: Scheduler, req: GenRequest) -> Any:
+    async def collect(http: Request, sched: EngineThread, req: AsyncRequest) -> Any:
         """Wait for the result of a non-streamed request (no pieces: only "done" or "error" comes); a client that
         hangs up cancels it at once. (The body is read: the next message receive() gives is http.disconnect.)"""
 
@@ -250,7 +265,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             result.cancel()
             gone.cancel()
 
-    async def events(sched: Scheduler, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
+    async def events(sched: EngineThread, req: AsyncRequest) -> AsyncIterator[tuple[str, Any]]:
         """The request's events until done; closing the iterator early (client gone) cancels the request."""
         finished = False
         try:
@@ -326,7 +341,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         params = gen_params(llm, body, limit, "max_tokens", parse_bias(body.logit_bias), 0 if k is None else max(k, 1))
         return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k)
 
-    async def openai_run(http: Request, llm: LLM, sched: Scheduler, ids: list[int], params: GenParams, body: Any,
+    async def openai_run(http: Request, llm: LLM, sched: EngineThread, ids: list[int], params: GenParams, body: Any,
                          chat: bool, logprobs: int | None) -> Any:
         req = submit(sched, ids, params, stream=body.stream)
         fmt = formats.OpenAI(state.model_id, chat, llm.tokenizer.token_to_piece, logprobs)

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ninfer.server.scheduler import GenParams, Probs, Result
+from ninfer.engine import GenParams, Probs, Result
 
 Piece = Callable[[int], bytes]  # a token's bytes (Tokenizer.token_to_piece)
 

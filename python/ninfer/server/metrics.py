@@ -9,11 +9,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from ninfer.server.scheduler import Scheduler
+from ninfer.engine import EngineThread
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: EngineThread):
         self.sched = sched
 
     def collect(self) -> Iterator[Metric]:
@@ -43,7 +43,7 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily("ninfer:requests_deferred", "Requests waiting for a slot", value=self.sched.deferred())
 
 
-def render(sched: Scheduler) -> tuple[bytes, str]:
+def render(sched: EngineThread) -> tuple[bytes, str]:
     registry = getattr(sched, "_metrics_registry", None)
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)

@@ -1,0 +1,16 @@
+"""The one engine loop over every backend: requests (request.py), the step (core.py), its batch policy
+(policy.py), text out of tokens (output.py), the backend interface (backend.py), and the loop on a thread of its
+own for the server and AsyncLLM (thread.py)."""
+
+from ninfer.engine.backend import Backend
+from ninfer.engine.core import EngineCore, Limits
+from ninfer.engine.output import Finish, OutputText, stop_holdback
+from ninfer.engine.policy import PromptsAlone
+from ninfer.engine.request import AsyncRequest, DeadlineError, GenParams, Probs, QueueFullError, Request, Result
+from ninfer.engine.thread import EngineThread, check_serving_args
+
+__all__ = [
+    "AsyncRequest", "Backend", "DeadlineError", "EngineCore", "EngineThread", "Finish", "GenParams", "Limits",
+    "OutputText", "Probs", "PromptsAlone", "QueueFullError", "Request", "Result", "check_serving_args",
+    "stop_holdback",
+]

@@ -1,0 +1,323 @@
+"""The engine loop: requests in, one step at a time, text out. `LLM`, `AsyncLLM` and the server all drive this
+one loop (the LLM methods step it on the caller's thread, the others through `EngineThread`).
+
+A step is schedule -> run -> sample -> post-process:
+1. admit waiting requests into free slots (a slot is a KV-cache sequence, seq id = slot index; with
+   `cache_prompt` the slot whose cached tokens share the longest prefix with the prompt);
+2. retire requests that were aborted or passed their deadline, freeing their KV blocks at once;
+3. run what the batch policy plans: prompt chunks, then one decode batch of every slot past its prompt
+   (`Backend.decode`: forward and sampling in one call; a lone greedy row goes through `Backend.step`, where the
+   backend takes the argmax on its own side, e.g. on the GPU);
+4. post-process each sampled token (`OutputText`: end-of-generation, stop strings, hold-back, budget) and emit
+   the request's events.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from ninfer import _core
+from ninfer.engine.backend import Backend
+from ninfer.engine.output import LIMIT, Finish, OutputText
+from ninfer.engine.policy import PromptsAlone, SlotView
+from ninfer.engine.request import DeadlineError, Probs, Request, Result
+from ninfer.errors import NinferError
+from ninfer.tokenizer import Tokenizer
+
+log = logging.getLogger("ninfer.engine")
+
+
+class _Slot:
+    def __init__(self, index: int):
+        self.index = index
+        self.kv_tokens: list[int] = []  # what the KV cache holds for this sequence
+        self.req: Request | None = None
+        self.pending: list[int] = []  # prompt tokens still to evaluate
+        self.next_input = 0  # the token the next decode step feeds
+        self.output: OutputText | None = None
+        self.argmax = False  # the request's sampler is a plain argmax (the backend may take it itself)
+        self.probs: list[Probs] = []  # aligned with output.tokens when the request asked for n_probs
+        self.sent = 0  # tokens of the output sent in "piece" events
+        self.cached_n = 0
+        self.t_start = self.t_first = 0.0
+        self.predict_deadline = 0.0  # monotonic time after which generation stops (0: none)
+
+    @property
+    def busy(self) -> bool:
+        return self.req is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.req is not None and bool(self.pending)
+
+
+@dataclass(frozen=True)
+class Limits:
+    n_ctx: int  # tokens one sequence holds
+    n_batch: int  # prompt tokens one forward call takes
+    max_blocks: int  # KV blocks of the whole pool (for kv_usage's share)
+
+
+class EngineCore:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, limits: Limits, *, n_slots: int,
+                 sampler: _core.SamplerThread | None = None, policy: PromptsAlone | None = None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.sampler = sampler if sampler is not None else _core.SamplerThread()
+        self.policy = policy or PromptsAlone()
+        self.slots = [_Slot(i) for i in range(n_slots)]
+        self.waiting: collections.deque[Request] = collections.deque()
+        # Guards `waiting` and the requests' `cancelled` flags: requests arrive and are aborted from other threads.
+        self.cv = threading.Condition()
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._argmax = _core.Sampler(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+        self._kv_blocks = 0
+        self.on_thread = False  # an EngineThread steps this loop (nobody else may)
+
+    def configure(self, *, n_slots: int | None = None, sampler: _core.SamplerThread | None = None) -> None:
+        """Before the first request: use only the first n_slots sequences, or sample on another thread (e.g. one
+        pinned to a core)."""
+        assert not self.has_work(), "configure while requests are in flight"
+        if n_slots is not None:
+            self.slots = self.slots[: max(1, n_slots)]
+        if sampler is not None:
+            self.sampler = sampler
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        with self.cv:
+            self.waiting.append(req)
+            self.cv.notify()
+
+    def abort(self, req: Request) -> None:
+        """Stop `req` at the next step (its KV blocks freed, no "done" event); a request still waiting is dropped."""
+        with self.cv:
+            req.cancelled = True
+            slot = next((s for s in self.slots if s.req is req), None)
+            req.tokens_at_cancel = len(slot.output.tokens) if slot is not None and slot.output else 0
+            self.cv.notify()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.busy for s in self.slots)
+
+    def running(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    def kv_usage(self) -> tuple[int, float]:
+        """(blocks in use, their share of the pool) as of the last step: safe to read from any thread (the backend
+        itself is only touched by the thread that steps)."""
+        return self._kv_blocks, self._kv_blocks / self.limits.max_blocks
+
+    def release(self, seq: int) -> None:
+        """Empty an idle slot's sequence (its cached prompt too), for a caller that uses the backend directly."""
+        slot = self.slots[seq]
+        assert not slot.busy, "release of a busy slot"
+        self.backend.remove(seq)
+        slot.kv_tokens = []
+        self._note_kv()
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One turn of the loop. An error that belongs to one request fails that request; an error of the step
+        itself fails every request in flight, never the loop."""
+        with self.cv:
+            admitted = self._admit()
+        try:
+            for slot, req in admitted:
+                self._start(slot, req)
+            self._retire()
+            plan = self.policy.plan([SlotView(s.index, s.busy, len(s.pending)) for s in self.slots])
+            for i in plan.prefill:
+                slot = self.slots[i]
+                try:
+                    self._prefill_chunk(slot)
+                except Exception as e:  # this prompt's failure is this request's alone
+                    _log_failure("prompt evaluation failed", e)
+                    self._finish(slot, error=e)
+            self._decode([self.slots[i] for i in plan.decode if self.slots[i].busy and not self.slots[i].pending])
+        except Exception as e:
+            _log_failure("engine step failed", e)
+            for s in self.slots:
+                if s.busy:
+                    self._finish(s, error=e)
+        self._note_kv()
+
+    def close(self) -> None:
+        for s in self.slots:
+            if s.busy:
+                self._finish(s, error=RuntimeError("the engine is shutting down"))
+
+    def _note_kv(self) -> None:
+        self._kv_blocks = int(self.backend.kv_usage()[0])
+
+    def _admit(self) -> list[tuple[_Slot, Request]]:
+        """Pair waiting requests with free slots (under the lock). Expired ones are answered with an error."""
+        out = []
+        now = time.monotonic()
+        while self.waiting:
+            free = [s for s in self.slots if not s.busy]
+            if not free:
+                break
+            req = self.waiting.popleft()
+            if req.cancelled:
+                continue
+            if now > req.deadline:
+                req.emit("error", DeadlineError("the request waited in the queue past its deadline"))
+                continue
+            if req.params.cache_prompt:
+                slot = max(free, key=lambda s: (_shared(s.kv_tokens, req.prompt), -len(s.kv_tokens)))
+            else:
+                slot = min(free, key=lambda s: len(s.kv_tokens))
+            slot.req = req
+            out.append((slot, req))
+        return out
+
+    def _start(self, slot: _Slot, req: Request) -> None:
+        p = req.params
+        keep = _shared(slot.kv_tokens, req.prompt) if p.cache_prompt else 0
+        self.backend.truncate(slot.index, keep)
+        if keep == 0:
+            self.backend.remove(slot.index)
+        slot.kv_tokens = slot.kv_tokens[:keep]
+        slot.pending = req.prompt[keep:]
+        slot.cached_n = keep
+        limit = self.limits.n_ctx - len(req.prompt)
+        slot.output = OutputText(self.tokenizer, stop=p.stop, budget=limit if p.max_tokens < 0 else
+                                 min(p.max_tokens, limit), ignore_eos=p.ignore_eos)
+        slot.probs, slot.sent = [], 0
+        slot.t_start = time.perf_counter()
+        slot.t_first = slot.predict_deadline = 0.0
+        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
+        try:
+            args = p.sampler_args()
+            slot.argmax = p.n_probs == 0 and _core.Sampler(seed=seed, **args).is_greedy
+            self.sampler.configure(slot.index, seed=seed, n_probs=p.n_probs, **args)
+            self.sampler.accept(slot.index, req.prompt)
+        except Exception as e:
+            self._finish(slot, error=e)
+
+    def _retire(self) -> None:
+        now = time.monotonic()
+        for s in self.slots:
+            req = s.req
+            if req is None:
+                continue
+            if req.cancelled:
+                self.stats["cancelled"] += 1
+                # Tokens generated after the abort arrived: at most the step that was running then.
+                assert s.output is not None
+                self.stats["tokens_after_cancel"] += len(s.output.tokens) - max(req.tokens_at_cancel, 0)
+                self._finish(s, cancelled=True)
+            elif now > req.deadline or (s.predict_deadline and now > s.predict_deadline):
+                self.stats["timed_out"] += 1
+                assert s.output is not None
+                s.output.stop(LIMIT)
+                self._finish(s)
+
+    def _prefill_chunk(self, s: _Slot) -> None:
+        chunk = s.pending[: self.limits.n_batch]
+        logits = self.backend.prefill(s.index, chunk, self.limits.n_batch)
+        s.kv_tokens.extend(chunk)
+        s.pending = s.pending[len(chunk):]
+        if s.pending:
+            return
+        s.t_first = time.perf_counter()
+        req = s.req
+        assert req is not None
+        ms = req.params.t_max_predict_ms
+        s.predict_deadline = time.monotonic() + ms / 1e3 if ms > 0 else 0.0
+        self.stats["prompt_tokens"] += len(req.prompt) - s.cached_n
+        self.stats["prompt_s"] += s.t_first - s.t_start
+        self._on_token(s, *self.sampler.sample(s.index, logits))
+
+    def _decode(self, slots: list[_Slot]) -> None:
+        if not slots:
+            return
+        t0 = time.perf_counter()
+        batch = [(s.index, s.next_input) for s in slots]
+        if len(slots) == 1 and slots[0].argmax:
+            draws: list[tuple[int, Probs | None]] = [(self.backend.step(*batch[0], self._argmax), None)]
+        else:
+            draws = self.backend.decode(batch, self.sampler)
+        self.stats["predicted_s"] += time.perf_counter() - t0
+        self.stats["decode_steps"] += 1
+        for s, (_, fed), (tok, probs) in zip(slots, batch, draws):
+            s.kv_tokens.append(fed)
+            self._on_token(s, tok, probs)
+
+    def _on_token(self, s: _Slot, token: int, probs: Probs | None) -> None:
+        req, out = s.req, s.output
+        assert req is not None and out is not None
+        finish = out.push(token)
+        if finish is not None and finish.kind == "eos":
+            return self._finish(s)
+        if probs is not None:
+            s.probs.append(probs)
+        self.stats["predicted_tokens"] += 1
+        if finish is not None:
+            return self._finish(s)
+        self._send(s)
+        s.next_input = token
+
+    def _send(self, s: _Slot) -> None:
+        assert s.req is not None and s.output is not None
+        piece = s.output.take()
+        if piece:
+            tokens = s.output.tokens
+            s.req.emit("piece", (piece, len(tokens), tokens[s.sent:], s.probs[s.sent:]))
+            s.sent = len(tokens)
+
+    def _finish(self, s: _Slot, *, cancelled: bool = False, error: Exception | None = None) -> None:
+        req = s.req
+        if req is None:
+            return
+        keep_kv = req.params.cache_prompt and not cancelled and error is None
+        if not keep_kv:
+            self.backend.remove(s.index)
+            s.kv_tokens = []
+        self.stats["requests_done"] += 1
+        if error is not None:
+            s.req, s.pending = None, []
+            req.emit("error", error)
+            return
+        if cancelled:
+            s.req, s.pending = None, []
+            return
+        out = s.output
+        assert out is not None and out.finish is not None
+        self._send(s)
+        s.req, s.pending = None, []
+        t_end = time.perf_counter()
+        t_first = s.t_first or t_end
+        finish: Finish = out.finish
+        req.emit("done", Result(
+            text=out.text, tokens=list(out.tokens), prompt_n=len(req.prompt), cached_n=s.cached_n,
+            finish_reason=finish.reason, stop_type=finish.kind, stopping_word=finish.word,
+            prompt_ms=(t_first - s.t_start) * 1e3, predicted_ms=(t_end - t_first) * 1e3, slot=s.index,
+            probs=list(s.probs),
+        ))
+
+
+def _log_failure(what: str, e: Exception) -> None:
+    """A NinferError is the request's (a full cache, a bad token): its message goes to the caller, the log gets a
+    line; anything else is a bug, logged with its traceback."""
+    if isinstance(e, NinferError):
+        log.info("%s: %s", what, e)
+    else:
+        log.exception(what)
+
+
+def _shared(cached: list[int], prompt: list[int]) -> int:
+    """How many of the prompt's tokens, all but its last (whose logits the step needs), the cache holds already."""
+    n = 0
+    for a, b in zip(cached, prompt[:-1]):
+        if a != b:
+            break
+        n += 1
+    return n
