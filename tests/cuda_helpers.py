@@ -37,7 +37,7 @@ def teacher_forced(path: Path, prompt: list[int], n: int, **kw) -> tuple[list[in
     top2 = np.sort(logits, axis=1)[:, -2:]
     margins = top2[:, 1] - top2[:, 0]
     gpu_llm = ninfer.LLM(path, n_ctx=512, device="cuda", **kw)
-    eng = gpu_llm._engine
+    eng = gpu_llm.backend
     greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
     gpu = [int(np.argmax(eng.prefill(0, prompt, 512)))]
     for t in cpu[:-1]:

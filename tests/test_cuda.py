@@ -737,7 +737,7 @@ def test_decode_of_two_sequences_equals_each_sequence_generated_alone(tmp_path: 
     prompts = [[5, 50, 500], [7, 70, 700, 7000]]
     alone = [_greedy(path, "cuda", p, 16) for p in prompts]
     llm = ninfer.LLM(path, n_ctx=128, device="cuda", n_seq_max=2)
-    eng = llm._engine
+    eng = llm.backend
     thread = _core.SamplerThread()
     got: list[list[int]] = []
     for seq, p in enumerate(prompts):
@@ -765,7 +765,7 @@ def test_chained_greedy_steps_equal_unchained_steps(tmp_path: Path, monkeypatch:
 
     def run(chain: str) -> tuple[list[int], list[int]]:
         monkeypatch.setenv("NINFER_CUDA_CHAIN", chain)
-        eng = ninfer.LLM(path, n_ctx=1024, device="cuda")._engine
+        eng = ninfer.LLM(path, n_ctx=1024, device="cuda").backend
         assert eng.chain == (chain == "1")
         out = [int(np.argmax(eng.prefill(0, prompt, 512)))]
         out += [eng.step(0, out[-1], greedy) for _ in range(2)]
@@ -798,7 +798,7 @@ def test_decode_with_programmatic_dependent_launches_equals_plain_launches(tmp_p
     runs = {}
     for pdl in ("0", "1"):
         monkeypatch.setenv("NINFER_CUDA_PDL", pdl)
-        eng = ninfer.LLM(path, n_ctx=2048, device="cuda")._engine
+        eng = ninfer.LLM(path, n_ctx=2048, device="cuda").backend
         assert eng.pdl == (pdl == "1" and int(cp.cuda.Device().compute_capability) >= 90)
         greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
         toks = [int(np.argmax(eng.prefill(0, prompt, 512)))]
