@@ -136,7 +136,7 @@ class DecodeGraphs:
         and `prefetch_cap` (bytes a block of each: kernels/gemv_stream.cu has each block ask for the first that
         many bytes of its 1/grid share of each region): the output projection gate/up's weights, gate/up the down
         projection's. The shares' lines are read all through the next launch, so what comes in while the memory
-        idles at the boundary is read from L2 later (H200, 32B GSQ3 tg128 +1.9%; docs/journal/gsq-rco-gpu.md)."""
+        idles at the boundary is read from L2 later (measured faster on the H200: docs/journal/gsq-rco-gpu.md)."""
         def ask(mats: list, n: int) -> dict[str, Any]:
             return {"prefetch": [(m.ptr, m.rows * m.row_bytes) for m in mats], "prefetch_cap": n}
 
@@ -147,7 +147,7 @@ class DecodeGraphs:
         """Whether the attention kernel writes the output projection's input quantized (AttnParams.out_q), so the
         projection's launch copies it in instead of every block quantizing it: head size 128 (a head is one
         activation group) and an output projection that reads ACT_GSQ8_PAIRS (3-bit GSQ-RCO by lane pairs or
-        streamed). H200, 32B GSQ3 tg128 173.3 / 173.7 against 172.5 / 172.1 t/s (2026-12-02)."""
+        streamed). Measured faster on the H200 (docs/journal/gsq-rco-gpu.md)."""
         wo = lw["wo"]
         return (self.spec["head_dim"] == 128 and wo.act == ACT_GSQ8 and gsq_pairs_type(wo.type)
                 and ops.gsq_pairs(wo.cols, wo.rows))

@@ -454,9 +454,9 @@ def gsq_pairs_warps(plan_w: tuple[int, int, int], plan_2w: tuple[int, int, int])
     """Warps per block of a lane-pair launch, from its (k split, steps, grid) with GEMV_WARPS and with twice as many.
     The pair kernel's 128 registers let an SM hold one block, so twice the warps is twice the loads in flight an SM:
     taken where no row is split between warps and the persistent grid's rounds stay as full (at least 90% of the
-    fill with GEMV_WARPS). H200, synthetic 32B-shape GSQ3, `dev/gemv-bench --gsq --pdl --shapes 32b`, µs with 8
-    and 16 warps: q/k/v 20.82 / 16.36 (rounds 85% / 85% full), gate/up 66.70 / 60.21 (97% / 94%), o 13.47 / 14.31
-    (81% / 61%), down (rows split four ways) 35.28 / 39.42."""
+    fill with GEMV_WARPS). Measured on the H200 (`dev/gemv-bench --gsq --pdl --shapes 32b`): faster for the 32B
+    shape's q/k/v and gate/up, slower for o (rounds less full) and down (rows split four ways); the figures are in
+    docs/journal/gsq-rco-gpu.md."""
     def fill(plan: tuple[int, int, int]) -> float:
         _, steps, grid = plan
         return steps / (-(-steps // grid) * grid)
@@ -475,11 +475,11 @@ def quant_act(x: int, n: int, act: int, out_q: int, out_d: int, out_s: int, out_
 def gemv_k_split(n_cols: int, warps_per_block: int = GEMV_WARPS, gsq_pairs: bool = False, groups: int = 0) -> int:
     """Warps sharing one row group: about two units (64 elements) per lane, a power of two up to the block. (More
     warps for launches with few rows, down to one unit per lane, measured slower on the H200: the 1.5B shape's
-    q/k/v 8.0 -> 9.0 us and o 5.4 -> 6.6 us with two warps per 1,536-wide row.) gsq_pairs: 3-bit GSQ-RCO
+    q/k/v and o with two warps per 1,536-wide row.) gsq_pairs: 3-bit GSQ-RCO
     records by lane pairs (kernels/gemv_gsq3_pairs.cu rows_dot_gsq3_pairs), where a warp's 16 pairs share the
     group's records: at least six records a pair, or at least two while the launch's `groups` (row groups) would fill
-    fewer than 2,048 warps (the 1.5B shape's down projection, 768 groups of 70 records: 15.7 us with one warp a
-    group, 7.8 with the unit loop's four)."""
+    fewer than 2,048 warps (the 1.5B shape's down projection, 768 groups of 70 records, took twice as long with one
+    warp a group as with the unit loop's four; docs/journal/gsq-rco-gpu.md)."""
     if gsq_pairs:
         tasks, ks = GEMV_ROWS_PER_WARP * (n_cols // 128), 1
         while ks < warps_per_block and (tasks >= 6 * 32 * ks or (groups * ks < 2048 and tasks >= 2 * 32 * ks)):

@@ -68,16 +68,14 @@ __device__ void attend(const AttnParams& P) {
     }
     // The rotation angles depend on the position alone: computed before the wait too
     // (rope_cs / rope_apply for the pairs this head size can have, HD / 64 a lane instead of 4, and the norms out of
-    // line: the same values, the step kernel for the 32B shape 4,416 instructions instead of 4,976, 697 of them
-    // before grid_dep_wait instead of 1,127; H200, 32B GSQ3 tg128 178.2 / 178.3 against 177.5 / 177.2 t/s,
-    // 2026-12-02).
+    // line: the same values, fewer instructions in the step kernel and fewer of them before grid_dep_wait; measured
+    // faster on the H200, docs/journal/gsq-rco-gpu.md).
     constexpr int RK = (HD + 63) / 64;
     RopeCS cs;
     if (STEP) cs = rope_cs<RK>(p, P.rope_dims, P.theta_scale, P.freq_scale);
     // The page table is the host's, constant through a step: the cells of each warp's first tile of keys are looked
-    // up before the wait too, so that the keys stage's first K and V loads wait on no table load (the keys stage
-    // 1.87 µs against 1.99 in the trace; H200, 32B GSQ3 tg128 190.41 / 190.73 against 190.19 / 190.31 t/s,
-    // 2026-12-03).
+    // up before the wait too, so that the keys stage's first K and V loads wait on no table load (a shorter keys
+    // stage, measured faster on the H200: docs/journal/gsq-rco-gpu.md).
     const u32 first_cell = s0 + 32 * warp < s1 ? tile_cell(table, s0 + 32 * warp, lane, s1, page_size, n_head_kv, g)
                                                : 0u;
     grid_dep_launch();
@@ -87,7 +85,7 @@ __device__ void attend(const AttnParams& P) {
     // code's cold fetch, not by memory (with the share's K/V rows in shared memory the keys stage took as long;
     // docs/journal/gsq-rco-gpu.md), and the engine leaves attention's SMs free during q/k/v (CudaEngine._room_grid), so the dry
     // pass runs under q/k/v. One copy of the code serves both passes: the loop stays rolled, since a second copy
-    // would be fetched cold again. H200, 32B GSQ3 tg128 179.1 / 179.2 against 177.5 / 177.2 t/s (2026-12-02).
+    // would be fetched cold again. (Measured faster on the H200 than no dry pass: docs/journal/gsq-rco-gpu.md.)
     int pass = STEP && n_used == 1 ? 0 : 1;
     asm volatile("" : "+r"(pass));  // (opaque: the loop is not split into a dry and a real copy)
 #pragma unroll 1
@@ -124,9 +122,8 @@ __device__ void attend(const AttnParams& P) {
                     const float* vs = src + (n_head + n_head_kv) * HD + g * HD;
                     // Every load before any store: the compiler cannot tell the pool's stores from the q/k/v
                     // buffer's loads apart, so a loop of load-then-store made HD / 32 round trips to L2 one after
-                    // another (this warp's, the longest of the stage), where one will do. H200, 32B GSQ3 tg128
-                    // 189.2 / 189.3 against 186.3 / 186.3 t/s; the trace's RoPE stage 0.93 µs against 2.05
-                    // (2026-12-03, docs/journal/gsq-rco-gpu.md).
+                    // another (this warp's, the longest of the stage), where one will do (a shorter RoPE stage,
+                    // measured faster on the H200: docs/journal/gsq-rco-gpu.md).
                     float t[HD / WARP];
 #pragma unroll
                     for (int k = 0; k < HD / WARP; ++k)
@@ -156,8 +153,8 @@ __device__ void attend(const AttnParams& P) {
             // One split: a warp a query head merges the key warps. Every lane reads the warps' (max, sum) of the head
             // (the same words: broadcast loads) and its HD / 32 output dims of each warp, all before any use, then
             // sums them in the warps' order, as the block-wide merge below does (the same values), writes them and
-            // quantizes the head from its registers: no shuffles, no barrier. (H200, 32B GSQ3 tg128 177.6 / 177.5
-            // against 176.9 / 176.8 t/s with the block-wide merge, a thread a value, then a barrier, 2026-12-02.)
+            // quantizes the head from its registers: no shuffles, no barrier. (Measured faster on the H200 than the
+            // block-wide merge, a thread a value, then a barrier: docs/journal/gsq-rco-gpu.md.)
             constexpr int VPL = HD / 32;
             for (int h = warp; h < ng; h += ATT_WARPS) {
                 float2 ml[ATT_WARPS];

@@ -218,7 +218,7 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
     // launch quantized it (pre_q: a long vector, where every block repeating the work would cost more). Layout:
     // n int8 codes (9n/8 for the pair kernel), n/32 float scales, n/32 float2 sums (or n floats);
     // cuda_ops.gemv_smem sizes it. (Copying a pre-quantized input into shared memory too, for shared-memory loads
-    // in the inner loops, measured slower on the H200: 1.5B-shape Q4_K_M tg128 782 against 805 tokens/s.)
+    // in the inner loops, measured slower on the H200: docs/journal/gsq-rco-gpu.md.)
     const bool quant = !(ACT == ACT_F32 || ACT == ACT_F16 || ACT == ACT_BF16);
     const void* act_q = pre_q;
     const float* sd = pre_d;
@@ -283,8 +283,8 @@ __device__ void gemv(const MatDesc* mats, int n_mats, int total_rows, int n_cols
                 const MatDesc& m = mats[mi[r]];
                 const int local = row[r] - m.row0;
                 const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
-                // The residual add by red_add, as the streamed GEMV's (no load of the old value to wait for):
-                // H200, 1.5B Q4_K_M tg128 980.37 against 973.11 t/s, tg64 at 32K 672.20 against 665.65 (2026-12-03).
+                // The residual add by red_add, as the streamed GEMV's (no load of the old value to wait for;
+                // measured faster on the H200, short and long contexts: docs/journal/gsq-rco-gpu.md).
                 if (mode == MODE_ADD) {
                     red_add(m.out + local, v);
                 } else {

@@ -46,10 +46,10 @@ __device__ __forceinline__ float unit_dot(const u8* row, int u, const int* aq, c
 struct RawQ4K { int4 c0, c1, h; };  // codes of units 2p, 2p + 1; d, dmin, scales
 
 // A 16-byte vector of weights through the read-only path, without L1 allocation and with a 256-byte L2 fetch
-// (the neighbouring lanes' vectors come in whole DRAM bursts). For Q4_K rows wider than the pair path's: H200,
-// 32B shape, gate/up 84.5 -> 78.9 us (dev/gemv-bench --pdl); Q6_K by units, whose scale words were separate
-// small loads that then missed L1, measured slower with it, and neutral on the Q6_K slices' ql loads (1.5B tg128
-// 744 -> 736 tokens/s).
+// (the neighbouring lanes' vectors come in whole DRAM bursts). For Q4_K rows wider than the pair path's (measured
+// faster on the H200 with dev/gemv-bench --pdl); Q6_K by units, whose scale words were separate small loads that
+// then missed L1, measured slower with it, and it was neutral on the Q6_K slices' ql loads
+// (docs/journal/gsq-rco-gpu.md).
 __device__ __forceinline__ int4 ld_stream16(const void* p) {
     int4 v;
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
@@ -101,8 +101,8 @@ __device__ __forceinline__ float q4k_unit_dot(const RawQ4K& r, int u, const int*
 // (task t: super-block t / 4, pair t % 4), so each lane's 48 loaded bytes are its own and the scale bytes are
 // decoded four at a time with word operations. The pair's integer dots meet their 6-bit scales as integers and
 // one float expression per pair follows (the activation's scale is one per 256, the same for both units).
-// Measured on the H200 (dev/gemv-bench --pdl): 1,536-wide rows faster (1.5B gate/up 14.7 -> 13.2 us, o 5.5
-// -> 5.2), 5,120-wide slower (32B gate/up 83 -> 88 us), so only for rows up to GEMV_Q4K_PAIRS units.
+// Measured on the H200 (dev/gemv-bench --pdl; docs/journal/gsq-rco-gpu.md): 1,536-wide rows faster, 5,120-wide
+// slower, so only for rows up to GEMV_Q4K_PAIRS units.
 struct PairQ4K { int4 c0, c1, h; };  // the pair's 32 code bytes; d, dmin, scales
 
 __device__ __forceinline__ void load_q4k_pair(const u8* row, int t, PairQ4K& r) {
@@ -148,9 +148,9 @@ __device__ __forceinline__ float q4k_pair_dot(const PairQ4K& r, int t, const int
 // Tasks are numbered as units are (eight per super-block), so a warp's lanes read 512 consecutive ql bytes of four
 // super-blocks, each byte once and whole (by units two lanes loaded the same 32 bytes and each used a nibble of
 // every byte, and the qh bytes twice as often), and since a lane's tasks are 32 apart, its q is the same at every
-// step. H200 (dev/gemv-bench --pdl, against units and code pairs): 1.5B head 103 -> 77 us, down 7.7 -> 6.8;
-// 32B head 303 -> 218, down 48 -> 45.5. (The same for Q4_K, with plain or L2-hinted code loads, on rows past the
-// pair path's: 32B q/k/v 25.5 -> 24.3-24.8 us, o 18.5 -> 17.8-18.3, but gate/up 79.0 -> 81.3-82.4, no net gain.)
+// step. Measured faster than units and code pairs on the H200 (dev/gemv-bench --pdl), the head and the down
+// projection of both the 1.5B and the 32B shapes. (The same for Q4_K, with plain or L2-hinted code loads, on rows
+// past the pair path's: q/k/v and o faster, gate/up slower, no net gain; docs/journal/gsq-rco-gpu.md.)
 struct SliceQ6K { int4 l, hb; int2 sc; u32 d; };  // ql bytes, qh bytes, the two scale words, d
 
 __device__ __forceinline__ void load_q6k_slice(const u8* row, int b, int q, SliceQ6K& s) {

@@ -14,9 +14,9 @@
 // (cuda_ops.gsq_pairs: every product of the 32B shape, none of the 1.5B's), so the unit loop's kernel keeps its
 // smaller register count and occupancy.
 // Records a lane loads before it computes any. Five: the whole share of a pair in the 32B shape's 5,120-wide
-// products (two rows of 40 records for 16 pairs) in one round of loads, at 129 registers (one block an SM). H200,
-// dev/gemv-bench --gsq --pdl --shapes 32b, µs against two: q/k/v 21.04 / 22.07, o 13.95 / 15.15, gate/up
-// 70.87 / 78.90, down 37.95 / 36.27.
+// products (two rows of 40 records for 16 pairs) in one round of loads, at 129 registers (one block an SM).
+// Measured against two on the H200 (dev/gemv-bench --gsq --pdl --shapes 32b): q/k/v, o and gate/up faster, down
+// a little slower (docs/journal/gsq-rco-gpu.md).
 #define GEMV_GSQ_PAIRS_U 5
 
 // What a lane of a pair loads of one record: half h's code words (quant.cuh: the 16 bytes at 32h, the 8 at 16 + 8h)
@@ -97,9 +97,8 @@ __device__ __forceinline__ const float* stage_gsq8_pairs_act(int4* dst, const vo
     const int n_q = gsq8_pairs_at(n) >> 4, n_d = n >> 7;  // 16-byte vectors: codes, scales (4 a record)
     // Codes and scales as one run of vectors, a thread's four loaded before any is stored: the stores into shared
     // memory kept the next load behind them, so a thread with several vectors (the down projection: three or four,
-    // the output projection's first 40 threads: two) made that many round trips to L2 one after another. H200, 32B
-    // GSQ3 tg128 187.3 / 187.3 against 186.3 / 186.3 t/s; the trace's prologues: down 0.74 µs against 1.12, the
-    // output projection 0.51 against 0.67 (2026-12-03).
+    // the output projection's first 40 threads: two) made that many round trips to L2 one after another (shorter
+    // prologues, measured faster on the H200: docs/journal/gsq-rco-gpu.md).
     const int n_all = n_q + n_d;
     for (int i0 = threadIdx.x; i0 < n_all; i0 += 4 * blockDim.x) {
         int4 t[4];

@@ -13,8 +13,8 @@
 //
 // Work: the launch's row groups (GEMV_R = 2 rows; GLU: a gate and an up row) in chunks of per_step = W / ks groups;
 // block b takes chunks b, b + grid, b + 2 grid, ..., so at any moment the grid reads neighbouring chunks (a window
-// sweeping the matrices) rather than 132 streams far apart, one a block's contiguous share (H200, 32B GSQ3 tg128
-// 155.3 against 153.8 t/s with the row walk below, 2026-12-02). The consumer warps form teams of W (ks of a team's
+// sweeping the matrices) rather than 132 streams far apart, one a block's contiguous share (measured faster on the
+// H200 with the row walk below: docs/journal/gsq-rco-gpu.md). The consumer warps form teams of W (ks of a team's
 // warps sharing a group, as the pair kernel's K-split does), and team t takes chunks t, t + T, t + 2T, ... (T
 // teams), so more warps than one chunk's groups work at once while each ring slot stays one chunk. A chunk's rows lie
 // in its ring slot in order (GLU: the gate rows, then the up rows from row per_step on). Barriers per slot: full (the
@@ -24,8 +24,8 @@
 // half-warp taking records p, p + 8 ks, ... of its row (the 5,120-wide rows' 40 records: five a pair, one round),
 // reading them by LDS and computing them as gemv_gsq8_pairs does (gemv_gsq3_pairs.cu gsq3_half_dot). Each lane's row is fixed:
 // no row select for a record's address, no wrap from one row to the next, one accumulator (the loop's SASS: 105-110
-// instructions a half record where the pair kernel's flat walk over both rows took 123). H200, 32B GSQ3 tg128
-// 153.8 against 149.6 t/s; alone down 26.1 against 27.6 µs (2026-12-02).
+// instructions a half record where the pair kernel's flat walk over both rows took 123). Measured faster on the
+// H200, in the decode step and alone (docs/journal/gsq-rco-gpu.md).
 //
 // Modes STORE, ADD and GLU (the launcher keeps the argmax head on gemv.cu). Shared memory (cuda_ops.gemv_stream_plan):
 // the ACT_GSQ8_PAIRS activation (codes, scales, sums as gemv.cu's prologue lays them), padded to 128 bytes, then
@@ -42,11 +42,9 @@
 #define GEMV_STREAM_MAX_STAGES 8  // cuda_ops.GEMV_STREAM_MAX_STAGES
 
 // Chunks a producer asks for before grid_dep_wait, the rest of the ring's first fill after the prologue (0: all
-// before). Fewer leave the prologue's loads of x less traffic to wait behind (the trace had the q/k/v and gate/up
-// prologues at 4.4 and 7.3 µs, a pre-quantized copy at 1.2). H200, 32B GSQ3 tg128: 2 chunks 162.86 / 162.86 /
-// 163.58 t/s, 1 161.05 / 161.00, 3 162.41 / 161.83, all of them 156.04 / 155.26 (2026-12-02). Also for the
-// launches whose prologue is a copy (the output and down projections): 4 or the whole ring there, 170.2 and
-// 169.5 against 174.4 (2026-12-02, 11:00 UTC).
+// before). Fewer leave the prologue's loads of x less traffic to wait behind (in the trace the norm prologues took
+// several times a pre-quantized copy's time). On the H200 two beat one, three and the whole ring, also for the
+// launches whose prologue is a copy (the output and down projections; docs/journal/gsq-rco-gpu.md).
 #define GEMV_STREAM_EARLY_CHUNKS 2
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -124,8 +122,8 @@ __device__ __forceinline__ void ring_refill(Issue issue, const u64* empty, int e
 #if __CUDA_ARCH__ >= 900
 // A consumer warp's side of the ring (gemv_gsq8_stream): it takes its team's chunks in turn and computes its group
 // of each. A struct with a template method, so each record count a lane takes (U) is its own loop.
-// (Tried and dropped, 2026-12-02: computing a lane's record offsets once per launch where a row pair takes one round
-// of the walk cost 72 registers and measured 2.8% slower in the decode step: docs/journal/gsq-rco-gpu.md.)
+// (Tried and dropped: computing a lane's record offsets once per launch where a row pair takes one round of the
+// walk cost registers and measured slower in the decode step: docs/journal/gsq-rco-gpu.md.)
 struct StreamConsumer {
     const MatDesc* mats;
     int n_mats, total_rows, mode, glu_act, per_group;
@@ -233,8 +231,8 @@ struct StreamConsumer {
                     const int local = first + r - m.row0;
                     const float v = acc[r] + (m.bias ? m.bias[local] : 0.0f);
                     // The residual add by red_add: the old value's load held this warp, and its K-split team at the
-                    // next chunk's barrier, a round trip a chunk. H200, 32B GSQ3 tg128 199.23 / 199.24 against
-                    // 196.23 / 196.28 t/s (2026-12-03).
+                    // next chunk's barrier, a round trip a chunk (measured faster on the H200:
+                    // docs/journal/gsq-rco-gpu.md).
                     if (mode == MODE_ADD) red_add(m.out + local, v);
                     else m.out[local] = v;
                 }
@@ -307,9 +305,8 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
     float* d = (float*)(q + gsq8_pairs_at(n_cols));
     if (!pre_q) {
         // The groups quantized from x * w, the norm's scale left to the consumers (norm_quant_v's LATE), so the
-        // block's reduction is off the prologue's path: its trace's norm_sum 0.12 µs against 0.7-1.4, the q/k/v and
-        // gate/up prologues 2.39 and 2.59 µs against 2.95 and 3.6. H200, 32B GSQ3 tg128 186.18 / 186.01 against
-        // 185.59 / 185.55 t/s (2026-12-03).
+        // block's reduction is off the prologue's path (shorter q/k/v and gate/up prologues in the trace, measured
+        // faster on the H200: docs/journal/gsq-rco-gpu.md).
         norm_quant_v<4, true>(x, norm_w, eps, n_cols, ACT_GSQ8_PAIRS, q, d, (float2*)(d + (n_cols >> 5)), 0, 0,
                               late_sums);
     } else {
@@ -324,12 +321,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_STREAM_MAX_WARPS) gemv_gs
             // this block's 1/grid share of each, its first pf_cap bytes where pf_cap > 0. The engine has the
             // output projection ask for gate/up's and gate/up for down's, 64 KB a block of each matrix: they
             // stream in during this launch's last chunks, its tail and the next one's prologue, when the memory
-            // is otherwise idle. H200, 32B GSQ3 tg128 166.71 / 165.90 against 163.49 / 162.94 t/s (2026-12-02,
-            // three calls agreeing); measured and left out: the down projection asking for the next layer's
-            // q/k/v and q/k/v for o, or for gate/up (0.5-2% slower), 128 KB a block (no better), the share's start
-            // moved to where the next launch's blocks start reading (1% slower than none; those lines are the
-            // next launch's own first copies), and all of it asked at a launch's start (3-4.5% slower; the output
-            // projection asking for gate/up's shares at its start, while attention runs: 0.8-2% slower).
+            // is otherwise idle (measured faster on the H200). Measured and left out, each slower or no better:
+            // the down projection asking for the next layer's q/k/v and q/k/v for o, or for gate/up; 128 KB a
+            // block; the share's start moved to where the next launch's blocks start reading (those lines are the
+            // next launch's own first copies); and all of it asked at a launch's start, while the memory is busy
+            // (docs/journal/gsq-rco-gpu.md).
             for (int r = 0; r < n_pf; ++r) {
                 const u64 base = pf[2 * r], len = pf[2 * r + 1];
                 u64 a = (base + len * blockIdx.x / gridDim.x) & ~15ull;

@@ -5,11 +5,10 @@
 // GPU's padded blocks), and gemv.cu's kernel, whose lanes load their slices into registers, reads it at 3.9 TB/s
 // where the streamed 3-bit products' steady phases reach 4.9 (docs/journal/gsq-rco-gpu.md). Streamed, its rows need no
 // aligned blocks either: they are re-laid planar on upload (T_Q6_K_PLANAR, common.cuh: each field in its own run
-// of the row, 4,208 bytes for 5,120 columns against 4,480 in padded blocks). H200, synthetic 32B GSQ3 tg128 (t/s,
-// two rounds, 2026-12-04): 200.04 / 200.00 against 199.00 / 199.06 with gemv.cu's head; in another call planar
-// (with clamps) 199.39 / 199.43, streamed in padded blocks 199.22 / 199.09, gemv.cu's head 198.09 / 198.12
-// (docs/journal/gsq-rco-gpu.md, "The output head streamed"). The engine takes it for rows whose super-blocks fill the
-// lanes' rounds (cuda_ops.q6k_stream_shape), and only those: the loop has no clamps.
+// of the row, 4,208 bytes for 5,120 columns against 4,480 in padded blocks). Measured on the H200, planar beat
+// streamed padded blocks and both beat gemv.cu's head (docs/journal/gsq-rco-gpu.md, "The output head streamed").
+// The engine takes it for rows whose super-blocks fill the lanes' rounds (cuda_ops.q6k_stream_shape), and only
+// those: the loop has no clamps.
 //
 // Work: row pairs (GEMV_R) in chunks of `team` pairs, block b taking chunks b, b + grid, ... (gemv_stream.cu); the
 // consumer warps form teams of `team` warps, a warp a row pair of each of its team's chunks and a half-warp a row:
@@ -109,9 +108,8 @@ gemv_q6k_stream(const MatDesc* mats, int total_rows, int n_cols, const float* x,
         const u32 wrow = ring + s * stage_bytes + (u32)(tw * R + hw) * rb;
         float a = 0.0f;
         // Rows whose super-blocks fill the rounds (the launcher's rule): no block past the row, and each field's
-        // address a per-lane base plus a round's and a slice's constant steps (against a loop that clamped and
-        // masked the blocks, 66 registers against 56: H200, 32B GSQ3 tg128 199.85 / 199.87 against 200.04 /
-        // 200.00 t/s, 2026-12-04).
+        // address a per-lane base plus a round's and a slice's constant steps (fewer registers than a loop that
+        // clamped and masked the blocks, and measured faster on the H200: docs/journal/gsq-rco-gpu.md).
         if (g < n_groups) {
             const u32 l_ql = wrow + 128 * c + 16 * q;
             const u32 l_qh = wrow + 128 * n_blk + 64 * c + 32 * (q >> 2) + 16 * (q & 1);

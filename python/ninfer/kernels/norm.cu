@@ -110,17 +110,17 @@ __device__ __forceinline__ float rms_scale(double sum_sq, int n, float eps) {
 // memory: a pass over x for the sum of squares, then the kind's groups (NORM_QUANT_KEEP: a lane's first groups
 // kept in registers from the first pass). x is read with __ldcg (L2, not L1): a GEMV's prologue reads a vector the
 // previous kernel just wrote. (Staging x in shared memory with cp.async first,
-// one round trip instead of two passes, measured slower on the H200: 1.5B gate/up 15.7 -> 19.0 us, the 32B
-// shape's 27,648-wide rows lost occupancy to the staging area.)
+// one round trip instead of two passes, measured slower on the H200; the 32B shape's 27,648-wide rows lost
+// occupancy to the staging area: docs/journal/gsq-rco-gpu.md.)
 // Floats a lane keeps in registers between the two passes (its first groups, V a group; GSQ8 activations only), so
 // the second pass reads from L2 only the groups past them: 16 covers a 5,120-wide row with 10 or more warps.
-// 0: both passes read x (H200, 32B GSQ3 tg128 136.2 / 136.0 against 137.7 / 138.1 t/s kept, 2026-12-02).
+// (Measured faster on the H200 than both passes reading x: docs/journal/gsq-rco-gpu.md.)
 #define NORM_QUANT_KEEP 16
 
 // V consecutive floats at p, through L2 only (cg: a vector the previous kernel just wrote) or the read-only path
 // (the norm weights). Where V is a multiple of 4 (the GSQ8 and Q8_K kinds, whose rows are multiples of 128 floats, so
 // every group is 16-byte aligned) by 16-byte vectors: one request where a warp's four scalar loads asked for the same
-// 512 bytes four times (H200, 32B GSQ3 tg128 169.2 / 169.6 against 167.0 / 166.6 t/s, 2026-12-02).
+// 512 bytes four times (measured faster on the H200: docs/journal/gsq-rco-gpu.md).
 template <int V, bool CG>
 __device__ __forceinline__ void load_floats(const float* p, float (&v)[V]) {
     if constexpr (V % 4 == 0) {
@@ -159,7 +159,7 @@ __device__ void norm_quant_v(const float* x, const float* w, float eps, int n, i
     __shared__ double red[32];
     __shared__ float s_scale;
     // The kept groups' norm weights are loaded with x in the first pass, so the quantization after the block's
-    // reduction waits on no load (H200, 32B GSQ3 tg128 172.3 / 172.1 against 169.2 / 169.6 t/s, 2026-12-02).
+    // reduction waits on no load (measured faster on the H200: docs/journal/gsq-rco-gpu.md).
     float kept[KEEP > 0 ? KEEP : 1][V], kept_w[KEEP > 0 ? KEEP : 1][V];
     float scale = 1.0f;
     double late_s = 0.0;  // (LATE: this thread's sum of squares)
@@ -267,8 +267,7 @@ extern "C" __global__ void norm_quant(const float* x, const float* w, float eps,
 // elements each (cuda_ops.quant_act launches them, 256 threads a block).
 // 1024: a GSQ8 block's eight warps one 128-value group each, so each warp's load of x is one round trip on the path
 // between gate/up's end and the down projection's wait; at 2048 each warp loaded and quantized two groups in turn
-// (H200, 32B GSQ3 tg128 180.45 / 180.43 against 179.38 / 179.31 t/s; the down projection's wait 3.25 against 3.82
-// µs in the trace; 2026-12-02).
+// (a shorter wait for the down projection in the trace, measured faster on the H200: docs/journal/gsq-rco-gpu.md).
 #define QUANT_ACT_BLOCK 1024
 extern "C" __global__ void quant_act(const float* x, int n, int act, i8* out_q, float* out_d, float2* out_s,
                                      float* out_f) {
@@ -314,8 +313,8 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float e
     __syncthreads();
     // A thread's next four elements loaded before any is stored: the compiler cannot tell `o` from `xr` and `w`
     // apart, so element by element each store kept the next loads behind it, a round trip to L2 each (21 for a
-    // 5,376-wide row on 256 threads). H200, synthetic gemma3-27b-shape GSQ3 model (16 layers) tg128 412.14 / 412.26
-    // against 385.87 / 385.84 t/s (2026-12-03).
+    // 5,376-wide row on 256 threads). Measured faster on the H200 with a Gemma-3-27B-shape model, whose norms run on
+    // rows (docs/journal/gsq-rco-gpu.md).
     const float sc = s_scale;
     for (int i0 = tid; i0 < n; i0 += 4 * blockDim.x) {
         float xv[4], wv[4], ov[4];
