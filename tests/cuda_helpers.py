@@ -1,5 +1,5 @@
-"""What the CUDA tests share: the skip mark, the error measure, the CPU's RMSNorm and a GPU model teacher-forced
-along the CPU's greedy tokens."""
+"""What the CUDA tests share: the skip mark, the error measure, the CPU's RMSNorm, a model's greedy tokens on a
+device, and a GPU model teacher-forced along the CPU's greedy tokens."""
 
 from __future__ import annotations
 
@@ -43,3 +43,9 @@ def teacher_forced(path: Path, prompt: list[int], n: int, **kw) -> tuple[list[in
     for t in cpu[:-1]:
         gpu.append(eng.step(0, t, greedy))
     return cpu, gpu, margins
+
+
+def greedy_tokens(path: Path, device: str, prompt: list[int], n: int, **kw) -> list[int]:
+    """A model's free-running greedy tokens on a device (kw: more LLM arguments, such as n_gpu_layers)."""
+    llm = ninfer.LLM(path, n_ctx=512, threads=8, device=device, **kw)
+    return llm.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True).tokens
