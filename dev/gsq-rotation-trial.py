@@ -7,7 +7,7 @@ sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]
 from ninfer.model_file import ModelFile
 from ninfer.gsq_sequential import SequentialCalibration
 from ninfer.tokenizer import Tokenizer
-from ninfer.gsq import quantize_with_feedback, calibration_chunks, BUILTIN_CALIBRATION
+from ninfer.gsq_calibration import quantize_with_feedback, calibration_chunks, BUILTIN_CALIBRATION
 from ninfer import _core
 
 import os

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from ninfer import _core, cli, gsq, gsq_file
+from ninfer import _core, cli, gsq_cli, gsq_file
 from ninfer.errors import ModelFileError, UnsupportedModelError
 from ninfer.gsq_file import METADATA_CHECKSUM_KEY, metadata_checksum
 from ninfer.model_file import ModelFile
@@ -309,7 +309,7 @@ def check_line(text: str, prefix: str, where: str) -> str:
 
 def check_variant(path: Path, v: Variant) -> None:
     where = f"{v.label} ({path.name})"
-    rc, out, err = run_main(gsq.main, ["verify", "--model", str(path)])
+    rc, out, err = run_main(gsq_cli.main, ["verify", "--model", str(path)])
     if rc == 2:
         assert out == "", (where, out)
         line = check_line(err, "gsq-rco: error: ", where)
@@ -329,7 +329,7 @@ def check_variant(path: Path, v: Variant) -> None:
     else:
         loads = True
     for main, argv, prefix in ((cli.main, ["inspect", str(path)], "ninfer: error: "),
-                               (gsq.main, ["inspect", str(path)], "gsq-rco: error: ")):
+                               (gsq_cli.main, ["inspect", str(path)], "gsq-rco: error: ")):
         irc, iout, ierr = run_main(main, argv)
         assert irc in (0, 2), (where, argv, irc, ierr)
         if irc == 2:
@@ -383,11 +383,12 @@ def test_exit_codes_end_to_end(base_path: Path, tmp_path: Path) -> None:
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(bytes(raw[: len(raw) // 2]))
     runs = [  # (argv, exit code, stream, text)
-        (["-m", "ninfer.gsq", "verify", "--model", str(base_path)], 0, "stdout", "ok"),
-        (["-m", "ninfer.gsq", "verify", "--model", str(flipped)], 1, "stdout", f"checksum mismatch: tensor {GSQ_T}"),
-        (["-m", "ninfer.gsq", "verify", "--model", str(bad)], 2, "stderr", f"gsq.tensor.{GSQ_T}: bits is 99"),
-        (["-m", "ninfer.gsq", "verify", "--model", str(cut)], 2, "stderr", "runs past the end of the file"),
-        (["-m", "ninfer.gsq", "inspect", str(bad)], 2, "stderr", "bits is 99"),
+        (["-m", "ninfer.gsq_cli", "verify", "--model", str(base_path)], 0, "stdout", "ok"),
+        (["-m", "ninfer.gsq_cli", "verify", "--model", str(flipped)], 1, "stdout",
+         f"checksum mismatch: tensor {GSQ_T}"),
+        (["-m", "ninfer.gsq_cli", "verify", "--model", str(bad)], 2, "stderr", f"gsq.tensor.{GSQ_T}: bits is 99"),
+        (["-m", "ninfer.gsq_cli", "verify", "--model", str(cut)], 2, "stderr", "runs past the end of the file"),
+        (["-m", "ninfer.gsq_cli", "inspect", str(bad)], 2, "stderr", "bits is 99"),
         (["-m", "ninfer.cli", "inspect", str(bad)], 2, "stderr", "bits is 99"),
         (["-m", "ninfer.cli", "run", "-m", str(bad), "-p", "A", "-n", "1"], 2, "stderr", "bits is 99"),
         (["-m", "ninfer.cli", "run", "-m", str(base_path), "-p", "AB", "-n", "2", "-t", "1"], 0, "", ""),
@@ -399,6 +400,6 @@ def test_exit_codes_end_to_end(base_path: Path, tmp_path: Path) -> None:
         assert p.returncode == rc, (argv, out, err)
         assert "Traceback" not in err, (argv, err)
         if rc == 2:
-            check_line(err, "gsq-rco: error: " if "ninfer.gsq" in argv else "ninfer: error: ", " ".join(argv))
+            check_line(err, "gsq-rco: error: " if "ninfer.gsq_cli" in argv else "ninfer: error: ", " ".join(argv))
         if stream:
             assert text in (out if stream == "stdout" else err), (argv, out, err)

@@ -109,12 +109,12 @@ def test_verify_ok_then_names_a_flipped_byte_and_a_cut_file(converted: Path, tmp
     assert verify(flipped) == (False, "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(converted.read_bytes()[: len(data) // 2])
-    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(cut)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq_cli", "verify", "--model", str(cut)], capture_output=True,
                        text=True)
     # A file too broken to parse is a bad file (2, as everywhere in ninfer); a parsed one that fails its checksums
     # is damaged (1).
     assert r.returncode == 2 and "runs past the end of the file" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(flipped)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq_cli", "verify", "--model", str(flipped)], capture_output=True,
                        text=True)
     assert r.returncode == 1 and r.stdout.strip() == "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)"
 
@@ -124,7 +124,7 @@ def test_metadata_checksum_is_written_and_checked(converted: Path, tmp_path: Pat
     """The converter writes gsq.metadata_checksum over the gsq.* keys; an entry changed afterwards (bits 3 -> 4,
     which a valid file could hold) is a damaged file to verify (exit 1) and refused by the loader; `verify --help`
     documents the exit codes."""
-    from ninfer import gsq
+    from ninfer import gsq_cli
     from ninfer.gsq_file import metadata_checksum
     from ninfer.model_file import ModelFile
 
@@ -136,12 +136,12 @@ def test_metadata_checksum_is_written_and_checked(converted: Path, tmp_path: Pat
     edited = tmp_path / "edited.gguf"
     edited.write_bytes(bytes(data))
     assert verify(edited) == (False, "checksum mismatch: the gsq.* metadata (tensor entries, layouts, format keys)")
-    assert gsq.main(["verify", "--model", str(edited)]) == 1
+    assert gsq_cli.main(["verify", "--model", str(edited)]) == 1
     with pytest.raises(ModelFileError, match="gsq.metadata_checksum does not match the gsq.* metadata"):
         ModelFile(edited).tensors
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        gsq.main(["verify", "--help"])
+        gsq_cli.main(["verify", "--help"])
     assert e.value.code == 0
     assert re.search(r"exit status:\n  0  ok.*\n  1  damaged.*\n  2  not a GSQ-RCO file", capsys.readouterr().out)
 
@@ -209,10 +209,10 @@ def test_failed_conversion_leaves_no_output_and_the_input_untouched(source: Path
 
 
 def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output",
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq_cli", "convert", "--input", str(source), "--output",
                         str(tmp_path / "o.gguf"), "--residual-bits", "4"], capture_output=True, text=True)
     assert r.returncode == 2 and "--residual-bits 4 is not supported" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "verify", "--model", str(source)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq_cli", "verify", "--model", str(source)], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "not a GSQ-RCO file" in r.stderr
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "convert", "--input", str(source), "--output",
@@ -223,19 +223,19 @@ def test_cli_errors_name_the_problem(source: Path, tmp_path: Path) -> None:
                              ("--calib-chunks", "0", "--calib-chunks must be >= 1, got 0"),
                              ("--seed", "-1", "--seed must be in 0..4294967295, got -1"),
                              ("--seed", str(2**32), f"--seed must be in 0..4294967295, got {2**32}")):
-        r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output",
+        r = subprocess.run([sys.executable, "-m", "ninfer.gsq_cli", "convert", "--input", str(source), "--output",
                             str(tmp_path / "o.gguf"), flag, value], capture_output=True, text=True)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
     # A missing output folder is named before any work, by both commands, without a traceback.
     missing = tmp_path / "no-such-folder" / "o.gguf"
-    for mod in ("ninfer.cli", "ninfer.gsq"):
+    for mod in ("ninfer.cli", "ninfer.gsq_cli"):
         r = subprocess.run([sys.executable, "-m", mod, "convert", "--input", str(source), "--output", str(missing)],
                            capture_output=True, text=True)
         assert r.returncode == 2, (mod, r.stderr)
         assert f"the output's folder {missing.parent} does not exist" in r.stderr and "Traceback" not in r.stderr
     assert not missing.parent.exists()
     # An output that is a folder is named before any work too (it used to fail at the final rename).
-    r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output",
+    r = subprocess.run([sys.executable, "-m", "ninfer.gsq_cli", "convert", "--input", str(source), "--output",
                         str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and f"{tmp_path}: the output is a folder; give a file name" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "%" not in r.stderr  # (no progress bar: no work was done)
@@ -336,8 +336,8 @@ def test_terminated_conversion_leaves_no_partial_file(source: Path, tmp_path: Pa
 
     out = tmp_path / "t.gguf"
     partial = tmp_path / "t.gguf.partial"
-    p = subprocess.Popen([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output", str(out),
-                          "--threads", "1", "--calibration-steps", "100"], stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "ninfer.gsq_cli", "convert", "--input", str(source), "--output",
+                          str(out), "--threads", "1", "--calibration-steps", "100"], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not partial.exists() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -437,7 +437,7 @@ EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval"
 
 @pytest.mark.skipif(not (EVAL_DIR / "code.txt").is_file(), reason="../shared/eval not beside the checkout")
 def test_builtin_calibration_text_shares_no_lines_with_the_evaluation_texts() -> None:
-    from ninfer.gsq import BUILTIN_CALIBRATION
+    from ninfer.gsq_calibration import BUILTIN_CALIBRATION
 
     text = BUILTIN_CALIBRATION.read_text()
     assert 250_000 < len(text) < 500_000  # a few hundred KB, shipped in the wheel

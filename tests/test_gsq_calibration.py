@@ -16,7 +16,7 @@ from ninfer.gsq_file import tensor_infos, verify
 
 
 def test_calibration_chunks_are_spread_over_the_whole_text() -> None:
-    from ninfer.gsq import calibration_chunks
+    from ninfer.gsq_calibration import calibration_chunks
 
     tokens = list(range(10 * 4 + 3))  # ten whole chunks of 4 tokens and a partial one (never used)
     assert calibration_chunks(tokens, 4, 3) == [tokens[0:4], tokens[12:16], tokens[24:28]]  # chunks 0, 3, 6
@@ -26,7 +26,7 @@ def test_calibration_chunks_are_spread_over_the_whole_text() -> None:
 
 
 def test_calibration_collects_each_matrix_inputs_mean_square(gsq_source: Path, tmp_path: Path) -> None:
-    from ninfer.gsq import collect_importances
+    from ninfer.gsq_calibration import collect_importances
 
     text = "def f(x):\n    return x * 2 + 1\n" * 80  # byte-level tokens: well over one 512-token chunk
     imp, n_tokens = collect_importances(gsq_source, text, max_chunks=2, threads=2)
@@ -78,7 +78,7 @@ def test_calibration_collects_each_matrix_inputs_mean_square(gsq_source: Path, t
 
 
 def test_calibration_collects_each_input_gram_matrix(gsq_source: Path) -> None:
-    from ninfer.gsq import GRAM_MAX_COLS, collect_importances
+    from ninfer.gsq_calibration import GRAM_MAX_COLS, collect_importances
 
     text = "def f(x):\n    return x * 2 + 1\n" * 80
     grams: dict[str, list[np.ndarray]] = {}
@@ -95,12 +95,12 @@ def test_calibration_collects_each_input_gram_matrix(gsq_source: Path) -> None:
 
 
 def test_wide_inputs_get_the_diagonal_blocks_of_their_gram_matrix(gsq_source: Path) -> None:
-    import ninfer.gsq as gsq
+    from ninfer import gsq_calibration
 
-    assert gsq.GRAM_BLOCK_COLS == 1792
+    assert gsq_calibration.GRAM_BLOCK_COLS == 1792
     text = "def f(x):\n    return x * 2 + 1\n" * 80
     grams: dict[str, list[np.ndarray]] = {}
-    imp, _ = gsq.collect_importances(gsq_source, text, max_chunks=1, threads=2, grams=grams, wide=True)
+    imp, _ = gsq_calibration.collect_importances(gsq_source, text, max_chunks=1, threads=2, grams=grams, wide=True)
     # ffn_down's 4864 columns (38 groups): three blocks of 13, 13 and 12 groups, each the Gram matrix of its columns.
     blocks = grams["blk.0.ffn_down.weight"]
     assert [b.shape for b in blocks] == [(1664, 1664), (1664, 1664), (1536, 1536)]
@@ -133,9 +133,9 @@ def test_gptq_conversion_writes_a_valid_file_and_needs_a_calibration_text(gsq_so
 
 
 def test_error_feedback_lowers_the_output_error_on_correlated_inputs() -> None:
-    """GPTQ-style feedback (gsq.quantize_with_feedback) against quantizing with the inputs' mean squares alone:
-    with correlated inputs, the later groups compensate the earlier ones' error in the layer's output."""
-    from ninfer.gsq import quantize_with_feedback
+    """GPTQ-style feedback (gsq_calibration.quantize_with_feedback) against quantizing with the inputs' mean squares
+    alone: with correlated inputs, the later groups compensate the earlier ones' error in the layer's output."""
+    from ninfer.gsq_calibration import quantize_with_feedback
 
     rng = np.random.default_rng(1)
     rows, cols, n = 64, 512, 2048
@@ -164,7 +164,7 @@ def test_act_order_feedback_quantizes_the_strongest_groups_first_and_keeps_recor
     record stored at its own group's place. Without correlations there is nothing to feed back, so the records
     equal column order's byte for byte; with the energy in the last group, quantizing it first lowers the output
     error (the weaker groups then absorb its error)."""
-    from ninfer.gsq import quantize_with_feedback
+    from ninfer.gsq_calibration import quantize_with_feedback
 
     rng = np.random.default_rng(2)
     rows, cols, n = 64, 512, 2048

@@ -85,8 +85,8 @@ def test_the_seed_command_line_gives_the_q3_k_m_preset_within_its_budget(tmp_pat
     for out, flags in ((seed, ["--group-size", "128", "--residual-bits", "8", "--calibration-steps", "100",
                                "--threads", "6", "--verbose"]),
                        (preset, ["--size", "q3_k_m", "--threads", "2"])):
-        r = subprocess.run([sys.executable, "-m", "ninfer.gsq", "convert", "--input", str(source), "--output", str(out),
-                            *flags], capture_output=True, text=True, timeout=600)
+        r = subprocess.run([sys.executable, "-m", "ninfer.gsq_cli", "convert", "--input", str(source), "--output",
+                            str(out), *flags], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     assert seed.read_bytes() == preset.read_bytes()
     budget = mix_file_bytes(ModelFile(source), "Q3_K_M")

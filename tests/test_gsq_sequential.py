@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ninfer.errors import InvalidArgumentError
-from ninfer.gsq import collect_importances, convert
+from ninfer.gsq import convert
+from ninfer.gsq_calibration import collect_importances
 from ninfer.gsq_file import tensor_infos, verify
 from ninfer.gsq_sequential import SequentialCalibration
 from ninfer.llm import LLM
@@ -71,7 +72,7 @@ def test_forward_matches_the_engine_on_real_models(key: str, max_kl: float, requ
 
 def test_statistics_come_from_the_weights_handed_back(source: Path) -> None:
     mf = ModelFile(source)
-    from ninfer.gsq import calibration_chunks
+    from ninfer.gsq_calibration import calibration_chunks
     from ninfer.tokenizer import Tokenizer
 
     chunks = calibration_chunks(Tokenizer.from_metadata(mf.metadata).encode(TEXT), 512, 2)
@@ -177,7 +178,7 @@ def test_asymmetric_target_is_the_least_squares_map_from_quantized_inputs_to_sou
 
 def test_source_stream_gives_cross_statistics(source: Path, tmp_path: Path) -> None:
     mf = ModelFile(source)
-    from ninfer.gsq import calibration_chunks
+    from ninfer.gsq_calibration import calibration_chunks
     from ninfer.tokenizer import Tokenizer
 
     chunks = calibration_chunks(Tokenizer.from_metadata(mf.metadata).encode(TEXT), 512, 1)

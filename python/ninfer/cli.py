@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--n-layer", type=int, default=None, help="fewer layers than the shape has (quick tests)")
     sy.set_defaults(func=cmd_synth)
 
-    from ninfer.gsq import add_convert_args, run_convert
+    from ninfer.gsq_cli import add_convert_args, run_convert
 
     cv = sub.add_parser("convert", help="convert a GGUF model to GSQ-RCO 3-bit (the same as `gsq-rco convert`)")
     add_convert_args(cv)
