@@ -5,12 +5,13 @@ The model is synthetic (random weights, ninfer.synth), small enough to build in 
 host that has no model files. What is checked is each backend against itself: greedy decoding is deterministic,
 a rollback continues exactly where it left off, a decode batch gives each sequence what it gets alone, and an
 aborted request gives its KV blocks back. (Each backend against llama.cpp is tests/test_parity.py's and
-tests/test_cuda.py's business.)"""
+tests/test_cuda_engine.py's business.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ninfer
@@ -26,7 +27,7 @@ BACKENDS = [
 ]
 # Two layers, GQA 8:2, head size 64, a vocabulary past the 256 byte tokens.
 SHAPE = Shape(n_embd=512, n_layer=2, n_head=8, n_head_kv=2, n_ff=1024, n_vocab=2048, tied=False)
-N_CTX = 256
+N_CTX = 640  # (past one 256-position KV block, so a prefix can share whole blocks)
 SLOTS = 3
 PROMPTS = [[1, 17, 300, 42, 7], [5, 900, 13], [77, 78, 79, 80, 81, 82, 83, 84, 85]]
 
@@ -111,3 +112,23 @@ def test_a_sequence_past_the_context_stops_at_the_context(llm: ninfer.LLM) -> No
     prompt = list(range(300, 300 + N_CTX - 3))
     out = llm.generate(prompt, max_tokens=100, temperature=0, ignore_eos=True)
     assert (out.completion_tokens, out.finish_reason) == (3, "length")
+
+
+def test_a_forked_prefix_shares_whole_blocks_and_reads_as_the_original(llm: ninfer.LLM) -> None:
+    llm.clear_cache()
+    backend = llm.backend
+    prompt = [(7 * i) % SHAPE.n_vocab for i in range(300)]  # one whole 256-position block and part of another
+    backend.prefill(0, prompt, 512)
+    assert backend.kv_usage()[0] == 2
+    backend.fork(0, 1, len(prompt))
+    assert backend.seq_len(1) == len(prompt)
+    assert backend.kv_usage()[0] == 3  # the whole block shared, the partial one copied
+    a = backend.forward([(0, [5])], [0])
+    b = backend.forward([(1, [5])], [0])
+    assert np.array_equal(a, b)
+    backend.fork(0, 2, len(prompt) + 1)  # a third reader of the whole block
+    backend.truncate(1, 100)  # inside the shared block: sequence 1 gets a copy of it, the others keep theirs
+    assert backend.seq_len(1) == 100
+    assert np.array_equal(backend.forward([(0, [6])], [0]), backend.forward([(2, [6])], [0]))
+    llm.clear_cache()
+    assert backend.kv_usage()[0] == 0

@@ -1,9 +1,15 @@
-"""The CUDA engine's KV page books: which pages of the f16 pools each sequence holds (a page table per sequence in
-device memory, which the attention kernels read), the free list, and each sequence's length. Kept apart from the
-engine's launches so that the books can move to one owner (ninfer._core.BlockManager) without touching them."""
+"""The CUDA engine's KV pages: the books are the Rust core's `BlockManager` (the one the CPU engine's cache keeps
+too: tables, free list, reference counts, shared prefixes); this module keeps the f16 pools' side of it: each
+sequence's page table in device memory, which the attention kernels read, and the block copies the books ask for.
+
+`seq_len_` is each sequence's committed length. The books may hold one position more for a sequence while a
+chained greedy step is queued (CudaEngine.step); `_release_pages` gives such a reservation back."""
 
 from __future__ import annotations
 
+import numpy as np
+
+from ninfer import _core
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 
 
@@ -13,15 +19,15 @@ class KvPages:
     def _alloc_page_tables(self) -> None:
         """The page tables in device memory, [n_seq_max][max_pages] page numbers (CudaEngine._alloc)."""
         cp = self.cp
-        self.n_pages = -(-self.n_ctx // self.page_size) * self.n_seq_max
         self.max_pages = -(-self.n_ctx // self.page_size)
+        self.n_pages = self.max_pages * self.n_seq_max
         self.tables = cp.zeros((self.n_seq_max, self.max_pages), cp.int32)
 
     def _init_page_books(self) -> None:
         """Every sequence empty, every page free (CudaEngine.__init__)."""
+        self.blocks = _core.BlockManager(self.page_size, self.n_pages, self.n_ctx)
         self.seq_len_: dict[int, int] = {}
-        self.pages: dict[int, list[int]] = {}
-        self.free_pages = list(range(self.n_pages - 1, -1, -1))
+        self._table_rows: dict[int, list[int]] = {}  # what each device table row holds, as last written
 
     def seq_len(self, seq: int) -> int:
         return self.seq_len_.get(seq, 0)
@@ -31,24 +37,40 @@ class KvPages:
             raise InvalidArgumentError(f"sequence id {seq} is out of range (n_seq_max = {self.n_seq_max})")
 
     def truncate(self, seq: int, n: int) -> None:
+        """Keep the first n positions of seq; also gives back positions reserved for a launch that failed."""
         self._drain()
-        if n >= self.seq_len(seq):
-            return
-        self.seq_len_[seq] = n
+        shorter = n < self.seq_len(seq)
+        if shorter:
+            self.seq_len_[seq] = n
         self._release_pages(seq)
-        if self.tail is not None:
+        if shorter and self.tail is not None:
             self.tail.truncate(seq, n)
 
     def remove(self, seq: int) -> None:
-        self.truncate(seq, 0)
+        self._drain()
+        self.blocks.remove(seq)
         self.seq_len_.pop(seq, None)
+        self._table_rows.pop(seq, None)
         if self.tail is not None:
             self.tail.remove(seq)
 
+    def fork(self, src: int, dst: int, n: int) -> None:
+        """`dst` becomes the first n positions of `src` (whatever it held before is dropped): whole pages are
+        shared, a partial last page is copied."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        if not 0 <= n <= self.seq_len(src):
+            raise InvalidArgumentError(f"fork of {n} positions, but sequence {src} holds {self.seq_len(src)}")
+        self.remove(dst)
+        self._copy_pages(self.blocks.fork(src, dst, n))
+        self.seq_len_[dst] = n
+        self._sync_table(dst)
+        if self.tail is not None:
+            self.tail.fork(src, dst, n)
+
     def kv_usage(self) -> tuple[int, int]:
-        self._drain()
-        used = sum(len(p) for p in self.pages.values())
-        return used, sum(p.nbytes for p in self.k_pools + self.v_pools)
+        """(pages in use, the pools' bytes): the books as they are, without waiting for a queued step."""
+        return self.blocks.blocks_in_use(), sum(p.nbytes for p in self.k_pools + self.v_pools)
 
     def _reserve(self, seq: int, n_new: int) -> int:
         """Pages for n_new more positions; returns the start position. Raises before changing anything."""
@@ -57,21 +79,30 @@ class KvPages:
         end = start + n_new
         if end > self.n_ctx:
             raise ContextOverflowError(f"sequence {seq} would hold {end} tokens, but the context holds {self.n_ctx}")
-        pages = self.pages.setdefault(seq, [])
-        need = -(-end // self.page_size) - len(pages)
-        if need > len(self.free_pages):
-            raise ContextOverflowError(f"the KV cache has no free pages for {n_new} more tokens of sequence {seq}")
-        for _ in range(need):
-            page = self.free_pages.pop()
-            with self.stream:  # ordered before the launches that read the table
-                self.tables[seq, len(pages)] = page
-            pages.append(page)
+        self.blocks.extend(seq, n_new)  # (ContextOverflowError when the pool has no free pages)
+        self._sync_table(seq)
         return start
 
     def _release_pages(self, seq: int) -> None:
-        """Give back the pages past seq's length (after a truncation, or reserved for a step that did not
-        happen)."""
-        pages = self.pages.get(seq, [])
-        keep = -(-self.seq_len(seq) // self.page_size)
-        self.free_pages.extend(reversed(pages[keep:]))
-        self.pages[seq] = pages[:keep]
+        """Give back the positions past seq's committed length (after a truncation, or reserved for a step that
+        did not happen)."""
+        if self.blocks.seq_len(seq) > self.seq_len(seq):
+            self._copy_pages(self.blocks.truncate(seq, self.seq_len(seq)))
+            self._sync_table(seq)
+
+    def _sync_table(self, seq: int) -> None:
+        """Write the entries of seq's device page table that the books changed (ordered on the stream before the
+        launches that read them)."""
+        table = self.blocks.table(seq)
+        old = self._table_rows.get(seq, [])
+        first = next((i for i, (a, b) in enumerate(zip(table, old)) if a != b), min(len(table), len(old)))
+        if first < len(table):
+            self.tables[seq, first:len(table)].set(np.asarray(table[first:], np.int32), stream=self.stream)
+        self._table_rows[seq] = table
+
+    def _copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
+        """Run the books' block copies: the first n positions of page src into page dst, K and V of every layer."""
+        with self.stream:
+            for src, dst, n in copies:
+                for pool in (*self.k_pools, *self.v_pools):
+                    pool[dst, :, :n] = pool[src, :, :n]

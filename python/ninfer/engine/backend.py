@@ -43,6 +43,11 @@ class Backend(Protocol):
 
     def remove(self, seq: int) -> None: ...
 
+    def fork(self, src: int, dst: int, n: int) -> None:
+        """`dst` becomes the first n positions of `src` (what it held is dropped): whole blocks are shared by
+        reference, a partial last block is copied."""
+        ...
+
     def seq_len(self, seq: int) -> int: ...
 
     def kv_usage(self) -> tuple[int, int]:
