@@ -3,6 +3,7 @@
 
 use ninfer_core::cpu::forward::SeqTokens;
 use ninfer_core::cpu::profile::Work;
+use ninfer_core::cpu::RowOrder;
 use ninfer_core::kv::{KvCache, KvConfig};
 use ninfer_core::model::Model;
 use ninfer_core::quant::GgmlType;
@@ -75,19 +76,24 @@ impl PyEngine {
     }
 
     /// Append tokens to sequences and run them. batch: [(seq_id, [token, ...]), ...]; logit_rows index the
-    /// flattened batch. Returns float32 logits [len(logit_rows), n_vocab].
+    /// flattened batch. Returns float32 logits [len(logit_rows), n_vocab]. `as_steps=True` computes every row
+    /// bit for bit as a one-token forward (a decode step) at its position would (speculative decoding's verify
+    /// pass); the default follows llama.cpp's batch-shaped kernels.
+    #[pyo3(signature = (batch, logit_rows, *, as_steps=false))]
     fn forward<'py>(
         &mut self,
         py: Python<'py>,
         batch: Vec<(u32, Vec<u32>)>,
         logit_rows: Vec<usize>,
+        as_steps: bool,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let n_vocab = self.model.spec.n_vocab;
         let (model, kv) = (&self.model, &mut self.kv);
+        let order = if as_steps { RowOrder::AsSteps } else { RowOrder::Batch };
         let logits = py
             .detach(|| {
                 let seqs: Vec<SeqTokens> = batch.iter().map(|(s, t)| SeqTokens { seq: *s, tokens: t }).collect();
-                model.forward(kv, &seqs, &logit_rows)
+                model.forward_ordered(kv, &seqs, &logit_rows, order)
             })
             .map_err(to_py)?;
         let rows = logit_rows.len();

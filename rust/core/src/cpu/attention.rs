@@ -7,9 +7,13 @@
 //!   or q8_0 for a quantized cache) and, for an f16 V cache, the weighted sum of V is accumulated in f16;
 //! - batches of at least `TILED_MIN_ROWS` rows with an f16 cache: q stays f32, K and V are widened to f32, and
 //!   everything accumulates in f32.
+//!
+//! A single row (decode) over a long cache also splits the cells into one chunk per thread, as llama.cpp does.
+//! Under `RowOrder::AsSteps` every row of a batch takes the path it would take alone.
 
 use rayon::prelude::*;
 
+use crate::cpu::RowOrder;
 use crate::kv::{KvCache, SeqId};
 use crate::quant::simd::vec_ops;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
@@ -43,27 +47,37 @@ fn normalize(o: &mut [f32], sum: f32) {
 
 /// out[t, h*dv..] = softmax(q[t,h] · K[seq_t, 0..=pos_t]) V for every row t of the batch.
 /// rows: (sequence, position) of each query row; q: [n, n_head * head_dim]; out: [n, n_head * head_dim_v].
-pub fn attention(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32], shape: AttnShape, out: &mut [f32]) {
+/// Under [`RowOrder::AsSteps`] each row takes the path a one-row batch at its position would take.
+pub fn attention(
+    kv: &KvCache,
+    layer: usize,
+    rows: &[(SeqId, usize)],
+    q: &[f32],
+    shape: AttnShape,
+    order: RowOrder,
+    out: &mut [f32],
+) {
     let AttnShape { n_head, n_head_kv, head_dim: dk, head_dim_v: dv, .. } = shape;
     let group = n_head / n_head_kv;
     let f16_cache = kv.cfg.k_type == GgmlType::F16 && kv.cfg.v_type == GgmlType::F16;
-    if f16_cache && rows.len() >= TILED_MIN_ROWS {
+    let as_steps = order == RowOrder::AsSteps;
+    if f16_cache && rows.len() >= TILED_MIN_ROWS && !as_steps {
         return attention_tiled(kv, layer, rows, q, shape, out);
     }
     // llama.cpp's decode of a single query row over at least SPLIT_KV_MIN padded cache cells splits the cells
     // into one chunk per thread and merges the chunks' partial softmaxes (ggml_flash_attn_ext_reduce_partials).
-    let split = if f16_cache && rows.len() == 1 {
-        let n_kv = (rows[0].1 + 1).next_multiple_of(KV_PAD).max(KV_PAD);
-        (n_kv >= SPLIT_KV_MIN).then(|| n_kv.div_ceil(rayon::current_num_threads().max(1)))
-    } else {
-        None
+    // The chunk size for a row at `pos`, when it takes that path:
+    let threads = rayon::current_num_threads().max(1);
+    let split_at = |pos: usize| {
+        let n_kv = (pos + 1).next_multiple_of(KV_PAD).max(KV_PAD);
+        (f16_cache && (rows.len() == 1 || as_steps) && n_kv >= SPLIT_KV_MIN).then(|| n_kv.div_ceil(threads))
     };
     out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / n_head, i % n_head);
         let (seq, pos) = rows[t];
         let qh = &q[(t * n_head + h) * dk..][..dk];
         let lo = shape.first_key(pos);
-        match split {
+        match split_at(pos) {
             None => {
                 let s = attend_range(kv, layer, seq, lo, pos, qh, h / group, shape, o).1;
                 normalize(o, s);
@@ -355,7 +369,7 @@ mod tests {
                 let shape = AttnShape { n_head, n_head_kv, head_dim: hd, head_dim_v: hd, scale: 0.125, window };
                 let q = pseudo(99, rows.len() * n_head * hd);
                 let mut out = vec![0.0f32; rows.len() * n_head * hd];
-                attention(&kv, 0, &rows, &q, shape, &mut out);
+                attention(&kv, 0, &rows, &q, shape, RowOrder::Batch, &mut out);
                 for (t, &(seq, pos)) in rows.iter().enumerate() {
                     let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                     for h in 0..n_head {

@@ -2,9 +2,10 @@
 //! so Python makes one call per step, not one per layer (ARCHITECTURE.md, decision 1).
 
 use crate::cpu::attention::{attention, AttnShape};
-use crate::cpu::matmul::{act_format, matmul, matmul_quantized, quantize_acts};
+use crate::cpu::matmul::{act_format, matmul_ordered, matmul_quantized_ordered, quantize_acts, QuantizedActs};
 use crate::cpu::ops;
 use crate::cpu::profile::Work;
+use crate::cpu::RowOrder;
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqId};
 use crate::model::{Activation, Model};
@@ -54,7 +55,21 @@ impl Model {
     /// Returns logits [logit_rows.len(), n_vocab] for the requested rows of the flattened batch (row i is the
     /// i-th token in the order given). On error nothing is appended.
     pub fn forward(&self, kv: &mut KvCache, batch: &[SeqTokens], logit_rows: &[usize]) -> Result<Vec<f32>> {
-        self.forward_from(kv, batch, None, logit_rows)
+        self.forward_from(kv, batch, None, logit_rows, RowOrder::Batch)
+    }
+
+    /// `forward` with the rows computed as `order` says. With [`RowOrder::AsSteps`] the logits of each row are
+    /// bit-equal to those of a one-token `forward` at the same position over the same cache contents (the row's
+    /// predecessors in the batch count as cached), while each weight matrix is still read once for the batch:
+    /// the verify pass of speculative decoding, which must reproduce plain greedy decoding token for token.
+    pub fn forward_ordered(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SeqTokens],
+        logit_rows: &[usize],
+        order: RowOrder,
+    ) -> Result<Vec<f32>> {
+        self.forward_from(kv, batch, None, logit_rows, order)
     }
 
     /// Append a prompt to `seq` in forward passes of at most `n_batch` tokens; returns the logits of its last token
@@ -98,7 +113,7 @@ impl Model {
                 self.spec.n_embd
             )));
         }
-        self.forward_from(kv, batch, Some(hidden), logit_rows)
+        self.forward_from(kv, batch, Some(hidden), logit_rows, RowOrder::Batch)
     }
 
     fn forward_from(
@@ -107,6 +122,7 @@ impl Model {
         batch: &[SeqTokens],
         hidden: Option<&[f32]>,
         logit_rows: &[usize],
+        order: RowOrder,
     ) -> Result<Vec<f32>> {
         let spec = &self.spec;
         let n: usize = batch.iter().map(|b| b.tokens.len()).sum();
@@ -146,7 +162,7 @@ impl Model {
         }
         let tokens: Vec<u32> = batch.iter().flat_map(|b| b.tokens.iter().copied()).collect();
         self.profile.count_forward();
-        self.pool.install(|| self.run_layers(kv, &tokens, hidden, &rows, logit_rows))
+        self.pool.install(|| self.run_layers(kv, &tokens, hidden, &rows, logit_rows, order))
     }
 
     fn run_layers(
@@ -156,9 +172,16 @@ impl Model {
         hidden: Option<&[f32]>,
         rows: &[(SeqId, usize)],
         logit_rows: &[usize],
+        order: RowOrder,
     ) -> Result<Vec<f32>> {
         let spec = &self.spec;
         let w = &self.weights;
+        let matmul = |m: &crate::model::weights::Matrix, x: &[f32], n: usize, out: &mut [f32]| {
+            matmul_ordered(m, x, n, order, out)
+        };
+        let matmul_quantized = |m: &crate::model::weights::Matrix, acts: &QuantizedActs, out: &mut [f32]| {
+            matmul_quantized_ordered(m, acts, order, out)
+        };
         let n = tokens.len();
         let e = spec.n_embd;
         let (hd, hdv) = (spec.head_dim, spec.head_dim_v);
@@ -246,7 +269,7 @@ impl Model {
                 scale: spec.attn_scale,
                 window: ls.sliding_window,
             };
-            attention(kv, il, rows, &q, shape, &mut att);
+            attention(kv, il, rows, &q, shape, order, &mut att);
             trace("kqv_out", il, &att);
             laps.lap(Work::Attention);
             self.act_stats.add(&[&lw.wo.name], &att, att_dim);
@@ -291,7 +314,10 @@ impl Model {
             trace("ffn_gate", il, &gate);
             trace("ffn_up", il, &up);
             match spec.activation {
-                Activation::Silu => ops::swiglu(&mut gate, &up),
+                // Row by row, as ggml's op: a row's SIMD tail never depends on the rows before it.
+                Activation::Silu => {
+                    gate.chunks_mut(n_ff).zip(up.chunks(n_ff)).for_each(|(g, u)| ops::swiglu(g, u))
+                }
                 Activation::GeluTanh => ops::geglu(&mut gate, &up),
             }
             trace("ffn_act", il, &gate);

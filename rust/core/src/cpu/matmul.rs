@@ -5,9 +5,14 @@
 //! Work is split by weight rows over the rayon pool the caller installed. With several tokens (prefill) each
 //! task takes a tile of rows and runs it against every token, so a tile of weights is read from memory once per
 //! batch instead of once per token.
+//!
+//! Under [`RowOrder::AsSteps`] each token's products are summed by the kernel a one-token matmul would use (its
+//! GEMV or plain dot product), still in tiles that read each weight block once for all tokens. Activation
+//! quantization and the GSQ-RCO products are per token whatever the batch, so they need no such switch.
 
 use rayon::prelude::*;
 
+use crate::cpu::RowOrder;
 use crate::gsq::ActQ8;
 use crate::model::weights::Matrix;
 use crate::quant::simd::{gsq_dot_rows, gsq_quantize, tile_kernel, vec_dot_matmul, MatmulPos};
@@ -69,8 +74,13 @@ pub fn quantize_acts(w: &Matrix, x: &[f32], n: usize) -> QuantizedActs {
 
 /// out[t, r] = W[r, :] · x[t, :] for n tokens. x: [n, w.n_cols], out: [n, w.n_rows].
 pub fn matmul(w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) {
+    matmul_ordered(w, x, n, RowOrder::Batch, out);
+}
+
+/// `matmul` with each token's products summed as `order` says.
+pub fn matmul_ordered(w: &Matrix, x: &[f32], n: usize, order: RowOrder, out: &mut [f32]) {
     let acts = quantize_acts(w, x, n);
-    matmul_quantized(w, &acts, out);
+    matmul_quantized_ordered(w, &acts, order, out);
 }
 
 /// The output of a matmul shared by its tasks, which write disjoint elements.
@@ -90,6 +100,11 @@ const PREFILL_ROW_TILE: usize = 2;
 /// As `matmul`, reusing activations already quantized for `w`'s format (q, k and v share theirs, gate and up
 /// theirs).
 pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
+    matmul_quantized_ordered(w, acts, RowOrder::Batch, out);
+}
+
+/// `matmul_quantized` with each token's products summed as `order` says.
+pub fn matmul_quantized_ordered(w: &Matrix, acts: &QuantizedActs, order: RowOrder, out: &mut [f32]) {
     let (k, m, n) = (w.n_cols, w.n_rows, acts.n);
     debug_assert_eq!(out.len(), m * n);
     assert_eq!(acts.format, act_format(w), "{}: activations quantized for another format", w.name);
@@ -102,14 +117,22 @@ pub fn matmul_quantized(w: &Matrix, acts: &QuantizedActs, out: &mut [f32]) {
     // Each dot product is summed the way llama.cpp's CPU backend sums the one at the same place of the same
     // matmul (its kernel choice depends on the matrix and batch shape), which greedy parity relies on. Tiles
     // give the same bits as single products; where a type has no tile kernel, products go one at a time.
+    // As steps, every token sits where a one-token matmul's only token sits.
+    let pos = |t: usize| match order {
+        RowOrder::Batch => MatmulPos { w_rows: m, act_rows: n, act_row: t },
+        RowOrder::AsSteps => MatmulPos { w_rows: m, act_rows: 1, act_row: 0 },
+    };
     let dot = |r: usize, t: usize| {
-        let pos = MatmulPos { w_rows: m, act_rows: n, act_row: t };
-        vec_dot_matmul(w.ty, k, &data[r * rb..(r + 1) * rb], &acts.bytes[t * arb..(t + 1) * arb], pos)
+        vec_dot_matmul(w.ty, k, &data[r * rb..(r + 1) * rb], &acts.bytes[t * arb..(t + 1) * arb], pos(t))
     };
     // llama.cpp sums activation rows below `split` (in groups of 4) and the rest with different kernels for some
-    // types; a tile never straddles the split, and its kernel is looked up once per side.
-    let split = n - n % 4;
-    let kernel_at = |t: usize| tile_kernel(w.ty, MatmulPos { w_rows: m, act_rows: n, act_row: t });
+    // types; a tile never straddles the split, and its kernel is looked up once per side. As steps, one kernel
+    // serves all tokens.
+    let split = match order {
+        RowOrder::Batch => n - n % 4,
+        RowOrder::AsSteps => n,
+    };
+    let kernel_at = |t: usize| tile_kernel(w.ty, pos(t));
     let kernels = [kernel_at(0), if split < n { kernel_at(split) } else { None }];
     // Products of weight rows r0.. (nr of them) with activation rows t0.. (nc of them) into dst[i * nc + j].
     let tile = |r0: usize, nr: usize, t0: usize, nc: usize, dst: &mut [f32]| {
@@ -191,4 +214,72 @@ fn matmul_gsq(w: &Matrix, layout: crate::gsq::Layout, xs: &[ActQ8], out: &mut [f
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::uniform_floats;
+
+    /// A random `[m, k]` matrix of `ty`: random quant bits, f16 scales of 0.001..0.1 (so no NaN or infinity).
+    fn random_matrix(ty: GgmlType, k: usize, m: usize, seed: u64) -> Matrix {
+        let scales: &[usize] = match ty {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            _ => unreachable!("no test matrices of {ty}"),
+        };
+        let noise = uniform_floats(seed, m * ty.row_bytes(k).unwrap(), 1.0);
+        let mut bytes: Vec<u8> = noise.iter().map(|v| (v.to_bits() >> 7) as u8).collect();
+        for (i, block) in bytes.chunks_exact_mut(ty.type_size()).enumerate() {
+            for (j, &off) in scales.iter().enumerate() {
+                let v = 0.001 + 0.099 * noise[(i * 7 + j * 3) % noise.len()].abs();
+                block[off..off + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+        }
+        Matrix::from_bytes(ty, k, &bytes)
+    }
+
+    /// Under `RowOrder::AsSteps` every token's outputs equal a one-token matmul's bit for bit, for batches of 1..=9
+    /// tokens (on both sides of llama.cpp's group-of-4 and 8-row thresholds) and matrices whose products take its
+    /// repacked GEMV/GEMM (Q4_0/Q4_K with rows divisible by 8), tiled (Q6_K, unrepacked Q4_K) and plain paths. In
+    /// batch order the repacked Q4_K GEMM sums differently, so the test can tell the orders apart.
+    #[test]
+    fn as_steps_rows_equal_single_token_matmuls() {
+        let k = 1024;
+        let mut batch_differs = false;
+        for (i, (ty, m)) in [
+            (GgmlType::Q4_0, 16),
+            (GgmlType::Q4_K, 24),
+            (GgmlType::Q4_K, 20),
+            (GgmlType::Q6_K, 18),
+            (GgmlType::Q5_K, 16),
+            (GgmlType::Q8_0, 16),
+            (GgmlType::Q5_0, 14),
+            (GgmlType::Q4_1, 16),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let w = random_matrix(ty, k, m, 1 + i as u64);
+            for n in 1..=9 {
+                let x = uniform_floats(100 + n as u64, n * k, 3.0);
+                let mut steps = vec![0.0f32; n * m];
+                matmul_ordered(&w, &x, n, RowOrder::AsSteps, &mut steps);
+                let mut batch = vec![0.0f32; n * m];
+                matmul(&w, &x, n, &mut batch);
+                for t in 0..n {
+                    let mut one = vec![0.0f32; m];
+                    matmul(&w, &x[t * k..(t + 1) * k], 1, &mut one);
+                    let got = &steps[t * m..(t + 1) * m];
+                    let same = got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{ty} [{m}, {k}], token {t} of {n}: {got:?} vs {one:?}");
+                    batch_differs |= batch[t * m..(t + 1) * m].iter().zip(&one).any(|(a, b)| a.to_bits() != b.to_bits());
+                }
+            }
+        }
+        if crate::quant::simd::isa().starts_with("avx2") {
+            assert!(batch_differs, "batch order summed every product as a single token would: the test sees nothing");
+        }
+    }
 }

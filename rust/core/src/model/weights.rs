@@ -66,6 +66,26 @@ impl Matrix {
     }
 }
 
+#[cfg(test)]
+impl Matrix {
+    /// A matrix over a copy of `bytes` (whole rows of `ty`, `n_cols` elements each), for kernel tests.
+    pub(crate) fn from_bytes(ty: GgmlType, n_cols: usize, bytes: &[u8]) -> Matrix {
+        let row_bytes = ty.row_bytes(n_cols).expect("whole blocks");
+        let mut map = memmap2::MmapMut::map_anon(bytes.len().max(1)).expect("anonymous map");
+        map[..bytes.len()].copy_from_slice(bytes);
+        Matrix {
+            name: format!("test {ty}"),
+            ty,
+            gsq: None,
+            n_cols,
+            n_rows: bytes.len() / row_bytes,
+            row_bytes,
+            range: 0..bytes.len(),
+            map: Arc::new(map.make_read_only().expect("read-only map")),
+        }
+    }
+}
+
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     pub wq: Matrix,
