@@ -44,6 +44,49 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
                    help="GPU memory to plan for, e.g. 12GiB: picks --n-gpu-layers from weights, KV cache and buffers")
 
 
+SPEC_TYPES = {"draft": "draft", "ngram": "ngram", "ngram-simple": "ngram", "ngram-cache": "ngram"}
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, in llama.cpp's spelling (llama-cli, llama-server, llama-speculative-simple)."""
+    g = p.add_argument_group("speculative decoding (greedy requests, CPU backend)")
+    g.add_argument("-md", "--model-draft", default=None, metavar="FILE",
+                   help="draft model: a smaller GGUF with this model's vocabulary")
+    g.add_argument("--draft", default=None, metavar="FILE|N",
+                   help="a file that exists: the draft model (as -md); a number: tokens to draft (as --draft-max)")
+    g.add_argument("--draft-max", "--draft-n", "--spec-draft-n-max", "--n-draft", dest="draft_max", type=int,
+                   default=None, metavar="N", help="tokens to draft at most a step (default 16)")
+    g.add_argument("--draft-min", type=int, default=None, metavar="N", help="draft nothing below N tokens (default 0)")
+    g.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                   help="the draft model stops at a token it gives less than P (default 0.75)")
+    g.add_argument("--spec-type", choices=list(SPEC_TYPES), default=None,
+                   help="draft (a draft model, -md) or ngram (look the next tokens up in the sequence itself and in "
+                        "earlier answers; ngram-simple and ngram-cache are llama.cpp's names for it)")
+
+
+def spec_kwargs(args: argparse.Namespace) -> dict:
+    """LLM's draft_model and speculative arguments from the flags above (a usage error names the flag)."""
+    draft, n_max = args.model_draft, args.draft_max
+    if args.draft is not None:
+        if os.path.isfile(args.draft):
+            draft = draft or args.draft
+        else:
+            try:
+                n_max = n_max or int(args.draft)
+            except ValueError:
+                raise NinferError(f"--draft {args.draft}: neither a file nor a number of tokens") from None
+    kind = SPEC_TYPES.get(args.spec_type or "", "draft" if draft else None)
+    if kind == "draft" and draft is None:
+        raise NinferError("--spec-type draft needs a draft model (-md FILE)")
+    if kind is None:
+        if n_max is not None or args.draft_min is not None or args.draft_p_min is not None:
+            raise NinferError("--draft-max/--draft-min/--draft-p-min need -md FILE or --spec-type ngram")
+        return {}
+    fields = {"n_max": n_max, "n_min": args.draft_min, "p_min": args.draft_p_min}
+    return {"draft_model": draft if kind == "draft" else None,
+            "speculative": {k: v for k, v in fields.items() if v is not None}}
+
+
 def _load(args: argparse.Namespace):
     from ninfer.llm import LLM
 
@@ -59,6 +102,7 @@ def _load(args: argparse.Namespace):
         gpu_mem_budget=args.gpu_mem_budget,
         chat_template=read_chat_template(getattr(args, "chat_template_file", None)),
         log=_log,
+        **(spec_kwargs(args) if hasattr(args, "model_draft") else {}),
     )
 
 
@@ -80,6 +124,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     llm = _load(args)
     _log(f"ninfer: {llm.model_file.path.name} ({llm.architecture}), device={llm.device}, n_ctx={llm.n_ctx}, "
          f"threads={llm.config.resolved_threads}")
+    if llm.engine.speculator is not None and args.temp > 0:
+        _log("ninfer: speculative decoding applies to greedy requests (--temp 0); this one decodes plainly")
     messages = [{"role": "user", "content": prompt}] if args.chat else None
     kwargs = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                   min_p=args.min_p, seed=args.seed)
@@ -94,6 +140,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         _log(f"\nprompt eval: {t.prompt_n} tokens in {t.prompt_ms:.1f} ms ({t.prompt_per_second:.1f} tokens/s)")
         _log(f"generation:  {t.predicted_n} tokens in {t.predicted_ms:.1f} ms ({t.predicted_per_second:.1f} tokens/s), "
              f"finish: {r.finish_reason}")
+        if llm.engine.speculator is not None:
+            rate = f" ({100 * t.draft_n_accepted / t.draft_n:.1f}%)" if t.draft_n else ""
+            _log(f"speculative: {t.draft_n} tokens drafted, {t.draft_n_accepted} accepted{rate}")
     return 0
 
 
@@ -229,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat-template-file", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the model's (as llama-cli's)")
     _add_engine_args(run, 4096)
+    add_spec_args(run)
     run.set_defaults(func=cmd_run)
 
     insp = sub.add_parser("inspect", help="architecture, tensor types, sizes and a memory estimate")

@@ -23,6 +23,7 @@ from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
 from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams, stop_strings
 from ninfer.engine import Backend, EngineCore, GenParams, Limits, Request, Result
+from ninfer.engine.speculative import DraftProposer, NgramProposer, SpecConfig, Speculator, check_vocab
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 from ninfer.model_file import ModelFile
 from ninfer.tokenizer import Tokenizer
@@ -37,6 +38,8 @@ class Timings:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    draft_n: int = 0  # speculative decoding: tokens drafted, and of them accepted (llama-server's fields)
+    draft_n_accepted: int = 0
 
     @property
     def prompt_per_second(self) -> float:
@@ -85,12 +88,18 @@ class LLM:
         log: Any = None,
         n_seq_max: int = 1,
         chat_template: str | None = None,
+        draft_model: str | os.PathLike[str] | None = None,
+        speculative: SpecConfig | dict[str, Any] | bool | None = None,
     ):
         """device: "cpu", "cuda" or "auto" (cuda when CuPy sees a GPU). On cuda, n_gpu_layers puts the first N
         layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
         `log` receives the memory plan printed at load. n_seq_max: sequences the KV cache holds at once, each up
         to n_ctx tokens (the server's slots; the LLM methods use one). chat_template: a Jinja chat template used
-        instead of the model's (for a GGUF without one, or to change it), compiled here."""
+        instead of the model's (for a GGUF without one, or to change it), compiled here.
+
+        Speculative decoding (greedy requests; engine/speculative.py): draft_model, a GGUF with this model's
+        vocabulary that drafts tokens for it; or speculative=True for n-gram lookup (no second model). speculative
+        may also be a SpecConfig or a dict of its fields (n_max, n_min, p_min, ngram_min, ngram_max)."""
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise InvalidArgumentError(f"n_seq_max must be a positive integer, got {n_seq_max!r}")
         if model is None:
@@ -134,6 +143,8 @@ class LLM:
         self.n_seq_max = n_seq_max
         self._n_vocab = int(self.backend.n_vocab)  # read once: the server reads it while its thread runs a step
         self._engine: EngineCore | None = None
+        self.draft: LLM | None = None  # the draft model's LLM, when speculative decoding has one
+        self._speculator = self._make_speculator(draft_model, speculative)
         self._chat_template: ChatTemplate | None = None
         if chat_template is not None:  # (compiled now: a syntax error is named at load, not at the first chat)
             self._chat_template = ChatTemplate.from_metadata(self.model_file.metadata, template=chat_template)
@@ -166,8 +177,32 @@ class LLM:
             c = self.config
             max_blocks = -(-c.n_ctx // c.kv_block_size) * self.n_seq_max
             self._engine = EngineCore(self.backend, self.tokenizer, Limits(c.n_ctx, c.n_batch, max_blocks),
-                                      n_slots=self.n_seq_max)
+                                      n_slots=self.n_seq_max, speculator=self._speculator)
         return self._engine
+
+    def _make_speculator(self, draft_model: Any, speculative: Any) -> Speculator | None:
+        if draft_model is None and speculative in (None, False):
+            return None
+        if isinstance(speculative, SpecConfig):
+            config = speculative
+        elif isinstance(speculative, dict):
+            config = SpecConfig(**speculative)
+        elif speculative in (None, True, False):
+            if speculative is False:
+                raise InvalidArgumentError("speculative=False with a draft_model: leave out one of them")
+            config = SpecConfig()
+        else:
+            raise InvalidArgumentError(f"speculative must be True, a SpecConfig or a dict, got {speculative!r}")
+        if self.device != "cpu":
+            raise InvalidArgumentError("speculative decoding runs on the CPU backend so far (its verify pass needs "
+                                       "rows computed as single steps, which the CUDA backend does not offer yet)")
+        if draft_model is None:
+            return Speculator(NgramProposer(config), config)
+        c = self.config
+        self.draft = LLM(draft_model, n_ctx=c.n_ctx, threads=c.threads, n_batch=c.n_batch,
+                         n_seq_max=self.n_seq_max)
+        check_vocab(self, self.draft)
+        return Speculator(DraftProposer(self.draft.backend, config, n_batch=c.n_batch), config)
 
     def clear_cache(self) -> None:
         """Forget every idle sequence's KV cache (prompts kept for reuse by cache_prompt)."""
@@ -224,7 +259,8 @@ class LLM:
         return ids
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: str | Sequence[str],
-             add_special: bool, cache_prompt: bool, ignore_eos: bool, stream: Stream) -> Iterator[str]:
+             add_special: bool, cache_prompt: bool, ignore_eos: bool, stream: Stream,
+             speculative: Any = True) -> Iterator[str]:
         """One request through the engine loop, stepped here until it is done. Prompt reuse (cache_prompt) is off
         by default: llama.cpp's kernels (and ours, which follow them bit for bit) sum differently for different
         batch sizes, so evaluating only the new part of a prompt can change the last bits of the logits and, now
@@ -234,7 +270,7 @@ class LLM:
         gen = GenParams(
             max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             min_p=params.min_p, seed=params.seed, stop=stop_strings(stop), ignore_eos=ignore_eos,
-            cache_prompt=cache_prompt,
+            cache_prompt=cache_prompt, speculative=_spec_override(speculative),
         )
         ids = self.encode_prompt(prompt, add_special)
         engine = self.engine
@@ -273,7 +309,8 @@ class LLM:
         stream.result = Completion(
             text=result.text, tokens=result.tokens, prompt_tokens=len(ids), completion_tokens=len(result.tokens),
             finish_reason=result.finish_reason,
-            timings=Timings(len(ids), result.prompt_ms, len(result.tokens), result.predicted_ms),
+            timings=Timings(len(ids), result.prompt_ms, len(result.tokens), result.predicted_ms, result.draft_n,
+                            result.draft_n_accepted),
             stopping_word=result.stopping_word,
         )
 
@@ -291,12 +328,15 @@ class LLM:
         add_special: bool = True,
         cache_prompt: bool = False,
         ignore_eos: bool = False,
+        speculative: bool | SpecConfig | dict[str, Any] = True,
     ) -> Stream:
         """Generate, yielding text pieces as they complete (never a broken UTF-8 character).
-        ignore_eos: keep generating past end-of-generation tokens (benchmarks), as llama.cpp's ignore_eos."""
+        ignore_eos: keep generating past end-of-generation tokens (benchmarks), as llama.cpp's ignore_eos.
+        speculative: where the LLM was made with a draft model or n-gram lookup, False turns it off for this call,
+        and a SpecConfig or dict (n_max, n_min, p_min) sets this call's draft lengths."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         s = Stream(iter(()))
-        gen = self._run(prompt, max_tokens, params, stop, add_special, cache_prompt, ignore_eos, s)
+        gen = self._run(prompt, max_tokens, params, stop, add_special, cache_prompt, ignore_eos, s, speculative)
         # Validate arguments and evaluate the prompt now, so errors surface at the call, not at the first next().
         first = next(gen, None)
         s._pieces = _chain_first(first, gen)
@@ -316,10 +356,12 @@ class LLM:
         add_special: bool = True,
         cache_prompt: bool = False,
         ignore_eos: bool = False,
+        speculative: bool | SpecConfig | dict[str, Any] = True,
     ) -> Completion:
         s = self.stream(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=seed, stop=stop, add_special=add_special, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
+            speculative=speculative,
         )
         for _ in s:
             pass
@@ -348,6 +390,14 @@ class LLM:
         if not messages:  # (a template would render only its system preamble, and the model answer nothing asked)
             raise InvalidArgumentError("messages is empty: a chat needs at least one message")
         return self.apply_chat_template(messages)
+
+
+def _spec_override(speculative: Any) -> bool | SpecConfig:
+    if isinstance(speculative, bool | SpecConfig):
+        return speculative
+    if isinstance(speculative, dict):
+        return SpecConfig(**speculative)
+    raise InvalidArgumentError(f"speculative must be True, False, a SpecConfig or a dict, got {speculative!r}")
 
 
 def _chain_first(first: str | None, rest: Iterator[str]) -> Iterator[str]:

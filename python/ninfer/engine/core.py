@@ -26,6 +26,7 @@ from ninfer.engine.backend import Backend
 from ninfer.engine.output import LIMIT, Finish, OutputText
 from ninfer.engine.policy import PromptsAlone, SlotView
 from ninfer.engine.request import DeadlineError, Probs, Request, Result
+from ninfer.engine.speculative import SpecConfig, Speculator
 from ninfer.errors import NinferError
 from ninfer.tokenizer import Tokenizer
 
@@ -44,6 +45,7 @@ class _Slot:
         self.probs: list[Probs] = []  # aligned with output.tokens when the request asked for n_probs
         self.sent = 0  # tokens of the output sent in "piece" events
         self.cached_n = 0
+        self.draft_n = self.draft_accepted = 0  # tokens drafted for this request, and of them accepted
         self.t_start = self.t_first = 0.0
         self.predict_deadline = 0.0  # monotonic time after which generation stops (0: none)
 
@@ -65,12 +67,14 @@ class Limits:
 
 class EngineCore:
     def __init__(self, backend: Backend, tokenizer: Tokenizer, limits: Limits, *, n_slots: int,
-                 sampler: _core.SamplerThread | None = None, policy: PromptsAlone | None = None):
+                 sampler: _core.SamplerThread | None = None, policy: PromptsAlone | None = None,
+                 speculator: Speculator | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.limits = limits
         self.sampler = sampler if sampler is not None else _core.SamplerThread()
         self.policy = policy or PromptsAlone()
+        self.speculator = speculator  # None: plain decoding only
         self.slots = [_Slot(i) for i in range(n_slots)]
         self.waiting: collections.deque[Request] = collections.deque()
         # Guards `waiting` and the requests' `cancelled` flags: requests arrive and are aborted from other threads.
@@ -191,6 +195,9 @@ class EngineCore:
         slot.output = OutputText(self.tokenizer, stop=p.stop, budget=limit if p.max_tokens < 0 else
                                  min(p.max_tokens, limit), ignore_eos=p.ignore_eos)
         slot.probs, slot.sent = [], 0
+        slot.draft_n = slot.draft_accepted = 0
+        if self.speculator is not None:
+            self.speculator.start(slot.index)
         slot.t_start = time.perf_counter()
         slot.t_first = slot.predict_deadline = 0.0
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -239,17 +246,87 @@ class EngineCore:
     def _decode(self, slots: list[_Slot]) -> None:
         if not slots:
             return
+        drafts: dict[int, list[int]] = {}
+        propose_s: dict[int, float] = {}  # seconds each slot's proposal took (speculation must pay for it too)
+        if self.speculator is not None:
+            for s in slots:
+                n = self._draft_len(s)
+                if n <= 0:
+                    continue
+                assert s.req is not None and s.output is not None
+                history = s.req.prompt + s.output.tokens
+                proposer = self.speculator.proposer
+                t0 = time.perf_counter()
+                if proposer.sync(s.index, history) > n + 1:  # a prompt, or the tokens of a pause: not what a
+                    t0 = time.perf_counter()  # step of speculation costs (the token after a verify is)
+                p_min = s.req.params.speculative.p_min if isinstance(s.req.params.speculative, SpecConfig) else None
+                drafts[s.index] = proposer.propose(s.index, history, n, p_min)[:n]
+                propose_s[s.index] = time.perf_counter() - t0
+        plain = [s for s in slots if not drafts.get(s.index)]
+        if plain:
+            t0 = time.perf_counter()
+            batch = [(s.index, s.next_input) for s in plain]
+            if len(plain) == 1 and plain[0].argmax:
+                draws: list[tuple[int, Probs | None]] = [(self.backend.step(*batch[0], self._argmax), None)]
+            else:
+                draws = self.backend.decode(batch, self.sampler)
+            dt = time.perf_counter() - t0
+            self.stats["predicted_s"] += dt
+            self.stats["decode_steps"] += 1
+            if self.speculator is not None and len(plain) == 1:
+                self.speculator.note_plain(dt)
+            for s, (_, fed), (tok, probs) in zip(plain, batch, draws):
+                s.kv_tokens.append(fed)
+                self._on_token(s, tok, probs)
+        speculating = [s for s in slots if drafts.get(s.index)]
+        if speculating:
+            self._verify(speculating, drafts, propose_s)
+
+    def _draft_len(self, s: _Slot) -> int:
+        """How many tokens to draft for a slot now: 0 for sampled requests, within its budget and the context."""
+        assert self.speculator is not None and s.req is not None and s.output is not None
+        spec = s.req.params.speculative
+        if not s.argmax or spec is False:
+            return 0
+        out = s.output
+        room = min(out.budget - len(out.tokens), self.limits.n_ctx - len(s.kv_tokens) - 1) - 1
+        return self.speculator.draft_len(s.index, room, spec if isinstance(spec, SpecConfig) else None)
+
+    def _verify(self, slots: list[_Slot], drafts: dict[int, list[int]], propose_s: dict[int, float]) -> None:
+        """One target forward over each slot's input token and drafts, every row computed as a single decode step
+        computes it; each row's greedy token is taken as a plain step takes it, and the drafts are kept up to the
+        first one the target disagrees with (its token replaces it; when all pass, the last row gives one more)."""
+        assert self.speculator is not None
         t0 = time.perf_counter()
-        batch = [(s.index, s.next_input) for s in slots]
-        if len(slots) == 1 and slots[0].argmax:
-            draws: list[tuple[int, Probs | None]] = [(self.backend.step(*batch[0], self._argmax), None)]
-        else:
-            draws = self.backend.decode(batch, self.sampler)
-        self.stats["predicted_s"] += time.perf_counter() - t0
+        batch = [(s.index, [s.next_input, *drafts[s.index]]) for s in slots]
+        n_rows = sum(len(t) for _, t in batch)
+        logits = self.backend.forward(batch, list(range(n_rows)), as_steps=True)
+        dt = time.perf_counter() - t0
+        self.stats["predicted_s"] += dt
         self.stats["decode_steps"] += 1
-        for s, (_, fed), (tok, probs) in zip(slots, batch, draws):
-            s.kv_tokens.append(fed)
-            self._on_token(s, tok, probs)
+        base = 0
+        for s, (_, tokens) in zip(slots, batch):
+            d = drafts[s.index]
+            out: list[int] = []
+            for i in range(len(d) + 1):
+                out.append(self._argmax.sample(logits[base + i]))
+                if i == len(d) or out[-1] != d[i]:
+                    break
+            base += len(tokens)
+            accepted = len(out) - 1
+            # The cache holds the input token and every draft; keep the input and the accepted drafts.
+            self.backend.truncate(s.index, self.backend.seq_len(s.index) - (len(d) - accepted))
+            s.kv_tokens.extend(tokens[: 1 + accepted])
+            s.draft_n += len(d)
+            s.draft_accepted += accepted
+            self.stats["draft_tokens"] += len(d)
+            self.stats["draft_accepted"] += accepted
+            self.speculator.note_verify(s.index, len(d), accepted,
+                                        propose_s[s.index] + dt * len(tokens) / n_rows)
+            for tok in out:
+                self._on_token(s, tok, None)
+                if s.req is None:  # finished (end of generation, a stop string, the budget)
+                    break
 
     def _on_token(self, s: _Slot, token: int, probs: Probs | None) -> None:
         req, out = s.req, s.output
@@ -277,6 +354,8 @@ class EngineCore:
         req = s.req
         if req is None:
             return
+        if self.speculator is not None and s.output is not None:
+            self.speculator.proposer.finished(s.index, req.prompt + s.output.tokens)
         keep_kv = req.params.cache_prompt and not cancelled and error is None
         if not keep_kv:
             self.backend.remove(s.index)
@@ -300,7 +379,7 @@ class EngineCore:
             text=out.text, tokens=list(out.tokens), prompt_n=len(req.prompt), cached_n=s.cached_n,
             finish_reason=finish.reason, stop_type=finish.kind, stopping_word=finish.word,
             prompt_ms=(t_first - s.t_start) * 1e3, predicted_ms=(t_end - t_first) * 1e3, slot=s.index,
-            probs=list(s.probs),
+            probs=list(s.probs), draft_n=s.draft_n, draft_n_accepted=s.draft_accepted,
         ))
 
 

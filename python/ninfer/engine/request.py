@@ -43,6 +43,9 @@ class GenParams:
     cache_prompt: bool = True
     n_probs: int = 0  # > 0: report each token's log-probability and the n_probs most likely tokens
     t_max_predict_ms: float = 0.0  # > 0: stop generating this long after the first token (llama.cpp's field)
+    # Speculative decoding, where the engine has a proposer: True its settings, False none for this request, or a
+    # SpecConfig of this request's own (draft_max, draft_min, p_min).
+    speculative: Any = True
 
     def sampler_args(self) -> dict[str, Any]:
         """The sampling chain's settings, as `_core.Sampler` and `SamplerThread.configure` take them (no seed)."""
@@ -67,6 +70,8 @@ class Result:
     predicted_ms: float
     slot: int
     probs: list[Probs] = field(default_factory=list)  # per token of `tokens`, when n_probs > 0
+    draft_n: int = 0  # tokens drafted by speculative decoding (llama-server's timings.draft_n)
+    draft_n_accepted: int = 0  # of them, accepted
 
 
 # What a request hears, from the thread that runs the engine:

@@ -3,7 +3,8 @@ llama-server's surface (/health, /v1/models, /tokenize, /detokenize, /props, /me
 
     app = ninfer.server.create_app(ninfer.LLM("model.gguf", n_seq_max=4), settings=ServerSettings(n_parallel=4))
 
-The handlers validate, tokenize and hand a request to the engine loop (ninfer.engine, on its EngineThread); they never run the model.
+The handlers validate, tokenize and hand a request to the engine loop (ninfer.engine, on its EngineThread); they
+never run the model.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ def _timings(r: Result) -> dict[str, float]:
         "predicted_ms": r.predicted_ms,
         "predicted_per_token_ms": r.predicted_ms / predicted_n if predicted_n else 0.0,
         "predicted_per_second": 1e3 * predicted_n / r.predicted_ms if r.predicted_ms > 0 else 0.0,
+        **({"draft_n": r.draft_n, "draft_n_accepted": r.draft_n_accepted} if r.draft_n else {}),
     }
 
 

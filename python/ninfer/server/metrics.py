@@ -30,6 +30,10 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("ninfer:requests_rejected", "Requests refused with 503 (queue full)",
                                   value=st["rejected"])
         yield CounterMetricFamily("ninfer:decode_steps", "Batched decode steps run", value=st["decode_steps"])
+        yield CounterMetricFamily("ninfer:draft_tokens", "Tokens drafted by speculative decoding",
+                                  value=st["draft_tokens"])
+        yield CounterMetricFamily("ninfer:draft_tokens_accepted", "Drafted tokens the model accepted",
+                                  value=st["draft_accepted"])
         pps = st["prompt_tokens"] / st["prompt_s"] if st["prompt_s"] else 0.0
         tps = st["predicted_tokens"] / st["predicted_s"] if st["predicted_s"] else 0.0
         yield GaugeMetricFamily("ninfer:prompt_tokens_seconds", "Average prompt throughput in tokens/s", value=pps)
