@@ -53,9 +53,8 @@ def test_follow_finds_the_last_earlier_occurrence() -> None:
 def test_draft_length_adapts_and_pauses_when_it_does_not_pay() -> None:
     s = Speculator(NgramProposer(SpecConfig()), SpecConfig(n_max=8))
     s.start(0)
-    assert s.draft_len(0, 100, None) == 0  # no plain step measured yet
-    s.note_plain(0.010)
     assert s.draft_len(0, 100, None) == 8
+    s.note_plain(0.010)  # (until a plain step is measured, nothing is paused)
     s.note_verify(0, 8, 2, 0.012)  # 3 tokens in 12 ms: faster than plain (1 in 10 ms)
     assert s.draft_len(0, 100, None) == 3
     assert s.draft_len(0, 2, None) == 2  # (within the room given)
@@ -144,3 +143,36 @@ def test_the_cli_speculates_with_llama_cpp_flags(smollm2_path: Path) -> None:
     assert "speculative:" in spec.stderr and "accepted" in spec.stderr
     bad = run("--draft-max", "4")
     assert bad.returncode == 2 and "--draft-max/--draft-min/--draft-p-min need -md FILE" in bad.stderr
+
+
+def test_the_server_speculates_for_concurrent_streams(smollm2_path: Path, plain: ninfer.LLM) -> None:
+    """Two slots, a draft model (SmolLM2 drafting for itself): each of two concurrent greedy answers equals its plain
+    greedy answer, and the timings carry llama-server's draft fields; the openai client reads it unchanged."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+    from server_helpers import InProcessServer
+
+    from ninfer.server import ServerSettings, create_app
+
+    llm = ninfer.LLM(smollm2_path, n_ctx=512, threads=2, n_seq_max=2, draft_model=smollm2_path)
+    server = InProcessServer(create_app(llm, settings=ServerSettings(n_parallel=2)))
+    try:
+        prompts = PROMPTS[1:3]
+
+        def ask(prompt: str) -> dict:
+            body = {"prompt": prompt, "n_predict": 24, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+            return httpx.post(f"{server.base}/completion", json=body, timeout=120).json()
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(ask, prompts))
+        for prompt, answer in zip(prompts, answers):
+            assert answer["content"] == greedy(plain, prompt, 24).text
+            assert "draft_n" in answer["timings"] and "draft_n_accepted" in answer["timings"]
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=prompts[0], max_tokens=24, temperature=0)
+        assert out.choices[0].text == greedy(plain, prompts[0], 24).text
+    finally:
+        server.stop()

@@ -221,8 +221,6 @@ class Speculator:
     def draft_len(self, slot: int, room: int, config: SpecConfig | None) -> int:
         """How many tokens to draft for `slot` now (0: decode plainly), at most `room`."""
         c = config or self.config
-        if not self.plain_s:  # (a plain step first: speculation is measured against it)
-            return 0
         if self._pause.get(slot, 0) > 0:
             self._pause[slot] -= 1
             return 0
