@@ -1,9 +1,12 @@
 //! `Sampler`: the Rust sampling chain, seeded. `SamplerThread`: samplers per slot on a dedicated (pinnable,
 //! optionally SCHED_FIFO) thread, used by `Engine.decode` to sample a whole batch.
 
+use std::borrow::Cow;
+
 use ninfer_core::sampler::thread::{SamplerThread, ThreadOptions};
 use ninfer_core::sampler::{Sampler, SamplerParams};
-use numpy::PyReadonlyArray1;
+use ninfer_core::Error;
+use numpy::{PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 
 use crate::errors::to_py;
@@ -83,6 +86,30 @@ impl PySampler {
     fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>) -> PyResult<u32> {
         self.inner.sample(logits.as_slice()?).map_err(to_py)
     }
+
+    /// Verify drafted tokens by rejection sampling: logits_2d [len(drafts) + 1, n_vocab]; the accepted drafts
+    /// plus one token (the first rejected draft's replacement, or a bonus token when all are accepted).
+    fn verify(&mut self, logits_2d: PyReadonlyArray2<'_, f32>, drafts: Vec<u32>) -> PyResult<Vec<u32>> {
+        let (flat, n_vocab) = rows_of(&logits_2d, drafts.len())?;
+        let rows: Vec<&[f32]> = (0..=drafts.len()).map(|i| &flat[i * n_vocab..(i + 1) * n_vocab]).collect();
+        self.inner.verify(&rows, &drafts).map_err(to_py)
+    }
+}
+
+/// The logits of a verify, [n_drafts + 1, n_vocab] in row-major order (borrowed, copied only when not
+/// contiguous), and n_vocab.
+fn rows_of<'a>(logits: &'a PyReadonlyArray2<'_, f32>, n_drafts: usize) -> PyResult<(Cow<'a, [f32]>, usize)> {
+    let (n_rows, n_vocab) = logits.as_array().dim();
+    if n_rows != n_drafts + 1 {
+        let want = n_drafts + 1;
+        let m = format!("verify needs logits of shape [{want}, n_vocab] for {n_drafts} drafts, got {n_rows} rows");
+        return Err(to_py(Error::InvalidArgument(m)));
+    }
+    let flat = match logits.as_slice() {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(logits.as_array().iter().copied().collect()),
+    };
+    Ok((flat, n_vocab))
 }
 
 /// (token, None or (the token's log-probability, [(token, log-probability)] most likely first)).
@@ -152,6 +179,20 @@ impl PySamplerThread {
         let mut out = py.detach(|| t.sample(vec![slot], row)).map_err(to_py)?;
         let s = out.pop().expect("one row gives one draw");
         Ok((s.token, s.probs))
+    }
+
+    /// Verify drafted tokens for `slot` by rejection sampling on the sampler thread: logits_2d
+    /// [len(drafts) + 1, n_vocab]; the accepted drafts plus one token (see `Sampler.verify`).
+    fn verify(
+        &self,
+        py: Python<'_>,
+        slot: u32,
+        logits_2d: PyReadonlyArray2<'_, f32>,
+        drafts: Vec<u32>,
+    ) -> PyResult<Vec<u32>> {
+        let flat = rows_of(&logits_2d, drafts.len())?.0.into_owned();
+        let t = &self.inner;
+        py.detach(|| t.verify(slot, flat, drafts)).map_err(to_py)
     }
 }
 

@@ -131,6 +131,8 @@ pub struct Sampler {
     history: VecDeque<u32>,
     /// (token, logit or probability) candidates, reused between calls.
     cand: Vec<(u32, f32)>,
+    /// The chain's final distribution as (token, weight), most likely first (`distribution`), reused.
+    dist: Vec<(u32, f64)>,
 }
 
 /// The `n` most likely tokens under the softmax of the raw logits, as (token, log-probability), most likely first
@@ -166,7 +168,7 @@ impl Sampler {
     pub fn new(params: SamplerParams) -> Result<Sampler> {
         params.validate()?;
         let rng = Rng::new(params.seed);
-        Ok(Sampler { params, rng, history: VecDeque::new(), cand: Vec::new() })
+        Ok(Sampler { params, rng, history: VecDeque::new(), cand: Vec::new(), dist: Vec::new() })
     }
 
     /// Temperature 0: `sample` returns the first maximum.
@@ -201,12 +203,69 @@ impl Sampler {
         Ok(t)
     }
 
+    /// Verify drafted tokens by rejection sampling (Leviathan et al. 2023; Chen et al. 2023) for a deterministic
+    /// proposer, whose proposal is one-hot at each drafted token. rows: [drafts.len() + 1][n_vocab], row i the
+    /// logits after the prefix plus drafts[..i]. For each draft: accept it with probability p(draft) under the
+    /// chain's distribution for its row (the penalties see the tokens accepted so far); on a rejection, draw the
+    /// replacement from p with the draft removed and renormalised, and stop. All accepted: a bonus token from the
+    /// last row. Returns the accepted drafts plus the replacement or bonus token, each recorded for the
+    /// penalties. The output tokens are distributed exactly as successive `sample` calls would draw them; greedy
+    /// samplers give exactly those tokens (and touch no random state).
+    pub fn verify(&mut self, rows: &[&[f32]], drafts: &[u32]) -> Result<Vec<u32>> {
+        if rows.len() != drafts.len() + 1 {
+            return Err(Error::InvalidArgument(format!(
+                "verify needs one logits row per draft plus one, got {} rows for {} drafts",
+                rows.len(),
+                drafts.len()
+            )));
+        }
+        if let Some(i) = rows.iter().position(|r| r.is_empty() || r.iter().any(|v| v.is_nan())) {
+            return Err(Error::InvalidArgument(format!("logits row {i} is empty or holds NaN")));
+        }
+        let mut out = Vec::with_capacity(rows.len());
+        for (row, &draft) in rows.iter().zip(drafts) {
+            let total = self.distribution(row)?;
+            let token = if self.is_greedy() {
+                self.dist[0].0
+            } else {
+                let w = self.dist.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1);
+                if self.rng.uniform() < w / total {
+                    draft
+                } else {
+                    let u = self.rng.uniform();
+                    pick(&self.dist, u, Some(draft))
+                }
+            };
+            self.accept(&[token]);
+            out.push(token);
+            if token != draft {
+                return Ok(out);
+            }
+        }
+        out.push(self.sample(rows[drafts.len()])?);
+        Ok(out)
+    }
+
     fn draw(&mut self, logits: &[f32]) -> Result<u32> {
+        self.distribution(logits)?;
+        if self.is_greedy() {
+            return Ok(self.dist[0].0);
+        }
+        let u = self.rng.uniform();
+        Ok(pick(&self.dist, u, None))
+    }
+
+    /// The chain's final distribution over the surviving candidates: fills `self.dist` with (token, weight), most
+    /// likely first, and returns the weights' sum (a token's probability is weight / sum; candidates not listed
+    /// have probability 0). Greedy: the first maximum alone, weight 1.
+    fn distribution(&mut self, logits: &[f32]) -> Result<f64> {
+        self.dist.clear();
         if logits.is_empty() {
             return Err(Error::InvalidArgument("cannot sample from an empty logits vector".into()));
         }
         if self.is_plain_argmax() {
-            return Ok(argmax(logits));
+            self.dist.push((argmax(logits), 1.0));
+            return Ok(1.0);
         }
         let p = &self.params;
         let cand = &mut self.cand;
@@ -237,7 +296,9 @@ impl Sampler {
         }
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.temperature <= 0.0 {
-            return Ok(cand.iter().min_by(|a, b| by_logit_desc(a, b)).map_or(0, |c| c.0));
+            let first_max = cand.iter().min_by(|a, b| by_logit_desc(a, b)).map_or(0, |c| c.0);
+            self.dist.push((first_max, 1.0));
+            return Ok(1.0);
         }
         if p.top_k > 0 && p.top_k < cand.len() {
             cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
@@ -288,19 +349,27 @@ impl Sampler {
             keep = keep.min(probs.iter().take_while(|&&pr| pr >= p.min_p * probs[0]).count().max(1));
         }
         cand.truncate(keep);
-        // Temperature, then a seeded draw from the renormalised distribution.
+        // Temperature: the weights of the renormalised distribution the seeded draw samples from.
         let max = cand[0].1;
-        let weights: Vec<f64> = cand.iter().map(|c| (((c.1 - max) / p.temperature) as f64).exp()).collect();
-        let total: f64 = weights.iter().sum();
-        let mut r = self.rng.uniform() * total;
-        for (c, w) in cand.iter().zip(&weights) {
-            if r < *w {
-                return Ok(c.0);
-            }
-            r -= w;
-        }
-        Ok(cand[cand.len() - 1].0)
+        let temperature = p.temperature;
+        self.dist.extend(cand.iter().map(|c| (c.0, (((c.1 - max) / temperature) as f64).exp())));
+        Ok(self.dist.iter().map(|c| c.1).sum())
     }
+}
+
+/// Inverse-CDF draw from (token, weight) with u in [0, 1), `skip` (a rejected draft) left out and the rest
+/// renormalised; the last candidate when rounding runs past the end.
+fn pick(dist: &[(u32, f64)], u: f64, skip: Option<u32>) -> u32 {
+    let kept = || dist.iter().filter(move |c| Some(c.0) != skip);
+    let total: f64 = kept().map(|c| c.1).sum();
+    let mut r = u * total;
+    for &(t, w) in kept() {
+        if r < w {
+            return t;
+        }
+        r -= w;
+    }
+    kept().next_back().or(dist.last()).map_or(0, |c| c.0)
 }
 
 #[cfg(test)]
@@ -408,5 +477,139 @@ mod tests {
         assert!(s.sample(&[0.0, 1.0]).is_err());
         let mut s = Sampler::new(SamplerParams { logit_bias: vec![(0, f32::NEG_INFINITY)], ..params(1.0) }).unwrap();
         assert!(s.sample(&[0.0]).is_err());
+    }
+    /// The chain's distribution for `row` as probabilities by token (0 for tokens the filters drop).
+    fn probs(s: &mut Sampler, row: &[f32]) -> Vec<f64> {
+        let total = s.distribution(row).unwrap();
+        let mut p = vec![0.0; row.len()];
+        for &(t, w) in &s.dist {
+            p[t as usize] = w / total;
+        }
+        p
+    }
+
+    /// Pearson's chi-square of `counts` against `p` (infinite when a token of probability 0 occurs), and the total
+    /// variation distance.
+    fn chi_square(counts: &[u64], p: &[f64]) -> (f64, f64) {
+        let n: u64 = counts.iter().sum();
+        let mut chi2 = 0.0;
+        let mut tv = 0.0;
+        for (&c, &q) in counts.iter().zip(p) {
+            let expect = q * n as f64;
+            chi2 += if q > 0.0 { (c as f64 - expect).powi(2) / expect } else if c > 0 { f64::INFINITY } else { 0.0 };
+            tv += (c as f64 / n as f64 - q).abs() / 2.0;
+        }
+        (chi2, tv)
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Rule {
+        Verify,
+        /// Wrong: accept the draft whenever p(draft) > 0.
+        AcceptIfPossible,
+        /// Wrong: on a rejection, draw the replacement from p itself (the draft not removed).
+        ReplaceFromP,
+    }
+
+    /// The first token out of a K = 1 verification under `rule`.
+    fn first_token(s: &mut Sampler, row: &[f32], draft: u32, rule: Rule) -> u32 {
+        if rule == Rule::Verify {
+            return s.verify(&[row, row], &[draft]).unwrap()[0];
+        }
+        let total = s.distribution(row).unwrap();
+        let w = s.dist.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1);
+        let accept = if rule == Rule::AcceptIfPossible { w > 0.0 } else { s.rng.uniform() < w / total };
+        if accept {
+            draft
+        } else {
+            let u = s.rng.uniform();
+            pick(&s.dist, u, if rule == Rule::ReplaceFromP { None } else { Some(draft) })
+        }
+    }
+
+    #[test]
+    fn verify_draws_the_first_token_from_p() {
+        // Top-k 5 drops token 5, min-p 0.1 drops token 4 (e^-3 ~ 0.05 of the maximum); at temperature 0.7 the
+        // rest have p ~ (0.542, 0.265, 0.130, 0.063). Draft 1 is a candidate, draft 4 is not (p = 0).
+        let row = [2.0f32, 1.5, 1.0, 0.5, -1.0, -3.0];
+        let sampler = || {
+            Sampler::new(SamplerParams { temperature: 0.7, top_k: 5, min_p: 0.1, top_p: 1.0, ..params(0.7) }).unwrap()
+        };
+        let p = probs(&mut sampler(), &row);
+        assert!(p[4] == 0.0 && p[5] == 0.0 && (p[1] - 0.265).abs() < 1e-3, "{p:?}");
+        // 3 degrees of freedom: P(chi2 > 35) ~ 1e-7 for a correct rule; a wrong rule moves p(draft 1) from 0.265
+        // to 1 or to 0.46, a chi-square in the thousands at this n.
+        let n = 100_000;
+        let run = |draft: u32, rule: Rule| {
+            let mut s = sampler();
+            let mut counts = [0u64; 6];
+            for _ in 0..n {
+                counts[first_token(&mut s, &row, draft, rule) as usize] += 1;
+            }
+            let (chi2, tv) = chi_square(&counts, &p);
+            eprintln!("draft {draft} {rule:?}: chi2 {chi2:.2} (3 df), total variation {tv:.4}, counts {counts:?}");
+            chi2
+        };
+        assert!(run(1, Rule::Verify) < 35.0);
+        assert!(run(4, Rule::Verify) < 35.0);
+        assert!(run(1, Rule::AcceptIfPossible) > 1000.0);
+        assert!(run(1, Rule::ReplaceFromP) > 1000.0);
+    }
+
+    #[test]
+    fn greedy_verify_equals_successive_samples() {
+        // 5 rows of 40 logits in 0.0..4.0 with many ties (only 9 values), and a row whose maximum appears twice.
+        let mut rows: Vec<Vec<f32>> =
+            (0..5).map(|r| (0..40).map(|i| ((i * 7 + r * 13) % 9) as f32 * 0.5).collect()).collect();
+        rows[2][3] = 9.0;
+        rows[2][30] = 9.0;
+        let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        for p in [params(0.0), SamplerParams { repeat_penalty: 1.5, ..params(0.0) }] {
+            let firsts: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
+            // All accepted; a mismatch at 0; the second maximum of row 2 (the first maximum wins); out of vocab.
+            let tie = vec![firsts[0], firsts[1], 30, 0];
+            for drafts in [firsts[..4].to_vec(), vec![firsts[0] + 1, 0, 0, 0], tie, vec![99; 4]] {
+                let mut chain = Sampler::new(p.clone()).unwrap();
+                let mut want = Vec::new();
+                for (i, row) in rows.iter().enumerate() {
+                    want.push(chain.sample(row).unwrap());
+                    if i == 4 || want[i] != drafts[i] {
+                        break;
+                    }
+                }
+                let mut s = Sampler::new(p.clone()).unwrap();
+                assert_eq!(s.verify(&refs, &drafts).unwrap(), want, "{p:?} {drafts:?}");
+                // The same window afterwards: the next draws agree too.
+                assert_eq!(s.sample(&rows[0]).unwrap(), chain.sample(&rows[0]).unwrap());
+            }
+        }
+        let f: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
+        let tie = Sampler::new(params(0.0)).unwrap().verify(&refs, &[f[0], f[1], 30, 0]).unwrap();
+        assert_eq!(tie, vec![f[0], f[1], 3]);
+    }
+
+    #[test]
+    fn verify_penalties_see_the_accepted_prefix() {
+        // Repeat penalty 2: accepting draft 1 lowers token 1 in row 1 to 1.5, below token 2's 2.0, so draft 2 is
+        // the argmax there and accepted; the bonus row sees both (1.5 against 1.0 and 1.0).
+        let logits = [1.0f32, 3.0, 2.0];
+        let mut s = Sampler::new(SamplerParams { repeat_penalty: 2.0, ..params(0.0) }).unwrap();
+        assert_eq!(s.verify(&[&logits, &logits, &logits], &[1, 2]).unwrap(), vec![1, 2, 1]);
+        // Without the penalty row 1's argmax stays 1: draft 2 is rejected.
+        let mut s = Sampler::new(params(0.0)).unwrap();
+        assert_eq!(s.verify(&[&logits, &logits, &logits], &[1, 2]).unwrap(), vec![1, 1]);
+    }
+
+    #[test]
+    fn verify_rejects_bad_rows() {
+        let mut s = Sampler::new(params(1.0)).unwrap();
+        assert!(s.verify(&[&[0.0, 1.0]], &[1]).is_err());
+        assert!(s.verify(&[&[0.0, 1.0], &[]], &[1]).is_err());
+        assert!(s.verify(&[&[f32::NAN, f32::NAN], &[0.0, 1.0]], &[1]).is_err());
+        let mut g = Sampler::new(params(0.0)).unwrap();
+        assert!(g.verify(&[&[0.0, f32::NAN], &[0.0, 1.0]], &[1]).is_err());
+        // A draft past the vocabulary is never accepted, and a verify with no drafts is one draw.
+        assert_eq!(g.verify(&[&[0.0, 1.0], &[1.0, 0.0]], &[7]).unwrap(), vec![1]);
+        assert_eq!(g.verify(&[&[0.0, 1.0]], &[]).unwrap(), vec![1]);
     }
 }

@@ -41,6 +41,8 @@ enum Job {
     Remove { slot: u32 },
     /// logits: [slots.len(), n_vocab], row i for slots[i].
     Sample { slots: Vec<u32>, logits: Vec<f32>, reply: SyncSender<Result<Vec<Sampled>>> },
+    /// logits: [drafts.len() + 1, n_vocab].
+    Verify { slot: u32, logits: Vec<f32>, drafts: Vec<u32>, reply: SyncSender<Result<Vec<u32>>> },
 }
 
 pub struct SamplerThread {
@@ -76,6 +78,9 @@ impl SamplerThread {
                     }
                     Job::Sample { slots, logits, reply } => {
                         let _ = reply.send(sample_rows(&mut samplers, &slots, &logits));
+                    }
+                    Job::Verify { slot, logits, drafts, reply } => {
+                        let _ = reply.send(verify_rows(&mut samplers, slot, &logits, &drafts));
                     }
                 }
             }
@@ -117,6 +122,22 @@ impl SamplerThread {
         self.send(Job::Sample { slots, logits, reply })?;
         answer.recv().map_err(|_| gone())?
     }
+
+    /// `Sampler::verify` on `slot`'s sampler: logits [drafts.len() + 1, n_vocab]; the accepted drafts plus one
+    /// token (the replacement of the first rejected draft, or the bonus token).
+    pub fn verify(&self, slot: u32, logits: Vec<f32>, drafts: Vec<u32>) -> Result<Vec<u32>> {
+        let n_rows = drafts.len() + 1;
+        if logits.is_empty() || !logits.len().is_multiple_of(n_rows) {
+            return Err(Error::InvalidArgument(format!(
+                "{} logits do not split into {n_rows} rows for {} drafts",
+                logits.len(),
+                drafts.len()
+            )));
+        }
+        let (reply, answer) = sync_channel(1);
+        self.send(Job::Verify { slot, logits, drafts, reply })?;
+        answer.recv().map_err(|_| gone())?
+    }
 }
 
 impl Drop for SamplerThread {
@@ -142,6 +163,14 @@ fn sample_rows(samplers: &mut HashMap<u32, Box<Slot>>, slots: &[u32], logits: &[
         out.push(Sampled { token, probs });
     }
     Ok(out)
+}
+
+fn verify_rows(samplers: &mut HashMap<u32, Box<Slot>>, slot: u32, logits: &[f32], drafts: &[u32]) -> Result<Vec<u32>> {
+    let s = samplers
+        .get_mut(&slot)
+        .ok_or_else(|| Error::InvalidArgument(format!("slot {slot} has no sampler configured")))?;
+    let rows: Vec<&[f32]> = logits.chunks_exact(logits.len() / (drafts.len() + 1)).collect();
+    s.sampler.verify(&rows, drafts)
 }
 
 /// Pin and raise the calling thread as asked; a line for each thing the OS refused.
@@ -218,6 +247,12 @@ mod tests {
         t.remove(5).unwrap();
         assert!(t.sample(vec![5], vec![0.0, 1.0, 0.0]).is_err());
         assert!(t.sample(vec![0, 5], vec![0.0; 5]).is_err());
+        // Verify on the slot's sampler: tokens 1 and 0 (both in the window) score 0.01 and 0.005, so draft 0 is
+        // rejected and replaced by 1; an uneven split, an unknown slot and an empty row are errors.
+        assert_eq!(t.verify(0, vec![0.5, 1.0, 0.0, 0.5, 1.0, 0.0], vec![0]).unwrap(), vec![1]);
+        assert!(t.verify(0, vec![0.0; 5], vec![1]).is_err());
+        assert!(t.verify(5, vec![0.0; 4], vec![1]).is_err());
+        assert!(t.verify(0, Vec::new(), vec![1]).is_err());
     }
 
     #[test]
