@@ -81,10 +81,14 @@ def test_ngram_drafts_and_accepts_on_a_copying_answer(smollm2_path: Path) -> Non
     assert ngram.engine.stats["draft_accepted"] >= t.draft_n_accepted
 
 
-def test_sampled_requests_and_opted_out_calls_decode_plainly(ngram: ninfer.LLM) -> None:
-    assert greedy(ngram, CODE, 24, speculative=False).timings.draft_n == 0
-    out = ngram.generate(CODE, max_tokens=24, temperature=0.7, seed=3, ignore_eos=True)
-    assert out.timings.draft_n == 0
+def test_opted_out_calls_decode_plainly_and_sampled_ones_speculate(smollm2_path: Path) -> None:
+    """A sampled request verifies drafts by rejection sampling on its sampler (exactness is the sampler's
+    statistical test: rust/core/src/sampler, verify_draws_the_first_token_from_p)."""
+    llm = ninfer.LLM(smollm2_path, n_ctx=512, threads=2, speculative={"n_max": 8})
+    assert greedy(llm, CODE, 24, speculative=False).timings.draft_n == 0
+    out = llm.generate(CODE, max_tokens=24, temperature=0.7, seed=3, ignore_eos=True)
+    assert out.completion_tokens == 24 and out.timings.draft_n > 0
+    assert llm.generate(CODE, max_tokens=24, temperature=0.7, seed=3, ignore_eos=True, speculative=False).text
 
 
 def test_a_batch_of_speculating_sequences_equals_each_alone(plain: ninfer.LLM, ngram: ninfer.LLM) -> None:
@@ -170,6 +174,11 @@ def test_the_server_speculates_for_concurrent_streams(smollm2_path: Path, plain:
         for prompt, answer in zip(prompts, answers):
             assert answer["content"] == greedy(plain, prompt, 24).text
             assert "draft_n" in answer["timings"] and "draft_n_accepted" in answer["timings"]
+        body = {"prompt": prompts[0], "n_predict": 24, "temperature": 0, "speculative.n_max": 0}
+        off = httpx.post(f"{server.base}/completion", json=body, timeout=120).json()
+        assert off["content"] == answers[0]["content"] and "draft_n" not in off["timings"]
+        bad = httpx.post(f"{server.base}/completion", json={"prompt": "x", "speculative.p_min": 2}, timeout=30)
+        assert bad.status_code == 400 and "speculative.p_min" in bad.text
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none")
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt=prompts[0], max_tokens=24, temperature=0)

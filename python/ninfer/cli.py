@@ -49,7 +49,7 @@ SPEC_TYPES = {"draft": "draft", "ngram": "ngram", "ngram-simple": "ngram", "ngra
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     """Speculative decoding, in llama.cpp's spelling (llama-cli, llama-server, llama-speculative-simple)."""
-    g = p.add_argument_group("speculative decoding (greedy requests, CPU backend)")
+    g = p.add_argument_group("speculative decoding (CPU backend)")
     g.add_argument("-md", "--model-draft", default=None, metavar="FILE",
                    help="draft model: a smaller GGUF with this model's vocabulary")
     g.add_argument("--draft", default=None, metavar="FILE|N",
@@ -124,8 +124,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     llm = _load(args)
     _log(f"ninfer: {llm.model_file.path.name} ({llm.architecture}), device={llm.device}, n_ctx={llm.n_ctx}, "
          f"threads={llm.config.resolved_threads}")
-    if llm.engine.speculator is not None and args.temp > 0:
-        _log("ninfer: speculative decoding applies to greedy requests (--temp 0); this one decodes plainly")
     messages = [{"role": "user", "content": prompt}] if args.chat else None
     kwargs = dict(max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                   min_p=args.min_p, seed=args.seed)

@@ -97,7 +97,7 @@ class LLM:
         to n_ctx tokens (the server's slots; the LLM methods use one). chat_template: a Jinja chat template used
         instead of the model's (for a GGUF without one, or to change it), compiled here.
 
-        Speculative decoding (greedy requests; engine/speculative.py): draft_model, a GGUF with this model's
+        Speculative decoding (engine/speculative.py): draft_model, a GGUF with this model's
         vocabulary that drafts tokens for it; or speculative=True for n-gram lookup (no second model). speculative
         may also be a SpecConfig or a dict of its fields (n_max, n_min, p_min, ngram_min, ngram_max)."""
         if not isinstance(n_seq_max, int) or n_seq_max < 1:

@@ -286,7 +286,7 @@ class EngineCore:
         """How many tokens to draft for a slot now: 0 for sampled requests, within its budget and the context."""
         assert self.speculator is not None and s.req is not None and s.output is not None
         spec = s.req.params.speculative
-        if not s.argmax or spec is False:
+        if spec is False or s.req.params.n_probs > 0:  # (log-probabilities are reported by plain steps only)
             return 0
         out = s.output
         room = min(out.budget - len(out.tokens), self.limits.n_ctx - len(s.kv_tokens) - 1) - 1
@@ -294,8 +294,10 @@ class EngineCore:
 
     def _verify(self, slots: list[_Slot], drafts: dict[int, list[int]], propose_s: dict[int, float]) -> None:
         """One target forward over each slot's input token and drafts, every row computed as a single decode step
-        computes it; each row's greedy token is taken as a plain step takes it, and the drafts are kept up to the
-        first one the target disagrees with (its token replaces it; when all pass, the last row gives one more)."""
+        computes it. Greedy slots take each row's token as a plain step takes it and keep the drafts up to the
+        first one the target disagrees with (its token replaces it; when all pass, the last row gives one more);
+        sampled slots accept each draft with the probability their sampler chain gives it, and on a rejection draw
+        the replacement from that distribution without the draft (Leviathan et al.; `SamplerThread.verify`)."""
         assert self.speculator is not None
         t0 = time.perf_counter()
         batch = [(s.index, [s.next_input, *drafts[s.index]]) for s in slots]
@@ -307,12 +309,16 @@ class EngineCore:
         base = 0
         for s, (_, tokens) in zip(slots, batch):
             d = drafts[s.index]
-            out: list[int] = []
-            for i in range(len(d) + 1):
-                out.append(self._argmax.sample(logits[base + i]))
-                if i == len(d) or out[-1] != d[i]:
-                    break
+            rows = logits[base : base + len(tokens)]
             base += len(tokens)
+            if s.argmax:
+                out: list[int] = []
+                for i in range(len(d) + 1):
+                    out.append(self._argmax.sample(rows[i]))
+                    if i == len(d) or out[-1] != d[i]:
+                        break
+            else:  # rejection sampling against the slot's sampler chain (its penalties see the accepted drafts)
+                out = self.sampler.verify(s.index, rows, d)
             accepted = len(out) - 1
             # The cache holds the input token and every draft; keep the input and the accepted drafts.
             self.backend.truncate(s.index, self.backend.seq_len(s.index) - (len(d) - accepted))

@@ -11,7 +11,9 @@ Proposers:
 
 At temperature 0 the output is the target's plain greedy output: each verify row is computed as a single decode step
 computes it (the CPU engine's `forward(..., as_steps=True)`), and the greedy token of each row is taken by the same
-argmax as a plain step. Sampled requests (temperature > 0) decode without speculation.
+argmax as a plain step. At temperature > 0 the drafts are verified by rejection sampling on the request's sampler
+(`SamplerThread.verify`: accept a draft with the probability the sampler chain gives it, else draw from that
+distribution without it), so the output has the distribution plain sampling has.
 """
 
 from __future__ import annotations

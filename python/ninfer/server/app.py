@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ninfer import _core
 from ninfer.engine import AsyncRequest, DeadlineError, EngineThread, GenParams, QueueFullError
+from ninfer.engine.speculative import SpecConfig
 from ninfer.errors import InvalidArgumentError, NinferError, shown
 from ninfer.llm import LLM
 from ninfer.server import formats, metrics
@@ -206,8 +208,21 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=None if body.seed in (None, -1) else body.seed, logit_bias=bias, stop=body.stop or [],
             ignore_eos=body.ignore_eos, cache_prompt=body.cache_prompt, n_probs=n_probs,
-            t_max_predict_ms=getattr(body, "t_max_predict_ms", 0.0),
+            t_max_predict_ms=getattr(body, "t_max_predict_ms", 0.0), speculative=speculation(llm, body),
         )
+
+    def speculation(llm: LLM, body: Any) -> bool | SpecConfig:
+        """The request's speculative.n_max/n_min/p_min over the server's settings (n_max 0: none for it)."""
+        fields = {"n_max": body.speculative_n_max, "n_min": body.speculative_n_min, "p_min": body.speculative_p_min}
+        if all(v is None for v in fields.values()) or llm.engine.speculator is None:
+            return True
+        if fields["n_max"] == 0:
+            return False
+        base = llm.engine.speculator.config
+        try:
+            return dataclasses.replace(base, **{k: v for k, v in fields.items() if v is not None})
+        except NinferError as e:
+            raise APIError(400, f"speculative: {e}", param="speculative.n_max") from None
 
     def parse_bias(raw: Any) -> list[tuple[int, float]]:
         if not raw:

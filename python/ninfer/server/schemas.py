@@ -18,7 +18,7 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     temperature: Number = Field(0.8, ge=0.0)
     top_k: StrictInt = Field(40, ge=0)
@@ -35,6 +35,10 @@ class _Sampling(BaseModel):
     cache_prompt: bool = True
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    # llama-server's per-request speculative decoding settings (where the server has a draft model or n-gram lookup)
+    speculative_n_max: StrictInt | None = Field(None, alias="speculative.n_max", ge=0)
+    speculative_n_min: StrictInt | None = Field(None, alias="speculative.n_min", ge=0)
+    speculative_p_min: Number | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
 
     @field_validator("grammar", "json_schema")
     @classmethod
