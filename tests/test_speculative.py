@@ -185,3 +185,11 @@ def test_the_server_speculates_for_concurrent_streams(smollm2_path: Path, plain:
         assert out.choices[0].text == greedy(plain, prompts[0], 24).text
     finally:
         server.stop()
+
+
+def test_bench_takes_the_speculation_flags(smollm2_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "bench", "-m", str(smollm2_path), "-p", "0", "-n", "16",
+                        "-t", "2", "-r", "1", "-md", str(smollm2_path), "--draft-max", "4"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert "speculative:" in r.stderr and "a verify step" in r.stderr and "tg16" in r.stdout

@@ -61,10 +61,11 @@ class NinferRunner:
     name = "ninfer"
 
     def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, cache_type_k: str, cache_type_v: str,
-                 device: str = "cpu", n_gpu_layers: int = -1, gpu_mem_budget: str | None = None, log=None):
+                 device: str = "cpu", n_gpu_layers: int = -1, gpu_mem_budget: str | None = None, log=None,
+                 speculation: dict[str, Any] | None = None):
         self.llm = LLM(model, n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k,
                        cache_type_v=cache_type_v, device=device, n_gpu_layers=n_gpu_layers,
-                       gpu_mem_budget=gpu_mem_budget, log=log)
+                       gpu_mem_budget=gpu_mem_budget, log=log, **(speculation or {}))
         self.backend = "CUDA" if self.llm.device == "cuda" else f"CPU {_core_isa()}"
         self.n_vocab = self.llm.n_vocab
         self.bos = self.llm.tokenizer.bos_id if self.llm.tokenizer.add_bos else None
@@ -185,7 +186,10 @@ def parse_ints(values: list[str], flag: str) -> list[int]:
 def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[int], threads: list[int],
               reps: int, n_batch: int, cache_type_k: str, cache_type_v: str, vs_llama_cpp: bool, profile: bool,
               seed: int = 1, log=None, device: str = "cpu", n_gpu_layers: int = -1,
-              gpu_mem_budget: str | None = None) -> list[Result]:
+              gpu_mem_budget: str | None = None, speculation: dict[str, Any] | None = None) -> list[Result]:
+    """speculation: LLM's draft_model/speculative arguments; tg then decodes speculatively (on random tokens, so
+    the acceptance says little about real text: scripts/bench-spec measures that), and the log reports the
+    accepted tokens per verify step."""
     if reps < 1:
         raise InvalidArgumentError(f"-r/--repetitions must be >= 1, got {reps}")
     tests = [Test("pp", n, d) for d in depths for n in prompts if n > 0]
@@ -199,7 +203,7 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
         if th < 1:
             raise InvalidArgumentError(f"-t/--threads must be >= 1, got {th}")
         runners: list[Any] = [NinferRunner(model, th, n_ctx, n_batch, cache_type_k, cache_type_v, device,
-                                           n_gpu_layers, gpu_mem_budget, log)]
+                                           n_gpu_layers, gpu_mem_budget, log, speculation)]
         if vs_llama_cpp:
             runners.append(LlamaCppRunner(model, th, n_ctx, n_batch))
         rng = random.Random(seed)
@@ -236,6 +240,12 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
             results.extend(rows.values())
             if log:
                 log("  ".join(f"{r.engine} {test.name} {r.avg_ts:.1f} t/s" for r in rows.values()))
+                st = runners[0].llm.engine.stats
+                if speculation and test.kind == "tg":
+                    steps = st["draft_steps"]
+                    log(f"  speculative: {steps} verify steps, {st['draft_tokens']} tokens drafted, "
+                        f"{st['draft_accepted']} accepted ({st['draft_accepted'] / steps if steps else 0:.2f} "
+                        "a verify step)")
     return results
 
 

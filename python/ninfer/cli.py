@@ -234,6 +234,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         n_gpu_layers=args.n_gpu_layers,
         gpu_mem_budget=args.gpu_mem_budget,
+        speculation=spec_kwargs(args),
     )
     if args.json:
         print(json.dumps(bench.to_json(results, info), indent=2))
@@ -312,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run llama.cpp (llama-cpp-python, `ninfer[bench]`) interleaved, and print ratios")
     b.add_argument("--profile", action="store_true",
                    help="time per generated token by kind of work: matmul, attention, other, sampling, Python")
+    add_spec_args(b)
     b.set_defaults(func=cmd_bench)
 
     from ninfer.synth import GSQ_TYPES, MIXES, SHAPES, TYPES

@@ -325,6 +325,7 @@ class EngineCore:
             s.kv_tokens.extend(tokens[: 1 + accepted])
             s.draft_n += len(d)
             s.draft_accepted += accepted
+            self.stats["draft_steps"] += 1
             self.stats["draft_tokens"] += len(d)
             self.stats["draft_accepted"] += accepted
             self.speculator.note_verify(s.index, len(d), accepted,
