@@ -7,8 +7,10 @@
 //! batch instead of once per token.
 //!
 //! Under [`RowOrder::AsSteps`] each token's products are summed by the kernel a one-token matmul would use (its
-//! GEMV or plain dot product), still in tiles that read each weight block once for all tokens. Activation
-//! quantization and the GSQ-RCO products are per token whatever the batch, so they need no such switch.
+//! GEMV or plain dot product), still in tiles that read each weight block once for all tokens; for repacked Q4_K
+//! and Q6_K the tiles also unpack each block once for up to 8 tokens (`quant::simd`'s multi-row versions of
+//! the single-row kernels, every token summed as that kernel sums it). Activation quantization and the GSQ-RCO
+//! products are per token whatever the batch, so they need no such switch.
 
 use rayon::prelude::*;
 
@@ -241,22 +243,26 @@ mod tests {
     }
 
     /// Under `RowOrder::AsSteps` every token's outputs equal a one-token matmul's bit for bit, for batches of 1..=9
-    /// tokens (on both sides of llama.cpp's group-of-4 and 8-row thresholds) and matrices whose products take its
-    /// repacked GEMV/GEMM (Q4_0/Q4_K with rows divisible by 8), tiled (Q6_K, unrepacked Q4_K) and plain paths. In
+    /// tokens (on both sides of llama.cpp's group-of-4 and 8-row thresholds) and matrices of several shapes whose
+    /// products take its repacked GEMV/GEMM (Q4_0/Q4_K with rows divisible by 8), tiled (Q6_K, unrepacked Q4_K)
+    /// and plain paths; as steps, the multi-row tiles of the single-row kernels (`quant::simd`'s `steps`). In
     /// batch order the repacked Q4_K GEMM sums differently, so the test can tell the orders apart.
     #[test]
     fn as_steps_rows_equal_single_token_matmuls() {
-        let k = 1024;
         let mut batch_differs = false;
-        for (i, (ty, m)) in [
-            (GgmlType::Q4_0, 16),
-            (GgmlType::Q4_K, 24),
-            (GgmlType::Q4_K, 20),
-            (GgmlType::Q6_K, 18),
-            (GgmlType::Q5_K, 16),
-            (GgmlType::Q8_0, 16),
-            (GgmlType::Q5_0, 14),
-            (GgmlType::Q4_1, 16),
+        for (i, (ty, m, k)) in [
+            (GgmlType::Q4_0, 16, 1024),
+            (GgmlType::Q4_K, 24, 1024),
+            (GgmlType::Q4_K, 136, 2816),
+            (GgmlType::Q4_K, 8, 256),
+            (GgmlType::Q4_K, 20, 1024),
+            (GgmlType::Q6_K, 18, 1024),
+            (GgmlType::Q6_K, 70, 2816),
+            (GgmlType::Q6_K, 5, 256),
+            (GgmlType::Q5_K, 16, 1024),
+            (GgmlType::Q8_0, 16, 1024),
+            (GgmlType::Q5_0, 14, 1024),
+            (GgmlType::Q4_1, 16, 1024),
         ]
         .into_iter()
         .enumerate()

@@ -45,8 +45,9 @@ pub(in crate::quant) struct Kernels {
     /// Non-repacked K-quant matrices in matmuls with 8 or more activation rows.
     pub(super) vec_dot_tiled: Slots<VecDotFn>,
     /// Tiles (several weight rows and/or activation rows per call) of the plain (`vec_dot_unpacked` or
-    /// `vec_dot`), `vec_dot_gemm4` and `vec_dot_tiled` products. The GEMV of repacked matrices has none.
+    /// `vec_dot`), repacked GEMV (`vec_dot`), `vec_dot_gemm4` and `vec_dot_tiled` products.
     pub(super) vec_dot_tile: Slots<TileFn>,
+    pub(super) vec_dot_tile_gemv: Slots<TileFn>,
     pub(super) vec_dot_tile_gemm4: Slots<TileFn>,
     pub(super) vec_dot_tile_tiled: Slots<TileFn>,
     pub(super) quantize: Slots<QuantizeFn>,
@@ -66,6 +67,7 @@ impl Kernels {
         vec_dot_gemm4: [None; SLOTS],
         vec_dot_tiled: [None; SLOTS],
         vec_dot_tile: [None; SLOTS],
+        vec_dot_tile_gemv: [None; SLOTS],
         vec_dot_tile_gemm4: [None; SLOTS],
         vec_dot_tile_tiled: [None; SLOTS],
         quantize: [None; SLOTS],
@@ -113,7 +115,7 @@ impl Kernels {
         let t = ty as usize;
         match self.path(ty, pos) {
             Path::Gemm4 => self.vec_dot_tile_gemm4[t],
-            Path::Gemv => None,
+            Path::Gemv => self.vec_dot_tile_gemv[t],
             Path::Tiled => self.vec_dot_tile_tiled[t],
             Path::Plain => self.vec_dot_tile[t],
         }

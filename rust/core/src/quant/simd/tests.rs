@@ -472,6 +472,7 @@ fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, 
         let plain = k.vec_dot_unpacked[t].or(k.vec_dot[t]);
         let slots = [
             ("plain", k.vec_dot_tile[t], plain),
+            ("gemv", k.vec_dot_tile_gemv[t], if k.repacked_q4 { k.vec_dot[t] } else { None }),
             ("gemm4", k.vec_dot_tile_gemm4[t], k.vec_dot_gemm4[t]),
             ("tiled", k.vec_dot_tile_tiled[t], k.vec_dot_tiled[t]),
         ];
@@ -484,7 +485,7 @@ fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, 
     out
 }
 
-/// Every tile kernel, in every shape 1..=4 x 1..=8 (the instanced ones and the one-at-a-time fallback), gives
+/// Every tile kernel, in every shape 1..=4 x 1..=9 (the instanced ones and the one-at-a-time fallback), gives
 /// the products of its single kernel bit for bit, on rows of 1, 3 and 11 blocks; a tile that does not fit its
 /// slices gives NaNs instead of reading out of bounds.
 // The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
@@ -503,9 +504,9 @@ fn dot_tiles_equal_single_products_bit_for_bit() {
             let n = nb * ty.block_size();
             let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
             let w: Vec<u8> = (0..4).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
-            let a: Vec<u8> = (0..8).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
+            let a: Vec<u8> = (0..9).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
             for nr in 1..=4 {
-                for nc in 1..=8 {
+                for nc in 1..=9 {
                     let mut out = vec![0.0f32; nr * nc];
                     tile(nb, &w, rb, nr, &a, ab, nc, &mut out);
                     for r in 0..nr {

@@ -23,6 +23,7 @@ mod kquants;
 mod legacy;
 mod orders;
 mod prims;
+mod steps;
 mod vecops;
 
 /// The AVX2 element-wise primitives, or `None` if this CPU lacks AVX2, FMA or F16C.
@@ -99,7 +100,9 @@ pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
     }
     if orders.repacked_q4 {
         k.vec_dot_tile_gemm4[GgmlType::Q4_K as usize] = Some(tile_q4_k_gemm);
+        k.vec_dot_tile_gemv[GgmlType::Q4_K as usize] = Some(tile_q4_k_gemv);
     }
+    k.vec_dot_tile[GgmlType::Q6_K as usize] = Some(tile_q6_k);
     if orders.tiled {
         k.vec_dot_tile_tiled[GgmlType::Q6_K as usize] = Some(tile_q6_k_tiled);
     }
@@ -310,6 +313,53 @@ tile_wrapper!(tile_q4_k_gemm, orders::vec_dot_q4_k_q8_k_repacked_gemm, Q4_K_BYTE
 tile_wrapper!(tile_q6_k_tiled, orders::vec_dot_q6_k_q8_k_tiled, Q6_K_BYTES, Q8_K_BYTES, [
     (1, 4) => orders::q6_k_tiled_1x4,
 ]);
+
+/// A `TileFn` over `$wb`-byte weight blocks and `$ab`-byte activation blocks for a kernel of one weight row and
+/// `C` = 2..=8 activation rows (`$kernel::<C>`): row by row, columns in groups of up to 8, a lone column by
+/// `$single` (so decode runs the single kernel itself). NaNs for a tile that does not fit its slices.
+macro_rules! row_tile_wrapper {
+    ($name:ident, $single:path, $kernel:ident, $wb:expr, $ab:expr) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $name(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
+            if !tile_fits(nb, w.len(), ws, nr, $wb, a.len(), as_, nc, $ab) || out.len() < nr * nc {
+                out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
+                return;
+            }
+            for r in 0..nr {
+                for c0 in (0..nc).step_by(8) {
+                    let k = (nc - c0).min(8);
+                    let dst = &mut out[r * nc + c0..r * nc + c0 + k];
+                    // SAFETY: reachable only through the checked table; weight row r and activation rows
+                    // c0 .. c0 + k hold `nb` blocks each (`tile_fits`).
+                    unsafe {
+                        let (x, y) = (w.as_ptr().add(r * ws), a.as_ptr().add(c0 * as_));
+                        match k {
+                            1 => dst[0] = $single(nb, x, y),
+                            2 => dst.copy_from_slice(&steps::$kernel::<2>(nb, x, y, as_)),
+                            3 => dst.copy_from_slice(&steps::$kernel::<3>(nb, x, y, as_)),
+                            4 => dst.copy_from_slice(&steps::$kernel::<4>(nb, x, y, as_)),
+                            5 => dst.copy_from_slice(&steps::$kernel::<5>(nb, x, y, as_)),
+                            6 => dst.copy_from_slice(&steps::$kernel::<6>(nb, x, y, as_)),
+                            7 => dst.copy_from_slice(&steps::$kernel::<7>(nb, x, y, as_)),
+                            _ => dst.copy_from_slice(&steps::$kernel::<8>(nb, x, y, as_)),
+                        }
+                    }
+                }
+            }
+        }
+    };
+}
+
+// The single-row kernels of repacked Q4_K (GEMV) and Q6_K over several activation rows: a weight block is
+// unpacked once for all of them (speculative decoding's verify rows, `RowOrder::AsSteps`).
+row_tile_wrapper!(
+    tile_q4_k_gemv,
+    orders::vec_dot_q4_k_q8_k_repacked,
+    q4_k_repacked_gemv_1xc,
+    Q4_K_BYTES,
+    Q8_K_BYTES
+);
+row_tile_wrapper!(tile_q6_k, kquants::vec_dot_q6_k_q8_k, q6_k_1xc, Q6_K_BYTES, Q8_K_BYTES);
 
 /// A `QuantizeFn` writing whole blocks of `$qk` elements / `$bytes` bytes with `$kernel`.
 macro_rules! quantize_wrapper {
