@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -14,7 +15,13 @@ from ninfer.engine import EngineThread
 
 class _SchedulerCollector(Collector):
     def __init__(self, sched: EngineThread):
-        self.sched = sched
+        self._sched = weakref.ref(sched)  # (the registry that holds this must not keep the thread alive)
+
+    @property
+    def sched(self) -> EngineThread:
+        sched = self._sched()
+        assert sched is not None, "a metrics scrape of a server that is gone"
+        return sched
 
     def collect(self) -> Iterator[Metric]:
         st = self.sched.stats
@@ -47,10 +54,14 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily("ninfer:requests_deferred", "Requests waiting for a slot", value=self.sched.deferred())
 
 
+# One registry per engine thread, made on the first scrape (and gone with the thread).
+_registries: weakref.WeakKeyDictionary[EngineThread, CollectorRegistry] = weakref.WeakKeyDictionary()
+
+
 def render(sched: EngineThread) -> tuple[bytes, str]:
-    registry = getattr(sched, "_metrics_registry", None)
+    registry = _registries.get(sched)
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_SchedulerCollector(sched))
-        sched._metrics_registry = registry  # type: ignore[attr-defined]
+        _registries[sched] = registry
     return generate_latest(registry), CONTENT_TYPE_LATEST
