@@ -8,9 +8,9 @@
 //!
 //! Under [`RowOrder::AsSteps`] each token's products are summed by the kernel a one-token matmul would use (its
 //! GEMV or plain dot product), still in tiles that read each weight block once for all tokens; for repacked Q4_K
-//! and Q6_K the tiles also unpack each block once for up to 8 tokens (`quant::simd`'s multi-row versions of
-//! the single-row kernels, every token summed as that kernel sums it). Activation quantization and the GSQ-RCO
-//! products are per token whatever the batch, so they need no such switch.
+//! and Q4_0 and for Q6_K the tiles also unpack each block once for up to 8 tokens (`quant::simd`'s multi-row
+//! versions of the single-row kernels, every token summed as that kernel sums it). Activation quantization and
+//! the GSQ-RCO products are per token whatever the batch, so they need no such switch.
 
 use rayon::prelude::*;
 

@@ -101,6 +101,7 @@ pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
     if orders.repacked_q4 {
         k.vec_dot_tile_gemm4[GgmlType::Q4_K as usize] = Some(tile_q4_k_gemm);
         k.vec_dot_tile_gemv[GgmlType::Q4_K as usize] = Some(tile_q4_k_gemv);
+        k.vec_dot_tile_gemv[GgmlType::Q4_0 as usize] = Some(tile_q4_0_gemv);
     }
     k.vec_dot_tile[GgmlType::Q6_K as usize] = Some(tile_q6_k);
     if orders.tiled {
@@ -350,7 +351,7 @@ macro_rules! row_tile_wrapper {
     };
 }
 
-// The single-row kernels of repacked Q4_K (GEMV) and Q6_K over several activation rows: a weight block is
+// The single-row kernels of repacked Q4_K and Q4_0 (GEMV) and Q6_K over several activation rows: a weight block is
 // unpacked once for all of them (speculative decoding's verify rows, `RowOrder::AsSteps`).
 row_tile_wrapper!(
     tile_q4_k_gemv,
@@ -360,6 +361,13 @@ row_tile_wrapper!(
     Q8_K_BYTES
 );
 row_tile_wrapper!(tile_q6_k, kquants::vec_dot_q6_k_q8_k, q6_k_1xc, Q6_K_BYTES, Q8_K_BYTES);
+row_tile_wrapper!(
+    tile_q4_0_gemv,
+    legacy::vec_dot_q4_0_q8_0_repacked,
+    q4_0_repacked_gemv_1xc,
+    Q4_0_BYTES,
+    Q8_0_BYTES
+);
 
 /// A `QuantizeFn` writing whole blocks of `$qk` elements / `$bytes` bytes with `$kernel`.
 macro_rules! quantize_wrapper {

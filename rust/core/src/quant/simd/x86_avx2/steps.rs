@@ -6,14 +6,14 @@
 //! Per super-block the weight block is unpacked once (nibbles or 6-bit codes, scales, mins) and applied to every
 //! column; per column the integer products are the single kernel's (`maddubs` pairs, `madd` with the same scale
 //! lanes; the integer sums are exact whatever their grouping) and the float steps are its own on the same
-//! values, in lanes side by side (repacked Q4_K) or in a register per column (Q6_K), with the same horizontal
+//! values, in lanes side by side (repacked Q4_K and Q4_0) or in a register per column (Q6_K), with the same horizontal
 //! reductions at the end.
 
 use std::arch::x86_64::*;
 
 use super::kquants::{f32_at, k4_min_prod, k4_mins_and_scales, q6_k_ints_unpacked, q6_k_unpack, shuffle_k4};
-use super::prims::{f16_at, f16_at_tail, hsum_float_8, load256, prefetch_ahead};
-use crate::quant::format::{Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, QK_K};
+use super::prims::{bytes_from_nibbles_32, f16_at, f16_at_tail, hsum_float_8, load256, prefetch_ahead};
+use crate::quant::format::{Q4_0_BYTES, Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, Q8_K_BYTES, QK_K};
 
 const Q8K_QS: usize = 4;
 const Q8K_BSUMS: usize = 4 + QK_K;
@@ -123,5 +123,47 @@ pub(super) unsafe fn q6_k_1xc<const C: usize>(nb: usize, x: *const u8, y: *const
     for (o, &a) in out.iter_mut().zip(&acc) {
         *o = hsum_float_8(a);
     }
+    out
+}
+
+/// [`super::legacy::vec_dot_q4_0_q8_0_repacked`] (llama.cpp's `ggml_gemv_q4_0_8x8_q8_0`, which its GEMM
+/// repeats) for one weight row and `C` activation rows (`ys` bytes apart, 1 <= C <= 8): per block the nibbles
+/// are unpacked once; per column the block's integer dot is exact (the single kernel's `sign`/`maddubs`/`madd`
+/// lanes), and the sequential chains `acc += isum * (d_x * d_y)` of four columns run in the lanes of one vector.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4_0_repacked_gemv_1xc<const C: usize>(
+    nb: usize,
+    x: *const u8,
+    y: *const u8,
+    ys: usize,
+) -> [f32; C] {
+    debug_assert!((1..=8).contains(&C));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm_setzero_ps(); 2]; // per group of 4 columns
+    for i in 0..nb {
+        let xb = x.add(i * Q4_0_BYTES);
+        let qx = _mm256_sub_epi8(bytes_from_nibbles_32(xb.add(2)), _mm256_set1_epi8(8));
+        let ax = _mm256_sign_epi8(qx, qx);
+        let dx = _mm_set1_ps(f16_at(xb));
+        for (g, acc) in acc.iter_mut().enumerate().take(C.div_ceil(4)) {
+            // Lanes past C stay zero (zero sums times a zero scale).
+            let mut isum = [_mm256_setzero_si256(); 4];
+            let mut dy = [0.0f32; 4];
+            for c in 0..(C - 4 * g).min(4) {
+                let yb = y.add((4 * g + c) * ys + i * Q8_0_BYTES);
+                dy[c] = f16_at(yb);
+                let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(load256(yb.add(2)), qx));
+                isum[c] = _mm256_madd_epi16(ones, p16);
+            }
+            let d = _mm_mul_ps(dx, _mm_loadu_ps(dy.as_ptr()));
+            *acc = _mm_fmadd_ps(_mm_cvtepi32_ps(hsums_4x8(isum)), d, *acc);
+        }
+    }
+    let mut all = [0.0f32; 8];
+    for (g, acc) in acc.iter().enumerate().take(C.div_ceil(4)) {
+        _mm_storeu_ps(all[4 * g..].as_mut_ptr(), *acc);
+    }
+    let mut out = [0.0f32; C];
+    out.copy_from_slice(&all[..C]);
     out
 }
