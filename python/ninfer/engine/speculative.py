@@ -195,7 +195,7 @@ class Speculator:
     then tries again."""
 
     PAUSE = 32  # steps a draft model sits out after speculation did not pay (n-gram lookup: a quarter)
-    EMA = 0.5  # weight of the newest measurement: a few slow steps are enough to stop
+    EMA = 0.3  # weight of the newest measurement: a few slow steps in a row are enough to stop
 
     def __init__(self, proposer: Proposer, config: SpecConfig):
         self.proposer = proposer
