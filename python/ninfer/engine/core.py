@@ -25,7 +25,7 @@ from ninfer import _core
 from ninfer.engine.backend import Backend
 from ninfer.engine.output import LIMIT, Finish, OutputText
 from ninfer.engine.policy import PromptsAlone, SlotView
-from ninfer.engine.request import DeadlineError, Probs, Request, Result
+from ninfer.engine.request import DeadlineError, Probs, Request, Result, reusable_prefix
 from ninfer.engine.speculative import SpecConfig, Speculator
 from ninfer.errors import NinferError
 from ninfer.tokenizer import Tokenizer
@@ -175,7 +175,7 @@ class EngineCore:
                 req.emit("error", DeadlineError("the request waited in the queue past its deadline"))
                 continue
             if req.params.cache_prompt:
-                slot = max(free, key=lambda s: (_shared(s.kv_tokens, req.prompt), -len(s.kv_tokens)))
+                slot = max(free, key=lambda s: (reusable_prefix(s.kv_tokens, req.prompt), -len(s.kv_tokens)))
             else:
                 slot = min(free, key=lambda s: len(s.kv_tokens))
             slot.req = req
@@ -184,7 +184,7 @@ class EngineCore:
 
     def _start(self, slot: _Slot, req: Request) -> None:
         p = req.params
-        keep = _shared(slot.kv_tokens, req.prompt) if p.cache_prompt else 0
+        keep = reusable_prefix(slot.kv_tokens, req.prompt) if p.cache_prompt else 0
         self.backend.truncate(slot.index, keep)
         if keep == 0:
             self.backend.remove(slot.index)
@@ -397,13 +397,3 @@ def _log_failure(what: str, e: Exception) -> None:
         log.info("%s: %s", what, e)
     else:
         log.exception(what)
-
-
-def _shared(cached: list[int], prompt: list[int]) -> int:
-    """How many of the prompt's tokens, all but its last (whose logits the step needs), the cache holds already."""
-    n = 0
-    for a, b in zip(cached, prompt[:-1]):
-        if a != b:
-            break
-        n += 1
-    return n

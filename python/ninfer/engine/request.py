@@ -117,3 +117,13 @@ class AsyncRequest(Request):
                 pass
 
         super().__init__(prompt, params, deliver, deadline=deadline, stream=stream)
+
+
+def reusable_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many of the prompt's tokens, all but its last (whose logits the step needs), the cache holds already."""
+    n = 0
+    for a, b in zip(cached, prompt[:-1]):
+        if a != b:
+            break
+        n += 1
+    return n

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ninfer.engine.request import reusable_prefix
 from ninfer.errors import InvalidArgumentError
 
 SPEC_TYPES = ("draft", "ngram")
@@ -121,11 +122,7 @@ class DraftProposer:
 
     def sync(self, slot: int, history: list[int]) -> int:
         cached = self._cached.get(slot, [])
-        keep = 0
-        for a, b in zip(cached, history[:-1]):  # (at least the last token is evaluated: its logits are needed)
-            if a != b:
-                break
-            keep += 1
+        keep = reusable_prefix(cached, history)
         if keep == len(history) - 1 and len(cached) == len(history) and slot in self._logits:
             return 0  # (the draft evaluated exactly this history last time: its logits are at hand)
         self.draft.truncate(slot, keep)
