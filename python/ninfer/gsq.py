@@ -30,8 +30,9 @@ from ninfer.gsq_calibration import (BUILTIN_CALIBRATION, CALIB_CHUNKS, CALIB_CTX
                                     MEASURE_CHUNKS, calibration_chunks_of, collect_importances, load_importances,
                                     quantize_with_feedback, read_calib_text)
 from ninfer.gsq_file import GROUP, add_container_metadata, checksum, fill_tensor_infos
-from ninfer.gsq_plan import (DEFAULT_SIZE, Policy, allocate, budget_bytes, default_policy, fixed_policy, measure,
-                             parse_size, parse_tensor_types, policy_bytes, quick_importances, target_bytes)
+from ninfer.gsq_plan import (DEFAULT_SIZE, Policy, allocate, budget_bytes, counts_of, default_policy, fixed_policy,
+                             hot_ids, measure, parse_size, parse_tensor_types, policy_bytes, quick_importances,
+                             target_bytes)
 from ninfer.quant_mix import aligned
 
 
@@ -110,11 +111,14 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
     if asymmetric and not sequential:
         raise InvalidArgumentError("--gptq-asymmetric needs --gptq-sequential")
     chunks: list[list[int]] = []
+    token_counts = None  # per token id over the whole calibration text: which embedding rows it looks up most
     if calib_file is not None:
         from ninfer.tokenizer import Tokenizer
 
         text = read_calib_text(calib_file)
-        chunks = calibration_chunks_of(Tokenizer.from_metadata(md).encode(text), CALIB_CTX, calib_chunks)
+        tokens = Tokenizer.from_metadata(md).encode(text)
+        chunks = calibration_chunks_of(tokens, CALIB_CTX, calib_chunks)
+        token_counts = np.bincount(np.asarray(tokens, np.int64), minlength=1)
         calib_tokens = sum(map(len, chunks))
     elif importances_file is not None:
         importances = load_importances(importances_file, mf)
@@ -131,7 +135,10 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
         add_container_metadata(w, [t.name for t, _ in plans], residual_bits=residual_bits, steps=steps, seed=seed,
                                calibration=calibration)
         for t, pol in plans:
-            if pol.kind != "keep":
+            if pol.hot:  # a split embedding: one I8 tensor of ids and rows (model/embedding.rs)
+                n = policy_bytes(t, pol)
+                w.add_tensor_info(t.name, (n,), np.dtype(np.int8), n, raw_dtype=gguf.GGMLQuantizationType.I8)
+            elif pol.kind != "keep":
                 cols, rows = t.dims
                 row_bytes = target_bytes(cols, pol)
                 w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.int8 if pol.kind == "gsq" else np.uint8),
@@ -154,7 +161,7 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
             np.savez(save_importances, **importances)
     tmp = dst.with_name(dst.name + ".partial")
     plans = _plan(mf, overrides, size, n_layer, chunks, importances, threads=threads, log=log, verbose=verbose,
-                  header_bytes=lambda: _header_bytes(begin, mf))
+                  header_bytes=lambda: _header_bytes(begin, mf), token_counts=token_counts)
     seq = None
     if sequential:
         from ninfer.gsq_sequential import SequentialCalibration
@@ -186,7 +193,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
-                if pol.kind == "q2_k":  # importances only: the error feedback is written for GSQ-RCO records
+                if pol.hot:
+                    data, st, wf_read = _split_embedding(mf, t, wf, h, pol.hot, token_counts, steps, threads)
+                elif pol.kind == "q2_k":  # importances only: the error feedback is written for GSQ-RCO records
                     data, st = _core.q2_k_quantize(wf, h, steps=steps, threads=threads)
                 elif gram is not None:
                     data, st = quantize_with_feedback(wf, gram, bits=pol.bits, slots=pol.slots,
@@ -197,11 +206,15 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
                                                   threads=threads)
                 del wf
                 if seq is not None:
-                    seq.set_weight(t.name, _dequantize_target(data, rows, cols, pol))
+                    seq.set_weight(t.name, wf_read if pol.hot else _dequantize_target(data, rows, cols, pol))
+                if pol.hot:
+                    del wf_read
                 bpw = 8 * data.size / (rows * cols)
                 errs = dict(err=st["err"] / max(st["weight"], 1e-30), err_rtn=st["err_rtn"] / max(st["weight"], 1e-30))
                 if pol.kind == "gsq":
                     info.update(type="GSQ-RCO", bits=pol.bits, slots=pol.slots, bpw=round(bpw, 4), **errs)
+                elif pol.hot:
+                    info.update(type="Q2_K", hot_rows=pol.hot, hot_type=t.type_name, bpw=round(bpw, 4), **errs)
                 else:
                     info.update(type="Q2_K", bpw=round(bpw, 4), **errs)
                 for k in ("weight", "err", "err_rtn"):
@@ -218,7 +231,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
             done_bytes += t.n_bytes
             el = time.perf_counter() - t0
             if verbose and pol.kind != "keep":
-                kind = f"{pol.bits}-bit  slots {pol.slots}" if pol.kind == "gsq" else "Q2_K"
+                kind = f"{pol.bits}-bit  slots {pol.slots}" if pol.kind == "gsq" else \
+                    f"Q2_K, {pol.hot} rows {t.type_name}" if pol.hot else "Q2_K"
                 log(f"{t.name:32s} {info['bpw']:.3f} bpw  {kind}  "
                     f"weighted error {info['err_rtn']:.3e} -> {info['err']:.3e}")
             elif not verbose:
@@ -255,7 +269,8 @@ def _header_bytes(begin: Callable[[Path, list[tuple[Any, Policy]]], Any], mf: An
 
 def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None, n_layer: int,
           chunks: list[list[int]], importances: dict[str, np.ndarray], *, threads: int,
-          log: Callable[[str], None], verbose: bool, header_bytes: Callable[[], int]) -> list[tuple[Any, Policy]]:
+          log: Callable[[str], None], verbose: bool, header_bytes: Callable[[], int],
+          token_counts: np.ndarray | None = None) -> list[tuple[Any, Policy]]:
     """Every tensor's treatment: an override's where one matches, else the size preset's choice by measured error
     within its budget (gsq_plan.allocate), or the per-kind default policy without a size."""
     fixed: dict[str, Policy] = {}
@@ -267,6 +282,10 @@ def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None
         if pol is None:
             free.append(t)
         else:
+            if pol.hot and not (t.name == "token_embd.weight" and "output.weight" in {u.name for u in mf.tensors}
+                                and 0 < pol.hot < t.dims[1]):
+                raise InvalidArgumentError(f"--tensor-type {t.name}=q2_k:{pol.hot}: hot rows are for an untied token "
+                                           f"embedding, fewer than its {t.dims[-1]} rows")
             fixed[t.name] = fixed_policy(t, pol)
     if free:
         names = {t.name for t in mf.tensors}
@@ -276,7 +295,8 @@ def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None
         if chunks and not importances:
             importances = quick_importances(mf, chunks[:: max(1, len(chunks) // MEASURE_CHUNKS)][:MEASURE_CHUNKS],
                                             log)
-        chosen = allocate(measure(mf, free, tied, importances, threads=threads, log=log), budget)
+        chosen = allocate(measure(mf, free, tied, importances, threads=threads, log=log, token_counts=token_counts),
+                          budget)
         for t in free:
             c = chosen[t.name]
             fixed[t.name] = c.policy
@@ -284,6 +304,27 @@ def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None
                 log(f"size {size}: {t.name:32s} {c.policy!s:8s} {8 * c.bytes / t.n_elements:.3f} bpw  "
                     f"measured error {c.err:.3e}")
     return [(t, fixed[t.name]) for t in mf.tensors]
+
+
+def _split_embedding(mf: Any, t: Any, wf: np.ndarray, h: np.ndarray, n_hot: int, token_counts: np.ndarray | None,
+                     steps: int, threads: int) -> tuple[np.ndarray, dict[str, float], np.ndarray]:
+    """A split embedding's bytes (model/embedding.rs: the hot ids, their rows as the source stores them, the other
+    rows as Q2_K), its statistics over the whole table (hot rows exact) and its values as the engine reads them."""
+    cols, rows = t.dims
+    ids = hot_ids(counts_of(token_counts, rows), n_hot)
+    cold = np.ones(rows, bool)
+    cold[ids] = False
+    cold_data, st = _core.q2_k_quantize(np.ascontiguousarray(wf[cold]), h, steps=steps, threads=threads)
+    hot_raw = np.asarray(mf.raw(t)).reshape(rows, -1)[ids]
+    data = np.concatenate([ids.astype("<u4").view(np.uint8), hot_raw.reshape(-1).view(np.uint8),
+                           cold_data.reshape(-1).view(np.uint8)]).view(np.int8)
+    hot_weight = float((wf[ids].astype(np.float64) ** 2 * h).sum())
+    st = {k: float(v) for k, v in st.items()}
+    st["weight"] += hot_weight
+    read = wf.copy()
+    read[cold] = _core.dequantize(int(GGMLQuantizationType.Q2_K), cold_data.tobytes(),
+                                  int(cold.sum()) * cols).reshape(-1, cols)
+    return data, st, read
 
 
 def _dequantize_target(data: np.ndarray, rows: int, cols: int, pol: Policy) -> np.ndarray:

@@ -32,7 +32,9 @@ def add_convert_args(p: Any) -> None:
                         f"{DEFAULT_SIZE}) or bits per weight (e.g. 3.9); each tensor's treatment is chosen by measured "
                         "error within it. 'none': the per-kind default policy, no budget")
     p.add_argument("--tensor-type", action="append", default=[], metavar="REGEX=TYPE",
-                   help="override a tensor's treatment: keep, q2_k or gsq[3|4][:SLOTS] (first match wins)")
+                   help="override a tensor's treatment: keep, q2_k[:HOT_ROWS] (HOT_ROWS: an untied token "
+                        "embedding's most looked-up rows kept in the source type) or gsq[3|4][:SLOTS] (first match "
+                        "wins)")
     p.add_argument("--calib-file", default=None, metavar="TEXT",
                    help="calibration text: weigh errors by each input's mean squared activation over it (imatrix); "
                         "default: the built-in text (code, prose and other languages)")

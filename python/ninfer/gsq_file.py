@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ninfer import _core
 from ninfer.errors import SHOWN_CHARS, ModelFileError, shown
@@ -192,6 +192,8 @@ def _check_entry(where: str, entry: dict[str, Any], stored: tuple) -> dict[str, 
     field("bpw", lambda v: _is_number(v) and 0 <= v < math.inf, "expected bits per weight")
     for name in ("err", "err_rtn"):
         field(name, lambda v: v is None or _is_number(v), "expected a number or null", required=False)
+    if kind == "Q2_K" and "hot_rows" in entry:
+        return _check_split_embedding(where, entry, field, type_id, type_name, dims, n_bytes)
     if kind != "GSQ-RCO":
         if kind != type_name:
             raise ModelFileError(f"{where}: type is {shown(kind, 60)}; the tensor is stored as {type_name}")
@@ -211,6 +213,26 @@ def _check_entry(where: str, entry: dict[str, Any], stored: tuple) -> dict[str, 
     if [row_bytes, rows] != list(dims) or rows * row_bytes != n_bytes:
         raise ModelFileError(f"{where}: shape {shown([cols, rows], 40)} ({bits}-bit codes, {slots} slots) does not "
                              f"match the stored I8 records, dims {shown(list(dims), 40)}")
+    return entry
+
+
+def _check_split_embedding(where: str, entry: dict[str, Any], field: Any, type_id: int, type_name: str,
+                           dims: Any, n_bytes: int) -> dict[str, Any]:
+    """A token embedding split by rows (model/embedding.rs): `hot_rows` rows of `hot_type`, the others Q2_K, all in
+    one I8 tensor of exactly their bytes."""
+    cols, rows = field("shape", lambda v: isinstance(v, list) and len(v) == 2 and all(_is_int(d) and d > 0 for d in v),
+                       "expected [row length, rows], two positive integers")
+    hot_type = field("hot_type", lambda v: isinstance(v, str) and v in GGMLQuantizationType.__members__,
+                     "expected a GGML type name")
+    hot = field("hot_rows", lambda v: _is_int(v) and 0 < v < rows, f"expected 1..{rows - 1} rows")
+    sizes = [GGML_QUANT_SIZES[GGMLQuantizationType[t]] for t in (hot_type, "Q2_K")]
+    if any(cols % block for block, _ in sizes):
+        raise ModelFileError(f"{where}: rows of {cols} are not whole {hot_type} and Q2_K blocks")
+    (hb, hs), (cb, cs) = sizes
+    want = 4 * hot + hot * (cols // hb * hs) + (rows - hot) * (cols // cb * cs)
+    if type_id != GGMLQuantizationType.I8 or n_bytes != want:
+        raise ModelFileError(f"{where}: a split embedding stored as {type_name} of {n_bytes} bytes, not I8 of {want} "
+                             f"({hot} ids and {hot_type} rows, {rows - hot} Q2_K rows)")
     return entry
 
 

@@ -37,15 +37,18 @@ MEASURE_STEPS = 4  # RCO steps when measuring: the choices' order is settled by 
 @dataclass(frozen=True)
 class Policy:
     """What happens to one tensor: 'gsq' with `bits`-bit codes and `slots` residual slots per record, 'q2_k'
-    (llama.cpp's 2-bit k-quant, written by the same optimiser: for a token embedding that tolerates 2.625 bits),
-    or 'keep' the source type."""
+    (llama.cpp's 2-bit k-quant, written by the same optimiser: for a token embedding that tolerates 2.625 bits; with
+    `hot` rows of it kept in the source's type, embedding.rs's split rows), or 'keep' the source type."""
 
     kind: str
     bits: int = 3
     slots: int = 0
+    hot: int = 0  # 'q2_k' of a token embedding: rows kept in the source's type, those text looks up most
 
     def __str__(self) -> str:
-        return f"gsq{self.bits}:{self.slots}" if self.kind == "gsq" else self.kind
+        if self.kind == "gsq":
+            return f"gsq{self.bits}:{self.slots}"
+        return f"q2_k:{self.hot}" if self.hot else self.kind
 
 
 def default_policy(name: str, dims: tuple[int, ...], n_layer: int) -> Policy:
@@ -72,16 +75,20 @@ def parse_tensor_types(specs: Sequence[str]) -> list[tuple[re.Pattern[str], Poli
             rx = re.compile(pattern)
         except re.error as e:
             raise InvalidArgumentError(f"--tensor-type {spec!r}: bad regular expression: {e}") from None
-        m = re.fullmatch(r"keep|q2_k|gsq([34]?)(?::(\d+))?", ty.lower())
+        m = re.fullmatch(r"keep|q2_k(?::(\d+))?|gsq([34]?)(?::(\d+))?", ty.lower())
         if not m:
-            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep, q2_k or gsq[3|4][:SLOTS]")
-        if ty.lower() in ("keep", "q2_k"):
-            out.append((rx, Policy(ty.lower())))
+            raise InvalidArgumentError(f"--tensor-type {spec!r}: TYPE must be keep, q2_k[:HOT_ROWS] or "
+                                       "gsq[3|4][:SLOTS]")
+        if ty.lower() == "keep":
+            out.append((rx, Policy("keep")))
             continue
-        slots = int(m.group(2)) if m.group(2) else 2
+        if ty.lower().startswith("q2_k"):
+            out.append((rx, Policy("q2_k", hot=int(m.group(1) or 0))))
+            continue
+        slots = int(m.group(3)) if m.group(3) else 2
         if slots > 16 or slots % 2:
             raise InvalidArgumentError(f"--tensor-type {spec!r}: slots must be even and at most 16")
-        out.append((rx, Policy("gsq", int(m.group(1) or 3), slots)))
+        out.append((rx, Policy("gsq", int(m.group(2) or 3), slots)))
     return out
 
 
@@ -119,25 +126,61 @@ def fits(t: Any, pol: Policy) -> bool:
 
 
 def policy_bytes(t: Any, pol: Policy) -> int:
-    return t.n_bytes if pol.kind == "keep" else target_bytes(t.n_elements, pol)
+    """Bytes of tensor `t` under `pol` (a split embedding's ids, hot rows in the source type and Q2_K rows)."""
+    if pol.kind == "keep":
+        return t.n_bytes
+    if pol.hot:
+        cols, rows = t.dims
+        return 4 * pol.hot + pol.hot * (t.n_bytes // rows) + target_bytes((rows - pol.hot) * cols, pol)
+    return target_bytes(t.n_elements, pol)
+
+
+def hot_ids(counts: np.ndarray, n: int) -> np.ndarray:
+    """The `n` token ids a split embedding keeps in the source type, ascending: the most frequent in the calibration
+    text (`counts` per id), then the lowest ids (a BPE vocabulary lists its frequent merges first)."""
+    order = np.lexsort((np.arange(len(counts)), -counts.astype(np.int64)))
+    return np.sort(order[:n]).astype(np.uint32)
+
+
+def counts_of(token_counts: np.ndarray | None, rows: int) -> np.ndarray:
+    """A count per row of an embedding from the calibration text's count per token id (none: zeros)."""
+    counts = np.zeros(rows, np.int64)
+    if token_counts is not None:
+        counts[: min(rows, len(token_counts))] = token_counts[:rows]
+    return counts
+
+
+def cold_share(counts: np.ndarray, n: int) -> float:
+    """The share of lookups a split embedding with `n` hot rows leaves to its Q2_K rows: counts from the calibration
+    text plus one per token (so a row the text never shows still counts), outside hot_ids."""
+    smoothed = counts.astype(np.float64) + 1.0
+    hot = hot_ids(counts, n)
+    return float((smoothed.sum() - smoothed[hot].sum()) / smoothed.sum())
 
 
 def fixed_policy(t: Any, pol: Policy) -> Policy:
     """`pol` as the converter applies it: a vector or ragged row keeps its type, and so does a tensor whose source
     type takes no more bytes than the policy (it is exact and no larger: a source Q4_K tensor under 4-bit GSQ-RCO)."""
-    if pol.kind == "keep" or not fits(t, pol) or t.n_bytes <= target_bytes(t.n_elements, pol):
+    if pol.kind == "keep" or not fits(t, pol) or t.n_bytes <= policy_bytes(t, pol):
         return Policy("keep")
     return pol
 
 
 def candidates(t: Any, tied: bool) -> list[Policy]:
     """The treatments a size preset chooses among for tensor `t`: none but keep for a vector or a ragged row; Q2_K
-    only for an untied token embedding (a lookup table: its error enters once; a tied one is also the head);
+    only for an untied token embedding (a lookup table: its error enters once; a tied one is also the head), with
+    or without hot rows;
     choices that take at least the source's bytes are dropped (keeping it is exact)."""
     opts = [Policy("gsq", 3, 0), Policy("gsq", 3, 2), Policy("gsq", 3, 6), Policy("gsq", 4, 0), Policy("gsq", 4, 4)]
     if t.name == "token_embd.weight" and not tied:
-        opts.insert(0, Policy("q2_k"))
-    return [p for p in opts if fits(t, p) and target_bytes(t.n_elements, p) < t.n_bytes] + [Policy("keep")]
+        opts[:0] = [Policy("q2_k")] + [Policy("q2_k", hot=n) for n in HOT_ROWS if n <= t.dims[1] // 4]
+    return [p for p in opts if fits(t, p) and policy_bytes(t, p) < t.n_bytes] + [Policy("keep")]
+
+
+# A split embedding's hot-row counts to choose among (a quarter of the vocabulary at most). Measured on
+# Qwen2.5-Coder-1.5B (docs/gsq-rco.md "Hot embedding rows"): 32,768 hot rows took back 82% of what the Q2_K
+# embedding cost and 16,384 only 47%, for a byte cost that the measured errors then weigh against the layers'.
+HOT_ROWS = (32768,)
 
 
 # How much a unit of relative error costs in the output head and the token embedding, against a layer matrix's:
@@ -166,8 +209,10 @@ def sample_rows(mf: Any, t: Any, n_weights: int = MEASURE_WEIGHTS) -> np.ndarray
 
 
 def measure(mf: Any, tensors: Sequence[Any], tied: bool, importances: dict[str, np.ndarray], *, threads: int,
-            log: Callable[[str], None]) -> dict[str, list[Choice]]:
-    """Each tensor's candidate treatments with their bytes and error on sampled rows."""
+            log: Callable[[str], None], token_counts: np.ndarray | None = None) -> dict[str, list[Choice]]:
+    """Each tensor's candidate treatments with their bytes and error on sampled rows. A split embedding's error is
+    its Q2_K rows' error times the share of lookups they get (cold_share over `token_counts`, the calibration
+    text's count per token id; none: every token alike)."""
     out: dict[str, list[Choice]] = {}
     t0 = time.perf_counter()
     for t in tensors:
@@ -180,14 +225,18 @@ def measure(mf: Any, tensors: Sequence[Any], tied: bool, importances: dict[str, 
             h = importances.get(t.name)
             if h is None or h.shape != (w.shape[1],):
                 h = np.ones(w.shape[1], np.float32)
+            q2_k_err = None
             for pol in opts[:-1]:
                 if pol.kind == "q2_k":
-                    _, st = _core.q2_k_quantize(w, h, steps=MEASURE_STEPS, threads=threads)
+                    if q2_k_err is None:
+                        _, st = _core.q2_k_quantize(w, h, steps=MEASURE_STEPS, threads=threads)
+                        q2_k_err = st["err"] / max(st["weight"], 1e-30)
+                    err = q2_k_err * (cold_share(counts_of(token_counts, t.dims[1]), pol.hot) if pol.hot else 1.0)
                 else:
                     _, st = _core.gsq_quantize(w, h, bits=pol.bits, slots=pol.slots, steps=MEASURE_STEPS,
                                                threads=threads)
-                err = st["err"] / max(st["weight"], 1e-30)
-                choices.append(Choice(pol, target_bytes(t.n_elements, pol), err, scale * err))
+                    err = st["err"] / max(st["weight"], 1e-30)
+                choices.append(Choice(pol, policy_bytes(t, pol), err, scale * err))
         out[t.name] = choices
     log(f"size preset: measured {sum(len(c) - 1 for c in out.values())} choices of {len(out)} tensors in "
         f"{time.perf_counter() - t0:.1f} s")

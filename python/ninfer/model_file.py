@@ -66,13 +66,15 @@ class ModelFile:
     @cached_property
     def tensors(self) -> list[TensorEntry]:
         """The tensor index. GSQ-RCO matrices (stored as I8 records) appear with their logical shape and the type
-        name "GSQ-RCO" (docs/gsq-rco.md)."""
+        name "GSQ-RCO", a split embedding with its logical shape and "Q2_K+<hot rows' type>" (docs/gsq-rco.md)."""
         out = []
         for n, t, tn, d, o, b in self.gguf.tensors():
             g = self.gsq_infos.get(n)
             gsq = None
             if g is not None and g["type"] == "GSQ-RCO":
                 tn, d, gsq = "GSQ-RCO", g["shape"], (g["bits"], g["slots"])
+            elif g is not None and "hot_rows" in g:  # a split embedding: its logical shape (model/embedding.rs)
+                tn, d = "Q2_K+" + g["hot_type"], g["shape"]
             out.append(TensorEntry(n, t, tn, tuple(d), o, b, gsq))
         return out
 
@@ -97,6 +99,10 @@ class ModelFile:
         """The executor spec (raises UnsupportedModelError for architectures ninfer cannot run)."""
         spec = build_spec(self.metadata, {t.name: t.dims for t in self.tensors}, str(self.path))
         spec["gsq"] = self.gsq_layouts()
+        split = self.gsq_infos.get(spec["token_embd"], {})
+        if "hot_rows" in split:
+            spec["embd_split"] = (int(GGMLQuantizationType[split["hot_type"]]), split["hot_rows"],
+                                  int(GGMLQuantizationType.Q2_K))
         return spec
 
     def type_name(self, type_id: int) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ninfer import _core
 from ninfer.backends import budget as budget_mod
@@ -138,11 +139,28 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers):
         for i, t in enumerate(tokens):
             if not 0 <= t < s["n_vocab"]:
                 raise InvalidArgumentError(f"token id {t} is out of range for a vocabulary of {s['n_vocab']}")
-            a = self.tensors[s["token_embd"]].offset + t * self.embd_row_bytes
-            out[i] = _core.dequantize(self.embd_type, bytes(self._map[a : a + self.embd_row_bytes]), e)
+            ty, a, n = self._embd_row(t)
+            out[i] = _core.dequantize(ty, bytes(self._map[a : a + n]), e)
         if s["embd_scale"] != 1.0:
             out *= np.float32(s["embd_scale"])
         return out
+
+    def _embd_row(self, t: int) -> tuple[int, int, int]:
+        """(type id, offset in the file, bytes) of token t's embedding row; a split embedding (model/embedding.rs)
+        holds the hot ids, their rows, then the other rows in token order."""
+        base = self.tensors[self.spec["token_embd"]].offset
+        split = self.spec.get("embd_split")
+        if not split:
+            return self.embd_type, base + t * self.embd_row_bytes, self.embd_row_bytes
+        hot_type, n_hot, cold_type = split
+        e = int(self.spec["n_embd"])
+        hot_rb, cold_rb = (e // GGML_QUANT_SIZES[ty][0] * GGML_QUANT_SIZES[ty][1]
+                           for ty in map(GGMLQuantizationType, (hot_type, cold_type)))
+        ids = np.frombuffer(self._map, dtype="<u4", count=n_hot, offset=base)
+        i = int(np.searchsorted(ids, t))
+        if i < n_hot and int(ids[i]) == t:
+            return hot_type, base + 4 * n_hot + i * hot_rb, hot_rb
+        return cold_type, base + 4 * n_hot + n_hot * hot_rb + (t - i) * cold_rb, cold_rb
 
     def forward(self, batch: list[tuple[int, list[int]]], logit_rows: list[int]) -> np.ndarray:
         self._drain()

@@ -79,6 +79,9 @@ struct Spec {
     /// (tensor name, code bits, residual slots per record) of each GSQ-RCO matrix.
     #[pyo3(default)]
     gsq: Option<Vec<(String, usize, usize)>>,
+    /// (hot rows' type id, hot rows, other rows' type id) of a token embedding split by rows.
+    #[pyo3(default)]
+    embd_split: Option<(u32, usize, u32)>,
 }
 
 impl From<Layer> for LayerSpec {
@@ -129,6 +132,7 @@ impl From<Spec> for ModelSpec {
             output: s.output,
             layers: s.layers.into_iter().map(LayerSpec::from).collect(),
             gsq: s.gsq.unwrap_or_default(),
+            embd_split: s.embd_split,
         }
     }
 }

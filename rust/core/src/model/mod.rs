@@ -1,6 +1,7 @@
 //! A loaded model: its spec, its weights (mostly views into the GGUF map) and the thread pool it computes on.
 
 pub mod act_stats;
+pub mod embedding;
 pub mod spec;
 pub mod weights;
 

@@ -66,4 +66,6 @@ pub struct ModelSpec {
     /// GSQ-RCO matrices: (tensor name, code bits, residual slots per record). The file stores their records as raw I8
     /// tensors; everything else about them (role, logical shape) is as for any matrix.
     pub gsq: Vec<(String, usize, usize)>,
+    /// Some when the token embedding's rows are split into hot rows and the others (embedding.rs).
+    pub embd_split: Option<super::embedding::SplitLayout>,
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
+use super::embedding::{Embedding, SplitRows};
 use super::spec::ModelSpec;
 use crate::error::{Error, Result};
 use crate::gguf::{ggml_type_layout, GgufFile};
@@ -118,7 +119,7 @@ impl Weights {
 }
 
 pub struct Weights {
-    pub token_embd: Matrix,
+    pub token_embd: Embedding,
     pub output_norm: Vec<f32>,
     pub output: Matrix,
     pub layers: Vec<LayerWeights>,
@@ -232,7 +233,17 @@ impl Weights {
         let q_dim = spec.n_head * spec.head_dim;
         let k_dim = spec.n_head_kv * spec.head_dim;
         let v_dim = spec.n_head_kv * spec.head_dim_v;
-        let token_embd = ld.matrix(&spec.token_embd, e, Some(spec.n_vocab))?;
+        let token_embd = match spec.embd_split {
+            Some(layout) => Embedding::Split(SplitRows::load(file, &spec.token_embd, layout, e, spec.n_vocab)?),
+            None => Embedding::Matrix(ld.matrix(&spec.token_embd, e, Some(spec.n_vocab))?),
+        };
+        if spec.embd_split.is_some() && spec.output == spec.token_embd {
+            return Err(Error::BadModel(format!(
+                "{}: the token embedding {} is split by rows, so it cannot be the output head too",
+                file.path.display(),
+                spec.token_embd
+            )));
+        }
         let output = ld.matrix(&spec.output, e, Some(spec.n_vocab))?;
         // No layers is allowed: the CPU half of a split model can hold just the output head.
         let n_ff = match spec.layers.first() {
