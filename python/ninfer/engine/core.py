@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 from ninfer import _core
 from ninfer.engine.backend import Backend
-from ninfer.engine.output import LIMIT, Finish, OutputText
+from ninfer.engine.output import EOS, LIMIT, Finish, OutputText
 from ninfer.engine.policy import PromptsAlone, SlotView
 from ninfer.engine.request import DeadlineError, Probs, Request, Result, reusable_prefix
 from ninfer.engine.speculative import SpecConfig, Speculator
 from ninfer.errors import NinferError
+from ninfer.structured import Constraint
 from ninfer.tokenizer import Tokenizer
 
 log = logging.getLogger("ninfer.engine")
@@ -48,6 +49,7 @@ class _Slot:
         self.draft_n = self.draft_accepted = 0  # tokens drafted for this request, and of them accepted
         self.t_start = self.t_first = 0.0
         self.predict_deadline = 0.0  # monotonic time after which generation stops (0: none)
+        self.constraint: Constraint | None = None  # the request's grammar state (constrained decoding)
 
     @property
     def busy(self) -> bool:
@@ -203,7 +205,9 @@ class EngineCore:
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
         try:
             args = p.sampler_args()
-            slot.argmax = p.n_probs == 0 and _core.Sampler(seed=seed, **args).is_greedy
+            slot.constraint = p.grammar.start() if p.grammar is not None else None
+            slot.argmax = (p.n_probs == 0 and slot.constraint is None
+                           and _core.Sampler(seed=seed, **args).is_greedy)
             self.sampler.configure(slot.index, seed=seed, n_probs=p.n_probs, **args)
             self.sampler.accept(slot.index, req.prompt)
         except Exception as e:
@@ -241,7 +245,8 @@ class EngineCore:
         s.predict_deadline = time.monotonic() + ms / 1e3 if ms > 0 else 0.0
         self.stats["prompt_tokens"] += len(req.prompt) - s.cached_n
         self.stats["prompt_s"] += s.t_first - s.t_start
-        self._on_token(s, *self.sampler.sample(s.index, logits))
+        if self._set_mask(s):
+            self._on_token(s, *self.sampler.sample(s.index, logits))
 
     def _decode(self, slots: list[_Slot]) -> None:
         if not slots:
@@ -262,7 +267,7 @@ class EngineCore:
                 p_min = s.req.params.speculative.p_min if isinstance(s.req.params.speculative, SpecConfig) else None
                 drafts[s.index] = proposer.propose(s.index, history, n, p_min)[:n]
                 propose_s[s.index] = time.perf_counter() - t0
-        plain = [s for s in slots if not drafts.get(s.index)]
+        plain = [s for s in slots if not drafts.get(s.index) and self._set_mask(s)]
         if plain:
             t0 = time.perf_counter()
             batch = [(s.index, s.next_input) for s in plain]
@@ -286,7 +291,8 @@ class EngineCore:
         """How many tokens to draft for a slot now: 0 for sampled requests, within its budget and the context."""
         assert self.speculator is not None and s.req is not None and s.output is not None
         spec = s.req.params.speculative
-        if spec is False or s.req.params.n_probs > 0:  # (log-probabilities are reported by plain steps only)
+        # (log-probabilities are reported by plain steps only; a grammar's mask is for one token at a time)
+        if spec is False or s.req.params.n_probs > 0 or s.constraint is not None:
             return 0
         out = s.output
         room = min(out.budget - len(out.tokens), self.limits.n_ctx - len(s.kv_tokens) - 1) - 1
@@ -335,12 +341,30 @@ class EngineCore:
                 if s.req is None:  # finished (end of generation, a stop string, the budget)
                     break
 
+    def _set_mask(self, s: _Slot) -> bool:
+        """Hand a constrained slot's allowed tokens to its sampler for the next draw; False (the request failed)
+        if its grammar could not say."""
+        if s.constraint is not None:
+            try:
+                self.sampler.set_mask(s.index, s.constraint.mask())
+            except NinferError as e:
+                self._finish(s, error=e)
+                return False
+        return True
+
     def _on_token(self, s: _Slot, token: int, probs: Probs | None) -> None:
         req, out = s.req, s.output
         assert req is not None and out is not None
         finish = out.push(token)
         if finish is not None and finish.kind == "eos":
             return self._finish(s)
+        if finish is None and s.constraint is not None:
+            try:
+                if s.constraint.consume(token):  # the grammar is complete: it ends as at end-of-generation
+                    out.stop(EOS)
+                    finish = out.finish
+            except NinferError as e:
+                return self._finish(s, error=e)
         if probs is not None:
             s.probs.append(probs)
         self.stats["predicted_tokens"] += 1

@@ -46,6 +46,8 @@ class GenParams:
     # Speculative decoding, where the engine has a proposer: True its settings, False none for this request, or a
     # SpecConfig of this request's own (draft_max, draft_min, p_min).
     speculative: Any = True
+    # Constrained decoding: a `ninfer.structured.Grammar` the output must match (None: free text).
+    grammar: Any = None
 
     def sampler_args(self) -> dict[str, Any]:
         """The sampling chain's settings, as `_core.Sampler` and `SamplerThread.configure` take them (no seed)."""

@@ -28,7 +28,7 @@ from ninfer.engine import AsyncRequest, DeadlineError, EngineThread, GenParams, 
 from ninfer.engine.speculative import SpecConfig
 from ninfer.errors import InvalidArgumentError, NinferError, shown
 from ninfer.llm import LLM
-from ninfer.server import formats, metrics
+from ninfer.server import formats, metrics, structured
 from ninfer.server.errors import APIError, from_ninfer, install, sse
 from ninfer.server.guards import Guard, TokenFloor
 from ninfer.server.schemas import (
@@ -307,6 +307,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         check_model(body.model)
         ids = await prompt_ids(llm, body.prompt)
         params = gen_params(llm, body, body.n_predict, "n_predict", parse_bias(body.logit_bias), body.n_probs)
+        params.grammar = await structured.grammar_for(llm, body)
         piece = llm.tokenizer.token_to_piece
         req = submit(sched, ids, params, stream=body.stream)
         prompt_text = body.prompt if isinstance(body.prompt, str) else ""
@@ -338,6 +339,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         k = body.logprobs
         params = gen_params(llm, body, body.max_tokens, "max_tokens", parse_bias(body.logit_bias),
                             0 if k is None else max(k, 1))
+        params.grammar = await structured.grammar_for(llm, body)
         return await openai_run(http, llm, sched, ids, params, body, chat=False, logprobs=k)
 
     @app.post("/v1/chat/completions")
@@ -355,6 +357,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = gen_params(llm, body, limit, "max_tokens", parse_bias(body.logit_bias), 0 if k is None else max(k, 1))
+        params.grammar = await structured.grammar_for(llm, body)
         return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k)
 
     async def openai_run(http: Request, llm: LLM, sched: EngineThread, ids: list[int], params: GenParams, body: Any,

@@ -2,8 +2,8 @@
 
 Unknown fields are ignored (as llama-server and OpenAI-compatible servers do); known fields of the wrong type or
 out of range are a 400 naming the field. Checks that need the model (context size, vocabulary) live in app.py.
-Constrained sampling (llama.cpp's `grammar` and `json_schema`, OpenAI's `response_format` other than text) and tool
-calls are not implemented: a request that asks for them is a 400 naming the field, not an answer that ignored them.
+Constrained sampling (llama.cpp's `grammar` and `json_schema`, OpenAI's `response_format`, ninfer's `regex`) is
+compiled in server/structured.py, where a grammar that does not compile is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -33,19 +33,13 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = Field(None, validate_default=True)
     ignore_eos: bool = False
     cache_prompt: bool = True
-    grammar: str | None = None
+    grammar: str | None = None  # GBNF as llama-server takes it, or Lark
     json_schema: dict[str, Any] | None = None
+    regex: str | None = None  # (ninfer's: the output matches this regular expression)
     # llama-server's per-request speculative decoding settings (where the server has a draft model or n-gram lookup)
     speculative_n_max: StrictInt | None = Field(None, alias="speculative.n_max", ge=0)
     speculative_n_min: StrictInt | None = Field(None, alias="speculative.n_min", ge=0)
     speculative_p_min: Number | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
-
-    @field_validator("grammar", "json_schema")
-    @classmethod
-    def _no_constraints(cls, v: Any) -> Any:
-        if v:  # (clients that send an empty grammar or schema ask for nothing)
-            raise ValueError("constrained sampling (grammar, JSON schema) is not supported by ninfer")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -72,17 +66,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """OpenAI's response_format: text, json_object (any JSON object; llama-server also reads a `schema` here), or
+    json_schema with {name, schema, strict}."""
 
-    type: str
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"response_format {v!r} is not supported by ninfer (constrained sampling); use 'text'")
-        return v
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format json_schema needs json_schema.schema (the JSON schema itself)")
+        return self
 
 
 class OpenAIBase(_Sampling):
