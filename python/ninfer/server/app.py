@@ -28,7 +28,7 @@ from ninfer.engine import AsyncRequest, DeadlineError, EngineThread, GenParams, 
 from ninfer.engine.speculative import SpecConfig
 from ninfer.errors import InvalidArgumentError, NinferError, shown
 from ninfer.llm import LLM
-from ninfer.server import formats, metrics, structured
+from ninfer.server import formats, metrics, structured, tools
 from ninfer.server.errors import APIError, from_ninfer, install, sse
 from ninfer.server.guards import Guard, TokenFloor
 from ninfer.server.schemas import (
@@ -348,7 +348,9 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         llm, sched = state.ready()
         check_model(body.model)
         try:  # (on a thread: a slow template must not hold the event loop, and every other client, meanwhile)
-            text = await asyncio.to_thread(llm.apply_chat_template, [m.as_template_input() for m in body.messages])
+            text, offered = await asyncio.to_thread(tools.chat_prompt, llm, [m.as_template_input() for m in
+                                                                            body.messages], body.tools,
+                                                    body.tool_choice)
         except NinferError as e:
             raise from_ninfer(e) from None
         ids = await prompt_ids(llm, text, add_special=False)
@@ -357,25 +359,40 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = gen_params(llm, body, limit, "max_tokens", parse_bias(body.logit_bias), 0 if k is None else max(k, 1))
-        params.grammar = await structured.grammar_for(llm, body)
-        return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k)
+        params.grammar = await structured.grammar_for(llm, body, offered)
+        return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k, offered=offered)
 
     async def openai_run(http: Request, llm: LLM, sched: EngineThread, ids: list[int], params: GenParams, body: Any,
-                         chat: bool, logprobs: int | None) -> Any:
+                         chat: bool, logprobs: int | None, offered: tools.Tools | None = None) -> Any:
         req = submit(sched, ids, params, stream=body.stream)
         fmt = formats.OpenAI(state.model_id, chat, llm.tokenizer.token_to_piece, logprobs)
         if not body.stream:
-            return fmt.final(await collect(http, sched, req))
+            result = await collect(http, sched, req)
+            out = fmt.final(result)
+            if offered is not None:
+                tools.final_choice(out["choices"][0], result.text, offered)
+            return out
         usage = body.stream_options is not None and body.stream_options.include_usage
+        calls = offered.stream() if offered is not None else None
 
         async def gen() -> AsyncIterator[str]:
             if chat:
                 yield sse(fmt.chunk({"role": "assistant", "content": ""}, None))
             async for kind, value in events(sched, req):
                 if kind == "piece":
-                    yield sse(fmt.chunk(value[0], None, value[2], value[3]))
+                    text = value[0] if calls is None else calls.feed(value[0])
+                    if text or calls is None or logprobs is not None:
+                        yield sse(fmt.chunk(text, None, value[2], value[3]))
                 elif kind == "done":
-                    yield sse(fmt.chunk(None, value.finish_reason))
+                    finish = value.finish_reason
+                    if calls is not None:  # what was held back: the rest of the text, or the calls
+                        rest, found = calls.finish()
+                        if rest:
+                            yield sse(fmt.chunk(rest, None))
+                        if found:
+                            yield sse(fmt.chunk({"tool_calls": [c.as_openai(i) for i, c in enumerate(found)]}, None))
+                            finish = "tool_calls"
+                    yield sse(fmt.chunk(None, finish))
                     if usage:
                         yield sse(fmt.usage_chunk(value))
                 else:

@@ -8,6 +8,7 @@ compiled in server/structured.py, where a grammar that does not compile is a 400
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -123,7 +124,27 @@ class ChatMessage(BaseModel):
     def as_template_input(self) -> dict[str, Any]:
         # (text parts are passed as parts: ChatTemplate joins them, as for the Python API's messages)
         content = [p.model_dump() for p in self.content] if isinstance(self.content, list) else self.content
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        extra = self.model_extra or {}
+        if isinstance(extra.get("tool_calls"), list) and extra["tool_calls"]:
+            # Templates write a call's arguments with tojson: give them the object, not OpenAI's JSON text.
+            out["tool_calls"] = [_parsed_arguments(c) for c in extra["tool_calls"]]
+            out["content"] = content
+        for key in ("tool_call_id", "name"):
+            if isinstance(extra.get(key), str):
+                out[key] = extra[key]
+        return out
+
+
+def _parsed_arguments(call: Any) -> Any:
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(f["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**f, "arguments": args}}
 
 
 class ChatRequest(OpenAIBase):
@@ -131,16 +152,9 @@ class ChatRequest(OpenAIBase):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    # Tool calls are not parsed out of the model's answer, so tools are refused (as llama-server without --jinja
-    # and vLLM without a tool parser do) unless the client says it wants none called.
+    # OpenAI's tools and tool_choice, checked in server/tools.py.
     tools: list[Any] | None = None
     tool_choice: Any = None
-
-    @model_validator(mode="after")
-    def _no_tool_calls(self) -> ChatRequest:
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tool calling is not supported by ninfer (send tool_choice 'none' to run without it)")
-        return self
 
 
 class TokenizeRequest(BaseModel):

@@ -9,6 +9,7 @@ from typing import Any
 
 from ninfer.llm import LLM
 from ninfer.server.errors import APIError
+from ninfer.server.tools import Tools
 from ninfer.structured import Grammar, GrammarError
 
 
@@ -33,9 +34,17 @@ def requested(body: Any) -> tuple[str, str, Any] | None:
     return asked[0] if asked else None
 
 
-async def grammar_for(llm: LLM, body: Any) -> Grammar | None:
-    """The request's grammar, compiled on a worker thread (a large schema takes a while), or None."""
+async def grammar_for(llm: LLM, body: Any, offered: Tools | None = None) -> Grammar | None:
+    """The request's grammar, compiled on a worker thread (a large schema takes a while), or None. With tools
+    (`offered`), the grammar that makes a required call parse, if the tools need one."""
     asked = requested(body)
+    call = offered.grammar() if offered is not None else None
+    if call is not None:
+        if asked is not None:
+            raise APIError(400, f"{asked[0]} cannot be combined with tools whose answer is constrained "
+                                f"(tool_choice {offered.choice!r})", param=asked[0])
+        (arg, value), = call.items()
+        asked = ("tools", arg, value)
     if asked is None:
         return None
     field, arg, value = asked
