@@ -94,3 +94,19 @@ def test_bad_grammars_are_named(llm: ninfer.LLM) -> None:
         llm.compile_grammar(regex="a", grammar="root ::= \"a\"")
     # The engine is still fine afterwards.
     assert llm.generate("Hi", max_tokens=2, temperature=0).completion_tokens == 2
+
+
+def test_async_llm_takes_the_same_constraints(smollm2_path: Path) -> None:
+    import asyncio
+
+    async def run() -> tuple[str, str]:
+        async with ninfer.AsyncLLM(smollm2_path, n_ctx=1024, threads=2) as allm:
+            out = await allm.chat([{"role": "user", "content": "Describe a user as JSON."}], json_schema=PERSON,
+                                  max_tokens=200, temperature=0)
+            nums = await allm.generate("The first prime numbers are", grammar=INT_LIST, max_tokens=60,
+                                       temperature=0)
+            return out.text, nums.text
+
+    text, nums = asyncio.run(run())
+    jsonschema.validate(json.loads(text), PERSON)
+    assert re.fullmatch(r"\[[0-9]+(,[0-9]+)*\]", nums)

@@ -18,11 +18,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
 from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams, stop_strings
-from ninfer.engine import Backend, EngineCore, GenParams, Limits, Request, Result
+from ninfer.embeddings import embed_job
+from ninfer.engine import Backend, EngineCore, GenParams, Job, Limits, Request, Result
 from ninfer.engine.speculative import DraftProposer, NgramProposer, SpecConfig, Speculator, check_vocab
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 from ninfer.model_file import ModelFile
@@ -380,6 +383,23 @@ class LLM:
             pass
         assert s.result is not None  # set by _run when the iteration ends
         return s.result
+
+    def embed(self, text: str | Sequence[int], *, pooling: str = "mean", normalize: bool = True,
+              add_special: bool = True) -> np.ndarray:
+        """The text's embedding [n_embd] (float32): its tokens' final hidden states after the output norm, pooled
+        ("mean" or "last" token) and, with normalize, of unit length -- llama-server's --embeddings. Runs on the
+        engine loop like a request (between other requests' steps when served)."""
+        ids = self.encode_prompt(text, add_special)
+        inbox: queue.SimpleQueue[tuple[Any, Exception | None]] = queue.SimpleQueue()
+        job = Job(embed_job(ids, self.config.n_batch, pooling, normalize), lambda r, e: inbox.put((r, e)))
+        engine = self.engine
+        engine.add_job(job)
+        if not engine.on_thread:
+            engine.step()
+        result, error = inbox.get()
+        if error is not None:
+            raise error
+        return result
 
     def compile_grammar(self, *, json_schema: Any = None, grammar: str | None = None, regex: str | None = None,
                         lark: str | None = None) -> Grammar:

@@ -98,7 +98,7 @@ class OpenAIBase(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
-    n: StrictInt = Field(1, ge=1, le=1)
+    n: StrictInt = Field(1, ge=1, le=16)  # answers to the prompt (forks of its evaluated prompt)
     logit_bias: dict[str, Number] | None = None
     # OpenAI's default is 1.0; llama-server keeps its own 0.8, and so do we (send it explicitly to choose).
     user: str | None = None
@@ -106,7 +106,7 @@ class OpenAIBase(_Sampling):
 
 class OpenAICompletionRequest(OpenAIBase):
     prompt: str | list[StrictInt]
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the answer (with logprobs, its tokens' too)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
 
@@ -155,6 +155,27 @@ class ChatRequest(OpenAIBase):
     # OpenAI's tools and tool_choice, checked in server/tools.py.
     tools: list[Any] | None = None
     tool_choice: Any = None
+
+
+EmbeddingInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
+
+
+class EmbeddingsRequest(BaseModel):
+    """OpenAI's POST /v1/embeddings: `input` a text, texts, a token list or token lists."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class LlamaEmbeddingRequest(BaseModel):
+    """llama-server's POST /embedding."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    content: EmbeddingInput
 
 
 class TokenizeRequest(BaseModel):
