@@ -242,25 +242,13 @@ def test_n_probs_and_logprobs_are_the_models(server: ServerProcess, llm: ninfer.
     assert abs(lp.token_logprobs[0] - logprobs[top3[0]]) < 1e-4 and lp.text_offset[0] == 0
 
 
-def test_constrained_sampling_is_refused_not_ignored(server: ServerProcess) -> None:
-    """ninfer has no grammar sampler and no tool-call parser: OpenAI's JSON response formats and tools are a 400
-    naming the problem (an answer that ignored them would look valid to a client that trusts it); plain text, tools
-    with tool_choice 'none' and an empty grammar are served."""
+def test_text_format_and_empty_grammar_are_plain_answers(server: ServerProcess) -> None:
+    """response_format text and an empty grammar ask for nothing. (Constrained output and tools:
+    test_server_structured.py, test_server_tools.py.)"""
     client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused")
     messages, model = [{"role": "user", "content": "Hi"}], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    for fmt in ({"type": "json_object"},
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
-        with pytest.raises(openai.BadRequestError, match="response_format") as e:
-            client.chat.completions.create(model=model, max_tokens=2, messages=messages, response_format=fmt)
-        assert f"response_format {fmt['type']!r} is not supported by ninfer" in str(e.value)
     chat = client.chat.completions.create(model=model, max_tokens=2, temperature=0, messages=messages,
                                           response_format={"type": "text"})
-    assert chat.usage.completion_tokens == 2
-    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
-    with pytest.raises(openai.BadRequestError, match="tool calling is not supported by ninfer"):
-        client.chat.completions.create(model=model, max_tokens=2, messages=messages, tools=tools)
-    chat = client.chat.completions.create(model=model, max_tokens=2, messages=messages, tools=tools,
-                                          tool_choice="none")
     assert chat.usage.completion_tokens == 2
     r = httpx.post(f"{server.base}/completion", json={"prompt": "Hi", "n_predict": 2, "grammar": ""}, timeout=60)
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 2

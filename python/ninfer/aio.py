@@ -21,6 +21,7 @@ from ninfer.config import SamplingParams, stop_strings
 from ninfer.engine import AsyncRequest, EngineThread, GenParams, Result, check_serving_args
 from ninfer.errors import InvalidArgumentError
 from ninfer.llm import LLM, Completion, Timings
+from ninfer.structured import Grammar
 
 
 class AsyncLLM:
@@ -37,9 +38,12 @@ class AsyncLLM:
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         SamplingParams(**{k: sampling[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")})
+        asked = {k: sampling.pop(k) for k in ("json_schema", "grammar", "regex") if sampling.get(k) is not None}
+        if asked and not isinstance(asked.get("grammar"), Grammar):  # (compiled on a thread: a schema takes a while)
+            asked = {"grammar": await asyncio.to_thread(lambda: self.llm.compile_grammar(**asked))}
         ids = await asyncio.to_thread(self.llm.encode_prompt, prompt, add_special)
         params = GenParams(max_tokens=max_tokens, stop=stop_strings(stop), cache_prompt=cache_prompt,
-                           ignore_eos=ignore_eos, **sampling)
+                           ignore_eos=ignore_eos, **sampling, **asked)
         req = AsyncRequest(ids, params, asyncio.get_running_loop(),
                            deadline=time.monotonic() + self._sched.timeout_s)
         self._sched.submit(req)
@@ -66,7 +70,8 @@ class AsyncLLM:
                      stop: str | Sequence[str] = (), add_special: bool = True, cache_prompt: bool = False,
                      ignore_eos: bool = False, **more: Any) -> AsyncIterator[str]:
         """Text pieces as they are generated. `more`: typical_p, repeat_penalty, repeat_last_n,
-        presence_penalty, frequency_penalty, logit_bias [(token, bias)]. Leaving the loop early frees the slot."""
+        presence_penalty, frequency_penalty, logit_bias [(token, bias)], and constrained decoding's json_schema,
+        grammar, regex (as `LLM.generate`). Leaving the loop early frees the slot."""
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **more)
         req = await self._submit(prompt, max_tokens, sampling, stop, add_special, cache_prompt, ignore_eos)
         async for kind, value in self._events(req):

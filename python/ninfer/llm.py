@@ -18,14 +18,18 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
 from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams, stop_strings
-from ninfer.engine import Backend, EngineCore, GenParams, Limits, Request, Result
+from ninfer.embeddings import embed_job
+from ninfer.engine import Backend, EngineCore, GenParams, Job, Limits, Request, Result
 from ninfer.engine.speculative import DraftProposer, NgramProposer, SpecConfig, Speculator, check_vocab
 from ninfer.errors import ContextOverflowError, InvalidArgumentError
 from ninfer.model_file import ModelFile
+from ninfer.structured import Grammar
 from ninfer.tokenizer import Tokenizer
 
 # The sequence eval_logits uses (the engine loop's first slot, idle while it runs).
@@ -260,7 +264,7 @@ class LLM:
 
     def _run(self, prompt: str | Sequence[int], max_tokens: int, params: SamplingParams, stop: str | Sequence[str],
              add_special: bool, cache_prompt: bool, ignore_eos: bool, stream: Stream,
-             speculative: Any = True) -> Iterator[str]:
+             speculative: Any = True, grammar: Grammar | None = None) -> Iterator[str]:
         """One request through the engine loop, stepped here until it is done. Prompt reuse (cache_prompt) is off
         by default: llama.cpp's kernels (and ours, which follow them bit for bit) sum differently for different
         batch sizes, so evaluating only the new part of a prompt can change the last bits of the logits and, now
@@ -270,7 +274,7 @@ class LLM:
         gen = GenParams(
             max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             min_p=params.min_p, seed=params.seed, stop=stop_strings(stop), ignore_eos=ignore_eos,
-            cache_prompt=cache_prompt, speculative=_spec_override(speculative),
+            cache_prompt=cache_prompt, speculative=_spec_override(speculative), grammar=grammar,
         )
         ids = self.encode_prompt(prompt, add_special)
         engine = self.engine
@@ -329,14 +333,23 @@ class LLM:
         cache_prompt: bool = False,
         ignore_eos: bool = False,
         speculative: bool | SpecConfig | dict[str, Any] = True,
+        json_schema: dict[str, Any] | str | None = None,
+        grammar: str | Grammar | None = None,
+        regex: str | None = None,
     ) -> Stream:
         """Generate, yielding text pieces as they complete (never a broken UTF-8 character).
         ignore_eos: keep generating past end-of-generation tokens (benchmarks), as llama.cpp's ignore_eos.
         speculative: where the LLM was made with a draft model or n-gram lookup, False turns it off for this call,
-        and a SpecConfig or dict (n_max, n_min, p_min) sets this call's draft lengths."""
+        and a SpecConfig or dict (n_max, n_min, p_min) sets this call's draft lengths.
+        Constrained decoding (ninfer.structured), at most one of: json_schema (the output is JSON valid under it),
+        grammar (GBNF as llama.cpp's, or Lark; or a Grammar from `compile_grammar`), regex. The output ends when the
+        grammar is complete."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        if not isinstance(grammar, Grammar) and (json_schema, grammar, regex) != (None, None, None):
+            grammar = self.compile_grammar(json_schema=json_schema, grammar=grammar, regex=regex)
         s = Stream(iter(()))
-        gen = self._run(prompt, max_tokens, params, stop, add_special, cache_prompt, ignore_eos, s, speculative)
+        gen = self._run(prompt, max_tokens, params, stop, add_special, cache_prompt, ignore_eos, s, speculative,
+                        grammar)
         # Validate arguments and evaluate the prompt now, so errors surface at the call, not at the first next().
         first = next(gen, None)
         s._pieces = _chain_first(first, gen)
@@ -357,16 +370,42 @@ class LLM:
         cache_prompt: bool = False,
         ignore_eos: bool = False,
         speculative: bool | SpecConfig | dict[str, Any] = True,
+        json_schema: dict[str, Any] | str | None = None,
+        grammar: str | Grammar | None = None,
+        regex: str | None = None,
     ) -> Completion:
         s = self.stream(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=seed, stop=stop, add_special=add_special, cache_prompt=cache_prompt, ignore_eos=ignore_eos,
-            speculative=speculative,
+            speculative=speculative, json_schema=json_schema, grammar=grammar, regex=regex,
         )
         for _ in s:
             pass
         assert s.result is not None  # set by _run when the iteration ends
         return s.result
+
+    def embed(self, text: str | Sequence[int], *, pooling: str = "mean", normalize: bool = True,
+              add_special: bool = True) -> np.ndarray:
+        """The text's embedding [n_embd] (float32): its tokens' final hidden states after the output norm, pooled
+        ("mean" or "last" token) and, with normalize, of unit length -- llama-server's --embeddings. Runs on the
+        engine loop like a request (between other requests' steps when served)."""
+        ids = self.encode_prompt(text, add_special)
+        inbox: queue.SimpleQueue[tuple[Any, Exception | None]] = queue.SimpleQueue()
+        job = Job(embed_job(ids, self.config.n_batch, pooling, normalize), lambda r, e: inbox.put((r, e)))
+        engine = self.engine
+        engine.add_job(job)
+        if not engine.on_thread:
+            engine.step()
+        result, error = inbox.get()
+        if error is not None:
+            raise error
+        return result
+
+    def compile_grammar(self, *, json_schema: Any = None, grammar: str | None = None, regex: str | None = None,
+                        lark: str | None = None) -> Grammar:
+        """One of json_schema, grammar (GBNF or Lark), regex, lark compiled for this model's vocabulary, to pass
+        as `grammar=` to several calls; GrammarError (an InvalidArgumentError) names what is wrong."""
+        return Grammar.compile(self.tokenizer, json_schema=json_schema, grammar=grammar, regex=regex, lark=lark)
 
     @property
     def chat_template(self) -> ChatTemplate:

@@ -6,11 +6,12 @@ from ninfer.engine.backend import Backend
 from ninfer.engine.core import EngineCore, Limits
 from ninfer.engine.output import Finish, OutputText, stop_holdback
 from ninfer.engine.policy import PromptsAlone
-from ninfer.engine.request import AsyncRequest, DeadlineError, GenParams, Probs, QueueFullError, Request, Result
+from ninfer.engine.request import (AsyncRequest, DeadlineError, GenParams, Job, Probs, QueueFullError, Request,
+                                   Result)
 from ninfer.engine.thread import EngineThread, check_serving_args
 
 __all__ = [
-    "AsyncRequest", "Backend", "DeadlineError", "EngineCore", "EngineThread", "Finish", "GenParams", "Limits",
+    "AsyncRequest", "Backend", "DeadlineError", "EngineCore", "EngineThread", "Finish", "GenParams", "Job", "Limits",
     "OutputText", "Probs", "PromptsAlone", "QueueFullError", "Request", "Result", "check_serving_args",
     "stop_holdback",
 ]

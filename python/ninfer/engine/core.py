@@ -21,13 +21,16 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from ninfer import _core
 from ninfer.engine.backend import Backend
-from ninfer.engine.output import LIMIT, Finish, OutputText
+from ninfer.engine.output import EOS, LIMIT, Finish, OutputText
 from ninfer.engine.policy import PromptsAlone, SlotView
-from ninfer.engine.request import DeadlineError, Probs, Request, Result, reusable_prefix
+from ninfer.engine.request import DeadlineError, Job, Probs, Request, Result, reusable_prefix
 from ninfer.engine.speculative import SpecConfig, Speculator
 from ninfer.errors import NinferError
+from ninfer.structured import Constraint
 from ninfer.tokenizer import Tokenizer
 
 log = logging.getLogger("ninfer.engine")
@@ -48,6 +51,7 @@ class _Slot:
         self.draft_n = self.draft_accepted = 0  # tokens drafted for this request, and of them accepted
         self.t_start = self.t_first = 0.0
         self.predict_deadline = 0.0  # monotonic time after which generation stops (0: none)
+        self.constraint: Constraint | None = None  # the request's grammar state (constrained decoding)
 
     @property
     def busy(self) -> bool:
@@ -77,6 +81,7 @@ class EngineCore:
         self.speculator = speculator  # None: plain decoding only
         self.slots = [_Slot(i) for i in range(n_slots)]
         self.waiting: collections.deque[Request] = collections.deque()
+        self.jobs: collections.deque[Job] = collections.deque()  # guarded by cv, as `waiting`
         # Guards `waiting` and the requests' `cancelled` flags: requests arrive and are aborted from other threads.
         self.cv = threading.Condition()
         self.stats: collections.Counter[str] = collections.Counter()
@@ -99,6 +104,11 @@ class EngineCore:
             self.waiting.append(req)
             self.cv.notify()
 
+    def add_job(self, job: Job) -> None:
+        with self.cv:
+            self.jobs.append(job)
+            self.cv.notify()
+
     def abort(self, req: Request) -> None:
         """Stop `req` at the next step (its KV blocks freed, no "done" event); a request still waiting is dropped."""
         with self.cv:
@@ -108,7 +118,7 @@ class EngineCore:
             self.cv.notify()
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s.busy for s in self.slots)
+        return bool(self.waiting) or bool(self.jobs) or any(s.busy for s in self.slots)
 
     def running(self) -> int:
         return sum(s.busy for s in self.slots)
@@ -130,6 +140,7 @@ class EngineCore:
     def step(self) -> None:
         """One turn of the loop. An error that belongs to one request fails that request; an error of the step
         itself fails every request in flight, never the loop."""
+        self._run_jobs()
         with self.cv:
             admitted = self._admit()
         try:
@@ -157,6 +168,26 @@ class EngineCore:
             if s.busy:
                 self._finish(s, error=RuntimeError("the engine is shutting down"))
 
+    def _run_jobs(self) -> None:
+        """Run waiting jobs, each on a free slot's sequence (its cached prompt dropped), while free slots last."""
+        while True:
+            with self.cv:
+                free = [s for s in self.slots if not s.busy]
+                if not self.jobs or not free:
+                    return
+                job = self.jobs.popleft()
+            slot = min(free, key=lambda s: len(s.kv_tokens))
+            self.release(slot.index)
+            result, error = None, None
+            try:
+                result = job.fn(self.backend, slot.index)
+            except Exception as e:  # the job's failure is its caller's alone
+                _log_failure("job failed", e)
+                error = e
+            finally:
+                self.release(slot.index)
+            job.on_done(result, error)
+
     def _note_kv(self) -> None:
         self._kv_blocks = int(self.backend.kv_usage()[0])
 
@@ -172,7 +203,8 @@ class EngineCore:
             if req.cancelled:
                 continue
             if now > req.deadline:
-                req.emit("error", DeadlineError("the request waited in the queue past its deadline"))
+                for r in (req, *req.siblings):
+                    r.emit("error", DeadlineError("the request waited in the queue past its deadline"))
                 continue
             if req.params.cache_prompt:
                 slot = max(free, key=lambda s: (reusable_prefix(s.kv_tokens, req.prompt), -len(s.kv_tokens)))
@@ -203,7 +235,9 @@ class EngineCore:
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
         try:
             args = p.sampler_args()
-            slot.argmax = p.n_probs == 0 and _core.Sampler(seed=seed, **args).is_greedy
+            slot.constraint = p.grammar.start() if p.grammar is not None else None
+            slot.argmax = (p.n_probs == 0 and slot.constraint is None
+                           and _core.Sampler(seed=seed, **args).is_greedy)
             self.sampler.configure(slot.index, seed=seed, n_probs=p.n_probs, **args)
             self.sampler.accept(slot.index, req.prompt)
         except Exception as e:
@@ -234,6 +268,10 @@ class EngineCore:
         s.pending = s.pending[len(chunk):]
         if s.pending:
             return
+        self._first_token(s, logits)
+
+    def _first_token(self, s: _Slot, logits: np.ndarray) -> None:
+        """The prompt is in the cache: draw the first token from its last logits (siblings first, see _fork)."""
         s.t_first = time.perf_counter()
         req = s.req
         assert req is not None
@@ -241,7 +279,36 @@ class EngineCore:
         s.predict_deadline = time.monotonic() + ms / 1e3 if ms > 0 else 0.0
         self.stats["prompt_tokens"] += len(req.prompt) - s.cached_n
         self.stats["prompt_s"] += s.t_first - s.t_start
-        self._on_token(s, *self.sampler.sample(s.index, logits))
+        if req.siblings:
+            self._fork(s, logits)
+        if self._set_mask(s):
+            self._on_token(s, *self.sampler.sample(s.index, logits))
+
+    def _fork(self, s: _Slot, logits: np.ndarray) -> None:
+        """Start the request's siblings (n > 1) on free slots: each slot's sequence becomes a fork of this one (the
+        prompt's whole KV blocks shared, not recomputed) and its first token is drawn by its own sampler from the
+        same logits. A sibling that finds no free slot waits in the queue and evaluates the prompt itself."""
+        assert s.req is not None
+        siblings, s.req.siblings = s.req.siblings, []
+        for sib in siblings:
+            if sib.cancelled:
+                continue
+            free = [x for x in self.slots if not x.busy]
+            if not free:
+                self.add_request(sib)
+                continue
+            c = min(free, key=lambda x: len(x.kv_tokens))
+            c.req = sib
+            self._start(c, sib)
+            if c.req is not sib:  # (its settings failed: it has its error)
+                continue
+            try:
+                self.backend.fork(s.index, c.index, len(s.kv_tokens))
+            except NinferError as e:
+                self._finish(c, error=e)
+                continue
+            c.kv_tokens, c.pending, c.cached_n = list(s.kv_tokens), [], len(s.kv_tokens)
+            self._first_token(c, logits)
 
     def _decode(self, slots: list[_Slot]) -> None:
         if not slots:
@@ -262,7 +329,7 @@ class EngineCore:
                 p_min = s.req.params.speculative.p_min if isinstance(s.req.params.speculative, SpecConfig) else None
                 drafts[s.index] = proposer.propose(s.index, history, n, p_min)[:n]
                 propose_s[s.index] = time.perf_counter() - t0
-        plain = [s for s in slots if not drafts.get(s.index)]
+        plain = [s for s in slots if not drafts.get(s.index) and self._set_mask(s)]
         if plain:
             t0 = time.perf_counter()
             batch = [(s.index, s.next_input) for s in plain]
@@ -286,7 +353,8 @@ class EngineCore:
         """How many tokens to draft for a slot now: 0 for sampled requests, within its budget and the context."""
         assert self.speculator is not None and s.req is not None and s.output is not None
         spec = s.req.params.speculative
-        if spec is False or s.req.params.n_probs > 0:  # (log-probabilities are reported by plain steps only)
+        # (log-probabilities are reported by plain steps only; a grammar's mask is for one token at a time)
+        if spec is False or s.req.params.n_probs > 0 or s.constraint is not None:
             return 0
         out = s.output
         room = min(out.budget - len(out.tokens), self.limits.n_ctx - len(s.kv_tokens) - 1) - 1
@@ -335,12 +403,30 @@ class EngineCore:
                 if s.req is None:  # finished (end of generation, a stop string, the budget)
                     break
 
+    def _set_mask(self, s: _Slot) -> bool:
+        """Hand a constrained slot's allowed tokens to its sampler for the next draw; False (the request failed)
+        if its grammar could not say."""
+        if s.constraint is not None:
+            try:
+                self.sampler.set_mask(s.index, s.constraint.mask())
+            except NinferError as e:
+                self._finish(s, error=e)
+                return False
+        return True
+
     def _on_token(self, s: _Slot, token: int, probs: Probs | None) -> None:
         req, out = s.req, s.output
         assert req is not None and out is not None
         finish = out.push(token)
         if finish is not None and finish.kind == "eos":
             return self._finish(s)
+        if finish is None and s.constraint is not None:
+            try:
+                if s.constraint.consume(token):  # the grammar is complete: it ends as at end-of-generation
+                    out.stop(EOS)
+                    finish = out.finish
+            except NinferError as e:
+                return self._finish(s, error=e)
         if probs is not None:
             s.probs.append(probs)
         self.stats["predicted_tokens"] += 1
@@ -370,7 +456,9 @@ class EngineCore:
         self.stats["requests_done"] += 1
         if error is not None:
             s.req, s.pending = None, []
-            req.emit("error", error)
+            for r in (req, *req.siblings):  # (siblings not started yet share the failure of the prompt)
+                r.emit("error", error)
+            req.siblings = []
             return
         if cancelled:
             s.req, s.pending = None, []

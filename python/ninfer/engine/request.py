@@ -46,6 +46,8 @@ class GenParams:
     # Speculative decoding, where the engine has a proposer: True its settings, False none for this request, or a
     # SpecConfig of this request's own (draft_max, draft_min, p_min).
     speculative: Any = True
+    # Constrained decoding: a `ninfer.structured.Grammar` the output must match (None: free text).
+    grammar: Any = None
 
     def sampler_args(self) -> dict[str, Any]:
         """The sampling chain's settings, as `_core.Sampler` and `SamplerThread.configure` take them (no seed)."""
@@ -94,6 +96,9 @@ class Request:
         self.cancelled = False  # set by abort(); the engine reads it once per step
         self.tokens_at_cancel = -1  # how many tokens it had when cancelled (-1: not cancelled)
         self.finished = False  # "done" or "error" was sent
+        # More answers to the same prompt (OpenAI's n > 1): requests with this prompt that the engine starts as
+        # forks of this one's sequence once its prompt is evaluated (until then they are in no queue).
+        self.siblings: list[Request] = []
 
     def emit(self, kind: str, value: Any) -> None:
         if kind == "piece" and not self.stream:
@@ -117,6 +122,16 @@ class AsyncRequest(Request):
                 pass
 
         super().__init__(prompt, params, deliver, deadline=deadline, stream=stream)
+
+
+class Job:
+    """Work that needs a KV sequence of its own for a moment (embeddings): run by the engine loop between steps on
+    a free slot's sequence, emptied before and after. `fn(backend, seq)` runs on the loop's thread; its result or
+    exception goes to `on_done(result, error)` on that thread."""
+
+    def __init__(self, fn: Callable[[Any, int], Any], on_done: Callable[[Any, Exception | None], None]):
+        self.fn = fn
+        self.on_done = on_done
 
 
 def reusable_prefix(cached: list[int], prompt: list[int]) -> int:

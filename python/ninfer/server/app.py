@@ -28,13 +28,18 @@ from ninfer.engine import AsyncRequest, DeadlineError, EngineThread, GenParams, 
 from ninfer.engine.speculative import SpecConfig
 from ninfer.errors import InvalidArgumentError, NinferError, shown
 from ninfer.llm import LLM
-from ninfer.server import formats, metrics
+from ninfer.server import embeddings, formats, metrics, structured, tools
+from ninfer.server.choices import Answers
+from ninfer.server.echo import Echo
 from ninfer.server.errors import APIError, from_ninfer, install, sse
 from ninfer.server.guards import Guard, TokenFloor
+from ninfer.server.slots import slots_view
 from ninfer.server.schemas import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingsRequest,
+    LlamaEmbeddingRequest,
     OpenAICompletionRequest,
     TokenizeRequest,
 )
@@ -57,6 +62,7 @@ class ServerSettings:
     retry_after_s: int = 1
     max_body_bytes: int = 4 * 2**20  # a larger request body is a 413, refused before it is read
     body_timeout_s: float = 30.0  # the whole body within this long of the headers, or 408
+    pooling: str = "mean"  # how the embedding endpoints pool the tokens' hidden states ("mean" or "last")
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
@@ -161,10 +167,8 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
-        known = (state.model_id, state.llm.model_file.path.stem)  # type: ignore[union-attr]
-        if name is not None and name not in known:
-            raise APIError(404, f"the model {shown(name)} does not exist; this server serves '{state.model_id}'",
-                           param="model", code="model_not_found")
+        """Any name: one model is served, and it answers to every name (as llama-server's does); /v1/models
+        lists it. (Kept as the place a server of several models would choose.)"""
 
     def check_length(llm: LLM, text: str) -> None:
         """Refuse a text that cannot fit the context whatever its tokens, before tokenizing it."""
@@ -238,14 +242,23 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         return out
 
     def submit(sched: EngineThread, prompt: list[int], params: GenParams, stream: bool) -> AsyncRequest:
-        req = AsyncRequest(prompt, params, asyncio.get_running_loop(),
-                           deadline=time.monotonic() + state.settings.timeout_s, stream=stream)
+        return submit_n(sched, prompt, params, stream, 1)[0]
+
+    def submit_n(sched: EngineThread, prompt: list[int], params: GenParams, stream: bool, n: int
+                 ) -> list[AsyncRequest]:
+        """n answers to one prompt: the first request is queued, the others ride on it as its siblings (the
+        engine forks its evaluated prompt for them); with a seed, answer i draws with seed + i."""
+        loop, deadline = asyncio.get_running_loop(), time.monotonic() + state.settings.timeout_s
+        reqs = [AsyncRequest(prompt, params if i == 0 or params.seed is None else
+                             dataclasses.replace(params, seed=(params.seed + i) % 2**64), loop, deadline=deadline,
+                             stream=stream) for i in range(n)]
+        reqs[0].siblings = reqs[1:]
         try:
-            sched.submit(req)
+            sched.submit(reqs[0])
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}; retry later", type="unavailable_error",
                            code="queue_full", headers={"Retry-After": str(state.settings.retry_after_s)}) from None
-        return req
+        return reqs
 
     def failure(e: Exception) -> APIError:
         if isinstance(e, DeadlineError):
@@ -307,6 +320,7 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         check_model(body.model)
         ids = await prompt_ids(llm, body.prompt)
         params = gen_params(llm, body, body.n_predict, "n_predict", parse_bias(body.logit_bias), body.n_probs)
+        params.grammar = await structured.grammar_for(llm, body)
         piece = llm.tokenizer.token_to_piece
         req = submit(sched, ids, params, stream=body.stream)
         prompt_text = body.prompt if isinstance(body.prompt, str) else ""
@@ -338,7 +352,12 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         k = body.logprobs
         params = gen_params(llm, body, body.max_tokens, "max_tokens", parse_bias(body.logit_bias),
                             0 if k is None else max(k, 1))
-        return await openai_run(http, llm, sched, ids, params, body, chat=False, logprobs=k)
+        params.grammar = await structured.grammar_for(llm, body)
+        echoed = None
+        if body.echo:
+            text = body.prompt if isinstance(body.prompt, str) else await asyncio.to_thread(llm.detokenize, ids)
+            echoed = await Echo.of(sched, text, ids, k, llm.tokenizer.token_to_piece)
+        return await openai_run(http, llm, sched, ids, params, body, chat=False, logprobs=k, echoed=echoed)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -346,7 +365,9 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
         llm, sched = state.ready()
         check_model(body.model)
         try:  # (on a thread: a slow template must not hold the event loop, and every other client, meanwhile)
-            text = await asyncio.to_thread(llm.apply_chat_template, [m.as_template_input() for m in body.messages])
+            text, offered = await asyncio.to_thread(tools.chat_prompt, llm, [m.as_template_input() for m in
+                                                                            body.messages], body.tools,
+                                                    body.tool_choice)
         except NinferError as e:
             raise from_ninfer(e) from None
         ids = await prompt_ids(llm, text, add_special=False)
@@ -355,30 +376,47 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = gen_params(llm, body, limit, "max_tokens", parse_bias(body.logit_bias), 0 if k is None else max(k, 1))
-        return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k)
+        params.grammar = await structured.grammar_for(llm, body, offered)
+        return await openai_run(http, llm, sched, ids, params, body, chat=True, logprobs=k, offered=offered)
+
+    async def merged(sched: EngineThread, reqs: list[AsyncRequest]) -> AsyncIterator[tuple[int, str, Any]]:
+        """(answer index, kind, value) of several requests' events as they come, until each is done; closing
+        early cancels the unfinished ones (each `events` generator does)."""
+        inbox: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+
+        async def pump(i: int, r: AsyncRequest) -> None:
+            async for kind, value in events(sched, r):
+                await inbox.put((i, kind, value))
+
+        pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            left = len(reqs)
+            while left:
+                item = await inbox.get()
+                left -= item[1] in ("done", "error")
+                yield item
+        finally:
+            for p in pumps:
+                p.cancel()
 
     async def openai_run(http: Request, llm: LLM, sched: EngineThread, ids: list[int], params: GenParams, body: Any,
-                         chat: bool, logprobs: int | None) -> Any:
-        req = submit(sched, ids, params, stream=body.stream)
-        fmt = formats.OpenAI(state.model_id, chat, llm.tokenizer.token_to_piece, logprobs)
+                         chat: bool, logprobs: int | None, offered: tools.Tools | None = None,
+                         echoed: Echo | None = None) -> Any:
+        reqs = submit_n(sched, ids, params, body.stream, body.n)
+        answers = Answers(formats.OpenAI(state.model_id, chat, llm.tokenizer.token_to_piece, logprobs), body.n,
+                          offered, echoed)
         if not body.stream:
-            return fmt.final(await collect(http, sched, req))
+            results = []
+            try:
+                for r in reqs:
+                    results.append(await collect(http, sched, r))
+            finally:
+                for r in reqs:
+                    if not r.finished:
+                        sched.cancel(r)
+            return answers.final(results)
         usage = body.stream_options is not None and body.stream_options.include_usage
-
-        async def gen() -> AsyncIterator[str]:
-            if chat:
-                yield sse(fmt.chunk({"role": "assistant", "content": ""}, None))
-            async for kind, value in events(sched, req):
-                if kind == "piece":
-                    yield sse(fmt.chunk(value[0], None, value[2], value[3]))
-                elif kind == "done":
-                    yield sse(fmt.chunk(None, value.finish_reason))
-                    if usage:
-                        yield sse(fmt.usage_chunk(value))
-                else:
-                    yield sse(failure(value).body())
-            yield "data: [DONE]\n\n"
-        return stream(gen())
+        return stream(answers.stream(merged(sched, reqs), lambda e: failure(e).body(), usage))
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -428,6 +466,28 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
             "total_slots": sched.n_parallel, "model_path": str(llm.model_file.path), "chat_template": template,
             "build_info": f"ninfer {__import__('ninfer').__version__}",
         }
+
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def v1_embeddings(body: EmbeddingsRequest) -> Any:
+        llm, sched = state.ready()
+        check_model(body.model)
+        return embeddings.openai_answer(await embeddings.run(llm, sched, body.input, state.settings.pooling,
+                                                             prompt_ids), state.model_id, body.encoding_format)
+
+    @app.post("/embedding")
+    async def embedding(body: LlamaEmbeddingRequest) -> Any:
+        llm, sched = state.ready()
+        return embeddings.llama_answer(await embeddings.run(llm, sched, body.content, state.settings.pooling,
+                                                            prompt_ids))
+
+    @app.get("/slots")
+    async def slots(fail_on_no_slot: int = 0) -> Any:
+        llm, sched = state.ready()
+        view = slots_view(sched, llm.n_ctx)
+        if fail_on_no_slot and all(s["is_processing"] for s in view):
+            raise APIError(503, "no slot available", type="unavailable_error")
+        return view
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

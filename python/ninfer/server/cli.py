@@ -75,6 +75,10 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
                    help="pin the sampler thread to CPU core N")
     p.add_argument("--sampler-rt", action="store_true",
                    help="run the sampler thread under SCHED_FIFO (needs CAP_SYS_NICE; else one warning)")
+    p.add_argument("--pooling", choices=["mean", "last"], default="mean",
+                   help="how /embedding and /v1/embeddings pool the tokens' hidden states (default mean)")
+    p.add_argument("--embeddings", "--embedding", action="store_true",
+                   help="accepted for llama-server's command lines: the embedding endpoints are always served")
     return p
 
 
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         n_parallel=args.parallel, queue_size=args.queue_size, timeout_s=args.timeout, api_key=args.api_key,
         alias=args.alias, n_predict=args.n_predict, temperature=args.temp, metrics=args.metrics,
         sampler_core=args.sampler_core, sampler_rt=args.sampler_rt, max_body_bytes=args.max_body_size,
-        body_timeout_s=args.body_timeout,
+        body_timeout_s=args.body_timeout, pooling=args.pooling,
     )
     failed: list[Exception] = []
 

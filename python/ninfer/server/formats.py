@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import uuid
@@ -108,6 +109,12 @@ class OpenAI:
         self.text_offset = 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+
+    def sibling(self) -> OpenAI:
+        """The formatter of another answer (n > 1) of the same response: same id and time, its own offsets."""
+        other = copy.copy(self)
+        other.text_offset = 0
+        return other
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

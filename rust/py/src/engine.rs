@@ -266,6 +266,21 @@ impl PyEngine {
         Ok(logits.into_pyarray(py))
     }
 
+    /// Every token's final hidden state after the output norm, [len(tokens), n_embd], from `tokens` appended to
+    /// `seq` in forward calls of at most `n_batch` tokens (no logits computed): what embeddings pool.
+    fn embeddings<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq: u32,
+        tokens: Vec<u32>,
+        n_batch: usize,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let n_embd = self.model.spec.n_embd;
+        let (model, kv) = (&self.model, &mut self.kv);
+        let h = py.detach(|| model.embeddings(kv, seq, &tokens, n_batch)).map_err(to_py)?;
+        h.into_pyarray(py).reshape([tokens.len(), n_embd])
+    }
+
     fn seq_len(&self, seq: u32) -> usize {
         self.kv.seq_len(seq)
     }

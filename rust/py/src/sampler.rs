@@ -168,6 +168,13 @@ impl PySamplerThread {
         self.inner.accept(slot, tokens).map_err(to_py)
     }
 
+    /// Allow only the tokens whose bit is set in `mask` (int32 words, bit t % 32 of word t // 32: llguidance's
+    /// bitmask) for `slot`'s next draw; tokens past the mask are banned.
+    fn set_mask(&self, slot: u32, mask: PyReadonlyArray1<'_, i32>) -> PyResult<()> {
+        let words = mask.as_array().iter().map(|&w| w as u32).collect();
+        self.inner.set_mask(slot, words).map_err(to_py)
+    }
+
     fn remove(&self, slot: u32) -> PyResult<()> {
         self.inner.remove(slot).map_err(to_py)
     }

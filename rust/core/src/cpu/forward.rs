@@ -44,6 +44,13 @@ fn trace_next_call() {
     }
 }
 
+/// What a forward pass returns for its output rows: logits, or the final normed hidden states (embeddings).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Head {
+    Logits,
+    Normed,
+}
+
 /// Tokens to append to one sequence.
 pub struct SeqTokens<'a> {
     pub seq: SeqId,
@@ -55,7 +62,7 @@ impl Model {
     /// Returns logits [logit_rows.len(), n_vocab] for the requested rows of the flattened batch (row i is the
     /// i-th token in the order given). On error nothing is appended.
     pub fn forward(&self, kv: &mut KvCache, batch: &[SeqTokens], logit_rows: &[usize]) -> Result<Vec<f32>> {
-        self.forward_from(kv, batch, None, logit_rows, RowOrder::Batch)
+        self.forward_from(kv, batch, None, logit_rows, RowOrder::Batch, Head::Logits)
     }
 
     /// `forward` with the rows computed as `order` says. With [`RowOrder::AsSteps`] the logits of each row are
@@ -69,7 +76,7 @@ impl Model {
         logit_rows: &[usize],
         order: RowOrder,
     ) -> Result<Vec<f32>> {
-        self.forward_from(kv, batch, None, logit_rows, order)
+        self.forward_from(kv, batch, None, logit_rows, order, Head::Logits)
     }
 
     /// Append a prompt to `seq` in forward passes of at most `n_batch` tokens; returns the logits of its last token
@@ -113,7 +120,32 @@ impl Model {
                 self.spec.n_embd
             )));
         }
-        self.forward_from(kv, batch, Some(hidden), logit_rows, RowOrder::Batch)
+        self.forward_from(kv, batch, Some(hidden), logit_rows, RowOrder::Batch, Head::Logits)
+    }
+
+    /// Append `tokens` to `seq` in forward passes of at most `n_batch` tokens and return every token's final
+    /// hidden state after the output norm, [tokens.len(), n_embd] (what llama.cpp's embeddings pool); no logits
+    /// are computed. Leaves `seq` as it was on any error.
+    pub fn embeddings(&self, kv: &mut KvCache, seq: SeqId, tokens: &[u32], n_batch: usize) -> Result<Vec<f32>> {
+        if tokens.is_empty() || n_batch == 0 {
+            return Err(Error::InvalidArgument("embeddings need at least one token and n_batch >= 1".into()));
+        }
+        kv.check_extend(seq, tokens.len())?;
+        let start = kv.seq_len(seq);
+        let mut out = Vec::with_capacity(tokens.len() * self.spec.n_embd);
+        for chunk in tokens.chunks(n_batch) {
+            let rows: Vec<usize> = (0..chunk.len()).collect();
+            match self.forward_from(kv, &[SeqTokens { seq, tokens: chunk }], None, &rows, RowOrder::Batch, Head::Normed)
+            {
+                Ok(h) => out.extend(h),
+                Err(e) => {
+                    let undone = kv.truncate(seq, start);
+                    debug_assert!(undone.is_ok());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn forward_from(
@@ -123,6 +155,7 @@ impl Model {
         hidden: Option<&[f32]>,
         logit_rows: &[usize],
         order: RowOrder,
+        head: Head,
     ) -> Result<Vec<f32>> {
         let spec = &self.spec;
         let n: usize = batch.iter().map(|b| b.tokens.len()).sum();
@@ -162,9 +195,10 @@ impl Model {
         }
         let tokens: Vec<u32> = batch.iter().flat_map(|b| b.tokens.iter().copied()).collect();
         self.profile.count_forward();
-        self.pool.install(|| self.run_layers(kv, &tokens, hidden, &rows, logit_rows, order))
+        self.pool.install(|| self.run_layers(kv, &tokens, hidden, &rows, logit_rows, order, head))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_layers(
         &self,
         kv: &mut KvCache,
@@ -173,6 +207,7 @@ impl Model {
         rows: &[(SeqId, usize)],
         logit_rows: &[usize],
         order: RowOrder,
+        head: Head,
     ) -> Result<Vec<f32>> {
         let spec = &self.spec;
         let w = &self.weights;
@@ -341,6 +376,10 @@ impl Model {
             ops::rms_norm(&x[r * e..(r + 1) * e], &w.output_norm, spec.rms_eps, &mut sel[i * e..(i + 1) * e]);
         }
         laps.lap(Work::Other);
+        if head == Head::Normed {
+            trace_next_call();
+            return Ok(sel);
+        }
         let mut logits = vec![0.0f32; m * spec.n_vocab];
         if m > 0 {
             matmul(&w.output, &sel, m, &mut logits);

@@ -3,6 +3,8 @@
 //! greedy (argmax after bias and penalties, first index on ties). The same seed gives the same tokens.
 //!
 //! A sampler remembers the tokens it drew (and any prompt tokens given to `accept`) for the penalties.
+//! A token mask (`set_mask`, constrained decoding: a grammar's allowed tokens as a bitmask) applies to the next
+//! draw only, before everything else in the chain: a token whose bit is clear cannot be drawn.
 //! `thread` runs samplers on a dedicated thread that can be pinned to a core and raised to SCHED_FIFO.
 
 pub mod thread;
@@ -133,6 +135,12 @@ pub struct Sampler {
     cand: Vec<(u32, f32)>,
     /// The chain's final distribution as (token, weight), most likely first (`distribution`), reused.
     dist: Vec<(u32, f64)>,
+    /// The next draw's allowed tokens: bit t % 32 of word t / 32 set for token t (tokens past it are banned).
+    mask: Option<Vec<u32>>,
+}
+
+fn allowed(mask: &[u32], t: usize) -> bool {
+    mask.get(t / 32).is_some_and(|w| (w >> (t % 32)) & 1 == 1)
 }
 
 /// The `n` most likely tokens under the softmax of the raw logits, as (token, log-probability), most likely first
@@ -164,11 +172,35 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// The first maximum among the tokens `mask` allows (NaN never wins); None if it allows none.
+fn masked_argmax(logits: &[f32], mask: &[u32]) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (w, &bits) in mask.iter().enumerate() {
+        let mut bits = bits;
+        while bits != 0 {
+            let t = w * 32 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            match logits.get(t) {
+                Some(&v) if !v.is_nan() && best.is_none_or(|b| v > b.1) => best = Some((t, v)),
+                Some(_) => {}
+                None => return best.map(|b| b.0 as u32),
+            }
+        }
+    }
+    best.map(|b| b.0 as u32)
+}
+
 impl Sampler {
     pub fn new(params: SamplerParams) -> Result<Sampler> {
         params.validate()?;
         let rng = Rng::new(params.seed);
-        Ok(Sampler { params, rng, history: VecDeque::new(), cand: Vec::new(), dist: Vec::new() })
+        Ok(Sampler { params, rng, history: VecDeque::new(), cand: Vec::new(), dist: Vec::new(), mask: None })
+    }
+
+    /// Allow only the tokens whose bit is set in `words` (bit t % 32 of word t / 32) for the next draw (`sample`,
+    /// or the first row of `verify`); the mask is used once.
+    pub fn set_mask(&mut self, words: Vec<u32>) {
+        self.mask = Some(words);
     }
 
     /// Temperature 0: `sample` returns the first maximum.
@@ -263,14 +295,28 @@ impl Sampler {
         if logits.is_empty() {
             return Err(Error::InvalidArgument("cannot sample from an empty logits vector".into()));
         }
+        let mask = self.mask.take();
         if self.is_plain_argmax() {
-            self.dist.push((argmax(logits), 1.0));
+            let t = match &mask {
+                None => argmax(logits),
+                Some(m) => masked_argmax(logits, m).ok_or_else(|| {
+                    Error::InvalidArgument("every logit is NaN or not allowed by the token mask".into())
+                })?,
+            };
+            self.dist.push((t, 1.0));
             return Ok(1.0);
         }
         let p = &self.params;
         let cand = &mut self.cand;
         cand.clear();
         cand.extend(logits.iter().enumerate().map(|(i, &v)| (i as u32, v)));
+        if let Some(m) = &mask {
+            for (i, c) in cand.iter_mut().enumerate() {
+                if !allowed(m, i) {
+                    c.1 = f32::NEG_INFINITY;
+                }
+            }
+        }
         // Logit bias, then penalties, on the full vocabulary (candidate i is token i here).
         for &(t, b) in &p.logit_bias {
             let c = cand.get_mut(t as usize).ok_or_else(|| {
@@ -292,7 +338,8 @@ impl Sampler {
         }
         cand.retain(|c| !c.1.is_nan() && c.1 != f32::NEG_INFINITY);
         if cand.is_empty() {
-            return Err(Error::InvalidArgument("every logit is NaN or banned (-inf)".into()));
+            let why = if mask.is_some() { ", or not allowed by the token mask" } else { "" };
+            return Err(Error::InvalidArgument(format!("every logit is NaN or banned (-inf){why}")));
         }
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.temperature <= 0.0 {

@@ -236,3 +236,45 @@ fn verify_rejects_bad_rows() {
     assert_eq!(g.verify(&[&[0.0, 1.0], &[1.0, 0.0]], &[7]).unwrap(), vec![1]);
     assert_eq!(g.verify(&[&[0.0, 1.0]], &[]).unwrap(), vec![1]);
 }
+
+fn mask_of(n_vocab: usize, allowed: &[u32]) -> Vec<u32> {
+    let mut m = vec![0u32; n_vocab.div_ceil(32)];
+    for &t in allowed {
+        m[t as usize / 32] |= 1 << (t % 32);
+    }
+    m
+}
+
+#[test]
+fn a_mask_restricts_the_next_draw_only() {
+    // 70 tokens (three mask words, the last partial); token 69 is the best, 5 the second, 40 the third.
+    let mut logits = vec![0.0f32; 70];
+    logits[69] = 5.0;
+    logits[5] = 4.0;
+    logits[40] = 3.0;
+    for p in [params(0.0), SamplerParams { repeat_penalty: 1.3, ..params(0.0) }, params(0.7)] {
+        let mut s = Sampler::new(p.clone()).unwrap();
+        for _ in 0..20 {
+            s.set_mask(mask_of(70, &[5, 40]));
+            let t = s.sample(&logits).unwrap();
+            assert!(t == 5 || t == 40, "{p:?} drew {t}");
+        }
+        // Greedy picks the best allowed token; the mask is gone afterwards.
+        let mut g = Sampler::new(params(0.0)).unwrap();
+        g.set_mask(mask_of(70, &[40, 5]));
+        assert_eq!(g.sample(&logits).unwrap(), 5);
+        assert_eq!(g.sample(&logits).unwrap(), 69);
+        // A mask shorter than the vocabulary bans what it does not cover; a mask that allows nothing is an error.
+        g.set_mask(mask_of(40, &[3]));
+        assert_eq!(g.sample(&logits).unwrap(), 3);
+        s.set_mask(mask_of(70, &[]));
+        let e = s.sample(&logits).unwrap_err().to_string();
+        assert!(e.contains("not allowed by the token mask"), "{e}");
+    }
+    // NaN never wins a masked argmax; a NaN among allowed tokens is skipped.
+    let mut g = Sampler::new(params(0.0)).unwrap();
+    let mut l = logits.clone();
+    l[5] = f32::NAN;
+    g.set_mask(mask_of(70, &[5, 40]));
+    assert_eq!(g.sample(&l).unwrap(), 40);
+}

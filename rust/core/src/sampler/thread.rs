@@ -38,6 +38,7 @@ struct Slot {
 enum Job {
     Configure { slot: u32, sampler: Box<Slot> },
     Accept { slot: u32, tokens: Vec<u32> },
+    Mask { slot: u32, words: Vec<u32> },
     Remove { slot: u32 },
     /// logits: [slots.len(), n_vocab], row i for slots[i].
     Sample { slots: Vec<u32>, logits: Vec<f32>, reply: SyncSender<Result<Vec<Sampled>>> },
@@ -73,6 +74,11 @@ impl SamplerThread {
                             s.sampler.accept(&tokens);
                         }
                     }
+                    Job::Mask { slot, words } => {
+                        if let Some(s) = samplers.get_mut(&slot) {
+                            s.sampler.set_mask(words);
+                        }
+                    }
                     Job::Remove { slot } => {
                         samplers.remove(&slot);
                     }
@@ -103,6 +109,12 @@ impl SamplerThread {
     /// Feed tokens (a prompt) into `slot`'s penalty window.
     pub fn accept(&self, slot: u32, tokens: Vec<u32>) -> Result<()> {
         self.send(Job::Accept { slot, tokens })
+    }
+
+    /// Allow only the tokens set in `words` (bit t % 32 of word t / 32) for `slot`'s next draw (constrained
+    /// decoding); jobs run in order, so a mask sent before a `sample` applies to it.
+    pub fn set_mask(&self, slot: u32, words: Vec<u32>) -> Result<()> {
+        self.send(Job::Mask { slot, words })
     }
 
     pub fn remove(&self, slot: u32) -> Result<()> {
@@ -244,6 +256,9 @@ mod tests {
         t.configure(0, SamplerParams { repeat_penalty: 100.0, ..greedy() }, 0).unwrap();
         t.accept(0, vec![1]).unwrap();
         assert_eq!(tokens(t.sample(vec![0], vec![0.5, 1.0, 0.0]).unwrap()), vec![0]);
+        // A mask applies to the slot's next draw only.
+        t.set_mask(0, vec![0b100]).unwrap();
+        assert_eq!(tokens(t.sample(vec![0], vec![0.5, 1.0, 0.0]).unwrap()), vec![2]);
         t.remove(5).unwrap();
         assert!(t.sample(vec![5], vec![0.0, 1.0, 0.0]).is_err());
         assert!(t.sample(vec![0, 5], vec![0.0; 5]).is_err());
