@@ -424,18 +424,25 @@ fn matmul_positions_pick_llama_cpp_kernels() {
     }
 }
 
-/// The public entry points use the detected set unless `NINFER_SIMD` forces the scalar code.
-// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+/// The public entry points use the best set this CPU has (AVX-512 where it has F, BW, DQ, VL and VNNI, as
+/// llama.cpp's native build would) unless `NINFER_CPU` forces another.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn entry_points_use_the_detected_set() {
-    if ["NINFER_SIMD", "NINFER_Q4_ORDER", "GGML_CPU_TILED_MM"].iter().any(|v| std::env::var_os(v).is_some()) {
+    if ["NINFER_CPU", "NINFER_Q4_ORDER", "GGML_CPU_TILED_MM"].iter().any(|v| std::env::var_os(v).is_some()) {
         eprintln!("note: a kernel-selection variable is set; dispatch check skipped");
         return;
     }
-    let Some(best) = simd_kernels() else { return };
-    assert_eq!(super::isa(), best.name);
-    assert!(matches!(super::isa(), "avx2" | "avx2+avx512vnni"), "{}", super::isa());
+    if simd_kernels().is_none() {
+        return;
+    }
+    let fp16 = is_x86_feature_detected!("avx512fp16");
+    let want = match super::x86_avx512::available() {
+        true if fp16 => "avx512fp16",
+        true => "avx512",
+        false => "avx2",
+    };
+    assert_eq!(super::isa(), want);
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
         assert!(super::has_simd_vec_dot(ty), "{ty}");
     }
@@ -569,7 +576,7 @@ fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
 #[cfg(target_arch = "aarch64")]
 #[test]
 fn entry_points_use_neon_on_aarch64() {
-    if std::env::var_os("NINFER_SIMD").is_some() {
+    if std::env::var_os("NINFER_CPU").is_some() {
         return;
     }
     assert_eq!(super::isa(), "neon");
