@@ -492,15 +492,24 @@ fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, 
     out
 }
 
-/// Every tile kernel, in every shape 1..=4 x 1..=9 (the instanced ones and the one-at-a-time fallback), gives
-/// the products of its single kernel bit for bit, on rows of 1, 3 and 11 blocks; a tile that does not fit its
-/// slices gives NaNs instead of reading out of bounds.
-// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+/// Every tile kernel of the AVX2 and (where the CPU has it) AVX-512 sets, in every shape 1..=4 x 1..=9 (the
+/// instanced ones and the one-at-a-time fallback), gives the products of its single kernel bit for bit, on rows
+/// of 1, 3 and 11 blocks; a tile that does not fit its slices gives NaNs instead of reading out of bounds.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn dot_tiles_equal_single_products_bit_for_bit() {
-    let Some(k) = simd_kernels() else { return };
-    let tiles = all_tile_kernels(&k);
+    let avx512 = super::x86_avx512::detect(Orders::LLAMA_CPP_DEFAULT);
+    if avx512.is_none() {
+        eprintln!("note: this CPU lacks AVX-512 F/BW/DQ/VL/VNNI; only the AVX2 tiles are tested here");
+    }
+    for k in [simd_kernels(), avx512].into_iter().flatten() {
+        check_tiles(&k);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn check_tiles(k: &Kernels) {
+    let tiles = all_tile_kernels(k);
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
         assert!(tiles.iter().any(|t| t.0 == ty), "{ty} has a tile kernel");
     }
@@ -522,7 +531,8 @@ fn dot_tiles_equal_single_products_bit_for_bit() {
                             assert_eq!(
                                 out[r * nc + c].to_bits(),
                                 want.to_bits(),
-                                "{ty} {name} nb {nb} tile {nr}x{nc} ({r},{c}): {} vs {want}",
+                                "{} {ty} {name} nb {nb} tile {nr}x{nc} ({r},{c}): {} vs {want}",
+                                k.name,
                                 out[r * nc + c]
                             );
                         }
@@ -547,7 +557,7 @@ fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
         ) else {
             return;
         };
-        if vnni.name != "avx2+avx512vnni" {
+        if !(is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")) {
             eprintln!("note: this CPU lacks AVX-512 VNNI; the VNNI kernels are not tested here");
             return;
         }
