@@ -75,7 +75,7 @@ pub(super) unsafe fn u32_at(p: *const u8) -> u32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn f32_at(p: *const u8) -> f32 {
+pub(super) unsafe fn f32_at(p: *const u8) -> f32 {
     f32::from_bits(u32_at(p))
 }
 
@@ -213,7 +213,7 @@ pub(super) unsafe fn vec_dot_q3_k_q8_k(nb: usize, x: *const u8, y: *const u8) ->
 /// `utmp` shuffle.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn k4_mins_and_scales(s: *const u8) -> __m256i {
+pub(super) unsafe fn k4_mins_and_scales(s: *const u8) -> __m256i {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
@@ -229,7 +229,7 @@ pub(in crate::quant::simd) unsafe fn k4_mins_and_scales(s: *const u8) -> __m256i
 /// Q4_K / Q5_K: the four i32 `min[j] * (bsums[2j] + bsums[2j + 1])`-pair sums llama.cpp forms for the mins.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn k4_min_prod(mins_and_scales: __m256i, bsums: *const u8) -> __m128i {
+pub(super) unsafe fn k4_min_prod(mins_and_scales: __m256i, bsums: *const u8) -> __m128i {
     let q8sums = load256(bsums);
     let q8s = _mm_hadd_epi16(_mm256_extracti128_si256::<0>(q8sums), _mm256_extracti128_si256::<1>(q8sums));
     _mm_madd_epi16(_mm256_extracti128_si256::<1>(mins_and_scales), q8s)
@@ -237,7 +237,7 @@ pub(in crate::quant::simd) unsafe fn k4_min_prod(mins_and_scales: __m256i, bsums
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn shuffle_k4(scales: __m256i, i: usize) -> __m256i {
+pub(super) unsafe fn shuffle_k4(scales: __m256i, i: usize) -> __m256i {
     _mm256_shuffle_epi8(scales, load256(SHUFFLE_K4[i].as_ptr()))
 }
 

@@ -19,10 +19,10 @@ use crate::quant::format::{Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_
 
 mod float;
 mod gsq;
-pub(super) mod kquants;
+mod kquants;
 mod legacy;
-pub(super) mod orders;
-pub(super) mod prims;
+mod orders;
+mod prims;
 mod steps;
 pub(super) mod vecops;
 
@@ -218,7 +218,7 @@ fn gsq_quantize(x: &[f32], a: &mut ActQ8) {
 /// Whether a tile of `nr` weight rows (`ws` bytes apart) and `nc` activation rows (`as_` apart) of `nb` blocks
 /// lies within its slices.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn tile_fits(nb: usize, wl: usize, ws: usize, nr: usize, wb: usize, al: usize, as_: usize, nc: usize, ab: usize) -> bool {
+fn tile_fits(nb: usize, wl: usize, ws: usize, nr: usize, wb: usize, al: usize, as_: usize, nc: usize, ab: usize) -> bool {
     let fits = |len: usize, stride: usize, rows: usize, bb: usize| {
         rows >= 1 && stride >= nb * bb && len >= (rows - 1) * stride + nb * bb
     };
@@ -273,9 +273,6 @@ macro_rules! tile_wrapper {
         }
     };
 }
-
-// The AVX-512 set builds its wider tiles with the same wrapper.
-pub(super) use tile_wrapper;
 
 /// The legacy formats' tiles: 4 activation rows (and 2 x 4) for prefill; 2 weight rows for decode where that
 /// measured faster than single rows streaming from DRAM (`cpu::matmul`). Measured on the 2-core Zen 3 dev VM,

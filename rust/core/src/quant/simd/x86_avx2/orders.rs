@@ -48,7 +48,7 @@ pub(super) unsafe fn vec_dot_q4_k_q8_k_repacked(nb: usize, x: *const u8, y: *con
 /// `ggml_gemm_q4_K_8x8_q8_K`: like [`vec_dot_q4_k_q8_k_repacked`], but the two FMA chains take one step per 64
 /// elements (two sub-blocks) instead of one per super-block.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn vec_dot_q4_k_q8_k_repacked_gemm(nb: usize, x: *const u8, y: *const u8) -> f32 {
+pub(super) unsafe fn vec_dot_q4_k_q8_k_repacked_gemm(nb: usize, x: *const u8, y: *const u8) -> f32 {
     let m4 = _mm256_set1_epi8(0xF);
     let ones = _mm256_set1_epi16(1);
     let mut acc = 0.0f32;
@@ -163,7 +163,7 @@ pub(super) unsafe fn vec_dot_q6_k_q8_k_tiled(nb: usize, x: *const u8, y: *const 
 /// The four i32 of `v[0]`, `v[1]`, `v[2]`, `v[3]` transposed: result `j` holds lane `j` of each.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn transpose4(v: [__m128i; 4]) -> [__m128i; 4] {
+unsafe fn transpose4(v: [__m128i; 4]) -> [__m128i; 4] {
     let t0 = _mm_unpacklo_epi32(v[0], v[1]);
     let t1 = _mm_unpacklo_epi32(v[2], v[3]);
     let t2 = _mm_unpackhi_epi32(v[0], v[1]);
@@ -174,7 +174,7 @@ pub(in crate::quant::simd) unsafe fn transpose4(v: [__m128i; 4]) -> [__m128i; 4]
 /// The lane sums of four i32 vectors: [sum v0, sum v1, sum v2, sum v3]. Exact.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn hsums_4x8(v: [__m256i; 4]) -> __m128i {
+unsafe fn hsums_4x8(v: [__m256i; 4]) -> __m128i {
     let s = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
 }

@@ -21,7 +21,7 @@ pub(super) unsafe fn prefetch_ahead<const LINES: usize>(p: *const u8) {
 /// Unaligned 32-byte load.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn load256(p: *const u8) -> __m256i {
+pub(super) unsafe fn load256(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
 }
 
@@ -39,7 +39,7 @@ pub(super) unsafe fn load128(p: *const u8) -> __m128i {
 /// (measured: 3x slower Q4_1 dots).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant::simd) unsafe fn f16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(f16x4_at(p))
 }
 

@@ -10,18 +10,18 @@
 //!
 //! The quantized dot products of `arch/x86/quants.c` have no AVX-512 branches of their own (only VNNI), and its
 //! AVX-512 repacked Q4_K GEMM and VNNI tiled K-quant microkernels add the same exact integers in the same float
-//! steps as the AVX2 ones, so those tables entries stay.
+//! steps as the AVX2 ones (read from the source; the greedy references of tests/data, whose prompts take both
+//! paths, agree), so those entries stay. (A 512-bit version of the Q4_K GEMM tile's integer products, two tokens
+//! per instruction, measured no faster than the AVX2 tile on the Xeon dev VM and was not kept.)
 //!
 //! Every kernel is an `unsafe fn` with `#[target_feature]`, reached only through the tables [`detect`] and
 //! [`detect_vec_ops`] return after checking the features.
 
-use super::table::{Kernels, Orders, TileFn, VecDotFn};
+use super::table::{Kernels, Orders, VecDotFn};
 use super::vecops::VecOps;
-use super::x86_avx2::{orders, tile_fits, tile_wrapper};
-use crate::quant::format::{GgmlType, Q4_K_BYTES, Q8_K_BYTES};
+use crate::quant::format::GgmlType;
 
 mod float;
-mod kquants;
 mod vecops;
 #[cfg(test)]
 mod tests;
@@ -52,9 +52,6 @@ pub(super) fn detect(orders: Orders) -> Option<Kernels> {
     let mut k = super::x86_avx2::detect(orders, true)?;
     k.name = if has_fp16() { "avx512fp16" } else { "avx512" };
     k.vec_dot[GgmlType::F16 as usize] = Some(vec_dot_f16 as VecDotFn);
-    if orders.repacked_q4 {
-        k.vec_dot_tile_gemm4[GgmlType::Q4_K as usize] = Some(tile_q4_k_gemm as TileFn);
-    }
     Some(k)
 }
 
@@ -74,10 +71,3 @@ fn vec_dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
     // are in bounds of both slices.
     unsafe { float::vec_dot_f16(n, w.as_ptr(), a.as_ptr()) }
 }
-
-// The prefill tiles of the repacked Q4_K GEMM order with 512-bit integer products (reachable only through the
-// table `detect` builds after checking the features).
-tile_wrapper!(tile_q4_k_gemm, orders::vec_dot_q4_k_q8_k_repacked_gemm, Q4_K_BYTES, Q8_K_BYTES, [
-    (1, 8) => kquants::q4_k_repacked_gemm_1xc::<8>,
-    (1, 4) => kquants::q4_k_repacked_gemm_1xc::<4>,
-]);
