@@ -3,9 +3,14 @@
 (llama-perplexity), for every model of ../shared/scripts/fetch-models that is present.
 
     python3 scripts/make_reference.py [--peer ~/.cache/ninfer-peer/bin] [--models ~/.cache/ninfer-models]
+                                      [--isa avx512fp16 --greedy-only]
 
 Writes tests/data/reference_greedy.json and tests/data/reference_perplexity.json. The tools come from
-../shared/scripts/build-llama-cpp (llama.cpp as vendored by llama-cpp-python 0.3.36, CPU build).
+../shared/scripts/build-llama-cpp (llama.cpp as vendored by llama-cpp-python 0.3.36, CPU build, -march=native).
+llama.cpp's greedy tokens depend on the host's vector extensions (its AVX-512 build sums in other orders than
+its AVX2 one), so each of ninfer's x86 kernel sets has its own file: reference_greedy.json for "avx2" (made on
+an AVX2-only host), reference_greedy_<isa>.json for the others (`--isa`, the name `ninfer._core.simd_isa()`
+gives on the host whose native build made them).
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ def main() -> None:
     ap.add_argument("--models", type=Path, default=Path.home() / ".cache" / "ninfer-models")
     ap.add_argument("--greedy-only", action="store_true", help="keep the recorded perplexities")
     ap.add_argument("--full-perplexity", action="store_true", help="also score whole files (slow on 2 cores)")
+    ap.add_argument("--isa", default="avx2", help="ninfer kernel set this host's llama.cpp build corresponds to")
     args = ap.parse_args()
     ppl_file = DATA / "reference_perplexity.json"
     greedy_out = {}
@@ -99,7 +105,8 @@ def main() -> None:
             ppl_out.setdefault(fname, {})["chunks4"] = perplexities(args.peer, path, 4)
         if args.full_perplexity:
             ppl_out.setdefault(fname, {})["all"] = perplexities(args.peer, path, None)
-    (DATA / "reference_greedy.json").write_text(json.dumps(greedy_out, indent=1, ensure_ascii=False) + "\n")
+    greedy_file = "reference_greedy.json" if args.isa == "avx2" else f"reference_greedy_{args.isa}.json"
+    (DATA / greedy_file).write_text(json.dumps(greedy_out, indent=1, ensure_ascii=False) + "\n")
     ppl_file.write_text(json.dumps(ppl_out, indent=1) + "\n")
 
 

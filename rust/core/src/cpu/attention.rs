@@ -192,7 +192,7 @@ const ROW_BLOCK: usize = 16;
 /// llama.cpp's tiled path (ggml_compute_forward_flash_attn_ext_tiled), for batches of at least
 /// `TILED_MIN_ROWS` rows over an f16 cache. Keys go in tiles of KV_TILE cells aligned to multiples of KV_TILE;
 /// per (row, head): scores are sequential FMA chains over the head dimension (its simd_gemm), the softmax is
-/// taken per tile with ggml_v_expf and summed 8 lanes at a time into a double, and V is accumulated with one FMA
+/// taken per tile with ggml_v_expf and summed a vector at a time into a double (`VecOps::exp_shifted`), and V is accumulated with one FMA
 /// per key in order.
 ///
 /// The work is split into (KV head, block of up to ROW_BLOCK rows of one sequence): each K and V tile is widened
@@ -293,12 +293,7 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
                     s[j] *= ms;
                 }
                 m[j] = m_new;
-                (ops.exp_shifted)(&mut score, m_new);
-                let mut sum = 0.0f64;
-                for l in score.chunks_exact(8) {
-                    let (v0, v1, v2, v3) = (l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]);
-                    sum += ((v0 + v2) + (v1 + v3)) as f64;
-                }
+                let sum = (ops.exp_shifted)(&mut score, m_new);
                 s[j] = (s[j] as f64 + sum) as f32;
                 let (ca, cb) = (ra - t0, rb - t0 + 1);
                 (ops.axpy_rows)(o, &vt[ca * dv..cb * dv], &score[ca..cb]);

@@ -357,7 +357,7 @@ fn neon_dot_gives_the_scalar_references_bits() {
     // The NEON kernel (quant::simd::aarch64_neon::gsq) sums the reference's integers and combines them in its f32
     // order, so every row's result is the reference's to the bit: random records of every code width, with and
     // without slots (slot positions with the high bit, which readers drop), rows of one to twelve records.
-    if std::env::var("NINFER_SIMD").is_err() {
+    if std::env::var("NINFER_CPU").is_err() {
         assert_eq!(crate::quant::simd::isa(), "neon");
     }
     for bits in [3, 4] {

@@ -28,6 +28,7 @@ impl Model {
         if threads == 0 {
             return Err(Error::InvalidArgument("threads must be at least 1".into()));
         }
+        crate::quant::simd::check_cpu_env()?;
         let weights = Weights::load(file, &spec)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -36,6 +36,28 @@ pub(crate) fn ggml_expf(x: f32) -> f32 {
     }
 }
 
+/// exp(x) as the `ggml_v_expf` of llama.cpp's AVX-512 build (`__AVX512F__ && __AVX512DQ__`) computes it: the
+/// same range reduction as [`ggml_expf`], but the polynomial ends in `fma(c0, b, 1)` and the result is
+/// `vscalefps(j, n)` (j * 2^n rounded once), 0 or infinity past |n| > 192. One element at a time with the same
+/// fused multiply-adds.
+pub(crate) fn ggml_expf_avx512(x: f32) -> f32 {
+    let c = f32::from_bits;
+    let r = c(0x4b40_0000);
+    let z = x.mul_add(c(0x3fb8_aa3b), r);
+    let n = z - r;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)))
+        .mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
+    // j * 2^n is exact in f64 (|n| <= 192); the conversion rounds it once, as vscalefps does.
+    (j as f64 * 2f64.powi(n as i32)) as f32
+}
+
 /// llama.cpp's `nearest_int`: round to nearest, ties to even, by adding 1.5 * 2^23 and reading the mantissa.
 /// Valid for |v| <= 2^22 (the quantizers only use it on values within +-128); no libm call.
 #[inline(always)]

@@ -6,26 +6,26 @@
 //! `dequantize_row`. A missing entry means "use the scalar code". The entry points in `quant/mod.rs` look the
 //! table up (one atomic load once initialised) and fall back to the scalar match.
 //!
-//! Kernel sets, best first:
-//! - `avx2+avx512vnni`: the `avx2` set with the legacy formats' int8 products done by AVX-512 VNNI's
-//!   `vpdpbusd` (as llama.cpp built for such a CPU does); the same integers, so the same bits;
+//! Kernel sets, chosen from the CPU's features the way llama.cpp built with `-march=native` chooses its code
+//! paths on the same CPU (its results are what the parity tests compare against):
+//! - `avx512` / `avx512fp16` (`x86_avx512`): CPUs with AVX-512 F, BW, DQ, VL and VNNI; the `avx2` set with
+//!   VNNI int8 products and the kernels whose float order or rounding llama.cpp's AVX-512 build changes (the
+//!   second name where the CPU also has AVX512-FP16, which changes the f16 attention accumulation);
 //! - `avx2`: x86-64 AVX2 + FMA + F16C (`x86_avx2`), with the integer layout and float summation order of
 //!   llama.cpp's own AVX2 kernels, so results are bit-identical to llama.cpp running on the same machine
 //!   (checked against its `libggml-cpu.so`); activation quantization is byte-exact with the scalar code.
 //! - `neon` (aarch64, `aarch64_neon`): the 32-element block formats' dot products, exact integer parts, float
 //!   sums in their own order (not llama.cpp's); the K-quants' int8 products under the scalar unpacking; GSQ-RCO
 //!   rows with the scalar reference's bits; everything else scalar there.
-//! - not yet: wider AVX-512 kernels: add a module and a branch in [`detect`]; a set may start from a lesser
-//!   set's table and override entries.
 //!
 //! llama.cpp does not sum every dot product of a matmul the same way: on AVX2 it repacks Q4_0 / Q4_K matrices
 //! and runs GEMV/GEMM kernels on them, and runs a "tiled" kernel for K-quant matmuls with 8 or more activation
 //! rows. [`vec_dot_matmul`] picks the matching kernel from the position of the dot product in its matmul;
 //! [`crate::quant::vec_dot`] is the single-activation-row (decode) case.
 //!
-//! Environment (read once, at the first quant call):
-//! - `NINFER_SIMD=scalar` (or `off`, `0`, `none`) forces the scalar code, for debugging numeric differences;
-//!   `NINFER_SIMD=avx2` keeps AVX2 kernels where AVX-512 VNNI ones would be picked (to compare the two);
+//! Environment (read once, at the first quant call; [`check_cpu_env`] reports a bad value at model load):
+//! - `NINFER_CPU=avx512|avx2|scalar` forces a kernel set (one this CPU has), to compare paths or debug
+//!   numeric differences: `avx2` is what an AVX2-only host runs, `scalar` the reference code;
 //! - `NINFER_Q4_ORDER=vec_dot` sums Q4_0 / Q4_K like llama.cpp run with `--no-repack`;
 //! - `GGML_CPU_TILED_MM=0`, the variable llama.cpp itself reads, turns the tiled order off (like llama.cpp).
 
@@ -40,6 +40,8 @@ use crate::gsq::format as gsq;
 mod aarch64_neon;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512;
 
 mod table;
 #[cfg(test)]
@@ -61,15 +63,77 @@ pub(super) fn kernels() -> &'static Kernels {
     KERNELS.get_or_init(detect)
 }
 
+/// A kernel set `NINFER_CPU` can ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CpuPath {
+    Avx512,
+    Avx2,
+    Scalar,
+}
+
+/// The path `NINFER_CPU` forces (`None`: the best this CPU has), or the message for a value that names none.
+fn forced_path() -> std::result::Result<Option<CpuPath>, String> {
+    match env("NINFER_CPU").as_deref() {
+        None | Some("" | "auto") => Ok(None),
+        Some("avx512") => Ok(Some(CpuPath::Avx512)),
+        Some("avx2") => Ok(Some(CpuPath::Avx2)),
+        Some("scalar") => Ok(Some(CpuPath::Scalar)),
+        Some(v) => Err(format!("NINFER_CPU={v:?} names no CPU path: use avx512, avx2 or scalar, or leave it unset")),
+    }
+}
+
+/// Whether this CPU can run `path`.
+fn cpu_has(path: CpuPath) -> bool {
+    match path {
+        CpuPath::Scalar => true,
+        #[cfg(target_arch = "x86_64")]
+        CpuPath::Avx512 => x86_avx512::available(),
+        #[cfg(target_arch = "x86_64")]
+        CpuPath::Avx2 => {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuPath::Avx512 | CpuPath::Avx2 => false,
+    }
+}
+
+/// `Err` naming the problem when `NINFER_CPU` is set to something other than a path this CPU has; the model
+/// loaders call it so that a typo is an error at load rather than a silent fallback.
+pub fn check_cpu_env() -> Result<()> {
+    let path = forced_path().map_err(crate::error::Error::InvalidArgument)?;
+    match path {
+        Some(p) if !cpu_has(p) => Err(crate::error::Error::InvalidArgument(format!(
+            "NINFER_CPU={} but this CPU lacks it ({})",
+            format!("{p:?}").to_ascii_lowercase(),
+            match p {
+                CpuPath::Avx512 => "needs AVX-512 F, BW, DQ, VL and VNNI plus AVX2, FMA and F16C",
+                _ => "needs AVX2, FMA and F16C",
+            }
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The path to run: the forced one if this CPU has it, else the best it has (a bad `NINFER_CPU` is reported by
+/// [`check_cpu_env`]).
+fn chosen_path() -> Option<CpuPath> {
+    forced_path().ok().flatten().filter(|&p| cpu_has(p))
+}
+
 fn detect() -> Kernels {
-    let simd = env("NINFER_SIMD");
-    if matches!(simd.as_deref(), Some("scalar" | "off" | "0" | "none")) {
+    let forced = chosen_path();
+    if forced == Some(CpuPath::Scalar) {
         return Kernels::SCALAR;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let vnni = simd.as_deref() != Some("avx2");
-        if let Some(k) = x86_avx2::detect(table::Orders::from_env(), vnni) {
+        let orders = table::Orders::from_env();
+        if forced.is_none_or(|p| p == CpuPath::Avx512) {
+            if let Some(k) = x86_avx512::detect(orders) {
+                return k;
+            }
+        }
+        if let Some(k) = x86_avx2::detect(orders, false) {
             return k;
         }
     }
@@ -130,15 +194,21 @@ pub fn vec_dot_matmul(ty: GgmlType, n: usize, w: &[u8], act: &[u8], pos: MatmulP
     }
 }
 
-/// The element-wise primitives of this CPU (scalar under `NINFER_SIMD=scalar`), detected on the first call.
+/// The element-wise primitives of the kernel set [`kernels`] runs, detected on the first call.
 pub fn vec_ops() -> &'static VecOps {
     static OPS: OnceLock<&'static VecOps> = OnceLock::new();
     OPS.get_or_init(|| {
-        if matches!(env("NINFER_SIMD").as_deref(), Some("scalar" | "off" | "0" | "none")) {
+        let forced = chosen_path();
+        if forced == Some(CpuPath::Scalar) {
             return &VecOps::SCALAR;
         }
         #[cfg(target_arch = "x86_64")]
         {
+            if forced.is_none_or(|p| p == CpuPath::Avx512) {
+                if let Some(ops) = x86_avx512::detect_vec_ops() {
+                    return ops;
+                }
+            }
             if let Some(ops) = x86_avx2::detect_vec_ops() {
                 return ops;
             }
@@ -205,8 +275,8 @@ pub fn gsq_quantize(x: &[f32], a: &mut gsq::ActQ8) {
     }
 }
 
-/// Name of the kernel set the quant entry points use on this machine: `"avx2+avx512vnni"`, `"avx2"` or
-/// `"scalar"`.
+/// Name of the kernel set the quant entry points use on this machine: `"avx512fp16"`, `"avx512"`, `"avx2"`,
+/// `"neon"` or `"scalar"`.
 pub fn isa() -> &'static str {
     kernels().name
 }

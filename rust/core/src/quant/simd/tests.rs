@@ -424,18 +424,25 @@ fn matmul_positions_pick_llama_cpp_kernels() {
     }
 }
 
-/// The public entry points use the detected set unless `NINFER_SIMD` forces the scalar code.
-// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+/// The public entry points use the best set this CPU has (AVX-512 where it has F, BW, DQ, VL and VNNI, as
+/// llama.cpp's native build would) unless `NINFER_CPU` forces another.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn entry_points_use_the_detected_set() {
-    if ["NINFER_SIMD", "NINFER_Q4_ORDER", "GGML_CPU_TILED_MM"].iter().any(|v| std::env::var_os(v).is_some()) {
+    if ["NINFER_CPU", "NINFER_Q4_ORDER", "GGML_CPU_TILED_MM"].iter().any(|v| std::env::var_os(v).is_some()) {
         eprintln!("note: a kernel-selection variable is set; dispatch check skipped");
         return;
     }
-    let Some(best) = simd_kernels() else { return };
-    assert_eq!(super::isa(), best.name);
-    assert!(matches!(super::isa(), "avx2" | "avx2+avx512vnni"), "{}", super::isa());
+    if simd_kernels().is_none() {
+        return;
+    }
+    let fp16 = is_x86_feature_detected!("avx512fp16");
+    let want = match super::x86_avx512::available() {
+        true if fp16 => "avx512fp16",
+        true => "avx512",
+        false => "avx2",
+    };
+    assert_eq!(super::isa(), want);
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
         assert!(super::has_simd_vec_dot(ty), "{ty}");
     }
@@ -485,15 +492,24 @@ fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, 
     out
 }
 
-/// Every tile kernel, in every shape 1..=4 x 1..=9 (the instanced ones and the one-at-a-time fallback), gives
-/// the products of its single kernel bit for bit, on rows of 1, 3 and 11 blocks; a tile that does not fit its
-/// slices gives NaNs instead of reading out of bounds.
-// The AVX2 set's own kernels and llama.cpp's x86 kernel choice.
+/// Every tile kernel of the AVX2 and (where the CPU has it) AVX-512 sets, in every shape 1..=4 x 1..=9 (the
+/// instanced ones and the one-at-a-time fallback), gives the products of its single kernel bit for bit, on rows
+/// of 1, 3 and 11 blocks; a tile that does not fit its slices gives NaNs instead of reading out of bounds.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn dot_tiles_equal_single_products_bit_for_bit() {
-    let Some(k) = simd_kernels() else { return };
-    let tiles = all_tile_kernels(&k);
+    let avx512 = super::x86_avx512::detect(Orders::LLAMA_CPP_DEFAULT);
+    if avx512.is_none() {
+        eprintln!("note: this CPU lacks AVX-512 F/BW/DQ/VL/VNNI; only the AVX2 tiles are tested here");
+    }
+    for k in [simd_kernels(), avx512].into_iter().flatten() {
+        check_tiles(&k);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn check_tiles(k: &Kernels) {
+    let tiles = all_tile_kernels(k);
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
         assert!(tiles.iter().any(|t| t.0 == ty), "{ty} has a tile kernel");
     }
@@ -515,7 +531,8 @@ fn dot_tiles_equal_single_products_bit_for_bit() {
                             assert_eq!(
                                 out[r * nc + c].to_bits(),
                                 want.to_bits(),
-                                "{ty} {name} nb {nb} tile {nr}x{nc} ({r},{c}): {} vs {want}",
+                                "{} {ty} {name} nb {nb} tile {nr}x{nc} ({r},{c}): {} vs {want}",
+                                k.name,
                                 out[r * nc + c]
                             );
                         }
@@ -540,7 +557,7 @@ fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
         ) else {
             return;
         };
-        if vnni.name != "avx2+avx512vnni" {
+        if !(is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")) {
             eprintln!("note: this CPU lacks AVX-512 VNNI; the VNNI kernels are not tested here");
             return;
         }
@@ -569,7 +586,7 @@ fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
 #[cfg(target_arch = "aarch64")]
 #[test]
 fn entry_points_use_neon_on_aarch64() {
-    if std::env::var_os("NINFER_SIMD").is_some() {
+    if std::env::var_os("NINFER_CPU").is_some() {
         return;
     }
     assert_eq!(super::isa(), "neon");

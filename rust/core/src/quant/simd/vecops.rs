@@ -19,8 +19,10 @@ pub type ScaleFn = fn(&mut [f32], f32);
 /// `out[j] = fma(q[dk-1], kt[(dk-1)*w + j], ... fma(q[0], kt[j], 0))` with `w = out.len()`, `dk = q.len()`:
 /// each output a sequential FMA chain over the head dimension of a transposed key tile.
 pub type DotColsFn = fn(&[f32], &[f32], &mut [f32]);
-/// `x[i] = if x[i] == -inf { 0 } else { ggml_expf(x[i] - m) }`.
-pub type ExpShiftedFn = fn(&mut [f32], f32);
+/// `x[i] = if x[i] == -inf { 0 } else { ggml_expf(x[i] - m) }`; returns their sum in double as llama.cpp's
+/// `ggml_vec_soft_max_f32` adds them (AVX2: each group of eight pairwise, ((x0 + x4) + (x2 + x6)) +
+/// ((x1 + x5) + (x3 + x7)), then one by one).
+pub type ExpShiftedFn = fn(&mut [f32], f32) -> f64;
 /// `gate[i] = silu(gate[i]) * up[i]` with ggml's vectorised SiLU.
 pub type SwigluFn = fn(&mut [f32], &[f32]);
 
@@ -94,14 +96,32 @@ fn dot_cols(q: &[f32], kt: &[f32], out: &mut [f32]) {
     }
 }
 
-fn exp_shifted(x: &mut [f32], m: f32) {
-    for v in x {
+fn exp_shifted(x: &mut [f32], m: f32) -> f64 {
+    for v in x.iter_mut() {
         *v = if *v == f32::NEG_INFINITY { 0.0 } else { ggml_expf(*v - m) };
     }
+    sum_groups8(x)
+}
+
+/// The softmax sum of the AVX2 build: each group of eight reduced as `_mm256_extractf128_ps` + `movehl` +
+/// `movehdup` do, the groups and the leftovers added in double.
+pub(in crate::quant::simd) fn sum_groups8(x: &[f32]) -> f64 {
+    let (groups, tail) = x.as_chunks::<8>();
+    let mut sum = 0.0f64;
+    for l in groups {
+        let (v0, v1, v2, v3) = (l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]);
+        sum += ((v0 + v2) + (v1 + v3)) as f64;
+    }
+    tail.iter().fold(sum, |s, &v| s + v as f64)
 }
 
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + ggml_expf(-x))
+}
+
+/// SiLU through the exp of llama.cpp's AVX-512 build.
+pub(crate) fn silu_avx512(x: f32) -> f32 {
+    x / (1.0 + crate::quant::math::ggml_expf_avx512(-x))
 }
 
 fn swiglu(gate: &mut [f32], up: &[f32]) {

@@ -39,8 +39,9 @@ fn element_wise_primitives_equal_the_scalar_definitions() {
         let x = floats(seed, n, 3.0);
         let y0 = floats(seed + 100, n, 3.0);
         let a = floats(seed + 200, 1, 2.0)[0];
-        let run = |ops: &VecOps, which: usize| -> Vec<f32> {
+        let run = |ops: &VecOps, which: usize| -> (Vec<f32>, f64) {
             let mut y = y0.clone();
+            let mut sum = 0.0;
             match which {
                 0 => (ops.axpy)(&mut y, &x, a),
                 1 => {
@@ -59,10 +60,10 @@ fn element_wise_primitives_equal_the_scalar_definitions() {
                             _ => *v,
                         };
                     }
-                    (ops.exp_shifted)(&mut y, 1.5)
+                    sum = (ops.exp_shifted)(&mut y, 1.5)
                 }
             }
-            y
+            (y, sum)
         };
         // axpy_rows: up to 5 rows of n.
         let k = n % 6;
@@ -73,7 +74,9 @@ fn element_wise_primitives_equal_the_scalar_definitions() {
         (scalar.axpy_rows)(&mut yb, &rows, &w);
         assert_eq!(bits(&ya), bits(&yb), "axpy_rows, n = {n}, k = {k}");
         for which in 0..6 {
-            assert_eq!(bits(&run(simd, which)), bits(&run(scalar, which)), "primitive {which}, n = {n}");
+            let ((a, sa), (b, sb)) = (run(simd, which), run(scalar, which));
+            assert_eq!(bits(&a), bits(&b), "primitive {which}, n = {n}");
+            assert_eq!(sa.to_bits(), sb.to_bits(), "primitive {which} sum, n = {n}");
         }
     }
 }

@@ -24,7 +24,7 @@ mod legacy;
 mod orders;
 mod prims;
 mod steps;
-mod vecops;
+pub(super) mod vecops;
 
 /// The AVX2 element-wise primitives, or `None` if this CPU lacks AVX2, FMA or F16C.
 pub(super) fn detect_vec_ops() -> Option<&'static super::vecops::VecOps> {
@@ -34,8 +34,8 @@ pub(super) fn detect_vec_ops() -> Option<&'static super::vecops::VecOps> {
 }
 
 /// The AVX2 kernel table mirroring llama.cpp's matmul paths selected by `orders`, or `None` if this CPU lacks
-/// AVX2, FMA or F16C. With `vnni` and a CPU with AVX-512 VNNI (and VL), the legacy formats' products use
-/// `vpdpbusd` (table name "avx2+avx512vnni"); the results are the same bits.
+/// AVX2, FMA or F16C. With `vnni` (the AVX-512 set builds on this table) and a CPU with AVX-512 VNNI and VL, the
+/// legacy formats' products use `vpdpbusd`; the results are the same bits.
 pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
     if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
         return None;
@@ -122,7 +122,6 @@ pub(super) fn detect(orders: Orders, vnni: bool) -> Option<Kernels> {
 
 /// Swap the legacy formats' plain products and tiles for their AVX-512 VNNI versions.
 fn use_vnni(k: &mut Kernels) {
-    k.name = "avx2+avx512vnni";
     let kernels: [(GgmlType, VecDotFn, TileFn); 6] = [
         (GgmlType::Q4_0, vec_dot_q4_0_vnni, tile_q4_0_vnni),
         (GgmlType::Q4_1, vec_dot_q4_1_vnni, tile_q4_1_vnni),

@@ -56,9 +56,10 @@ fn dot_cols(q: &[f32], kt: &[f32], out: &mut [f32]) {
     unsafe { dot_cols_k(dk, w, q.as_ptr(), kt.as_ptr(), out.as_mut_ptr()) }
 }
 
-fn exp_shifted(x: &mut [f32], m: f32) {
+fn exp_shifted(x: &mut [f32], m: f32) -> f64 {
     // SAFETY: see above.
     unsafe { exp_shifted_k(x.len(), x.as_mut_ptr(), m) }
+    crate::quant::simd::vecops::sum_groups8(x)
 }
 
 fn swiglu(gate: &mut [f32], up: &[f32]) {

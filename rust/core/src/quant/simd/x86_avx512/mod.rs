@@ -1,0 +1,73 @@
+//! x86-64 AVX-512 kernel set: what llama.cpp built with `-march=native` computes on a CPU with AVX-512 F, BW,
+//! DQ, VL and VNNI (Zen 4/5, Ice Lake and later Xeons), where that differs from its AVX2 build.
+//!
+//! The set starts from the AVX2 table with AVX-512 VNNI's int8 products (`vpdpbusd`, the same integers) and
+//! overrides only what sums or rounds differently in llama.cpp's AVX-512 build, found by reading its `__AVX512*__`
+//! branches and checked against its native build token for token:
+//! - `ggml_vec_dot_f16` (the attention's K·q) runs sixteen lanes ([`float`]);
+//! - SiLU and the softmax use its AVX-512 `ggml_v_expf`; with AVX512-FP16 the f16 V accumulation runs in half
+//!   precision ([`vecops`]).
+//!
+//! The quantized dot products of `arch/x86/quants.c` have no AVX-512 branches of their own (only VNNI), and its
+//! AVX-512 repacked Q4_K GEMM and VNNI tiled K-quant microkernels add the same exact integers in the same float
+//! steps as the AVX2 ones (read from the source; the greedy references of tests/data, whose prompts take both
+//! paths, agree), so those entries stay. (A 512-bit version of the Q4_K GEMM tile's integer products, two tokens
+//! per instruction, measured no faster than the AVX2 tile on the Xeon dev VM and was not kept.)
+//!
+//! Every kernel is an `unsafe fn` with `#[target_feature]`, reached only through the tables [`detect`] and
+//! [`detect_vec_ops`] return after checking the features.
+
+use super::table::{Kernels, Orders, VecDotFn};
+use super::vecops::VecOps;
+use crate::quant::format::GgmlType;
+
+mod float;
+mod vecops;
+#[cfg(test)]
+mod tests;
+
+/// Whether this CPU has what the AVX-512 set needs (and the AVX2 set it builds on).
+pub(super) fn available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512dq")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Whether llama.cpp's native build on this CPU has `__AVX512FP16__` (half-precision vector arithmetic).
+fn has_fp16() -> bool {
+    is_x86_feature_detected!("avx512fp16")
+}
+
+/// The AVX-512 kernel table, or `None` if this CPU lacks one of the features of [`available`]. Named
+/// "avx512fp16" on CPUs with AVX512-FP16, "avx512" otherwise.
+pub(super) fn detect(orders: Orders) -> Option<Kernels> {
+    if !available() {
+        return None;
+    }
+    let mut k = super::x86_avx2::detect(orders, true)?;
+    k.name = if has_fp16() { "avx512fp16" } else { "avx512" };
+    k.vec_dot[GgmlType::F16 as usize] = Some(vec_dot_f16 as VecDotFn);
+    Some(k)
+}
+
+/// The AVX-512 element-wise primitives, or `None` if this CPU lacks a feature of [`available`].
+pub(super) fn detect_vec_ops() -> Option<&'static VecOps> {
+    static OPS: VecOps = vecops::AVX512;
+    static OPS_FP16: VecOps = vecops::AVX512_FP16;
+    if !available() {
+        return None;
+    }
+    Some(if has_fp16() { &OPS_FP16 } else { &OPS })
+}
+
+fn vec_dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let n = n.min(w.len() / 2).min(a.len() / 2);
+    // SAFETY: the table holding this wrapper exists only on CPUs with the features of `available`; `n` halves
+    // are in bounds of both slices.
+    unsafe { float::vec_dot_f16(n, w.as_ptr(), a.as_ptr()) }
+}
