@@ -14,7 +14,7 @@
 use rayon::prelude::*;
 
 use crate::cpu::RowOrder;
-use crate::kv::{KvCache, SeqId};
+use crate::kv::{rotation, KvCache, SeqId};
 use crate::quant::simd::vec_ops;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
 
@@ -49,6 +49,28 @@ fn normalize(o: &mut [f32], sum: f32) {
 /// rows: (sequence, position) of each query row; q: [n, n_head * head_dim]; out: [n, n_head * head_dim_v].
 /// Under [`RowOrder::AsSteps`] each row takes the path a one-row batch at its position would take.
 pub fn attention(
+    kv: &KvCache,
+    layer: usize,
+    rows: &[(SeqId, usize)],
+    q: &[f32],
+    shape: AttnShape,
+    order: RowOrder,
+    out: &mut [f32],
+) {
+    // A quantized cache stores its rows Hadamard-rotated: rotate the queries the same way, and the outputs back.
+    let rotated_q = kv.rotates_k().then(|| {
+        let mut r = q.to_vec();
+        rotation::rotate(&mut r, shape.head_dim);
+        r
+    });
+    attention_stored(kv, layer, rows, rotated_q.as_deref().unwrap_or(q), shape, order, out);
+    if kv.rotates_v() {
+        rotation::rotate(out, shape.head_dim_v);
+    }
+}
+
+/// `attention` with q already in the basis the cache stores keys in, and `out` left in the basis of its values.
+fn attention_stored(
     kv: &KvCache,
     layer: usize,
     rows: &[(SeqId, usize)],
@@ -150,12 +172,15 @@ fn attend_range(
     let bs = kv.cfg.block_size;
     for b in lo / bs..=pos / bs {
         let (kb, vb) = kv.block_view(layer, seq, b);
+        // What the block's stored keys lack (a rotated cache's offset): the same q·offset for each of its keys.
+        let k_offset =
+            kv.block_k_offset(layer, seq, b).map_or(0.0, |o| q.iter().zip(&o[g * dk..]).map(|(a, b)| a * b).sum::<f32>());
         let first = (b * bs).max(lo);
         let last = ((b + 1) * bs - 1).min(pos);
         for p in first..=last {
             let slot = p - b * bs;
             let k = &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes];
-            let score = vec_dot(k_type, dk, k, &q_act) * shape.scale;
+            let score = (vec_dot(k_type, dk, k, &q_act) + k_offset) * shape.scale;
             let v = &vb[slot * v_rb + g * v_head_bytes..][..v_head_bytes];
             // Online softmax: rescale what was accumulated when a new maximum appears.
             let (ms, vs) = if score > m {
@@ -382,6 +407,96 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod rotated_tests {
+    use super::*;
+    use crate::kv::KvConfig;
+
+    /// Keys with a large common component and an outlier channel, as real keys have.
+    fn keys_like_a_model(seed: u64, n: usize, dim: usize) -> Vec<f32> {
+        let mut k = crate::test_rng::uniform_floats(seed, n * dim, 1.0);
+        for (i, x) in k.iter_mut().enumerate() {
+            let c = i % dim;
+            *x += if c % 64 == 3 { 12.0 } else { 0.5 * ((c % 7) as f32 - 3.0) };
+        }
+        k
+    }
+
+    /// softmax(q·k * scale) V in f64 for one query head over rows [n, n_head_kv * dim] of KV head g.
+    fn direct(keys: &[f32], vals: &[f32], q: &[f32], g: usize, dim: usize, n_head_kv: usize, scale: f32) -> Vec<f64> {
+        let row = n_head_kv * dim;
+        let n = keys.len() / row;
+        let scores: Vec<f64> = (0..n)
+            .map(|p| (0..dim).map(|d| q[d] as f64 * keys[p * row + g * dim + d] as f64).sum::<f64>() * scale as f64)
+            .collect();
+        let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+        let z: f64 = w.iter().sum();
+        (0..dim).map(|d| (0..n).map(|p| w[p] * vals[p * row + g * dim + d] as f64).sum::<f64>() / z).collect()
+    }
+
+    /// The rows as a plain (unrotated) cache of `ty` would read them back.
+    fn plain_round_trip(ty: GgmlType, x: &[f32]) -> Vec<f32> {
+        let mut bytes = vec![0u8; ty.row_bytes(x.len()).unwrap()];
+        crate::quant::quantize_row(ty, x, &mut bytes).unwrap();
+        let mut y = vec![0.0f32; x.len()];
+        dequantize_row(ty, &bytes, &mut y).unwrap();
+        y
+    }
+
+    /// A rotated q8_0/q4_0 cache (keys written as one prompt batch and then one at a time, so blocks get their
+    /// offsets both ways) gives attention close to the exact one over the unquantized rows: the rotation and the
+    /// offsets are undone exactly, and only the quantization error is left, well under a plain cache's (measured:
+    /// q8_0 0.0054 vs 0.0103, q4_0 0.089 vs 0.194).
+    #[test]
+    fn rotated_quantized_caches_attend_like_the_exact_rows() {
+        let (n_head, n_head_kv, hd, n) = (4, 2, 64, 150);
+        let shape = AttnShape { n_head, n_head_kv, head_dim: hd, head_dim_v: hd, scale: 0.125, window: None };
+        let keys = keys_like_a_model(1, n, n_head_kv * hd);
+        let vals = crate::test_rng::uniform_floats(2, n * n_head_kv * hd, 1.0);
+        let q = crate::test_rng::uniform_floats(3, n_head * hd, 1.0);
+        let (keys_f32, vals_f32) = (keys.clone(), vals.clone());
+        let rel_err = |keys: &[f32], vals: &[f32], out: &[f32]| {
+            let mut worst = 0.0f64;
+            for h in 0..n_head {
+                let want = direct(keys, vals, &q[h * hd..(h + 1) * hd], h / 2, hd, n_head_kv, shape.scale);
+                let exact = direct(&keys_f32, &vals_f32, &q[h * hd..(h + 1) * hd], h / 2, hd, n_head_kv, shape.scale);
+                let got: Vec<f64> = match out.is_empty() {
+                    true => want,
+                    false => out[h * hd..(h + 1) * hd].iter().map(|&x| x as f64).collect(),
+                };
+                let err: f64 = got.iter().zip(&exact).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+                let norm: f64 = exact.iter().map(|b| b * b).sum::<f64>().sqrt();
+                worst = worst.max(err / norm);
+            }
+            worst
+        };
+        for (ty, tol, gain) in [(GgmlType::Q8_0, 0.01, 0.6), (GgmlType::Q4_0, 0.1, 0.5)] {
+            let mut kv = KvCache::new(KvConfig {
+                n_layer: 1, n_head_kv, head_dim_k: hd, head_dim_v: hd, k_type: ty, v_type: ty,
+                block_size: 32, n_ctx: 256, max_blocks: 8,
+            })
+            .unwrap();
+            assert!(kv.rotates_k() && kv.rotates_v());
+            let row = n_head_kv * hd;
+            let prompt = 100;
+            kv.extend(0, prompt).unwrap();
+            let rows: Vec<(SeqId, usize)> = (0..prompt).map(|p| (0, p)).collect();
+            kv.write_rows(0, &rows, &keys[..prompt * row], &vals[..prompt * row]).unwrap();
+            for p in prompt..n {
+                kv.extend(0, 1).unwrap();
+                kv.write(0, 0, p, &keys[p * row..(p + 1) * row], &vals[p * row..(p + 1) * row]).unwrap();
+            }
+            assert!(kv.block_k_offset(0, 0, 1).unwrap().iter().any(|&o| o.abs() > 1.0), "blocks carry offsets");
+            let mut out = vec![0.0f32; n_head * hd];
+            attention(&kv, 0, &[(0, n - 1)], &q, shape, RowOrder::Batch, &mut out);
+            let rotated = rel_err(&keys, &vals, &out);
+            let plain = rel_err(&plain_round_trip(ty, &keys), &plain_round_trip(ty, &vals), &[]);
+            assert!(rotated < tol && rotated < gain * plain, "{ty:?}: relative error {rotated}, plain cache {plain}");
         }
     }
 }

@@ -258,9 +258,7 @@ impl Model {
                 q.iter_mut().for_each(|v| *v *= spec.q_scale);
             }
             laps.lap(Work::Other);
-            for (t, &(seq, pos)) in rows.iter().enumerate() {
-                kv.write(il, seq, pos, &k[t * k_dim..(t + 1) * k_dim], &v[t * v_dim..(t + 1) * v_dim])?;
-            }
+            kv.write_rows(il, rows, &k, &v)?;
             let shape = AttnShape {
                 n_head: spec.n_head,
                 n_head_kv: spec.n_head_kv,

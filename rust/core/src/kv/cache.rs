@@ -2,10 +2,13 @@
 //! holds, the free list, sharing) are a `BlockManager`; this file executes its copies and reads and writes rows.
 //!
 //! A K or V row is one token's heads, [n_head_kv * head_dim], stored in the cache type (F32, F16, Q8_0 or Q4_0); a
-//! head's slice of a row is addressable because head_dim is a multiple of the type's block size.
+//! head's slice of a row is addressable because head_dim is a multiple of the type's block size. Rows of a
+//! quantized type (q8_0, q4_0) are stored Hadamard-rotated per head (`rotation`); attention rotates the query and
+//! its output to match (`rotates_k`, `rotates_v`).
 
 use crate::error::{Error, Result};
 use crate::kv::blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
+use crate::kv::{fitted_q4, rotation};
 use crate::quant::{quantize_row, GgmlType};
 
 #[derive(Clone, Copy, Debug)]
@@ -28,7 +31,14 @@ pub struct KvConfig {
 struct Block {
     k: Vec<Vec<u8>>,
     v: Vec<Vec<u8>>,
+    /// A rotated K cache: k_offset[layer] [n_head_kv * head_dim_k] was subtracted from every key stored in the
+    /// block (set when its first slot is written). Empty when K is not rotated.
+    k_offset: Vec<Vec<f32>>,
 }
+
+/// Rows of one block written at once from which their mean becomes the block's K offset (fewer say too little
+/// about the mean).
+const OFFSET_MIN_ROWS: usize = 16;
 
 pub struct KvCache {
     pub cfg: KvConfig,
@@ -37,6 +47,62 @@ pub struct KvCache {
     books: BlockManager,
     /// [books.blocks_created()]: storage of block id i at index i.
     blocks: Vec<Block>,
+    /// Whether K / V rows are stored Hadamard-rotated (quantized types).
+    rotate_k: bool,
+    rotate_v: bool,
+    /// A rotated K cache, per layer: the mean rotated key of the latest block written with at least
+    /// OFFSET_MIN_ROWS rows at once, given to blocks begun with fewer; each block's own offset is subtracted from
+    /// its keys before they are quantized. Keys share a large common component per channel;
+    /// without it the 4-bit steps are much finer. Attention adds q·offset back per block, so scores are unchanged.
+    k_offsets: Vec<Option<Vec<f32>>>,
+}
+
+/// The mean of `rows` ([n, k_dim]), leaving out the first if `skip_first` (position 0: a BOS or sink key, often
+/// far from the rest).
+fn mean_row(rows: &[f32], k_dim: usize, skip_first: bool) -> Vec<f32> {
+    let mut sum = vec![0.0f64; k_dim];
+    let used = &rows[if skip_first { k_dim } else { 0 }..];
+    for r in used.chunks_exact(k_dim) {
+        sum.iter_mut().zip(r).for_each(|(s, &x)| *s += x as f64);
+    }
+    let n = (used.len() / k_dim).max(1) as f64;
+    sum.iter().map(|&s| (s / n) as f32).collect()
+}
+
+/// Set the offset of a block begun by a write: with `run` = (first row, rows, whether the first is position 0) of
+/// the written `rows` ([n, dim]) in the block, their mean, which also becomes the layer's `latest`; else `latest`
+/// (zeros before there is one). No-op for a side stored without offsets (`offset` empty).
+fn begin_offset(
+    latest: &mut Option<Vec<f32>>,
+    offset: &mut [f32],
+    rows: &[f32],
+    dim: usize,
+    run: Option<(usize, usize, bool)>,
+) {
+    if offset.is_empty() {
+        return;
+    }
+    if let Some((t, n, first_is_bos)) = run {
+        *latest = Some(mean_row(&rows[t * dim..(t + n) * dim], dim, first_is_bos));
+    }
+    match latest {
+        Some(o) => offset.copy_from_slice(o),
+        None => offset.fill(0.0),
+    }
+}
+
+/// Quantize a row into the cache: q4_0 with fitted scales (`fitted_q4`), other types as `quantize_row`.
+fn store_row(ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<()> {
+    if ty == GgmlType::Q4_0 && dst.len() == ty.row_bytes(x.len())? {
+        fitted_q4::quantize_q4_0_fitted(x, dst);
+        return Ok(());
+    }
+    quantize_row(ty, x, dst)
+}
+
+/// Whether rows of `ty` are stored rotated: the quantized types, whose shared block scales outliers would set.
+fn rotated(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0)
 }
 
 fn precision(ty: GgmlType) -> Option<Precision> {
@@ -73,6 +139,9 @@ impl KvCache {
             books: BlockManager::new(cfg.block_size, cfg.max_blocks, cfg.n_ctx)?.with_home(home),
             k_row_bytes: cfg.k_type.row_bytes(cfg.n_head_kv * cfg.head_dim_k)?,
             v_row_bytes: cfg.v_type.row_bytes(cfg.n_head_kv * cfg.head_dim_v)?,
+            rotate_k: rotated(cfg.k_type),
+            rotate_v: rotated(cfg.v_type),
+            k_offsets: vec![None; cfg.n_layer],
             cfg,
             blocks: Vec::new(),
         })
@@ -135,10 +204,12 @@ impl KvCache {
     fn grow_storage(&mut self) {
         let per_layer_k = self.cfg.block_size * self.k_row_bytes;
         let per_layer_v = self.cfg.block_size * self.v_row_bytes;
+        let k_offset_len = if self.rotate_k { self.cfg.n_head_kv * self.cfg.head_dim_k } else { 0 };
         while self.blocks.len() < self.books.blocks_created() {
             self.blocks.push(Block {
                 k: (0..self.cfg.n_layer).map(|_| vec![0u8; per_layer_k]).collect(),
                 v: (0..self.cfg.n_layer).map(|_| vec![0u8; per_layer_v]).collect(),
+                k_offset: (0..self.cfg.n_layer).map(|_| vec![0.0f32; k_offset_len]).collect(),
             });
         }
     }
@@ -161,6 +232,7 @@ impl KvCache {
             for layer in 0..self.cfg.n_layer {
                 dst.k[layer][..c.n_positions * kb].copy_from_slice(&src.k[layer][..c.n_positions * kb]);
                 dst.v[layer][..c.n_positions * vb].copy_from_slice(&src.v[layer][..c.n_positions * vb]);
+                dst.k_offset[layer].copy_from_slice(&src.k_offset[layer]);
             }
         }
     }
@@ -173,14 +245,58 @@ impl KvCache {
 
     /// Store one token's K and V rows (f32, [n_head_kv * head_dim]) for `layer` at `pos` of `seq`.
     pub fn write(&mut self, layer: usize, seq: SeqId, pos: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        let (b, slot) = self.locate(seq, pos);
-        debug_assert_eq!(self.books.ref_count(b as u32), 1, "a write into a block another sequence reads");
+        self.write_rows(layer, &[(seq, pos)], k, v)
+    }
+
+    /// Store the K and V rows of a batch for `layer`: row t (k [t * n_head_kv * head_dim_k..], likewise v) at
+    /// `rows[t]` = (sequence, position).
+    pub fn write_rows(&mut self, layer: usize, rows: &[(SeqId, usize)], k: &[f32], v: &[f32]) -> Result<()> {
+        let (k_dim, v_dim) = (self.cfg.n_head_kv * self.cfg.head_dim_k, self.cfg.n_head_kv * self.cfg.head_dim_v);
+        let k = self.stored_form(k, self.rotate_k, self.cfg.head_dim_k);
+        let v = self.stored_form(v, self.rotate_v, self.cfg.head_dim_v);
         let (kb, vb) = (self.k_row_bytes, self.v_row_bytes);
         let (k_type, v_type) = (self.cfg.k_type, self.cfg.v_type);
-        let block = &mut self.blocks[b];
-        quantize_row(k_type, k, &mut block.k[layer][slot * kb..(slot + 1) * kb])?;
-        quantize_row(v_type, v, &mut block.v[layer][slot * vb..(slot + 1) * vb])?;
+        let bs = self.cfg.block_size;
+        let mut k_row = vec![0.0f32; k_dim];
+        for (t, &(seq, pos)) in rows.iter().enumerate() {
+            let (b, slot) = self.locate(seq, pos);
+            debug_assert_eq!(self.books.ref_count(b as u32), 1, "a write into a block another sequence reads");
+            let block = &mut self.blocks[b];
+            if slot == 0 {
+                // A block begun by this batch: its K offset is the mean of the batch's keys in it when there are
+                // enough of them (and becomes the layer's for blocks begun with fewer), else the layer's.
+                let run = rows[t..].iter().take_while(|&&(s, p)| s == seq && p / bs == pos / bs).count();
+                let run = (run >= OFFSET_MIN_ROWS).then_some((t, run, pos == 0));
+                begin_offset(&mut self.k_offsets[layer], &mut block.k_offset[layer], &k, k_dim, run);
+            }
+            k_row.copy_from_slice(&k[t * k_dim..(t + 1) * k_dim]);
+            k_row.iter_mut().zip(&block.k_offset[layer]).for_each(|(x, &o)| *x -= o);
+            store_row(k_type, &k_row, &mut block.k[layer][slot * kb..(slot + 1) * kb])?;
+            store_row(v_type, &v[t * v_dim..(t + 1) * v_dim], &mut block.v[layer][slot * vb..(slot + 1) * vb])?;
+        }
         Ok(())
+    }
+
+    /// A row as it is stored: rotated per head if `rotate`.
+    fn stored_form<'a>(&self, row: &'a [f32], rotate: bool, head_dim: usize) -> std::borrow::Cow<'a, [f32]> {
+        if !rotate {
+            return std::borrow::Cow::Borrowed(row);
+        }
+        let mut r = row.to_vec();
+        rotation::rotate(&mut r, head_dim);
+        std::borrow::Cow::Owned(r)
+    }
+
+    /// Whether K rows are stored Hadamard-rotated: a query must be rotated (`rotation::rotate`) before its dot
+    /// products with them.
+    pub fn rotates_k(&self) -> bool {
+        self.rotate_k
+    }
+
+    /// Whether V rows are stored Hadamard-rotated: an attention output (a weighted sum of them) must be rotated
+    /// back (`rotation::rotate` again).
+    pub fn rotates_v(&self) -> bool {
+        self.rotate_v
     }
 
     /// The K and V bytes of `layer` in the `block_index`-th block of `seq`'s table. Rows are `k_row_bytes()` /
@@ -188,6 +304,13 @@ impl KvCache {
     pub fn block_view(&self, layer: usize, seq: SeqId, block_index: usize) -> (&[u8], &[u8]) {
         let b = &self.blocks[self.books.table(seq)[block_index] as usize];
         (&b.k[layer], &b.v[layer])
+    }
+
+    /// What was subtracted from the stored keys of `layer` in the `block_index`-th block of `seq` ([n_head_kv *
+    /// head_dim_k], rotated basis): q·k is the stored key's dot product plus q·offset. None for an unrotated cache.
+    pub fn block_k_offset(&self, layer: usize, seq: SeqId, block_index: usize) -> Option<&[f32]> {
+        let b = &self.blocks[self.books.table(seq)[block_index] as usize];
+        self.rotate_k.then(|| &b.k_offset[layer][..])
     }
 
     pub fn k_row_bytes(&self) -> usize {

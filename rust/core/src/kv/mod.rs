@@ -12,6 +12,8 @@
 
 pub mod blocks;
 pub mod cache;
+pub mod fitted_q4;
+pub mod rotation;
 
 pub use blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
 pub use cache::{KvCache, KvConfig};
