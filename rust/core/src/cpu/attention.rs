@@ -45,7 +45,8 @@ fn normalize(o: &mut [f32], sum: f32) {
     (vec_ops().scale)(o, if sum > 0.0 { 1.0 / sum } else { 0.0 });
 }
 
-/// out[t, h*dv..] = softmax(q[t,h] · K[seq_t, 0..=pos_t]) V for every row t of the batch.
+/// out[t, h*dv..] = softmax(q[t,h] · K[seq_t, 0..=pos_t]) V for every row t of the batch, over a plain (untiered)
+/// cache; a tiered one is `attention_tiered::attention`.
 /// rows: (sequence, position) of each query row; q: [n, n_head * head_dim]; out: [n, n_head * head_dim_v].
 /// Under [`RowOrder::AsSteps`] each row takes the path a one-row batch at its position would take.
 pub fn attention(
@@ -57,13 +58,19 @@ pub fn attention(
     order: RowOrder,
     out: &mut [f32],
 ) {
-    // A quantized cache stores its rows Hadamard-rotated: rotate the queries the same way, and the outputs back.
+    in_stored_basis(kv, q, shape, out, |q, out| attention_stored(kv, layer, rows, q, shape, order, out));
+}
+
+/// Run `f(q, out)` with q in the basis the cache stores keys in and out taken from the basis of its values: a
+/// quantized or tiered cache stores rows Hadamard-rotated, so the queries are rotated the same way and the
+/// outputs back.
+pub(crate) fn in_stored_basis(kv: &KvCache, q: &[f32], shape: AttnShape, out: &mut [f32], f: impl FnOnce(&[f32], &mut [f32])) {
     let rotated_q = kv.rotates_k().then(|| {
         let mut r = q.to_vec();
         rotation::rotate(&mut r, shape.head_dim);
         r
     });
-    attention_stored(kv, layer, rows, rotated_q.as_deref().unwrap_or(q), shape, order, out);
+    f(rotated_q.as_deref().unwrap_or(q), out);
     if kv.rotates_v() {
         rotation::rotate(out, shape.head_dim_v);
     }
@@ -164,17 +171,16 @@ fn attend_range(
     let f16_acc = v_type == GgmlType::F16;
     let k_head_bytes = k_type.row_bytes(dk).unwrap_or(0);
     let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
-    let (k_rb, v_rb) = (kv.k_row_bytes(), kv.v_row_bytes());
     let mut v_buf = vec![0.0f32; dv];
     out.fill(0.0);
     let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
 
     let bs = kv.cfg.block_size;
     for b in lo / bs..=pos / bs {
-        let (kb, vb) = kv.block_view(layer, seq, b);
+        let view = kv.block_view(layer, seq, b);
+        let (kb, vb, k_rb, v_rb) = (view.k, view.v, view.k_row_bytes, view.v_row_bytes);
         // What the block's stored keys lack (a rotated cache's offset): the same q·offset for each of its keys.
-        let k_offset =
-            kv.block_k_offset(layer, seq, b).map_or(0.0, |o| q.iter().zip(&o[g * dk..]).map(|(a, b)| a * b).sum::<f32>());
+        let k_offset = view.k_offset.map_or(0.0, |o| dot(q, &o[g * dk..(g + 1) * dk]));
         let first = (b * bs).max(lo);
         let last = ((b + 1) * bs - 1).min(pos);
         for p in first..=last {
@@ -209,6 +215,11 @@ fn attend_range(
     (m, s)
 }
 
+/// q·x in f32 (a block's key offset).
+pub(crate) fn dot(q: &[f32], x: &[f32]) -> f32 {
+    q.iter().zip(x).map(|(a, b)| a * b).sum()
+}
+
 /// KV tile of llama.cpp's tiled f32 flash attention (GGML_FA_TILE_KV).
 const KV_TILE: usize = 64;
 /// Query rows of one sequence that share each dequantized K/V tile in the tiled path.
@@ -223,7 +234,7 @@ const ROW_BLOCK: usize = 16;
 /// The work is split into (KV head, block of up to ROW_BLOCK rows of one sequence): each K and V tile is widened
 /// to f32 once per block and used by all its rows and all query heads of the KV head; the sums of each
 /// (row, head) are the same operations in the same order as computing it alone.
-fn attention_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32], shape: AttnShape, out: &mut [f32]) {
+pub(crate) fn attention_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32], shape: AttnShape, out: &mut [f32]) {
     let AttnShape { n_head, n_head_kv, head_dim: dk, head_dim_v: dv, .. } = shape;
     let group = n_head / n_head_kv;
     let mut blocks: Vec<(usize, usize)> = Vec::new(); // row ranges [start, end)
@@ -254,10 +265,6 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
     let ops = vec_ops();
     let (dk, dv, n_head) = (shape.head_dim, shape.head_dim_v, shape.n_head);
     let group = n_head / shape.n_head_kv;
-    let (k_type, v_type) = (kv.cfg.k_type, kv.cfg.v_type);
-    let k_head_bytes = k_type.row_bytes(dk).unwrap_or(0);
-    let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
-    let (k_rb, v_rb) = (kv.k_row_bytes(), kv.v_row_bytes());
     let bs = kv.cfg.block_size;
     let seq = rows[0].0;
     let lo_min = rows.iter().map(|&(_, p)| shape.first_key(p)).min().unwrap_or(0);
@@ -278,11 +285,19 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
         // Widen the tile's keys (transposed) and values once for the whole block.
         let mut p = a;
         while p <= b {
-            let (kb, vb) = kv.block_view(layer, seq, p / bs);
+            // (Types per block: a tiered cache's blocks differ.)
+            let view = kv.block_view(layer, seq, p / bs);
+            let (kb, vb, k_rb, v_rb, k_type, v_type) =
+                (view.k, view.v, view.k_row_bytes, view.v_row_bytes, view.k_type, view.v_type);
+            let k_head_bytes = k_type.row_bytes(dk).unwrap_or(0);
+            let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
             let end = b.min((p / bs + 1) * bs - 1);
             for p in p..=end {
                 let slot = p % bs;
                 let _ = dequantize_row(k_type, &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes], &mut k_row);
+                if let Some(o) = view.k_offset {
+                    k_row.iter_mut().zip(&o[g * dk..(g + 1) * dk]).for_each(|(x, &o)| *x += o);
+                }
                 for (d, &x) in k_row.iter().enumerate() {
                     kt[d * KV_TILE + (p - t0)] = x;
                 }
@@ -491,7 +506,7 @@ mod rotated_tests {
                 kv.extend(0, 1).unwrap();
                 kv.write(0, 0, p, &keys[p * row..(p + 1) * row], &vals[p * row..(p + 1) * row]).unwrap();
             }
-            assert!(kv.block_k_offset(0, 0, 1).unwrap().iter().any(|&o| o.abs() > 1.0), "blocks carry offsets");
+            assert!(kv.block_view(0, 0, 1).k_offset.unwrap().iter().any(|&o| o.abs() > 1.0), "blocks carry offsets");
             let mut out = vec![0.0f32; n_head * hd];
             attention(&kv, 0, &[(0, n - 1)], &q, shape, RowOrder::Batch, &mut out);
             let rotated = rel_err(&keys, &vals, &out);
