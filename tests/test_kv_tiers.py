@@ -55,3 +55,21 @@ def test_passkey_on_qwen_at_4k_with_most_of_the_context_in_l3(qwen05_path: Path)
         r = run_passkey(llm, 160, key, depth)
         assert r.prompt_tokens > 3500
         assert r.found, (depth, r.answer)
+
+
+def test_run_verbose_reports_the_prefetch_thread(smollm2_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from ninfer.passkey import passkey_prompt
+
+    out = subprocess.run([sys.executable, "-m", "ninfer.cli", "run", "-m", str(smollm2_path), "-p",
+                          passkey_prompt(30, 28645, 0.5), "-n", "8", "--temp", "0", "-t", "2", "-c", "1024",
+                          "--kv-l1", "128", "--kv-l2", "128", "--kv-select", "128", "--verbose"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "28645" in out.stdout
+    line = next(x for x in out.stderr.splitlines() if x.startswith("tiered KV cache: KV prefetch: "))
+    hits, stalls, misses = (int(line.split(f" {w}")[0].split()[-1]) for w in ("hits", "stalls", "misses"))
+    # 8 decode steps x 30 layers read L3 blocks; the first step's are misses, later steps mostly find them staged.
+    assert misses > 0 and hits + stalls > 0, line

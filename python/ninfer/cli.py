@@ -163,6 +163,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if llm.engine.speculator is not None:
             rate = f" ({100 * t.draft_n_accepted / t.draft_n:.1f}%)" if t.draft_n else ""
             _log(f"speculative: {t.draft_n} tokens drafted, {t.draft_n_accepted} accepted{rate}")
+    if args.verbose and llm.config.tiered:
+        from ninfer.bench import format_prefetch
+
+        prefetch = llm.kv_prefetch_stats()
+        _log("tiered KV cache: " + (format_prefetch(prefetch) if prefetch else "no prefetch thread (--kv-select 0)"))
     return 0
 
 
@@ -258,6 +263,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         gpu_mem_budget=args.gpu_mem_budget,
         speculation=spec_kwargs(args),
         kv_tiers=kv_tier_kwargs(args),
+        kv_fill=args.kv_fill,
     )
     if args.json:
         print(json.dumps(bench.to_json(results, info), indent=2))
@@ -301,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a Jinja chat template to use instead of the model's (as llama-cli's)")
     _add_engine_args(run, 4096)
     add_spec_args(run)
+    run.add_argument("-v", "--verbose", action="store_true", help="also report the tiered KV cache's prefetch counts")
     run.set_defaults(func=cmd_run)
 
     insp = sub.add_parser("inspect", help="architecture, tensor types, sizes and a memory estimate")
@@ -331,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16")
     b.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16")
     add_kv_tier_args(b)
+    b.add_argument("--kv-fill", choices=["random"], default=None,
+                   help="tg tests at depth start from a cache filled with random keys and values instead of a "
+                        "prefill (labelled in the output; no llama.cpp comparison): decode speed and memory at depth")
     _add_device_args(b)
     b.add_argument("--json", action="store_true", help="print the results as JSON (llama-bench's -o json fields)")
     b.add_argument("--vs-llama-cpp", action="store_true",

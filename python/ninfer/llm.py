@@ -185,6 +185,14 @@ class LLM:
             raise InvalidArgumentError("kv_memory reports the CPU backend's KV cache")
         return dict(self.backend.kv_memory())
 
+    def kv_prefetch_stats(self) -> dict[str, int] | None:
+        """The tiered KV cache's prefetch thread: L3 block-layers a step found staged ("hits"), waited for
+        ("stalls"), dequantized itself ("misses"), and staged in all ("staged"); None without one (kv_select 0)."""
+        if self.device != "cpu":
+            return None
+        stats = self.backend.kv_prefetch_stats()
+        return None if stats is None else dict(stats)
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 

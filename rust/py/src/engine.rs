@@ -313,6 +313,17 @@ impl PyEngine {
         py.detach(|| kv.fill_random(seq, n, seed)).map_err(to_py)
     }
 
+    /// The tiered KV cache's prefetch thread counts (L3 block-layers found staged, waited for, dequantized on the
+    /// spot, and staged in all): {"hits", "stalls", "misses", "staged"}; None without one (no --kv-select).
+    fn kv_prefetch_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self.kv.prefetch_stats() else { return Ok(None) };
+        let d = PyDict::new(py);
+        for (k, v) in [("hits", s.hits), ("stalls", s.stalls), ("misses", s.misses), ("staged", s.staged)] {
+            d.set_item(k, v)?;
+        }
+        Ok(Some(d))
+    }
+
     /// What the KV cache's blocks in use hold, by tier: {"l1": (blocks, bytes), "l2": ..., "l3": ...,
     /// "meta_bytes": offsets and key summaries}; a plain cache's blocks all count as l1.
     fn kv_memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -8,11 +8,14 @@
 //! block's key summary (element-wise min and max per KV head) bounds q·k from above by sum_d max(q_d min_d,
 //! q_d max_d), and the blocks with the highest bound over the KV head's query heads are read (Quest).
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use crate::cpu::attention::{attention_tiled, dot, in_stored_basis, AttnShape, TILED_MIN_ROWS};
 use crate::cpu::RowOrder;
-use crate::kv::{KvCache, SeqId};
+use crate::kv::{KvCache, SeqId, Staged};
 use crate::quant::simd::vec_ops;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
 
@@ -61,17 +64,53 @@ fn attention_stored(
             plan_blocks(kv, layer, rows[t], qg, g, shape, decode)
         })
         .collect();
+    // The L3 blocks each sequence reads, dequantized once for all its rows and heads (staged by the prefetch
+    // thread when it guessed them at the last step).
+    let mut l3: HashMap<SeqId, Vec<usize>> = HashMap::new();
+    for (i, plan) in plans.iter().enumerate() {
+        let seq = rows[i / n_head_kv].0;
+        l3.entry(seq).or_default().extend(plan.old.iter().copied().filter(|&b| kv.in_l3(seq, b)));
+    }
+    let mut staged: HashMap<(SeqId, usize), Arc<Staged>> = HashMap::new();
+    for (seq, blocks) in &mut l3 {
+        blocks.sort_unstable();
+        blocks.dedup();
+        staged.extend(kv.stage_l3(layer, *seq, blocks).into_iter().map(|(b, s)| ((*seq, b), s)));
+    }
     out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / n_head, i % n_head);
         let (seq, pos) = rows[t];
         let qh = &q[(t * n_head + h) * dk..][..dk];
         let plan = &plans[t * n_head_kv + h / group];
         let lo = shape.first_key(pos);
-        let (m_old, s_old) = attend_blocks(kv, layer, seq, &plan.old, lo, pos, qh, h / group, shape, o);
+        let parts = Parts { kv, layer, seq, lo, pos, staged: &staged };
+        let (m_old, s_old) = parts.attend(&plan.old, qh, h / group, shape, o);
         let mut recent = vec![0.0f32; dv];
-        let (m_new, s_new) = attend_blocks(kv, layer, seq, &plan.recent, lo, pos, qh, h / group, shape, &mut recent);
+        let (m_new, s_new) = parts.attend(&plan.recent, qh, h / group, shape, &mut recent);
         merge_partials(o, (m_old, s_old), &recent, (m_new, s_new));
     });
+    // This step's choice is the next step's guess (with selection; all of L3 otherwise, which is not prefetched).
+    if kv.tier_config().is_some_and(|t| t.select > 0) {
+        for (seq, blocks) in &l3 {
+            kv.prefetch_next(layer, *seq, blocks);
+        }
+    }
+}
+
+/// What one (row, head) reads from: the cache, and the L3 blocks already dequantized.
+struct Parts<'a> {
+    kv: &'a KvCache,
+    layer: usize,
+    seq: SeqId,
+    lo: usize,
+    pos: usize,
+    staged: &'a HashMap<(SeqId, usize), Arc<Staged>>,
+}
+
+impl Parts<'_> {
+    fn attend(&self, blocks: &[usize], q: &[f32], g: usize, shape: AttnShape, out: &mut [f32]) -> (f32, f32) {
+        attend_blocks(self.kv, self.layer, self.seq, blocks, self.lo, self.pos, q, g, shape, self.staged, out)
+    }
 }
 
 /// o <- the normalised softmax result of two unnormalised partial results (max, sum) over disjoint keys.
@@ -145,6 +184,7 @@ pub fn attend_blocks(
     q: &[f32],
     g: usize,
     shape: AttnShape,
+    staged: &HashMap<(SeqId, usize), Arc<Staged>>,
     out: &mut [f32],
 ) -> (f32, f32) {
     let ops = vec_ops();
@@ -158,8 +198,34 @@ pub fn attend_blocks(
     out.fill(0.0);
     let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
     let bs = kv.cfg.block_size;
+    let (kd, vd) = (shape.n_head_kv * dk, shape.n_head_kv * dv);
+    // Online softmax step for one key's score and value.
+    let mut add = |score: f32, v: &[f32], out: &mut [f32]| {
+        let (ms, vs) = if score > m {
+            let ms = (m - score).exp();
+            m = score;
+            (ms, 1.0)
+        } else {
+            (1.0, (score - m).exp())
+        };
+        if ms != 1.0 {
+            (ops.scale)(out, ms);
+        }
+        (ops.axpy)(out, v, vs);
+        s = s.mul_add(ms, vs);
+    };
     for &b in blocks {
         let view = kv.block_view(layer, seq, b);
+        if let Some(st) = staged.get(&(seq, b)) {
+            // An L3 block, dequantized: f32 dot products.
+            let k_offset = view.k_offset.map_or(0.0, |o| dot(q, &o[g * dk..(g + 1) * dk]));
+            for p in (b * bs).max(lo)..=((b + 1) * bs - 1).min(pos) {
+                let slot = p - b * bs;
+                let score = (dot(q, &st.k[slot * kd + g * dk..][..dk]) + k_offset) * shape.scale;
+                add(score, &st.v[slot * vd + g * dv..][..dv], out);
+            }
+            continue;
+        }
         let q_act = if view.k_type.act_type() == GgmlType::F16 { &q_f16 } else { &q_q8 };
         let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
         let v_head_bytes = view.v_type.row_bytes(dv).unwrap_or(0);
@@ -168,20 +234,9 @@ pub fn attend_blocks(
             let slot = p - b * bs;
             let k = &view.k[slot * view.k_row_bytes + g * k_head_bytes..][..k_head_bytes];
             let score = (vec_dot(view.k_type, dk, k, q_act) + k_offset) * shape.scale;
-            let (ms, vs) = if score > m {
-                let ms = (m - score).exp();
-                m = score;
-                (ms, 1.0)
-            } else {
-                (1.0, (score - m).exp())
-            };
-            if ms != 1.0 {
-                (ops.scale)(out, ms);
-            }
             let v = &view.v[slot * view.v_row_bytes + g * v_head_bytes..][..v_head_bytes];
             let _ = dequantize_row(view.v_type, v, &mut v_buf);
-            (ops.axpy)(out, &v_buf, vs);
-            s = s.mul_add(ms, vs);
+            add(score, &v_buf, out);
         }
     }
     (m, s)

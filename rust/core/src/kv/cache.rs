@@ -254,6 +254,9 @@ impl KvCache {
         let (kd, vd) = (self.cfg.n_head_kv * self.cfg.head_dim_k, self.cfg.n_head_kv * self.cfg.head_dim_v);
         let (n_layer, bs) = (self.cfg.n_layer, self.cfg.block_size);
         let in_ring = self.tiers.is_some() && home.k == Precision::Q4_0;
+        if let Some(p) = self.tiers.as_ref().and_then(|t| t.prefetch.as_ref()) {
+            p.invalidate(b); // (waits for the prefetch thread: the ring may change below)
+        }
         let block = &mut self.blocks[b as usize];
         if let Some(slot) = block.ring_slot.take() {
             self.tiers.as_mut().expect("ring slots belong to a tiered cache").ring.release(slot);
@@ -333,7 +336,11 @@ impl KvCache {
         let block = &mut self.blocks[b];
         match block.ring_slot {
             Some(slot) => {
-                let bytes = self.tiers.as_mut().expect("ring slots belong to a tiered cache").ring.slot_mut(slot);
+                let tiers = self.tiers.as_mut().expect("ring slots belong to a tiered cache");
+                if let Some(p) = &tiers.prefetch {
+                    p.invalidate(b as u32); // (a write into an L3 block, after a truncation)
+                }
+                let bytes = tiers.ring.slot_mut(slot);
                 let (k, v) = bytes[layer * (kb + vb)..(layer + 1) * (kb + vb)].split_at_mut(kb);
                 (k, v)
             }

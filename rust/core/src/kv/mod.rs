@@ -13,6 +13,7 @@
 pub mod blocks;
 pub mod cache;
 pub mod fitted_q4;
+pub mod prefetch;
 pub mod ring;
 pub mod rotation;
 pub mod tier_config;
@@ -20,4 +21,5 @@ pub mod tiers;
 
 pub use blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
 pub use cache::{BlockView, KvCache, KvConfig};
+pub use prefetch::{PrefetchStats, Staged};
 pub use tier_config::{KvMemory, TierConfig, TierUse};

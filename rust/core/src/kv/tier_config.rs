@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use crate::kv::blocks::Precision;
+use crate::kv::prefetch::Prefetcher;
 use crate::kv::ring::Ring;
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -21,6 +22,9 @@ pub struct TierConfig {
 
 pub struct Tiers {
     pub(super) cfg: TierConfig,
+    /// With selection: the thread staging the next step's L3 blocks. (Declared before the ring: dropped, and its
+    /// thread joined, before the memory it reads is unmapped.)
+    pub(super) prefetch: Option<Prefetcher>,
     pub(super) ring: Ring,
 }
 

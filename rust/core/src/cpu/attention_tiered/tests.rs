@@ -150,3 +150,30 @@ fn selection_finds_the_planted_key() {
     attention(&b, 0, &[(0, 229)], &q, shape(), RowOrder::Batch, &mut ob);
     assert_eq!(oa, ob);
 }
+
+/// The L3 blocks a decode step chose are staged by the prefetch thread for the next: the same query again finds
+/// them ready (hits, or stalls when the thread is still at work), and the result is the same bits as when the step
+/// dequantized them itself (misses).
+#[test]
+fn the_prefetch_thread_stages_the_next_steps_blocks() {
+    let mut kv = tiered(32);
+    let (mut keys, mut vals) = (Vec::new(), Vec::new());
+    fill(&mut kv, 230, 70, &mut keys, &mut vals);
+    let q = crate::test_rng::uniform_floats(12, N_HEAD * HD, 1.0);
+    let (mut first, mut second) = (vec![0.0f32; N_HEAD * HD], vec![0.0f32; N_HEAD * HD]);
+    attention(&kv, 0, &[(0, 229)], &q, shape(), RowOrder::Batch, &mut first);
+    let s1 = kv.prefetch_stats().unwrap();
+    assert_eq!((s1.hits, s1.stalls), (0, 0));
+    assert!(s1.misses >= 2, "{s1:?}"); // 32 tokens = 2 blocks a KV head, most of them in L3
+    attention(&kv, 0, &[(0, 229)], &q, shape(), RowOrder::Batch, &mut second);
+    let s2 = kv.prefetch_stats().unwrap();
+    assert_eq!(s2.misses, s1.misses, "{s2:?}");
+    assert_eq!(s2.hits + s2.stalls, s1.misses, "{s2:?}");
+    assert_eq!(s2.staged, s1.misses);
+    assert_eq!(first, second);
+    // A new block moving into L3 waits for the thread and drops nothing still wanted; the cache keeps working.
+    kv.extend(0, 1).unwrap();
+    kv.write(0, 0, 230, &key(230), &vals[0]).unwrap();
+    kv.settle(0).unwrap();
+    attention(&kv, 0, &[(0, 230)], &q, shape(), RowOrder::Batch, &mut first);
+}
