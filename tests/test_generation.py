@@ -105,8 +105,9 @@ def test_quantized_kv_cache_stays_close(smollm2_path: Path, llm: ninfer.LLM, cac
     ref = llm.eval_logits(ids, rows)
     got = q.eval_logits(ids, rows)
     # Same argmax almost everywhere. For scale: an f32 cache differs from the f16 one by ~0.03 here (this small
-    # model amplifies last-bit changes); q8_0 measured 0.042, q4_0 0.33 (2026-11-30).
+    # model amplifies last-bit changes); q8_0 measured 0.042, q4_0 0.13 (0.33 before the cache's Hadamard rotation,
+    # K offsets and fitted q4_0 scales).
     agree = float(np.mean(ref.argmax(1) == got.argmax(1)))
-    assert agree >= (0.97 if cache == "q8_0" else 0.9), agree
+    assert agree >= 0.97, agree
     rel = float(np.linalg.norm(ref - got) / np.linalg.norm(ref))
-    assert rel < (0.08 if cache == "q8_0" else 0.5), rel
+    assert rel < (0.08 if cache == "q8_0" else 0.2), rel

@@ -33,10 +33,12 @@ class Test:
     kind: str  # "pp" or "tg"
     n: int
     depth: int
+    kv_fill: str | None = None  # "random": the depth is synthetic keys and values, not a prefill
 
     @property
     def name(self) -> str:
-        return f"{self.kind}{self.n}" + (f" @ d{self.depth}" if self.depth else "")
+        fill = f" (kv-fill {self.kv_fill})" if self.kv_fill and self.depth else ""
+        return f"{self.kind}{self.n}" + (f" @ d{self.depth}" if self.depth else "") + fill
 
 
 @dataclass
@@ -62,10 +64,11 @@ class NinferRunner:
 
     def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, cache_type_k: str, cache_type_v: str,
                  device: str = "cpu", n_gpu_layers: int = -1, gpu_mem_budget: str | None = None, log=None,
-                 speculation: dict[str, Any] | None = None):
+                 speculation: dict[str, Any] | None = None, kv_tiers: dict[str, Any] | None = None):
         self.llm = LLM(model, n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k,
                        cache_type_v=cache_type_v, device=device, n_gpu_layers=n_gpu_layers,
-                       gpu_mem_budget=gpu_mem_budget, log=log, **(speculation or {}))
+                       gpu_mem_budget=gpu_mem_budget, log=log, **(speculation or {}), **(kv_tiers or {}))
+        self.kv_memory: dict[str, Any] | None = None  # the CPU KV cache's tiers at the end of the last tg
         self.backend = "CUDA" if self.llm.device == "cuda" else f"CPU {_core_isa()}"
         self.n_vocab = self.llm.n_vocab
         self.bos = self.llm.tokenizer.bos_id if self.llm.tokenizer.add_bos else None
@@ -81,6 +84,26 @@ class NinferRunner:
         llm.clear_cache()
         return dt
 
+    def tg_filled(self, depth: int, n: int, seed: int) -> float:
+        """Seconds for n greedy decode steps after `depth` positions of random keys and values (no prefill)."""
+        from ninfer import _core
+
+        llm, eng = self.llm, self.llm.backend
+        if llm.device != "cpu":
+            raise InvalidArgumentError("--kv-fill runs on the CPU backend only")
+        llm.clear_cache()
+        eng.fill_random(0, depth, seed)
+        sampler = _core.Sampler(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+        token = self.bos if self.bos is not None else 0
+        t = time.perf_counter()
+        for _ in range(n):
+            token = eng.step(0, token, sampler)
+        dt = time.perf_counter() - t
+        self.kv_memory = llm.kv_memory()
+        eng.remove(0)
+        llm.clear_cache()
+        return dt
+
     def tg(self, context: list[int], n: int, profile: bool) -> tuple[float, dict[str, float] | None]:
         llm, eng = self.llm, self.llm.backend
         llm.clear_cache()
@@ -90,6 +113,8 @@ class NinferRunner:
         # The prompt is already in the cache: generate evaluates only its last token again, then n steps.
         out = llm.generate(context, max_tokens=n + 1, temperature=0.0, ignore_eos=True, cache_prompt=True)
         eng.set_profiling(False)
+        if llm.device == "cpu":
+            self.kv_memory = llm.kv_memory()
         llm.clear_cache()
         wall = out.timings.predicted_ms / 1e3
         if not profile:
@@ -150,6 +175,26 @@ class LlamaCppRunner:
         self._clear()
         return dt
 
+    def tg_filled(self, depth: int, n: int, seed: int) -> float:
+        """Seconds for n greedy decode steps after `depth` positions of random keys and values (no prefill)."""
+        from ninfer import _core
+
+        llm, eng = self.llm, self.llm.backend
+        if llm.device != "cpu":
+            raise InvalidArgumentError("--kv-fill runs on the CPU backend only")
+        llm.clear_cache()
+        eng.fill_random(0, depth, seed)
+        sampler = _core.Sampler(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+        token = self.bos if self.bos is not None else 0
+        t = time.perf_counter()
+        for _ in range(n):
+            token = eng.step(0, token, sampler)
+        dt = time.perf_counter() - t
+        self.kv_memory = llm.kv_memory()
+        eng.remove(0)
+        llm.clear_cache()
+        return dt
+
     def tg(self, context: list[int], n: int, profile: bool) -> tuple[float, dict[str, float] | None]:
         self._clear()
         self._prefill(context)
@@ -186,14 +231,19 @@ def parse_ints(values: list[str], flag: str) -> list[int]:
 def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[int], threads: list[int],
               reps: int, n_batch: int, cache_type_k: str, cache_type_v: str, vs_llama_cpp: bool, profile: bool,
               seed: int = 1, log=None, device: str = "cpu", n_gpu_layers: int = -1,
-              gpu_mem_budget: str | None = None, speculation: dict[str, Any] | None = None) -> list[Result]:
+              gpu_mem_budget: str | None = None, speculation: dict[str, Any] | None = None,
+              kv_tiers: dict[str, Any] | None = None, kv_fill: str | None = None) -> list[Result]:
     """speculation: LLM's draft_model/speculative arguments; tg then decodes speculatively (on random tokens, so
     the acceptance says little about real text: scripts/bench-spec measures that), and the log reports the
-    accepted tokens per verify step."""
+    accepted tokens per verify step. kv_tiers: LLM's kv_l1/kv_l2/kv_select/kv_l3_file arguments (the log then
+    reports the KV cache's tiers after each tg test). kv_fill="random": tg tests at depth decode after random keys
+    and values instead of a prefill (ninfer only, on the CPU; the test names say so)."""
     if reps < 1:
         raise InvalidArgumentError(f"-r/--repetitions must be >= 1, got {reps}")
     tests = [Test("pp", n, d) for d in depths for n in prompts if n > 0]
-    tests += [Test("tg", n, d) for d in depths for n in gens if n > 0]
+    if kv_fill is not None and (vs_llama_cpp or device == "cuda"):
+        raise InvalidArgumentError("--kv-fill runs ninfer alone on the CPU (llama.cpp would need a real prefill)")
+    tests += [Test("tg", n, d, kv_fill) for d in depths for n in gens if n > 0]
     if not tests:
         raise InvalidArgumentError("nothing to measure: every -p and -n value is 0")
     n_ctx = max(t.depth + t.n + 2 for t in tests)
@@ -203,7 +253,7 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
         if th < 1:
             raise InvalidArgumentError(f"-t/--threads must be >= 1, got {th}")
         runners: list[Any] = [NinferRunner(model, th, n_ctx, n_batch, cache_type_k, cache_type_v, device,
-                                           n_gpu_layers, gpu_mem_budget, log, speculation)]
+                                           n_gpu_layers, gpu_mem_budget, log, speculation, kv_tiers)]
         if vs_llama_cpp:
             runners.append(LlamaCppRunner(model, th, n_ctx, n_batch))
         rng = random.Random(seed)
@@ -228,6 +278,8 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
                     time.sleep(_SETTLE_S)
                     if test.kind == "pp":
                         dt = r.pp(context, tokens(test.n, not context))
+                    elif test.kv_fill and test.depth:
+                        dt, prof = r.tg_filled(test.depth, test.n, rng.randrange(2**32)), None
                     else:
                         dt, prof = r.tg(context or tokens(1, True), test.n, profile and r.name == "ninfer")
                         if prof:
@@ -240,6 +292,11 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
             results.extend(rows.values())
             if log:
                 log("  ".join(f"{r.engine} {test.name} {r.avg_ts:.1f} t/s" for r in rows.values()))
+                if test.kind == "tg" and runners[0].kv_memory:
+                    log("  " + format_kv_memory(runners[0].kv_memory))
+                prefetch = runners[0].llm.kv_prefetch_stats()
+                if test.kind == "tg" and prefetch:
+                    log("  " + format_prefetch(prefetch))
                 st = runners[0].llm.engine.stats
                 if speculation and test.kind == "tg":
                     steps = st["draft_steps"]
@@ -247,6 +304,22 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
                         f"{st['draft_accepted']} accepted ({st['draft_accepted'] / steps if steps else 0:.2f} "
                         "a verify step)")
     return results
+
+
+def format_kv_memory(m: dict[str, Any]) -> str:
+    """One line: the KV cache's blocks and bytes by tier (`LLM.kv_memory`)."""
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    total = sum(m[t][1] for t in ("l1", "l2", "l3")) + m["meta_bytes"]
+    tiers = ", ".join(f"{t.upper()} {m[t][0]} blocks {mib(m[t][1])}" for t in ("l1", "l2", "l3") if m[t][0])
+    return f"KV cache: {tiers}, summaries and offsets {mib(m['meta_bytes'])}; total {mib(total)}"
+
+
+def format_prefetch(p: dict[str, int]) -> str:
+    """One line: the tiered KV cache's prefetch counts so far (`LLM.kv_prefetch_stats`)."""
+    taken = p["hits"] + p["stalls"] + p["misses"]
+    rate = f" (hit rate {100 * p['hits'] / taken:.1f}%)" if taken else ""
+    return (f"KV prefetch: {p['hits']} hits, {p['stalls']} stalls, {p['misses']} misses{rate}; "
+            f"{p['staged']} block-layers staged")
 
 
 def model_info(path: str) -> dict[str, Any]:

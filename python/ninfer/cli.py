@@ -32,7 +32,28 @@ def _add_engine_args(p: argparse.ArgumentParser, ctx_default: int) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
     p.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type (default f16)")
     p.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type (default f16)")
+    add_kv_tier_args(p)
     _add_device_args(p)
+
+
+def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    """The tiered KV cache (CPU backend): recent tokens f16, older q8_0, oldest q4_0 in an L3 ring."""
+    g = p.add_argument_group("tiered KV cache (CPU backend)")
+    g.add_argument("--kv-l1", type=int, default=0, metavar="N",
+                   help="keep the newest N tokens (and the first block) in f16 and make the cache tiered (default 0: "
+                        "a plain cache of --cache-type-k/-v)")
+    g.add_argument("--kv-l2", type=int, default=0, metavar="N", help="the next N older tokens in q8_0; older ones go "
+                                                                       "to q4_0 in the L3 ring")
+    g.add_argument("--kv-select", type=int, default=0, metavar="N",
+                   help="a decode step reads N tokens of the older tiers besides the sinks and L1: the blocks whose "
+                        "key summaries bound q·k highest (default 0: all of them)")
+    g.add_argument("--kv-l3-file", default=None, metavar="PATH",
+                   help="keep the L3 ring in this file (created or truncated) instead of anonymous memory")
+
+
+def kv_tier_kwargs(args: argparse.Namespace) -> dict:
+    """LLM's kv_l1, kv_l2, kv_select and kv_l3_file arguments from the flags above."""
+    return {"kv_l1": args.kv_l1, "kv_l2": args.kv_l2, "kv_select": args.kv_select, "kv_l3_file": args.kv_l3_file}
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
@@ -102,6 +123,7 @@ def _load(args: argparse.Namespace):
         gpu_mem_budget=args.gpu_mem_budget,
         chat_template=read_chat_template(getattr(args, "chat_template_file", None)),
         log=_log,
+        **kv_tier_kwargs(args),
         **(spec_kwargs(args) if hasattr(args, "model_draft") else {}),
     )
 
@@ -141,6 +163,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if llm.engine.speculator is not None:
             rate = f" ({100 * t.draft_n_accepted / t.draft_n:.1f}%)" if t.draft_n else ""
             _log(f"speculative: {t.draft_n} tokens drafted, {t.draft_n_accepted} accepted{rate}")
+    if args.verbose and llm.config.tiered:
+        from ninfer.bench import format_prefetch
+
+        prefetch = llm.kv_prefetch_stats()
+        _log("tiered KV cache: " + (format_prefetch(prefetch) if prefetch else "no prefetch thread (--kv-select 0)"))
     return 0
 
 
@@ -235,6 +262,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         n_gpu_layers=args.n_gpu_layers,
         gpu_mem_budget=args.gpu_mem_budget,
         speculation=spec_kwargs(args),
+        kv_tiers=kv_tier_kwargs(args),
+        kv_fill=args.kv_fill,
     )
     if args.json:
         print(json.dumps(bench.to_json(results, info), indent=2))
@@ -278,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a Jinja chat template to use instead of the model's (as llama-cli's)")
     _add_engine_args(run, 4096)
     add_spec_args(run)
+    run.add_argument("-v", "--verbose", action="store_true", help="also report the tiered KV cache's prefetch counts")
     run.set_defaults(func=cmd_run)
 
     insp = sub.add_parser("inspect", help="architecture, tensor types, sizes and a memory estimate")
@@ -307,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
     b.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16")
     b.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16")
+    add_kv_tier_args(b)
+    b.add_argument("--kv-fill", choices=["random"], default=None,
+                   help="tg tests at depth start from a cache filled with random keys and values instead of a "
+                        "prefill (labelled in the output; no llama.cpp comparison): decode speed and memory at depth")
     _add_device_args(b)
     b.add_argument("--json", action="store_true", help="print the results as JSON (llama-bench's -o json fields)")
     b.add_argument("--vs-llama-cpp", action="store_true",

@@ -54,6 +54,11 @@ def stop_strings(stop: str | Sequence[str]) -> list[str]:
     return [s for s in stop if s]
 
 
+# Tokens per block of a tiered KV cache: the unit of sparse selection (Quest picks pages of 16; larger blocks
+# cost fewer summaries and less scoring per step).
+TIERED_BLOCK_SIZE = 64
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     n_ctx: int = 4096
@@ -62,12 +67,34 @@ class EngineConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     kv_block_size: int = 256
+    # The tiered KV cache (kv_l1 > 0): the newest kv_l1 tokens in f16, the next kv_l2 in q8_0, older ones in q4_0
+    # in an L3 ring (anonymous memory, or the file kv_l3_file); a decode step reads kv_select tokens of the older
+    # tiers, the blocks whose key summaries bound q·k highest (0: all).
+    kv_l1: int = 0
+    kv_l2: int = 0
+    kv_select: int = 0
+    kv_l3_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "kv_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("kv_l1", "kv_l2", "kv_select"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.kv_l3_file is not None and not isinstance(self.kv_l3_file, str):
+            raise InvalidArgumentError(f"kv_l3_file must be a path, got {self.kv_l3_file!r}")
+        if not self.tiered and (self.kv_l2 or self.kv_select or self.kv_l3_file):
+            raise InvalidArgumentError("kv_l2, kv_select and kv_l3_file set up the tiered KV cache: give kv_l1 too")
+        if self.tiered:
+            if self.kv_l1 < TIERED_BLOCK_SIZE:
+                raise InvalidArgumentError(f"kv_l1 must be at least one block of {TIERED_BLOCK_SIZE} tokens, "
+                                           f"got {self.kv_l1}")
+            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+                raise InvalidArgumentError("the tiered KV cache sets its own precisions (f16, q8_0, q4_0): leave "
+                                           "the cache types at f16")
         if not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
             raise InvalidArgumentError(f"threads must be an integer in 0..{MAX_THREADS} (0: every core), "
                                        f"got {self.threads!r}")
@@ -76,6 +103,15 @@ class EngineConfig:
                 raise InvalidArgumentError(
                     f"{name} '{getattr(self, name)}' is not supported (one of {', '.join(CACHE_TYPES)})"
                 )
+
+    @property
+    def tiered(self) -> bool:
+        return self.kv_l1 > 0
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: a tiered cache's blocks are what selection picks from, so they are smaller."""
+        return TIERED_BLOCK_SIZE if self.tiered else self.kv_block_size
 
     @property
     def resolved_threads(self) -> int:

@@ -94,6 +94,10 @@ class LLM:
         chat_template: str | None = None,
         draft_model: str | os.PathLike[str] | None = None,
         speculative: SpecConfig | dict[str, Any] | bool | None = None,
+        kv_l1: int = 0,
+        kv_l2: int = 0,
+        kv_select: int = 0,
+        kv_l3_file: str | os.PathLike[str] | None = None,
     ):
         """device: "cpu", "cuda" or "auto" (cuda when CuPy sees a GPU). On cuda, n_gpu_layers puts the first N
         layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
@@ -103,7 +107,12 @@ class LLM:
 
         Speculative decoding (engine/speculative.py): draft_model, a GGUF with this model's
         vocabulary that drafts tokens for it; or speculative=True for n-gram lookup (no second model). speculative
-        may also be a SpecConfig or a dict of its fields (n_max, n_min, p_min, ngram_min, ngram_max)."""
+        may also be a SpecConfig or a dict of its fields (n_max, n_min, p_min, ngram_min, ngram_max).
+
+        Tiered KV cache (CPU): kv_l1 > 0 keeps the newest kv_l1 tokens (and the first block, the attention sinks)
+        in f16, the next kv_l2 in q8_0 and older ones in q4_0 in an L3 ring (anonymous memory, or the file
+        kv_l3_file); kv_select > 0 makes each decode step read only that many tokens of the older tiers, the
+        blocks whose key summaries bound q·k highest (0: all of them)."""
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise InvalidArgumentError(f"n_seq_max must be a positive integer, got {n_seq_max!r}")
         if model is None:
@@ -111,7 +120,8 @@ class LLM:
 
             model = default_model_path()
         self.config = EngineConfig(
-            n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k, cache_type_v=cache_type_v
+            n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+            kv_l1=kv_l1, kv_l2=kv_l2, kv_select=kv_select, kv_l3_file=None if kv_l3_file is None else str(kv_l3_file),
         )
         self.model_file = ModelFile(model)
         spec = self.model_file.spec
@@ -128,6 +138,8 @@ class LLM:
 
             if (cache_type_k, cache_type_v) != ("f16", "f16"):
                 raise InvalidArgumentError("the CUDA backend keeps its KV cache in f16 (cache types f16/f16)")
+            if self.config.tiered:
+                raise InvalidArgumentError("the tiered KV cache (kv_l1 ...) runs on the CPU backend only")
             self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
@@ -139,9 +151,13 @@ class LLM:
                 spec,
                 threads=self.config.resolved_threads,
                 n_ctx=self.config.n_ctx,
-                block_size=self.config.kv_block_size,
+                block_size=self.config.block_size,
                 k_type=CACHE_TYPES[self.config.cache_type_k][0],
                 v_type=CACHE_TYPES[self.config.cache_type_v][0],
+                kv_l1=self.config.kv_l1,
+                kv_l2=self.config.kv_l2,
+                kv_select=self.config.kv_select,
+                kv_l3_file=self.config.kv_l3_file,
                 n_seq_max=n_seq_max,
             )
         self.n_seq_max = n_seq_max
@@ -166,6 +182,21 @@ class LLM:
     def architecture(self) -> str:
         return self.model_file.architecture
 
+    def kv_memory(self) -> dict[str, Any]:
+        """What the CPU KV cache's blocks in use hold, by tier: {"l1": (blocks, bytes), "l2": ..., "l3": ...,
+        "meta_bytes": ...} (a plain cache's blocks all count as l1)."""
+        if self.device != "cpu":
+            raise InvalidArgumentError("kv_memory reports the CPU backend's KV cache")
+        return dict(self.backend.kv_memory())
+
+    def kv_prefetch_stats(self) -> dict[str, int] | None:
+        """The tiered KV cache's prefetch thread: L3 block-layers a step found staged ("hits"), waited for
+        ("stalls"), dequantized itself ("misses"), and staged in all ("staged"); None without one (kv_select 0)."""
+        if self.device != "cpu":
+            return None
+        stats = self.backend.kv_prefetch_stats()
+        return None if stats is None else dict(stats)
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
@@ -179,7 +210,7 @@ class LLM:
         LLM methods step it on the caller's thread; the server and AsyncLLM run it on an EngineThread."""
         if self._engine is None:
             c = self.config
-            max_blocks = -(-c.n_ctx // c.kv_block_size) * self.n_seq_max
+            max_blocks = -(-c.n_ctx // c.block_size) * self.n_seq_max
             self._engine = EngineCore(self.backend, self.tokenizer, Limits(c.n_ctx, c.n_batch, max_blocks),
                                       n_slots=self.n_seq_max, speculator=self._speculator)
         return self._engine

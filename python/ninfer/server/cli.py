@@ -48,9 +48,10 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="tokens to generate when a request says nothing (default -1: until the context is full)")
     p.add_argument("--temp", type=float, default=0.8, help="default temperature (default 0.8)")
-    from ninfer.cli import add_spec_args
+    from ninfer.cli import add_kv_tier_args, add_spec_args
 
     add_spec_args(p)
+    add_kv_tier_args(p)
     p.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type")
     p.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type")
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"], default="auto",
@@ -148,9 +149,12 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
             log.warning("--n-gpu-layers %d ignored: no GPU (%s); all %d layers run on the CPU", args.n_gpu_layers,
                         reason, len(spec["layers"]))
     try:  # (read and compiled before the banner: a bad file is named at once)
-        from ninfer.cli import spec_kwargs
+        from ninfer.cli import kv_tier_kwargs, spec_kwargs
+        from ninfer.config import EngineConfig
 
         speculation = spec_kwargs(args)
+        kv_tiers = kv_tier_kwargs(args)
+        EngineConfig(cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, **kv_tiers)  # (checked now)
         chat_template = read_chat_template(args.chat_template_file)
         if chat_template is not None:
             ChatTemplate.from_metadata(mf.metadata, template=chat_template)
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         return LLM(model, n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size,
                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device=device,
                    n_gpu_layers=args.n_gpu_layers, gpu_mem_budget=args.gpu_mem_budget, n_seq_max=args.parallel,
-                   chat_template=chat_template, **speculation,
+                   chat_template=chat_template, **speculation, **kv_tiers,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
 
     settings = ServerSettings(

@@ -4,7 +4,7 @@
 use ninfer_core::cpu::forward::SeqTokens;
 use ninfer_core::cpu::profile::Work;
 use ninfer_core::cpu::RowOrder;
-use ninfer_core::kv::{KvCache, KvConfig};
+use ninfer_core::kv::{KvCache, KvConfig, TierConfig};
 use ninfer_core::model::Model;
 use ninfer_core::quant::GgmlType;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
@@ -30,7 +30,11 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (file, spec, *, threads, n_ctx, n_seq_max=1, block_size=256, k_type=1, v_type=1))]
+    /// kv_l1 > 0 makes the KV cache tiered (`ninfer_core::kv::tiers`): kv_l1 newest tokens in f16, the next kv_l2
+    /// in q8_0, older ones in q4_0 in the L3 ring (anonymous memory, or the file kv_l3_file); a decode step reads
+    /// kv_select tokens of the older tiers (0: all). The cache types must then be f16.
+    #[pyo3(signature = (file, spec, *, threads, n_ctx, n_seq_max=1, block_size=256, k_type=1, v_type=1, kv_l1=0,
+                        kv_l2=0, kv_select=0, kv_l3_file=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -42,6 +46,10 @@ impl PyEngine {
         block_size: usize,
         k_type: u32,
         v_type: u32,
+        kv_l1: usize,
+        kv_l2: usize,
+        kv_select: usize,
+        kv_l3_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let spec = spec::extract(spec)?;
         let (k_type, v_type) = (cache_type(k_type)?, cache_type(v_type)?);
@@ -58,7 +66,10 @@ impl PyEngine {
                 n_ctx,
                 max_blocks: n_ctx.div_ceil(block_size.max(1)) * n_seq_max,
             };
-            let kv = KvCache::new(cfg)?;
+            let kv = match kv_l1 {
+                0 => KvCache::new(cfg)?,
+                l1 => KvCache::new_tiered(cfg, TierConfig { l1, l2: kv_l2, select: kv_select, l3_file: kv_l3_file })?,
+            };
             let model = Model::load(&file, spec, threads)?;
             Ok(PyEngine { model, kv })
         })
@@ -307,6 +318,37 @@ impl PyEngine {
     /// (blocks in use, bytes allocated) of the KV cache; a block shared by forked sequences counts once.
     fn kv_usage(&self) -> (usize, usize) {
         (self.kv.blocks_in_use(), self.kv.allocated_bytes())
+    }
+
+    /// Append n positions of synthetic keys and values (uniform, from `seed`) to `seq` in every layer: a cache at
+    /// depth without a prefill, for decode speed and memory (`ninfer bench --kv-fill random`). The positions stand
+    /// for no tokens. ContextOverflowError if they do not fit (nothing appended).
+    fn fill_random(&mut self, py: Python<'_>, seq: u32, n: usize, seed: u64) -> PyResult<()> {
+        let kv = &mut self.kv;
+        py.detach(|| kv.fill_random(seq, n, seed)).map_err(to_py)
+    }
+
+    /// The tiered KV cache's prefetch thread counts (L3 block-layers found staged, waited for, dequantized on the
+    /// spot, and staged in all): {"hits", "stalls", "misses", "staged"}; None without one (no --kv-select).
+    fn kv_prefetch_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self.kv.prefetch_stats() else { return Ok(None) };
+        let d = PyDict::new(py);
+        for (k, v) in [("hits", s.hits), ("stalls", s.stalls), ("misses", s.misses), ("staged", s.staged)] {
+            d.set_item(k, v)?;
+        }
+        Ok(Some(d))
+    }
+
+    /// What the KV cache's blocks in use hold, by tier: {"l1": (blocks, bytes), "l2": ..., "l3": ...,
+    /// "meta_bytes": offsets and key summaries}; a plain cache's blocks all count as l1.
+    fn kv_memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.kv.memory();
+        let d = PyDict::new(py);
+        for (name, t) in [("l1", m.l1), ("l2", m.l2), ("l3", m.l3)] {
+            d.set_item(name, (t.blocks, t.bytes))?;
+        }
+        d.set_item("meta_bytes", m.meta_bytes)?;
+        Ok(d)
     }
 }
 

@@ -14,7 +14,7 @@
 use rayon::prelude::*;
 
 use crate::cpu::RowOrder;
-use crate::kv::{KvCache, SeqId};
+use crate::kv::{rotation, KvCache, SeqId};
 use crate::quant::simd::vec_ops;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
 
@@ -45,10 +45,39 @@ fn normalize(o: &mut [f32], sum: f32) {
     (vec_ops().scale)(o, if sum > 0.0 { 1.0 / sum } else { 0.0 });
 }
 
-/// out[t, h*dv..] = softmax(q[t,h] · K[seq_t, 0..=pos_t]) V for every row t of the batch.
+/// out[t, h*dv..] = softmax(q[t,h] · K[seq_t, 0..=pos_t]) V for every row t of the batch, over a plain (untiered)
+/// cache; a tiered one is `attention_tiered::attention`.
 /// rows: (sequence, position) of each query row; q: [n, n_head * head_dim]; out: [n, n_head * head_dim_v].
 /// Under [`RowOrder::AsSteps`] each row takes the path a one-row batch at its position would take.
 pub fn attention(
+    kv: &KvCache,
+    layer: usize,
+    rows: &[(SeqId, usize)],
+    q: &[f32],
+    shape: AttnShape,
+    order: RowOrder,
+    out: &mut [f32],
+) {
+    in_stored_basis(kv, q, shape, out, |q, out| attention_stored(kv, layer, rows, q, shape, order, out));
+}
+
+/// Run `f(q, out)` with q in the basis the cache stores keys in and out taken from the basis of its values: a
+/// quantized or tiered cache stores rows Hadamard-rotated, so the queries are rotated the same way and the
+/// outputs back.
+pub(crate) fn in_stored_basis(kv: &KvCache, q: &[f32], shape: AttnShape, out: &mut [f32], f: impl FnOnce(&[f32], &mut [f32])) {
+    let rotated_q = kv.rotates_k().then(|| {
+        let mut r = q.to_vec();
+        rotation::rotate(&mut r, shape.head_dim);
+        r
+    });
+    f(rotated_q.as_deref().unwrap_or(q), out);
+    if kv.rotates_v() {
+        rotation::rotate(out, shape.head_dim_v);
+    }
+}
+
+/// `attention` with q already in the basis the cache stores keys in, and `out` left in the basis of its values.
+fn attention_stored(
     kv: &KvCache,
     layer: usize,
     rows: &[(SeqId, usize)],
@@ -142,20 +171,22 @@ fn attend_range(
     let f16_acc = v_type == GgmlType::F16;
     let k_head_bytes = k_type.row_bytes(dk).unwrap_or(0);
     let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
-    let (k_rb, v_rb) = (kv.k_row_bytes(), kv.v_row_bytes());
     let mut v_buf = vec![0.0f32; dv];
     out.fill(0.0);
     let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
 
     let bs = kv.cfg.block_size;
     for b in lo / bs..=pos / bs {
-        let (kb, vb) = kv.block_view(layer, seq, b);
+        let view = kv.block_view(layer, seq, b);
+        let (kb, vb, k_rb, v_rb) = (view.k, view.v, view.k_row_bytes, view.v_row_bytes);
+        // What the block's stored keys lack (a rotated cache's offset): the same q·offset for each of its keys.
+        let k_offset = view.k_offset.map_or(0.0, |o| dot(q, &o[g * dk..(g + 1) * dk]));
         let first = (b * bs).max(lo);
         let last = ((b + 1) * bs - 1).min(pos);
         for p in first..=last {
             let slot = p - b * bs;
             let k = &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes];
-            let score = vec_dot(k_type, dk, k, &q_act) * shape.scale;
+            let score = (vec_dot(k_type, dk, k, &q_act) + k_offset) * shape.scale;
             let v = &vb[slot * v_rb + g * v_head_bytes..][..v_head_bytes];
             // Online softmax: rescale what was accumulated when a new maximum appears.
             let (ms, vs) = if score > m {
@@ -184,6 +215,11 @@ fn attend_range(
     (m, s)
 }
 
+/// q·x in f32 (a block's key offset).
+pub(crate) fn dot(q: &[f32], x: &[f32]) -> f32 {
+    q.iter().zip(x).map(|(a, b)| a * b).sum()
+}
+
 /// KV tile of llama.cpp's tiled f32 flash attention (GGML_FA_TILE_KV).
 const KV_TILE: usize = 64;
 /// Query rows of one sequence that share each dequantized K/V tile in the tiled path.
@@ -198,7 +234,7 @@ const ROW_BLOCK: usize = 16;
 /// The work is split into (KV head, block of up to ROW_BLOCK rows of one sequence): each K and V tile is widened
 /// to f32 once per block and used by all its rows and all query heads of the KV head; the sums of each
 /// (row, head) are the same operations in the same order as computing it alone.
-fn attention_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32], shape: AttnShape, out: &mut [f32]) {
+pub(crate) fn attention_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[f32], shape: AttnShape, out: &mut [f32]) {
     let AttnShape { n_head, n_head_kv, head_dim: dk, head_dim_v: dv, .. } = shape;
     let group = n_head / n_head_kv;
     let mut blocks: Vec<(usize, usize)> = Vec::new(); // row ranges [start, end)
@@ -229,10 +265,6 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
     let ops = vec_ops();
     let (dk, dv, n_head) = (shape.head_dim, shape.head_dim_v, shape.n_head);
     let group = n_head / shape.n_head_kv;
-    let (k_type, v_type) = (kv.cfg.k_type, kv.cfg.v_type);
-    let k_head_bytes = k_type.row_bytes(dk).unwrap_or(0);
-    let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
-    let (k_rb, v_rb) = (kv.k_row_bytes(), kv.v_row_bytes());
     let bs = kv.cfg.block_size;
     let seq = rows[0].0;
     let lo_min = rows.iter().map(|&(_, p)| shape.first_key(p)).min().unwrap_or(0);
@@ -253,11 +285,19 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
         // Widen the tile's keys (transposed) and values once for the whole block.
         let mut p = a;
         while p <= b {
-            let (kb, vb) = kv.block_view(layer, seq, p / bs);
+            // (Types per block: a tiered cache's blocks differ.)
+            let view = kv.block_view(layer, seq, p / bs);
+            let (kb, vb, k_rb, v_rb, k_type, v_type) =
+                (view.k, view.v, view.k_row_bytes, view.v_row_bytes, view.k_type, view.v_type);
+            let k_head_bytes = k_type.row_bytes(dk).unwrap_or(0);
+            let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
             let end = b.min((p / bs + 1) * bs - 1);
             for p in p..=end {
                 let slot = p % bs;
                 let _ = dequantize_row(k_type, &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes], &mut k_row);
+                if let Some(o) = view.k_offset {
+                    k_row.iter_mut().zip(&o[g * dk..(g + 1) * dk]).for_each(|(x, &o)| *x += o);
+                }
                 for (d, &x) in k_row.iter().enumerate() {
                     kt[d * KV_TILE + (p - t0)] = x;
                 }
@@ -377,6 +417,96 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod rotated_tests {
+    use super::*;
+    use crate::kv::KvConfig;
+
+    /// Keys with a large common component and an outlier channel, as real keys have.
+    fn keys_like_a_model(seed: u64, n: usize, dim: usize) -> Vec<f32> {
+        let mut k = crate::test_rng::uniform_floats(seed, n * dim, 1.0);
+        for (i, x) in k.iter_mut().enumerate() {
+            let c = i % dim;
+            *x += if c % 64 == 3 { 12.0 } else { 0.5 * ((c % 7) as f32 - 3.0) };
+        }
+        k
+    }
+
+    /// softmax(q·k * scale) V in f64 for one query head over rows [n, n_head_kv * dim] of KV head g.
+    fn direct(keys: &[f32], vals: &[f32], q: &[f32], g: usize, dim: usize, n_head_kv: usize, scale: f32) -> Vec<f64> {
+        let row = n_head_kv * dim;
+        let n = keys.len() / row;
+        let scores: Vec<f64> = (0..n)
+            .map(|p| (0..dim).map(|d| q[d] as f64 * keys[p * row + g * dim + d] as f64).sum::<f64>() * scale as f64)
+            .collect();
+        let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+        let z: f64 = w.iter().sum();
+        (0..dim).map(|d| (0..n).map(|p| w[p] * vals[p * row + g * dim + d] as f64).sum::<f64>() / z).collect()
+    }
+
+    /// The rows as a plain (unrotated) cache of `ty` would read them back.
+    fn plain_round_trip(ty: GgmlType, x: &[f32]) -> Vec<f32> {
+        let mut bytes = vec![0u8; ty.row_bytes(x.len()).unwrap()];
+        crate::quant::quantize_row(ty, x, &mut bytes).unwrap();
+        let mut y = vec![0.0f32; x.len()];
+        dequantize_row(ty, &bytes, &mut y).unwrap();
+        y
+    }
+
+    /// A rotated q8_0/q4_0 cache (keys written as one prompt batch and then one at a time, so blocks get their
+    /// offsets both ways) gives attention close to the exact one over the unquantized rows: the rotation and the
+    /// offsets are undone exactly, and only the quantization error is left, well under a plain cache's (measured:
+    /// q8_0 0.0054 vs 0.0103, q4_0 0.089 vs 0.194).
+    #[test]
+    fn rotated_quantized_caches_attend_like_the_exact_rows() {
+        let (n_head, n_head_kv, hd, n) = (4, 2, 64, 150);
+        let shape = AttnShape { n_head, n_head_kv, head_dim: hd, head_dim_v: hd, scale: 0.125, window: None };
+        let keys = keys_like_a_model(1, n, n_head_kv * hd);
+        let vals = crate::test_rng::uniform_floats(2, n * n_head_kv * hd, 1.0);
+        let q = crate::test_rng::uniform_floats(3, n_head * hd, 1.0);
+        let (keys_f32, vals_f32) = (keys.clone(), vals.clone());
+        let rel_err = |keys: &[f32], vals: &[f32], out: &[f32]| {
+            let mut worst = 0.0f64;
+            for h in 0..n_head {
+                let want = direct(keys, vals, &q[h * hd..(h + 1) * hd], h / 2, hd, n_head_kv, shape.scale);
+                let exact = direct(&keys_f32, &vals_f32, &q[h * hd..(h + 1) * hd], h / 2, hd, n_head_kv, shape.scale);
+                let got: Vec<f64> = match out.is_empty() {
+                    true => want,
+                    false => out[h * hd..(h + 1) * hd].iter().map(|&x| x as f64).collect(),
+                };
+                let err: f64 = got.iter().zip(&exact).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+                let norm: f64 = exact.iter().map(|b| b * b).sum::<f64>().sqrt();
+                worst = worst.max(err / norm);
+            }
+            worst
+        };
+        for (ty, tol, gain) in [(GgmlType::Q8_0, 0.01, 0.6), (GgmlType::Q4_0, 0.1, 0.5)] {
+            let mut kv = KvCache::new(KvConfig {
+                n_layer: 1, n_head_kv, head_dim_k: hd, head_dim_v: hd, k_type: ty, v_type: ty,
+                block_size: 32, n_ctx: 256, max_blocks: 8,
+            })
+            .unwrap();
+            assert!(kv.rotates_k() && kv.rotates_v());
+            let row = n_head_kv * hd;
+            let prompt = 100;
+            kv.extend(0, prompt).unwrap();
+            let rows: Vec<(SeqId, usize)> = (0..prompt).map(|p| (0, p)).collect();
+            kv.write_rows(0, &rows, &keys[..prompt * row], &vals[..prompt * row]).unwrap();
+            for p in prompt..n {
+                kv.extend(0, 1).unwrap();
+                kv.write(0, 0, p, &keys[p * row..(p + 1) * row], &vals[p * row..(p + 1) * row]).unwrap();
+            }
+            assert!(kv.block_view(0, 0, 1).k_offset.unwrap().iter().any(|&o| o.abs() > 1.0), "blocks carry offsets");
+            let mut out = vec![0.0f32; n_head * hd];
+            attention(&kv, 0, &[(0, n - 1)], &q, shape, RowOrder::Batch, &mut out);
+            let rotated = rel_err(&keys, &vals, &out);
+            let plain = rel_err(&plain_round_trip(ty, &keys), &plain_round_trip(ty, &vals), &[]);
+            assert!(rotated < tol && rotated < gain * plain, "{ty:?}: relative error {rotated}, plain cache {plain}");
         }
     }
 }

@@ -2,6 +2,7 @@
 //! so Python makes one call per step, not one per layer (ARCHITECTURE.md, decision 1).
 
 use crate::cpu::attention::{attention, AttnShape};
+use crate::cpu::attention_tiered;
 use crate::cpu::matmul::{act_format, matmul_ordered, matmul_quantized_ordered, quantize_acts, QuantizedActs};
 use crate::cpu::ops;
 use crate::cpu::profile::Work;
@@ -195,7 +196,14 @@ impl Model {
         }
         let tokens: Vec<u32> = batch.iter().flat_map(|b| b.tokens.iter().copied()).collect();
         self.profile.count_forward();
-        self.pool.install(|| self.run_layers(kv, &tokens, hidden, &rows, logit_rows, order, head))
+        self.pool.install(|| {
+            let logits = self.run_layers(kv, &tokens, hidden, &rows, logit_rows, order, head)?;
+            // A tiered cache moves the blocks this step aged to their next tier.
+            for b in batch {
+                kv.settle(b.seq)?;
+            }
+            Ok(logits)
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -293,9 +301,7 @@ impl Model {
                 q.iter_mut().for_each(|v| *v *= spec.q_scale);
             }
             laps.lap(Work::Other);
-            for (t, &(seq, pos)) in rows.iter().enumerate() {
-                kv.write(il, seq, pos, &k[t * k_dim..(t + 1) * k_dim], &v[t * v_dim..(t + 1) * v_dim])?;
-            }
+            kv.write_rows(il, rows, &k, &v)?;
             let shape = AttnShape {
                 n_head: spec.n_head,
                 n_head_kv: spec.n_head_kv,
@@ -304,7 +310,11 @@ impl Model {
                 scale: spec.attn_scale,
                 window: ls.sliding_window,
             };
-            attention(kv, il, rows, &q, shape, order, &mut att);
+            if kv.tier_config().is_some() {
+                attention_tiered::attention(kv, il, rows, &q, shape, order, &mut att);
+            } else {
+                attention(kv, il, rows, &q, shape, order, &mut att);
+            }
             trace("kqv_out", il, &att);
             laps.lap(Work::Attention);
             self.act_stats.add(&[&lw.wo.name], &att, att_dim);

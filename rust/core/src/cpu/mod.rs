@@ -1,6 +1,7 @@
 //! The CPU backend: kernels and the layer loop.
 
 pub mod attention;
+pub mod attention_tiered;
 pub mod forward;
 pub mod matmul;
 pub mod ops;

@@ -42,8 +42,8 @@ pub enum Precision {
     Q4_0,
 }
 
-/// Where a block lives and in what precision. Today every block gets its cache's one home when it is allocated;
-/// a tiered cache (blocks moved to the host, or requantized) would change it per block.
+/// Where a block lives and in what precision. Every block gets its cache's one home when it is allocated; a
+/// tiered cache changes it per block as the block ages (`set_home`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockHome {
     pub placement: Placement,
@@ -176,6 +176,12 @@ impl BlockManager {
     /// Where `block` lives and in what precision; `None` for an id never allocated.
     pub fn home(&self, block: u32) -> Option<BlockHome> {
         self.homes.get(block as usize).copied()
+    }
+
+    /// Give `block` a new home: a tiered cache moving it to another tier, or a copy taking its source's. It keeps
+    /// it until it is freed (a block allocated again gets the books' home).
+    pub fn set_home(&mut self, block: u32, home: BlockHome) {
+        self.homes[block as usize] = home;
     }
 
     /// Whether `seq` can grow by `n` positions: the error `extend` would give, without changing anything.

@@ -1,11 +1,18 @@
 //! The CPU's KV storage: the K and V bytes of every block, for every layer. The books (which blocks each sequence
-//! holds, the free list, sharing) are a `BlockManager`; this file executes its copies and reads and writes rows.
+//! holds, the free list, sharing, each block's precision) are a `BlockManager`; this file executes its copies and
+//! reads and writes rows.
 //!
-//! A K or V row is one token's heads, [n_head_kv * head_dim], stored in the cache type (F32, F16, Q8_0 or Q4_0); a
-//! head's slice of a row is addressable because head_dim is a multiple of the type's block size.
+//! A K or V row is one token's heads, [n_head_kv * head_dim], stored in its block's precision (F32, F16, Q8_0 or
+//! Q4_0); a head's slice of a row is addressable because head_dim is a multiple of the type's block size. Rows of
+//! a quantized type (q8_0, q4_0) are stored Hadamard-rotated per head (`rotation`), keys less a per-block offset;
+//! attention rotates the query and its output to match (`rotates_k`, `rotates_v`, `BlockView::k_offset`).
+//!
+//! A tiered cache (`tiers`) gives blocks different precisions by age and keeps its oldest in the L3 `ring`.
 
 use crate::error::{Error, Result};
 use crate::kv::blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
+use crate::kv::tier_config::Tiers;
+use crate::kv::{fitted_q4, rotation};
 use crate::quant::{quantize_row, GgmlType};
 
 #[derive(Clone, Copy, Debug)]
@@ -23,20 +30,104 @@ pub struct KvConfig {
     pub max_blocks: usize,
 }
 
-/// The K and V bytes of one block: k[layer] is [block_size * k_row_bytes], v[layer] [block_size * v_row_bytes].
-/// Allocated when the books first hand out its id, kept for reuse after a free.
-struct Block {
-    k: Vec<Vec<u8>>,
-    v: Vec<Vec<u8>>,
+/// The storage of one block, kept for reuse after a free.
+#[derive(Default)]
+pub(super) struct Block {
+    /// Outside the ring: k[layer] [block_size * K row bytes of the block's precision], likewise v; empty in it.
+    pub(super) k: Vec<Vec<u8>>,
+    pub(super) v: Vec<Vec<u8>>,
+    /// In the L3 ring: its slot, which holds per layer the K rows then the V rows.
+    pub(super) ring_slot: Option<usize>,
+    /// A rotated K cache: k_offset[layer] [n_head_kv * head_dim_k] was subtracted from every key stored in the
+    /// block (set when its first slot is written, or when a tiered cache first quantizes it). Empty otherwise.
+    pub(super) k_offset: Vec<Vec<f32>>,
+    /// A tiered cache: per layer, the element-wise min and max [n_head_kv * head_dim_k] of the keys written
+    /// (stored basis, offset included), the block's summary for selection. Empty otherwise.
+    pub(super) k_min: Vec<Vec<f32>>,
+    pub(super) k_max: Vec<Vec<f32>>,
 }
+
+/// One layer of one block as attention reads it: rows of `k_row_bytes` / `v_row_bytes` in `k_type` / `v_type`,
+/// slot i holding position `block_index * block_size + i`.
+pub struct BlockView<'a> {
+    pub k: &'a [u8],
+    pub v: &'a [u8],
+    pub k_type: GgmlType,
+    pub v_type: GgmlType,
+    pub k_row_bytes: usize,
+    pub v_row_bytes: usize,
+    /// What was subtracted from every stored key ([n_head_kv * head_dim_k], rotated basis): q·k is the stored
+    /// key's dot product plus q·offset. None for an unrotated cache.
+    pub k_offset: Option<&'a [f32]>,
+}
+
+/// Rows of one block written at once from which their mean becomes the block's K offset (fewer say too little
+/// about the mean).
+const OFFSET_MIN_ROWS: usize = 16;
 
 pub struct KvCache {
     pub cfg: KvConfig,
-    k_row_bytes: usize,
-    v_row_bytes: usize,
-    books: BlockManager,
+    pub(super) books: BlockManager,
     /// [books.blocks_created()]: storage of block id i at index i.
-    blocks: Vec<Block>,
+    pub(super) blocks: Vec<Block>,
+    /// Whether K / V rows are stored Hadamard-rotated (quantized types, and every row of a tiered cache).
+    pub(super) rotate_k: bool,
+    pub(super) rotate_v: bool,
+    /// A rotated K cache, per layer: the mean rotated key of the latest block written with at least
+    /// OFFSET_MIN_ROWS rows at once, given to blocks begun with fewer; each block's own offset is subtracted from
+    /// its keys before they are quantized. Keys share a large common component per channel; without it the 4-bit
+    /// steps are much coarser. Attention adds q·offset back per block, so scores are unchanged.
+    pub(super) k_offsets: Vec<Option<Vec<f32>>>,
+    /// A tiered cache's settings and L3 ring.
+    pub(super) tiers: Option<Tiers>,
+}
+
+/// The mean of `rows` ([n, k_dim]), leaving out the first if `skip_first` (position 0: a BOS or sink key, often
+/// far from the rest).
+pub(super) fn mean_row(rows: &[f32], k_dim: usize, skip_first: bool) -> Vec<f32> {
+    let mut sum = vec![0.0f64; k_dim];
+    let used = &rows[if skip_first { k_dim } else { 0 }..];
+    for r in used.chunks_exact(k_dim) {
+        sum.iter_mut().zip(r).for_each(|(s, &x)| *s += x as f64);
+    }
+    let n = (used.len() / k_dim).max(1) as f64;
+    sum.iter().map(|&s| (s / n) as f32).collect()
+}
+
+/// Set the offset of a block begun by a write: with `run` = (first row, rows, whether the first is position 0) of
+/// the written `rows` ([n, dim]) in the block, their mean, which also becomes the layer's `latest`; else `latest`
+/// (zeros before there is one). No-op for a side stored without offsets (`offset` empty).
+fn begin_offset(
+    latest: &mut Option<Vec<f32>>,
+    offset: &mut [f32],
+    rows: &[f32],
+    dim: usize,
+    run: Option<(usize, usize, bool)>,
+) {
+    if offset.is_empty() {
+        return;
+    }
+    if let Some((t, n, first_is_bos)) = run {
+        *latest = Some(mean_row(&rows[t * dim..(t + n) * dim], dim, first_is_bos));
+    }
+    match latest {
+        Some(o) => offset.copy_from_slice(o),
+        None => offset.fill(0.0),
+    }
+}
+
+/// Quantize a row into the cache: q4_0 with fitted scales (`fitted_q4`), other types as `quantize_row`.
+pub(super) fn store_row(ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<()> {
+    if ty == GgmlType::Q4_0 && dst.len() == ty.row_bytes(x.len())? {
+        fitted_q4::quantize_q4_0_fitted(x, dst);
+        return Ok(());
+    }
+    quantize_row(ty, x, dst)
+}
+
+/// Whether rows of `ty` are stored rotated: the quantized types, whose shared block scales outliers would set.
+pub(super) fn rotated(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0)
 }
 
 fn precision(ty: GgmlType) -> Option<Precision> {
@@ -47,6 +138,15 @@ fn precision(ty: GgmlType) -> Option<Precision> {
         GgmlType::Q4_0 => Precision::Q4_0,
         _ => return None,
     })
+}
+
+pub(super) fn ggml_type(p: Precision) -> GgmlType {
+    match p {
+        Precision::F32 => GgmlType::F32,
+        Precision::F16 => GgmlType::F16,
+        Precision::Q8_0 => GgmlType::Q8_0,
+        Precision::Q4_0 => GgmlType::Q4_0,
+    }
 }
 
 impl KvCache {
@@ -71,10 +171,12 @@ impl KvCache {
         }
         Ok(KvCache {
             books: BlockManager::new(cfg.block_size, cfg.max_blocks, cfg.n_ctx)?.with_home(home),
-            k_row_bytes: cfg.k_type.row_bytes(cfg.n_head_kv * cfg.head_dim_k)?,
-            v_row_bytes: cfg.v_type.row_bytes(cfg.n_head_kv * cfg.head_dim_v)?,
+            rotate_k: rotated(cfg.k_type),
+            rotate_v: rotated(cfg.v_type),
+            k_offsets: vec![None; cfg.n_layer],
             cfg,
             blocks: Vec::new(),
+            tiers: None,
         })
     }
 
@@ -92,9 +194,12 @@ impl KvCache {
         self.books.blocks_in_use()
     }
 
-    /// Bytes currently held by allocated blocks (in use or free for reuse).
+    /// Bytes currently held by block storage (in use or free for reuse): K and V bytes in memory and the L3
+    /// ring's touched part.
     pub fn allocated_bytes(&self) -> usize {
-        self.blocks.len() * self.cfg.n_layer * self.cfg.block_size * (self.k_row_bytes + self.v_row_bytes)
+        let in_memory: usize =
+            self.blocks.iter().flat_map(|b| b.k.iter().chain(&b.v)).map(|l| l.len()).sum();
+        in_memory + self.tiers.as_ref().map_or(0, |t| t.ring.touched_bytes())
     }
 
     /// Whether `seq` can grow by `n` positions (the error `extend` would give, nothing changed).
@@ -105,8 +210,13 @@ impl KvCache {
     /// Grow `seq` by `n` positions, allocating blocks as needed. Returns the first new position.
     /// Fails without changing anything if the sequence would pass n_ctx or the pool is exhausted.
     pub fn extend(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        let held = self.books.table(seq).len();
         let start = self.books.extend(seq, n)?;
         self.grow_storage();
+        for i in held..self.books.table(seq).len() {
+            let b = self.books.table(seq)[i];
+            self.provision(b)?;
+        }
         Ok(start)
     }
 
@@ -114,8 +224,7 @@ impl KvCache {
     /// the new last block is partial and shared with another sequence and no block is free for `seq`'s own copy.
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
         let copies = self.books.truncate(seq, len)?;
-        self.run(&copies);
-        Ok(())
+        self.run(&copies)
     }
 
     /// Drop a sequence and free all its blocks.
@@ -127,42 +236,85 @@ impl KvCache {
     /// blocks and copying a partial last one: a prompt prefix computed once serves several sequences.
     pub fn fork(&mut self, src: SeqId, dst: SeqId, len: usize) -> Result<()> {
         let copies = self.books.fork(src, dst, len)?;
-        self.run(&copies);
+        self.run(&copies)
+    }
+
+    /// Storage slots for the ids the books handed out since the last call (sized by `provision`).
+    fn grow_storage(&mut self) {
+        while self.blocks.len() < self.books.blocks_created() {
+            self.blocks.push(Block::default());
+        }
+    }
+
+    /// Size block `b`'s storage for the precision the books give it: K and V bytes in memory, or a slot of the
+    /// L3 ring (a tiered cache's 4-bit blocks); offsets and summaries as the cache keeps them.
+    pub(super) fn provision(&mut self, b: u32) -> Result<()> {
+        let home = self.books.home(b).expect("an allocated block has a home");
+        let (kt, vt) = (ggml_type(home.k), ggml_type(home.v));
+        let (kd, vd) = (self.cfg.n_head_kv * self.cfg.head_dim_k, self.cfg.n_head_kv * self.cfg.head_dim_v);
+        let (n_layer, bs) = (self.cfg.n_layer, self.cfg.block_size);
+        let in_ring = self.tiers.is_some() && home.k == Precision::Q4_0;
+        if let Some(p) = self.tiers.as_ref().and_then(|t| t.prefetch.as_ref()) {
+            p.invalidate(b); // (waits for the prefetch thread: the ring may change below)
+        }
+        let block = &mut self.blocks[b as usize];
+        if let Some(slot) = block.ring_slot.take() {
+            self.tiers.as_mut().expect("ring slots belong to a tiered cache").ring.release(slot);
+        }
+        if in_ring {
+            let ring = &mut self.tiers.as_mut().expect("checked").ring;
+            let slot = ring.alloc().ok_or_else(|| Error::ContextOverflow("the L3 KV ring is full".into()))?;
+            block.ring_slot = Some(slot);
+            block.k = vec![Vec::new(); n_layer];
+            block.v = vec![Vec::new(); n_layer];
+        } else {
+            let (kb, vb) = (bs * kt.row_bytes(kd)?, bs * vt.row_bytes(vd)?);
+            block.k.resize_with(n_layer, Vec::new);
+            block.v.resize_with(n_layer, Vec::new);
+            for l in 0..n_layer {
+                block.k[l].resize(kb, 0);
+                block.v[l].resize(vb, 0);
+                block.k[l].shrink_to_fit();
+                block.v[l].shrink_to_fit();
+            }
+        }
+        let offset_len = if self.rotate_k { kd } else { 0 };
+        block.k_offset.resize_with(n_layer, Vec::new);
+        block.k_offset.iter_mut().for_each(|o| o.resize(offset_len, 0.0));
+        // (A block's first write resets its summary.)
+        let summary_len = if self.tiers.is_some() { kd } else { 0 };
+        for (m, init) in [(&mut block.k_min, f32::INFINITY), (&mut block.k_max, f32::NEG_INFINITY)] {
+            m.resize_with(n_layer, Vec::new);
+            m.iter_mut().for_each(|x| x.resize(summary_len, init));
+        }
         Ok(())
     }
 
-    /// Storage for the ids the books handed out since the last call.
-    fn grow_storage(&mut self) {
-        let per_layer_k = self.cfg.block_size * self.k_row_bytes;
-        let per_layer_v = self.cfg.block_size * self.v_row_bytes;
-        while self.blocks.len() < self.books.blocks_created() {
-            self.blocks.push(Block {
-                k: (0..self.cfg.n_layer).map(|_| vec![0u8; per_layer_k]).collect(),
-                v: (0..self.cfg.n_layer).map(|_| vec![0u8; per_layer_v]).collect(),
-            });
-        }
-    }
-
-    /// Execute the books' copies: the first n_positions rows of K and V, in every layer.
-    fn run(&mut self, copies: &[BlockCopy]) {
+    /// Execute the books' copies: the first n_positions rows of K and V, in every layer, with the source's
+    /// precision, offsets and summaries.
+    fn run(&mut self, copies: &[BlockCopy]) -> Result<()> {
         self.grow_storage();
-        let (kb, vb) = (self.k_row_bytes, self.v_row_bytes);
         for c in copies {
-            let (src, dst) = (c.src as usize, c.dst as usize);
-            debug_assert_ne!(src, dst);
-            // Two distinct blocks of one Vec, borrowed together.
-            let (src, dst) = if src < dst {
-                let (a, b) = self.blocks.split_at_mut(dst);
-                (&a[src], &mut b[0])
-            } else {
-                let (a, b) = self.blocks.split_at_mut(src);
-                (&b[0], &mut a[dst])
-            };
+            debug_assert_ne!(c.src, c.dst);
+            let home = self.books.home(c.src).expect("a copied block has a home");
+            self.books.set_home(c.dst, home);
+            self.provision(c.dst)?;
             for layer in 0..self.cfg.n_layer {
-                dst.k[layer][..c.n_positions * kb].copy_from_slice(&src.k[layer][..c.n_positions * kb]);
-                dst.v[layer][..c.n_positions * vb].copy_from_slice(&src.v[layer][..c.n_positions * vb]);
+                let (k, v) = {
+                    let view = self.view(c.src as usize, layer);
+                    (view.k[..c.n_positions * view.k_row_bytes].to_vec(), view.v[..c.n_positions * view.v_row_bytes].to_vec())
+                };
+                let (dk, dv) = self.rows_mut(c.dst as usize, layer);
+                dk[..k.len()].copy_from_slice(&k);
+                dv[..v.len()].copy_from_slice(&v);
+                let (src, dst) = (c.src as usize, c.dst as usize);
+                let (o, lo, hi) =
+                    (self.blocks[src].k_offset[layer].clone(), self.blocks[src].k_min[layer].clone(), self.blocks[src].k_max[layer].clone());
+                let d = &mut self.blocks[dst];
+                (d.k_offset[layer], d.k_min[layer], d.k_max[layer]) = (o, lo, hi);
             }
         }
+        Ok(())
     }
 
     fn locate(&self, seq: SeqId, pos: usize) -> (usize, usize) {
@@ -171,31 +323,126 @@ impl KvCache {
         (self.books.table(seq)[pos / bs] as usize, pos % bs)
     }
 
+    /// The K and V types of block `b`.
+    pub(super) fn block_types(&self, b: usize) -> (GgmlType, GgmlType) {
+        let home = self.books.home(b as u32).expect("an allocated block has a home");
+        (ggml_type(home.k), ggml_type(home.v))
+    }
+
+    /// The K and V bytes of `layer` in block `b`, wherever they live.
+    pub(super) fn rows_mut(&mut self, b: usize, layer: usize) -> (&mut [u8], &mut [u8]) {
+        let (kt, vt) = self.block_types(b);
+        let (kb, vb) = (self.row_bytes(kt, true) * self.cfg.block_size, self.row_bytes(vt, false) * self.cfg.block_size);
+        let block = &mut self.blocks[b];
+        match block.ring_slot {
+            Some(slot) => {
+                let tiers = self.tiers.as_mut().expect("ring slots belong to a tiered cache");
+                if let Some(p) = &tiers.prefetch {
+                    p.invalidate(b as u32); // (a write into an L3 block, after a truncation)
+                }
+                let bytes = tiers.ring.slot_mut(slot);
+                let (k, v) = bytes[layer * (kb + vb)..(layer + 1) * (kb + vb)].split_at_mut(kb);
+                (k, v)
+            }
+            None => (&mut block.k[layer], &mut block.v[layer]),
+        }
+    }
+
+    /// Bytes of one K (`is_k`) or V row of type `ty`.
+    pub(super) fn row_bytes(&self, ty: GgmlType, is_k: bool) -> usize {
+        let hd = if is_k { self.cfg.head_dim_k } else { self.cfg.head_dim_v };
+        ty.row_bytes(self.cfg.n_head_kv * hd).expect("head sizes were checked against the cache types")
+    }
+
     /// Store one token's K and V rows (f32, [n_head_kv * head_dim]) for `layer` at `pos` of `seq`.
     pub fn write(&mut self, layer: usize, seq: SeqId, pos: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        let (b, slot) = self.locate(seq, pos);
-        debug_assert_eq!(self.books.ref_count(b as u32), 1, "a write into a block another sequence reads");
-        let (kb, vb) = (self.k_row_bytes, self.v_row_bytes);
-        let (k_type, v_type) = (self.cfg.k_type, self.cfg.v_type);
-        let block = &mut self.blocks[b];
-        quantize_row(k_type, k, &mut block.k[layer][slot * kb..(slot + 1) * kb])?;
-        quantize_row(v_type, v, &mut block.v[layer][slot * vb..(slot + 1) * vb])?;
+        self.write_rows(layer, &[(seq, pos)], k, v)
+    }
+
+    /// Store the K and V rows of a batch for `layer`: row t (k [t * n_head_kv * head_dim_k..], likewise v) at
+    /// `rows[t]` = (sequence, position).
+    pub fn write_rows(&mut self, layer: usize, rows: &[(SeqId, usize)], k: &[f32], v: &[f32]) -> Result<()> {
+        let (k_dim, v_dim) = (self.cfg.n_head_kv * self.cfg.head_dim_k, self.cfg.n_head_kv * self.cfg.head_dim_v);
+        let k = self.stored_form(k, self.rotate_k, self.cfg.head_dim_k);
+        let v = self.stored_form(v, self.rotate_v, self.cfg.head_dim_v);
+        let bs = self.cfg.block_size;
+        let mut k_row = vec![0.0f32; k_dim];
+        for (t, &(seq, pos)) in rows.iter().enumerate() {
+            let (b, slot) = self.locate(seq, pos);
+            debug_assert_eq!(self.books.ref_count(b as u32), 1, "a write into a block another sequence reads");
+            let (k_type, v_type) = self.block_types(b);
+            let (kb, vb) = (self.row_bytes(k_type, true), self.row_bytes(v_type, false));
+            let key = &k[t * k_dim..(t + 1) * k_dim];
+            let block = &mut self.blocks[b];
+            if slot == 0 {
+                // A block begun by this batch: a quantized one's K offset is the mean of the batch's keys in it
+                // when there are enough of them (and becomes the layer's for blocks begun with fewer), else the
+                // layer's. (A tiered cache's f16 blocks get theirs when they are first quantized.)
+                let run = rows[t..].iter().take_while(|&&(s, p)| s == seq && p / bs == pos / bs).count();
+                let run = (run >= OFFSET_MIN_ROWS).then_some((t, run, pos == 0));
+                if rotated(k_type) {
+                    begin_offset(&mut self.k_offsets[layer], &mut block.k_offset[layer], &k, k_dim, run);
+                } else {
+                    block.k_offset[layer].fill(0.0);
+                }
+                block.k_min[layer].fill(f32::INFINITY);
+                block.k_max[layer].fill(f32::NEG_INFINITY);
+            }
+            for ((lo, hi), &x) in block.k_min[layer].iter_mut().zip(block.k_max[layer].iter_mut()).zip(key) {
+                *lo = lo.min(x);
+                *hi = hi.max(x);
+            }
+            k_row.copy_from_slice(key);
+            k_row.iter_mut().zip(&block.k_offset[layer]).for_each(|(x, &o)| *x -= o);
+            let (k_dst, v_dst) = self.rows_mut(b, layer);
+            store_row(k_type, &k_row, &mut k_dst[slot * kb..(slot + 1) * kb])?;
+            store_row(v_type, &v[t * v_dim..(t + 1) * v_dim], &mut v_dst[slot * vb..(slot + 1) * vb])?;
+        }
         Ok(())
     }
 
-    /// The K and V bytes of `layer` in the `block_index`-th block of `seq`'s table. Rows are `k_row_bytes()` /
-    /// `v_row_bytes()` long; slot i holds position `block_index * block_size + i` (valid below `seq_len`).
-    pub fn block_view(&self, layer: usize, seq: SeqId, block_index: usize) -> (&[u8], &[u8]) {
-        let b = &self.blocks[self.books.table(seq)[block_index] as usize];
-        (&b.k[layer], &b.v[layer])
+    /// A row as it is stored: rotated per head if `rotate`.
+    fn stored_form<'a>(&self, row: &'a [f32], rotate: bool, head_dim: usize) -> std::borrow::Cow<'a, [f32]> {
+        if !rotate {
+            return std::borrow::Cow::Borrowed(row);
+        }
+        let mut r = row.to_vec();
+        rotation::rotate(&mut r, head_dim);
+        std::borrow::Cow::Owned(r)
     }
 
-    pub fn k_row_bytes(&self) -> usize {
-        self.k_row_bytes
+    /// Whether K rows are stored Hadamard-rotated: a query must be rotated (`rotation::rotate`) before its dot
+    /// products with them.
+    pub fn rotates_k(&self) -> bool {
+        self.rotate_k
     }
 
-    pub fn v_row_bytes(&self) -> usize {
-        self.v_row_bytes
+    /// Whether V rows are stored Hadamard-rotated: an attention output (a weighted sum of them) must be rotated
+    /// back (`rotation::rotate` again).
+    pub fn rotates_v(&self) -> bool {
+        self.rotate_v
+    }
+
+    /// `layer` of block id `b`.
+    pub(super) fn view(&self, b: usize, layer: usize) -> BlockView<'_> {
+        let (k_type, v_type) = self.block_types(b);
+        let (k_row_bytes, v_row_bytes) = (self.row_bytes(k_type, true), self.row_bytes(v_type, false));
+        let (kb, vb) = (k_row_bytes * self.cfg.block_size, v_row_bytes * self.cfg.block_size);
+        let block = &self.blocks[b];
+        let (k, v) = match block.ring_slot {
+            Some(slot) => {
+                let bytes = self.tiers.as_ref().expect("ring slots belong to a tiered cache").ring.slot(slot);
+                bytes[layer * (kb + vb)..(layer + 1) * (kb + vb)].split_at(kb)
+            }
+            None => (&block.k[layer][..], &block.v[layer][..]),
+        };
+        let k_offset = self.rotate_k.then(|| &block.k_offset[layer][..]);
+        BlockView { k, v, k_type, v_type, k_row_bytes, v_row_bytes, k_offset }
+    }
+
+    /// `layer` of the `block_index`-th block of `seq`'s table (slots valid below `seq_len`).
+    pub fn block_view(&self, layer: usize, seq: SeqId, block_index: usize) -> BlockView<'_> {
+        self.view(self.books.table(seq)[block_index] as usize, layer)
     }
 }
 
@@ -251,8 +498,8 @@ mod tests {
         kv.extend(0, 6).unwrap();
         let k: Vec<f32> = (0..32).map(|i| i as f32).collect();
         kv.write(1, 0, 5, &k, &k).unwrap();
-        let (kb, _) = kv.block_view(1, 0, 1);
-        let row = &kb[kv.k_row_bytes()..2 * kv.k_row_bytes()];
+        let view = kv.block_view(1, 0, 1);
+        let row = &view.k[view.k_row_bytes..2 * view.k_row_bytes];
         assert_eq!(half::f16::from_le_bytes([row[6], row[7]]).to_f32(), 3.0);
     }
 
@@ -273,21 +520,19 @@ mod tests {
         for l in 0..2 {
             for b in 0..2 {
                 let n = if b == 0 { 4 } else { 3 };
-                let (k0, v0) = kv.block_view(l, 0, b);
-                let (k1, v1) = kv.block_view(l, 1, b);
-                assert_eq!(&k1[..n * kv.k_row_bytes()], &k0[..n * kv.k_row_bytes()]);
-                assert_eq!(&v1[..n * kv.v_row_bytes()], &v0[..n * kv.v_row_bytes()]);
+                let (a, c) = (kv.block_view(l, 0, b), kv.block_view(l, 1, b));
+                assert_eq!(&c.k[..n * c.k_row_bytes], &a.k[..n * a.k_row_bytes]);
+                assert_eq!(&c.v[..n * c.v_row_bytes], &a.v[..n * a.v_row_bytes]);
             }
         }
         kv.extend(1, 1).unwrap();
         kv.write(0, 1, 7, &row(99, 0), &row(99, 0)).unwrap();
-        assert_ne!(kv.block_view(0, 1, 1).0, kv.block_view(0, 0, 1).0, "the fork writes into its own block");
+        assert_ne!(kv.block_view(0, 1, 1).k, kv.block_view(0, 0, 1).k, "the fork writes into its own block");
         // Sequence 2 shares both of 0's full blocks; truncating it into the second copies that block's 2 rows.
         kv.fork(0, 2, 8).unwrap();
         kv.truncate(2, 6).unwrap();
         assert_ne!(kv.books().table(2)[1], kv.books().table(0)[1]);
-        let (k0, _) = kv.block_view(1, 0, 1);
-        let (k2, _) = kv.block_view(1, 2, 1);
-        assert_eq!(&k2[..2 * kv.k_row_bytes()], &k0[..2 * kv.k_row_bytes()]);
+        let (a, c) = (kv.block_view(1, 0, 1), kv.block_view(1, 2, 1));
+        assert_eq!(&c.k[..2 * c.k_row_bytes], &a.k[..2 * a.k_row_bytes]);
     }
 }

@@ -7,11 +7,19 @@
 //!
 //! Two parts, one job each: `blocks::BlockManager` keeps the books (tables, free list, reference counts, each
 //! block's home) and knows no bytes; a backend keeps the storage and executes the `BlockCopy`s the books hand it.
-//! `cache::KvCache` is the CPU's storage; the CUDA backend holds its page pools in Python over the same books
-//! (`ninfer._core.BlockManager`).
+//! `cache::KvCache` is the CPU's storage (with `tiers`, blocks change precision by age and the oldest live in the
+//! L3 `ring`); the CUDA backend holds its page pools in Python over the same books (`ninfer._core.BlockManager`).
 
 pub mod blocks;
 pub mod cache;
+pub mod fitted_q4;
+pub mod prefetch;
+pub mod ring;
+pub mod rotation;
+pub mod tier_config;
+pub mod tiers;
 
 pub use blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
-pub use cache::{KvCache, KvConfig};
+pub use cache::{BlockView, KvCache, KvConfig};
+pub use prefetch::{PrefetchStats, Staged};
+pub use tier_config::{KvMemory, TierConfig, TierUse};

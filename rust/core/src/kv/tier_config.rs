@@ -1,0 +1,62 @@
+//! The data of a tiered KV cache (its settings, its L3 ring, what it holds), apart from the code that moves blocks
+//! between tiers (`tiers`), so the storage (`cache`) can own them without importing that code.
+
+use std::path::PathBuf;
+
+use crate::kv::blocks::Precision;
+use crate::kv::prefetch::Prefetcher;
+use crate::kv::ring::Ring;
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TierConfig {
+    /// Newest tokens of each sequence kept in f16 (L1), besides its sink block; at least one block.
+    pub l1: usize,
+    /// The next older tokens, kept in q8_0 (L2); older ones go to q4_0 in the L3 ring.
+    pub l2: usize,
+    /// Tokens a decode step reads from the older tiers besides the sinks and L1 (whole blocks, the best by their
+    /// key summary); 0: all of them.
+    pub select: usize,
+    /// The L3 ring's file; None: anonymous memory.
+    pub l3_file: Option<PathBuf>,
+}
+
+pub struct Tiers {
+    pub(super) cfg: TierConfig,
+    /// With selection: the thread staging the next step's L3 blocks. (Declared before the ring: dropped, and its
+    /// thread joined, before the memory it reads is unmapped.)
+    pub(super) prefetch: Option<Prefetcher>,
+    pub(super) ring: Ring,
+}
+
+/// Blocks in use in one tier and the bytes of their K and V rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierUse {
+    pub blocks: usize,
+    pub bytes: usize,
+}
+
+/// What a KV cache holds now, by tier (a plain cache's blocks count as L1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvMemory {
+    pub l1: TierUse,
+    pub l2: TierUse,
+    pub l3: TierUse,
+    /// Offsets and key summaries of the blocks in use.
+    pub meta_bytes: usize,
+}
+
+impl KvMemory {
+    pub fn total_bytes(&self) -> usize {
+        self.l1.bytes + self.l2.bytes + self.l3.bytes + self.meta_bytes
+    }
+}
+
+/// The tier a precision stands for: 0 (L1, f16 or f32), 1 (L2, q8_0), 2 (L3, q4_0).
+pub(super) fn tier(p: Precision) -> usize {
+    match p {
+        Precision::F32 | Precision::F16 => 0,
+        Precision::Q8_0 => 1,
+        Precision::Q4_0 => 2,
+    }
+}
+

@@ -1,0 +1,75 @@
+"""The tiered KV cache (rust/core/src/kv/tiers.rs) through the Python API and the CLI: settings checked, blocks
+moved down the tiers, and passkey retrieval through sparse block selection with most of the context in L3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ninfer
+from ninfer.errors import InvalidArgumentError
+from ninfer.passkey import run_passkey
+
+
+def test_tier_settings_are_checked(smollm2_path: Path) -> None:
+    cases = [
+        (dict(kv_l2=256), "kv_l2, kv_select and kv_l3_file set up the tiered KV cache: give kv_l1 too"),
+        (dict(kv_l1=32), "kv_l1 must be at least one block of 64 tokens, got 32"),
+        (dict(kv_l1=128, cache_type_k="q8_0"), "the tiered KV cache sets its own precisions"),
+        (dict(kv_l1=-1), "kv_l1 must be an integer >= 0, got -1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            ninfer.LLM(smollm2_path, n_ctx=512, **kwargs)
+
+
+def test_passkey_through_the_tiers_with_selection(smollm2_path: Path, tmp_path: Path) -> None:
+    """An ~800-token prompt, key at a quarter: with 128 tokens of L1, 128 of L2 and a 128-token budget, the key's
+    block is in the L3 file by the time the question is read, and selection must pick it to answer."""
+    l3 = tmp_path / "l3.ring"
+    llm = ninfer.LLM(smollm2_path, n_ctx=1024, threads=2, kv_l1=128, kv_l2=128, kv_select=128, kv_l3_file=l3)
+    r = run_passkey(llm, 30, 71432, 0.25)
+    assert r.prompt_tokens > 700
+    assert r.found, r.answer
+    assert l3.stat().st_size > 0  # (the ring, sized for every block of the context)
+
+
+def test_cache_moves_blocks_to_the_tiers(smollm2_path: Path) -> None:
+    llm = ninfer.LLM(smollm2_path, n_ctx=1024, threads=2, kv_l1=128, kv_l2=128)
+    ids = llm.tokenize("The grass is green. " * 200)[:700]
+    llm.generate(ids, max_tokens=1, temperature=0.0, cache_prompt=True)
+    m = llm.kv_memory()
+    # 700 tokens in blocks of 64: 11 blocks; the sink and the 3 holding the newest 128 (572..699) in f16, the 2
+    # before in q8_0, the other 5 in q4_0: 30 layers x 2 x 192 values a token, 2 bytes each in f16, 36/32 in
+    # q8_0 (rounded to 34-byte blocks of 32: 1.0625), 18 bytes a 32-block in q4_0.
+    assert m["l1"] == (4, 4 * 64 * 30 * 2 * 192 * 2), m
+    assert m["l2"] == (2, 2 * 64 * 30 * 2 * 6 * 34), m
+    assert m["l3"] == (5, 5 * 64 * 30 * 2 * 6 * 18), m
+
+
+@pytest.mark.large
+def test_passkey_on_qwen_at_4k_with_most_of_the_context_in_l3(qwen05_path: Path) -> None:
+    llm = ninfer.LLM(qwen05_path, n_ctx=4608, threads=2, kv_l1=512, kv_l2=512, kv_select=512)
+    for key, depth in [(50816, 0.3), (93127, 0.7)]:
+        r = run_passkey(llm, 160, key, depth)
+        assert r.prompt_tokens > 3500
+        assert r.found, (depth, r.answer)
+
+
+def test_run_verbose_reports_the_prefetch_thread(smollm2_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from ninfer.passkey import passkey_prompt
+
+    out = subprocess.run([sys.executable, "-m", "ninfer.cli", "run", "-m", str(smollm2_path), "-p",
+                          passkey_prompt(30, 28645, 0.5), "-n", "8", "--temp", "0", "-t", "2", "-c", "1024",
+                          "--kv-l1", "128", "--kv-l2", "128", "--kv-select", "128", "--verbose"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "28645" in out.stdout
+    line = next(x for x in out.stderr.splitlines() if x.startswith("tiered KV cache: KV prefetch: "))
+    hits, stalls, misses = (int(line.split(f" {w}")[0].split()[-1]) for w in ("hits", "stalls", "misses"))
+    # 8 decode steps x 30 layers read L3 blocks; the first step's are misses, later steps mostly find them staged.
+    assert misses > 0 and hits + stalls > 0, line
