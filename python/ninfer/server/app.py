@@ -38,6 +38,7 @@ from ninfer.server.schemas import (
     OpenAICompletionRequest,
     TokenizeRequest,
 )
+from ninfer.server.webui import add_chat_page
 
 log = logging.getLogger("ninfer.server")
 
@@ -57,6 +58,7 @@ class ServerSettings:
     retry_after_s: int = 1
     max_body_bytes: int = 4 * 2**20  # a larger request body is a 413, refused before it is read
     body_timeout_s: float = 30.0  # the whole body within this long of the headers, or 408
+    webui: bool = True  # the chat page at / (ninfer/server/webui.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
@@ -158,6 +160,8 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        body_timeout_s=cfg.body_timeout_s)
     install(app)
+    if cfg.webui:
+        add_chat_page(app)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def check_model(name: str | None) -> None:

@@ -56,6 +56,7 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"], default="auto",
                    help="accepted for compatibility: attention is always fused here (one pass, online softmax)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    p.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     p.add_argument("--metrics", action="store_true", help="serve /metrics (Prometheus text format)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument("--queue-size", type=int, default=64,
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         n_parallel=args.parallel, queue_size=args.queue_size, timeout_s=args.timeout, api_key=args.api_key,
         alias=args.alias, n_predict=args.n_predict, temperature=args.temp, metrics=args.metrics,
         sampler_core=args.sampler_core, sampler_rt=args.sampler_rt, max_body_bytes=args.max_body_size,
-        body_timeout_s=args.body_timeout,
+        body_timeout_s=args.body_timeout, webui=not args.no_webui,
     )
     failed: list[Exception] = []
 
