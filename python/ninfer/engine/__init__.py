@@ -5,12 +5,12 @@ own for the server and AsyncLLM (thread.py)."""
 from ninfer.engine.backend import Backend
 from ninfer.engine.core import EngineCore, Limits
 from ninfer.engine.output import Finish, OutputText, stop_holdback
-from ninfer.engine.policy import PromptsAlone
+from ninfer.engine.policy import POLICIES, MixedChunks, PromptsAlone, make_policy
 from ninfer.engine.request import AsyncRequest, DeadlineError, GenParams, Probs, QueueFullError, Request, Result
 from ninfer.engine.thread import EngineThread, check_serving_args
 
 __all__ = [
-    "AsyncRequest", "Backend", "DeadlineError", "EngineCore", "EngineThread", "Finish", "GenParams", "Limits",
-    "OutputText", "Probs", "PromptsAlone", "QueueFullError", "Request", "Result", "check_serving_args",
-    "stop_holdback",
+    "POLICIES", "AsyncRequest", "Backend", "DeadlineError", "EngineCore", "EngineThread", "Finish", "GenParams",
+    "Limits", "MixedChunks", "OutputText", "Probs", "PromptsAlone", "QueueFullError", "Request", "Result",
+    "check_serving_args", "make_policy", "stop_holdback",
 ]
