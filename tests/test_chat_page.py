@@ -141,3 +141,23 @@ def test_chat_in_a_browser(server: ServerProcess, smollm2_path: Path) -> None:
         assert find("id", "send").is_enabled()
     finally:
         driver.quit()
+
+
+def test_a_chats_next_turn_reuses_the_slots_cache(server: ServerProcess) -> None:
+    """The page sends the whole conversation each turn; the slot that answered the last turn still holds it, so
+    only the new turn is evaluated (timings.prompt_n), not the history."""
+    auth = {"Authorization": "Bearer sesame"}
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Name three colours of the rainbow, please."}]
+    body = {"max_tokens": 12, "temperature": 0}
+    first = httpx.post(f"{server.base}/v1/chat/completions", headers=auth, json={**body, "messages": messages},
+                       timeout=60).json()
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "And two more?"}]
+    second = httpx.post(f"{server.base}/v1/chat/completions", headers=auth, json={**body, "messages": messages},
+                        timeout=60).json()
+    n_prompt = second["usage"]["prompt_tokens"]
+    evaluated = second["timings"]["prompt_n"]
+    # Everything up to the end of the first prompt at least is reused; what is evaluated is the reply's closing
+    # tokens as the template renders them and the new turn (about 15 tokens).
+    assert n_prompt > first["usage"]["prompt_tokens"] + 10
+    assert 0 < evaluated <= n_prompt - first["usage"]["prompt_tokens"], (evaluated, n_prompt)
