@@ -5,13 +5,13 @@ own for the server and AsyncLLM (thread.py)."""
 from ninfer.engine.backend import Backend
 from ninfer.engine.core import EngineCore, Limits
 from ninfer.engine.output import Finish, OutputText, stop_holdback
-from ninfer.engine.policy import PromptsAlone
+from ninfer.engine.policy import POLICIES, MixedChunks, PromptsAlone, make_policy
 from ninfer.engine.request import (AsyncRequest, DeadlineError, GenParams, Job, Probs, QueueFullError, Request,
                                    Result)
 from ninfer.engine.thread import EngineThread, check_serving_args
 
 __all__ = [
-    "AsyncRequest", "Backend", "DeadlineError", "EngineCore", "EngineThread", "Finish", "GenParams", "Job", "Limits",
-    "OutputText", "Probs", "PromptsAlone", "QueueFullError", "Request", "Result", "check_serving_args",
-    "stop_holdback",
+    "POLICIES", "AsyncRequest", "Backend", "DeadlineError", "EngineCore", "EngineThread", "Finish", "GenParams", "Job",
+    "Limits", "MixedChunks", "OutputText", "Probs", "PromptsAlone", "QueueFullError", "Request", "Result",
+    "check_serving_args", "make_policy", "stop_holdback",
 ]

@@ -5,9 +5,10 @@ A step is schedule -> run -> sample -> post-process:
 1. admit waiting requests into free slots (a slot is a KV-cache sequence, seq id = slot index; with
    `cache_prompt` the slot whose cached tokens share the longest prefix with the prompt);
 2. retire requests that were aborted or passed their deadline, freeing their KV blocks at once;
-3. run what the batch policy plans: prompt chunks, then one decode batch of every slot past its prompt
-   (`Backend.decode`: forward and sampling in one call; a lone greedy row goes through `Backend.step`, where the
-   backend takes the argmax on its own side, e.g. on the GPU);
+3. run what the batch policy plans (policy.py): prompt chunks alone, then one decode batch of every slot past its
+   prompt (`Backend.decode`: forward and sampling in one call; a lone greedy row goes through `Backend.step`, where
+   the backend takes the argmax on its own side, e.g. on the GPU); or prompt chunks and the decode rows together
+   in one `Backend.forward`;
 4. post-process each sampled token (`OutputText`: end-of-generation, stop strings, hold-back, budget) and emit
    the request's events.
 """
@@ -26,7 +27,7 @@ import numpy as np
 from ninfer import _core
 from ninfer.engine.backend import Backend
 from ninfer.engine.output import EOS, LIMIT, Finish, OutputText
-from ninfer.engine.policy import PromptsAlone, SlotView
+from ninfer.engine.policy import MixedChunks, PromptsAlone, SlotView
 from ninfer.engine.request import DeadlineError, Job, Probs, Request, Result, reusable_prefix
 from ninfer.engine.speculative import SpecConfig, Speculator
 from ninfer.errors import NinferError
@@ -71,7 +72,7 @@ class Limits:
 
 class EngineCore:
     def __init__(self, backend: Backend, tokenizer: Tokenizer, limits: Limits, *, n_slots: int,
-                 sampler: _core.SamplerThread | None = None, policy: PromptsAlone | None = None,
+                 sampler: _core.SamplerThread | None = None, policy: PromptsAlone | MixedChunks | None = None,
                  speculator: Speculator | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
@@ -89,14 +90,17 @@ class EngineCore:
         self._kv_blocks = 0
         self.on_thread = False  # an EngineThread steps this loop (nobody else may)
 
-    def configure(self, *, n_slots: int | None = None, sampler: _core.SamplerThread | None = None) -> None:
-        """Before the first request: use only the first n_slots sequences, or sample on another thread (e.g. one
-        pinned to a core)."""
+    def configure(self, *, n_slots: int | None = None, sampler: _core.SamplerThread | None = None,
+                  policy: PromptsAlone | MixedChunks | None = None) -> None:
+        """Before the first request: use only the first n_slots sequences, sample on another thread (e.g. one
+        pinned to a core), or plan the steps with another batch policy."""
         assert not self.has_work(), "configure while requests are in flight"
         if n_slots is not None:
             self.slots = self.slots[: max(1, n_slots)]
         if sampler is not None:
             self.sampler = sampler
+        if policy is not None:
+            self.policy = policy
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -147,15 +151,15 @@ class EngineCore:
             for slot, req in admitted:
                 self._start(slot, req)
             self._retire()
-            plan = self.policy.plan([SlotView(s.index, s.busy, len(s.pending)) for s in self.slots])
+            plan = self.policy.plan([SlotView(s.index, s.busy, len(s.pending), s.req.id if s.req else 0)
+                                     for s in self.slots])
             for i in plan.prefill:
-                slot = self.slots[i]
-                try:
-                    self._prefill_chunk(slot)
-                except Exception as e:  # this prompt's failure is this request's alone
-                    _log_failure("prompt evaluation failed", e)
-                    self._finish(slot, error=e)
-            self._decode([self.slots[i] for i in plan.decode if self.slots[i].busy and not self.slots[i].pending])
+                self._prefill_alone(self.slots[i], self.limits.n_batch)
+            decoding = [self.slots[i] for i in plan.decode if self.slots[i].busy and not self.slots[i].pending]
+            if plan.mixed:
+                self._mixed([(self.slots[i], n) for i, n in plan.mixed], decoding)
+            else:
+                self._decode(decoding)
         except Exception as e:
             _log_failure("engine step failed", e)
             for s in self.slots:
@@ -261,9 +265,14 @@ class EngineCore:
                 s.output.stop(LIMIT)
                 self._finish(s)
 
-    def _prefill_chunk(self, s: _Slot) -> None:
-        chunk = s.pending[: self.limits.n_batch]
-        logits = self.backend.prefill(s.index, chunk, self.limits.n_batch)
+    def _prefill_alone(self, s: _Slot, n: int) -> None:
+        """The slot's next n prompt tokens in a forward call of their own; its failure is this request's alone."""
+        chunk = s.pending[:n]
+        try:
+            logits = self.backend.prefill(s.index, chunk, self.limits.n_batch)
+        except Exception as e:
+            _log_failure("prompt evaluation failed", e)
+            return self._finish(s, error=e)
         s.kv_tokens.extend(chunk)
         s.pending = s.pending[len(chunk):]
         if s.pending:
@@ -309,6 +318,48 @@ class EngineCore:
                 continue
             c.kv_tokens, c.pending, c.cached_n = list(s.kv_tokens), [], len(s.kv_tokens)
             self._first_token(c, logits)
+
+    def _mixed(self, chunks: list[tuple[_Slot, int]], decoding: list[_Slot]) -> None:
+        """Prompt chunks and one decode row of every generating slot in one forward pass (the throughput policy):
+        logits only for the rows that give a token, each sampled by its slot's chain. Should the pass fail (a full
+        KV cache: nothing was appended), the step runs again the deterministic way, where a prompt's failure is
+        its request's alone."""
+        decoding = [s for s in decoding if self._set_mask(s)]  # (a constrained slot's grammar: its next token)
+        batch: list[tuple[int, list[int]]] = []
+        rows: list[int] = []
+        sampled: list[tuple[_Slot, bool]] = []  # (slot, whether this row ends its prompt) for each logits row
+        n_rows = 0
+        for s, n in chunks:
+            batch.append((s.index, s.pending[:n]))
+            n_rows += n
+            if n == len(s.pending):
+                rows.append(n_rows - 1)
+                sampled.append((s, True))
+        for s in decoding:
+            batch.append((s.index, [s.next_input]))
+            rows.append(n_rows)
+            sampled.append((s, False))
+            n_rows += 1
+        t0 = time.perf_counter()
+        try:
+            logits = self.backend.forward(batch, rows)
+        except Exception as e:
+            _log_failure("a mixed prompt and decode pass failed; running its parts apart", e)
+            for s, n in chunks:
+                self._prefill_alone(s, n)
+            return self._decode(decoding)
+        if decoding:
+            self.stats["predicted_s"] += time.perf_counter() - t0
+            self.stats["decode_steps"] += 1
+        for (s, n), (_, tokens) in zip(chunks, batch):
+            s.kv_tokens.extend(tokens)
+            s.pending = s.pending[n:]
+        for (s, prompt_end), row in zip(sampled, logits):
+            if prompt_end:
+                self._first_token(s, row)
+            else:
+                s.kv_tokens.append(s.next_input)
+                self._on_token(s, *self.sampler.sample(s.index, row))
 
     def _decode(self, slots: list[_Slot]) -> None:
         if not slots:

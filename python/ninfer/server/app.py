@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ninfer import _core
-from ninfer.engine import AsyncRequest, DeadlineError, EngineThread, GenParams, QueueFullError
+from ninfer.engine import POLICIES, AsyncRequest, DeadlineError, EngineThread, GenParams, QueueFullError, make_policy
 from ninfer.engine.speculative import SpecConfig
 from ninfer.errors import InvalidArgumentError, NinferError, shown
 from ninfer.llm import LLM
@@ -43,6 +43,7 @@ from ninfer.server.schemas import (
     OpenAICompletionRequest,
     TokenizeRequest,
 )
+from ninfer.server.webui import add_chat_page
 
 log = logging.getLogger("ninfer.server")
 
@@ -63,6 +64,11 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20  # a larger request body is a 413, refused before it is read
     body_timeout_s: float = 30.0  # the whole body within this long of the headers, or 408
     pooling: str = "mean"  # how the embedding endpoints pool the tokens' hidden states ("mean" or "last")
+    webui: bool = True  # the chat page at / (ninfer/server/webui.py)
+    # "throughput": prompt chunks run in the decode batch's forward pass, at most ubatch_size rows a step;
+    # "deterministic": each prompt chunk alone, answers equal to LLM.generate's (ninfer/engine/policy.py)
+    batch_policy: str = "throughput"
+    ubatch_size: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
@@ -70,6 +76,10 @@ class ServerSettings:
         t = self.body_timeout_s
         if not isinstance(t, (int, float)) or not (t > 0 and math.isfinite(t)):
             raise InvalidArgumentError(f"body_timeout_s must be a finite number of seconds > 0, got {t!r}")
+        if self.batch_policy not in POLICIES:
+            raise InvalidArgumentError(f"batch_policy must be one of {', '.join(POLICIES)}, got {self.batch_policy!r}")
+        if not isinstance(self.ubatch_size, int) or self.ubatch_size < 1:
+            raise InvalidArgumentError(f"ubatch_size must be a positive integer, got {self.ubatch_size!r}")
 
 
 class _State:
@@ -110,7 +120,8 @@ def serve(llm: LLM, s: ServerSettings) -> EngineThread:
         sampler = _core.SamplerThread(core=s.sampler_core, realtime=s.sampler_rt)
         for w in sampler.warnings:
             log.warning("%s", w)
-    engine.configure(n_slots=n_parallel, sampler=sampler)
+    policy = make_policy(s.batch_policy, min(s.ubatch_size, engine.limits.n_batch), engine.limits.n_batch)
+    engine.configure(n_slots=n_parallel, sampler=sampler, policy=policy)
     return EngineThread(engine, queue_size=s.queue_size, timeout_s=s.timeout_s)
 
 
@@ -164,6 +175,8 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        body_timeout_s=cfg.body_timeout_s)
     install(app)
+    if cfg.webui:
+        add_chat_page(app)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def check_model(name: str | None) -> None:

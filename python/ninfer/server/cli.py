@@ -44,6 +44,15 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
                    help="auto (default): the GPU when -ngl asks for layers and CuPy sees one; cpu: never")
     p.add_argument("-t", "--threads", type=int, default=0, help="worker threads (default: all cores)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
+    p.add_argument("-ub", "--ubatch-size", "--max-num-batched-tokens", dest="ubatch_size", type=int, default=512,
+                   help="rows of a forward pass that mixes prompts into the decode step (--batch-policy "
+                        "throughput): the generating slots' tokens plus the waiting prompts' next chunks. Smaller "
+                        "bounds how long a long prompt holds up the running streams; default 512, at most "
+                        "--batch-size")
+    p.add_argument("--batch-policy", choices=["throughput", "deterministic"], default="throughput",
+                   help="throughput (default): new prompts, in chunks, share the forward pass of the other slots' "
+                        "decode step; deterministic: each prompt chunk runs alone, so that greedy answers equal "
+                        "LLM.generate's whatever else runs")
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests generated at once (default 1)")
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="tokens to generate when a request says nothing (default -1: until the context is full)")
@@ -57,6 +66,7 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"], default="auto",
                    help="accepted for compatibility: attention is always fused here (one pass, online softmax)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    p.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     p.add_argument("--metrics", action="store_true", help="serve /metrics (Prometheus text format)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument("--queue-size", type=int, default=64,
@@ -85,7 +95,8 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     for flag, value, low in (("--port", args.port, 0), ("--ctx-size", args.ctx_size, 1),
-                             ("--batch-size", args.batch_size, 1), ("--parallel", args.parallel, 1),
+                             ("--batch-size", args.batch_size, 1), ("--ubatch-size", args.ubatch_size, 1),
+                             ("--parallel", args.parallel, 1),
                              ("--threads", args.threads, 0), ("--queue-size", args.queue_size, 0)):
         if value < low:
             p.error(f"argument {flag}: must be >= {low}, got {value}")
@@ -188,7 +199,8 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         n_parallel=args.parallel, queue_size=args.queue_size, timeout_s=args.timeout, api_key=args.api_key,
         alias=args.alias, n_predict=args.n_predict, temperature=args.temp, metrics=args.metrics,
         sampler_core=args.sampler_core, sampler_rt=args.sampler_rt, max_body_bytes=args.max_body_size,
-        body_timeout_s=args.body_timeout, pooling=args.pooling,
+        body_timeout_s=args.body_timeout, pooling=args.pooling, webui=not args.no_webui,
+        batch_policy=args.batch_policy, ubatch_size=args.ubatch_size,
     )
     failed: list[Exception] = []
 

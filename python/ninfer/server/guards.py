@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ninfer.server.errors import APIError
+from ninfer.server.webui import PAGE_PATHS
 from ninfer.tokenizer import bytes_to_unicode
 
-# Paths that answer without the API key, as llama-server's /health (and /metrics, which Prometheus scrapes).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Paths that answer without the API key, as llama-server's /health (and /metrics, which Prometheus scrapes), and the
+# chat page's static files (the page asks for the key and sends it with its own requests).
+OPEN_PATHS = frozenset({"/health", "/metrics", *PAGE_PATHS})
 
 
 class _TooLarge(Exception):
