@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ninfer
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench-serve"
 
 
 def test_bench_serve_table(smollm2_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1] / "python"),
+    # The ninfer this test imported (the checkout's python/ or the installed package, as CI installs it).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(ninfer.__file__).parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "-m", str(smollm2_path), "--servers", "ninfer,one", "--variant", "one=-t 1",

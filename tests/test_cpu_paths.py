@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+import ninfer
+
 
 
 def _cpu_flags() -> set[str]:
@@ -30,7 +31,8 @@ HAS_AVX512 = HAS_AVX2 and {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx51
 
 
 def _run(code: str, cpu: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NINFER_CPU=cpu, PYTHONPATH=str(ROOT / "python"))
+    # The ninfer this test imported (the checkout's python/ or the installed package, as CI installs it).
+    env = dict(os.environ, NINFER_CPU=cpu, PYTHONPATH=str(Path(ninfer.__file__).parents[1]))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
