@@ -175,26 +175,6 @@ class LlamaCppRunner:
         self._clear()
         return dt
 
-    def tg_filled(self, depth: int, n: int, seed: int) -> float:
-        """Seconds for n greedy decode steps after `depth` positions of random keys and values (no prefill)."""
-        from ninfer import _core
-
-        llm, eng = self.llm, self.llm.backend
-        if llm.device != "cpu":
-            raise InvalidArgumentError("--kv-fill runs on the CPU backend only")
-        llm.clear_cache()
-        eng.fill_random(0, depth, seed)
-        sampler = _core.Sampler(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
-        token = self.bos if self.bos is not None else 0
-        t = time.perf_counter()
-        for _ in range(n):
-            token = eng.step(0, token, sampler)
-        dt = time.perf_counter() - t
-        self.kv_memory = llm.kv_memory()
-        eng.remove(0)
-        llm.clear_cache()
-        return dt
-
     def tg(self, context: list[int], n: int, profile: bool) -> tuple[float, dict[str, float] | None]:
         self._clear()
         self._prefill(context)
