@@ -173,7 +173,7 @@ fn attend_range(
     let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
     let mut v_buf = vec![0.0f32; dv];
     out.fill(0.0);
-    let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
+    let mut softmax = OnlineSoftmax::new();
 
     let bs = kv.cfg.block_size;
     for b in lo / bs..=pos / bs {
@@ -188,14 +188,7 @@ fn attend_range(
             let k = &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes];
             let score = (vec_dot(k_type, dk, k, &q_act) + k_offset) * shape.scale;
             let v = &vb[slot * v_rb + g * v_head_bytes..][..v_head_bytes];
-            // Online softmax: rescale what was accumulated when a new maximum appears.
-            let (ms, vs) = if score > m {
-                let ms = (m - score).exp();
-                m = score;
-                (ms, 1.0)
-            } else {
-                (1.0, (score - m).exp())
-            };
+            let (ms, vs) = softmax.step(score);
             if f16_acc {
                 if ms != 1.0 {
                     (ops.scale_f16)(out, ms);
@@ -209,10 +202,37 @@ fn attend_range(
                 let _ = dequantize_row(v_type, v, &mut v_buf);
                 (ops.axpy)(out, &v_buf, vs); // ggml_vec_mad_f32: FMA
             }
-            s = s.mul_add(ms, vs); // gcc contracts ggml's `S*ms + vs`
         }
     }
-    (m, s)
+    (softmax.m, softmax.s)
+}
+
+/// The running max and sum of llama.cpp's one-chunk online softmax, one key at a time.
+pub(crate) struct OnlineSoftmax {
+    pub m: f32,
+    pub s: f32,
+}
+
+impl OnlineSoftmax {
+    pub(crate) fn new() -> Self {
+        OnlineSoftmax { m: f32::NEG_INFINITY, s: 0.0 }
+    }
+
+    /// One more key of `score`: returns (the factor the output accumulated so far is scaled by, the key's weight),
+    /// rescaling when a new maximum appears, and adds the weight to the sum as ggml does (`S*ms + vs`, which gcc
+    /// contracts to an FMA).
+    #[inline(always)]
+    pub(crate) fn step(&mut self, score: f32) -> (f32, f32) {
+        let (ms, vs) = if score > self.m {
+            let ms = (self.m - score).exp();
+            self.m = score;
+            (ms, 1.0)
+        } else {
+            (1.0, (score - self.m).exp())
+        };
+        self.s = self.s.mul_add(ms, vs);
+        (ms, vs)
+    }
 }
 
 /// q·x in f32 (a block's key offset).

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::cpu::attention::{attention_tiled, dot, in_stored_basis, AttnShape, TILED_MIN_ROWS};
+use crate::cpu::attention::{attention_tiled, dot, in_stored_basis, AttnShape, OnlineSoftmax, TILED_MIN_ROWS};
 use crate::cpu::RowOrder;
 use crate::kv::{KvCache, SeqId, Staged};
 use crate::quant::simd::vec_ops;
@@ -196,23 +196,15 @@ pub fn attend_blocks(
     quantize_act(GgmlType::Q8_0, q, &mut q_q8);
     let mut v_buf = vec![0.0f32; dv];
     out.fill(0.0);
-    let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
+    let mut softmax = OnlineSoftmax::new();
     let bs = kv.cfg.block_size;
     let (kd, vd) = (shape.n_head_kv * dk, shape.n_head_kv * dv);
-    // Online softmax step for one key's score and value.
     let mut add = |score: f32, v: &[f32], out: &mut [f32]| {
-        let (ms, vs) = if score > m {
-            let ms = (m - score).exp();
-            m = score;
-            (ms, 1.0)
-        } else {
-            (1.0, (score - m).exp())
-        };
+        let (ms, vs) = softmax.step(score);
         if ms != 1.0 {
             (ops.scale)(out, ms);
         }
         (ops.axpy)(out, v, vs);
-        s = s.mul_add(ms, vs);
     };
     for &b in blocks {
         let view = kv.block_view(layer, seq, b);
@@ -239,7 +231,7 @@ pub fn attend_blocks(
             add(score, &v_buf, out);
         }
     }
-    (m, s)
+    (softmax.m, softmax.s)
 }
 
 #[cfg(test)]
