@@ -189,6 +189,29 @@ def test_cache_prompt_reuses_the_slots_prefix(server: ServerProcess, llm: ninfer
     assert off["tokens_cached"] == 0 and off["timings"]["prompt_n"] == n_second
 
 
+def test_a_prefix_another_slot_holds_is_forked_not_evaluated(server: ServerProcess, llm: ninfer.LLM) -> None:
+    # Two conversations with one long preamble: while the first streams (its slot busy), the second lands on
+    # another slot, takes the preamble's positions from the first slot's cache, and evaluates only the rest.
+    preamble = "You are a careful assistant who answers in one short line. " * 6
+    first, second = preamble + "Name three colours.", preamble + "Name three animals."
+    ids_first, ids_second = llm.tokenize(first), llm.tokenize(second)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_first, ids_second)) if x != y)
+    assert shared >= 64
+    before = metrics(server.base)["ninfer:prompt_tokens_shared_total"]
+    body = {"prompt": first, "n_predict": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base}/completion", json=body, timeout=120) as s:
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the first slot holds its prompt now
+        b = httpx.post(f"{server.base}/completion", json={"prompt": second, "n_predict": 8, "temperature": 0},
+                       timeout=60).json()
+        a = sse_events(lines)
+    assert a[-1]["id_slot"] != b["id_slot"]
+    assert b["tokens_cached"] == shared and b["timings"]["prompt_n"] == len(ids_second) - shared
+    assert metrics(server.base)["ninfer:prompt_tokens_shared_total"] - before == shared
+    # The forked positions are the ones the second request would have computed itself.
+    assert b["tokens"] == llm.generate(ids_second, max_tokens=8, temperature=0).tokens
+
+
 def test_sampling_parameters_reach_the_rust_chain(server: ServerProcess) -> None:
     def complete(**kw: object) -> dict:
         body = {"prompt": "The capital of France is", "n_predict": 12, **kw}

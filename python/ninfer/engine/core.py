@@ -36,6 +36,9 @@ from ninfer.tokenizer import Tokenizer
 
 log = logging.getLogger("ninfer.engine")
 
+# Fewest prompt positions worth taking from another slot's cache (a fork copies a partial block of up to 256).
+SHARE_MIN_TOKENS = 32
+
 
 class _Slot:
     def __init__(self, index: int):
@@ -225,6 +228,8 @@ class EngineCore:
         if keep == 0:
             self.backend.remove(slot.index)
         slot.kv_tokens = slot.kv_tokens[:keep]
+        if p.cache_prompt:
+            keep = self._share_prefix(slot, req.prompt, keep)
         slot.pending = req.prompt[keep:]
         slot.cached_n = keep
         limit = self.limits.n_ctx - len(req.prompt)
@@ -246,6 +251,22 @@ class EngineCore:
             self.sampler.accept(slot.index, req.prompt)
         except Exception as e:
             self._finish(slot, error=e)
+
+    def _share_prefix(self, slot: _Slot, prompt: list[int], keep: int) -> int:
+        """Where another slot's cache holds a longer prefix of `prompt` than this slot keeps (a system prompt or a
+        document that several conversations share), fork it into this slot: its whole blocks are shared, the
+        partial last one copied, and only the rest of the prompt is evaluated. Returns the positions now held."""
+        best, src = keep, None
+        for other in self.slots:
+            n = reusable_prefix(other.kv_tokens, prompt) if other is not slot else 0
+            if n > best:
+                best, src = n, other
+        if src is None or best - keep < SHARE_MIN_TOKENS:
+            return keep
+        self.backend.fork(src.index, slot.index, best)
+        slot.kv_tokens = prompt[:best]
+        self.stats["prefix_shared_tokens"] += best - keep
+        return best
 
     def _retire(self) -> None:
         now = time.monotonic()

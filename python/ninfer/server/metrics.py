@@ -27,6 +27,8 @@ class _SchedulerCollector(Collector):
         st = self.sched.stats
         yield CounterMetricFamily("ninfer:prompt_tokens", "Prompt tokens evaluated", value=st["prompt_tokens"])
         yield CounterMetricFamily("ninfer:tokens_predicted", "Tokens generated", value=st["predicted_tokens"])
+        yield CounterMetricFamily("ninfer:prompt_tokens_shared", "Prompt tokens taken from another slot's cache",
+                                  value=st["prefix_shared_tokens"])
         yield CounterMetricFamily("ninfer:requests_finished", "Requests that left a slot", value=st["requests_done"])
         yield CounterMetricFamily("ninfer:requests_cancelled", "Requests cancelled (client gone)",
                                   value=st["cancelled"])
