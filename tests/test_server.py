@@ -202,7 +202,8 @@ def test_a_prefix_another_slot_holds_is_forked_not_evaluated(server: ServerProce
     with httpx.stream("POST", f"{server.base}/completion", json=body, timeout=120) as s:
         lines = s.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # the first slot holds its prompt now
-        b = httpx.post(f"{server.base}/completion", json={"prompt": second, "n_predict": 8, "temperature": 0},
+        b = httpx.post(f"{server.base}/completion", json={"prompt": second, "n_predict": 8, "temperature": 0,
+                                                                          "ignore_eos": True},
                        timeout=60).json()
         a = sse_events(lines)
     assert a[-1]["id_slot"] != b["id_slot"]
