@@ -73,3 +73,25 @@ def test_run_verbose_reports_the_prefetch_thread(smollm2_path: Path) -> None:
     hits, stalls, misses = (int(line.split(f" {w}")[0].split()[-1]) for w in ("hits", "stalls", "misses"))
     # 8 decode steps x 30 layers read L3 blocks; the first step's are misses, later steps mostly find them staged.
     assert misses > 0 and hits + stalls > 0, line
+
+
+def test_serve_counts_the_prefetch_thread_in_metrics(smollm2_path: Path, tmp_path: Path) -> None:
+    import httpx
+    from server_helpers import ServerProcess, metrics, wait_healthy
+
+    from ninfer.passkey import passkey_prompt
+
+    s = ServerProcess(["-m", str(smollm2_path), "-c", "1024", "-np", "1", "--metrics", "-t", "2", "--kv-l1", "128",
+                       "--kv-l2", "128", "--kv-select", "128"], tmp_path / "server.log")
+    try:
+        wait_healthy(s.base, s.proc)
+        r = httpx.post(f"{s.base}/completion", json={"prompt": passkey_prompt(30, 28645, 0.5), "n_predict": 8,
+                                                     "temperature": 0}, timeout=600).json()
+        assert "28645" in r["content"]
+        m = metrics(s.base)
+        # as `ninfer run --verbose` counts them: the first step's L3 reads miss, later ones find blocks staged
+        assert m["ninfer:kv_prefetch_misses_total"] > 0, m
+        assert m["ninfer:kv_prefetch_hits_total"] + m["ninfer:kv_prefetch_stalls_total"] > 0, m
+        assert m["ninfer:kv_prefetch_staged_total"] > 0, m
+    finally:
+        s.stop()

@@ -197,6 +197,11 @@ class EngineCore:
 
     def _note_kv(self) -> None:
         self._kv_blocks = int(self.backend.kv_usage()[0])
+        # (the tiered cache's prefetch counts, read here on the stepping thread for /metrics)
+        prefetch = getattr(self.backend, "kv_prefetch_stats", None)
+        counts = prefetch() if prefetch is not None else None
+        for k, v in (counts or {}).items():
+            self.stats[f"kv_prefetch_{k}"] = int(v)
 
     def _admit(self) -> list[tuple[_Slot, Request]]:
         """Pair waiting requests with free slots (under the lock). Expired ones are answered with an error."""

@@ -39,6 +39,10 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("ninfer:requests_rejected", "Requests refused with 503 (queue full)",
                                   value=st["rejected"])
         yield CounterMetricFamily("ninfer:decode_steps", "Batched decode steps run", value=st["decode_steps"])
+        for k, what in (("hits", "found staged by the prefetch thread"), ("stalls", "waited for while it staged them"),
+                        ("misses", "dequantized by the step itself"), ("staged", "staged by the prefetch thread")):
+            yield CounterMetricFamily(f"ninfer:kv_prefetch_{k}", f"Tiered KV cache: L3 block-layers {what}",
+                                      value=st[f"kv_prefetch_{k}"])
         yield CounterMetricFamily("ninfer:draft_tokens", "Tokens drafted by speculative decoding",
                                   value=st["draft_tokens"])
         yield CounterMetricFamily("ninfer:draft_tokens_accepted", "Drafted tokens the model accepted",
