@@ -233,3 +233,42 @@ def _replica_of(base: str, prompt: str) -> str:
     status, headers, text = _curl(base, "/completion", f'{{"prompt": "{prompt}", "n_predict": 4}}')
     assert status == 200, text
     return headers[REPLICA_HEADER]
+
+
+@pytest.mark.slow
+def test_joins_a_running_cluster_and_leaves_it_running(smollm2_path, tmp_path, monkeypatch):
+    pytest.importorskip("ray.serve")
+    gcs_port = free_port()
+    # (`ray start` turns on token authentication; its clients send the token when RAY_AUTH_MODE says so)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    env = {**os.environ, "PYTHONPATH": str(Path(ninfer.__file__).parents[1])}
+    with open(tmp_path / "head.log", "w") as head_log:
+        head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port",
+                                 str(gcs_port), "--num-cpus", "2", "--include-dashboard", "false",
+                                 "--disable-usage-stats"], stdout=head_log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        server = RayServer(["-m", str(smollm2_path), "-t", "1", "--replicas", "1", "-c", "512",
+                            "--ray-address", f"127.0.0.1:{gcs_port}"], tmp_path / "server.log")
+        try:
+            assert f"joining the Ray cluster at 127.0.0.1:{gcs_port}" in server.log()
+            assert _replica_of(server.base, "Hello")
+        finally:
+            server.stop()
+        assert "removing the application\n" in server.log()  # (and not the cluster, which it did not start)
+        assert head.poll() is None
+        # Without the token the command says how to join, instead of a traceback.
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+        out = subprocess.run([sys.executable, "-m", "ninfer.server.cli", "-m", str(smollm2_path), "--replicas", "1",
+                              "--ray-address", f"127.0.0.1:{gcs_port}"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "PYTHONPATH": env["PYTHONPATH"]})
+        assert out.returncode == 2
+        assert f"ninfer: error: cannot join the Ray cluster at 127.0.0.1:{gcs_port}" in out.stderr
+        assert "set RAY_AUTH_MODE=token" in out.stderr and "Traceback" not in out.stderr
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()

@@ -51,7 +51,12 @@ def serve_on_ray(args: argparse.Namespace, model: Any, settings: ServerSettings,
     own_cluster = args.ray_address is None
     _say("starting a local Ray cluster" if own_cluster else f"joining the Ray cluster at {args.ray_address}")
     try:
-        ray.init(address=args.ray_address, include_dashboard=False, logging_level=args.log_level.upper())
+        try:
+            ray.init(address=args.ray_address, include_dashboard=False, logging_level=args.log_level.upper())
+        except ConnectionError as e:  # (a cluster with token authentication: Ray's clients need RAY_AUTH_MODE=token)
+            print(f"ninfer: error: cannot join the Ray cluster at {args.ray_address}: {e} (if it was started with "
+                  "token authentication, set RAY_AUTH_MODE=token)", file=sys.stderr)
+            return EXIT_USAGE
         serve.start(http_options={"host": args.host, "port": args.port,
                                   "keep_alive_timeout_s": max(1, math.ceil(args.keep_alive_timeout))})
         # serve.run waits for the replicas without a bound (a replica Ray cannot place waits forever): it runs on
