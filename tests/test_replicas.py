@@ -75,6 +75,20 @@ def test_bad_bounds_exit_before_ray_starts(capsys, smollm2_path):
     assert "starting a local Ray cluster" not in err
 
 
+def test_a_replica_ray_cannot_place_ends_the_wait(smollm2_path, tmp_path):
+    pytest.importorskip("ray.serve")
+    # 64 threads reserve 64 CPUs, more than the local cluster has: Ray would keep the replica pending forever.
+    env = {**os.environ, "PYTHONPATH": str(Path(ninfer.__file__).parents[1])}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "ninfer.server.cli", "-m", str(smollm2_path), "--replicas", "1",
+                          "-t", "64", "--ray-startup-timeout", "15", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=STARTUP_S, env=env, start_new_session=True)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "ninfer: error: the replicas were not running after 15 s (deploying, replicas" in out.stderr
+    assert "removing the application and the local Ray cluster" in out.stderr
+    assert time.monotonic() - t0 < STARTUP_S
+
+
 # ---- a real deployment: two replicas of SmolLM2, one thread each --------------------------------------------------
 
 class RayServer:
@@ -169,13 +183,15 @@ def test_forty_requests_from_eight_clients_reach_both_replicas(ray_server):
 
     def by_openai(i: int) -> str:
         raw = client.chat.completions.with_raw_response.create(
-            model="smollm2", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=12)
+            model="smollm2", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=12,
+            temperature=0)
         answer = raw.parse()
         assert answer.choices[0].message.content and answer.usage.completion_tokens <= 12
         return raw.headers[REPLICA_HEADER]
 
     def by_curl(i: int) -> str:
-        status, headers, text = _curl(ray_server.base, "/completion", f'{{"prompt": "Item {i}:", "n_predict": 12}}')
+        body = f'{{"prompt": "Item {i}:", "n_predict": 12, "ignore_eos": true}}'
+        status, headers, text = _curl(ray_server.base, "/completion", body)
         assert status == 200, text
         assert '"tokens_predicted":12' in text
         return headers[REPLICA_HEADER]
@@ -272,3 +288,24 @@ def test_joins_a_running_cluster_and_leaves_it_running(smollm2_path, tmp_path, m
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+
+
+def test_the_health_check_is_the_apps_health(smollm2_path):
+    pytest.importorskip("ray.serve")
+    import asyncio
+    from types import SimpleNamespace
+
+    from ninfer.llm import LLM
+    from ninfer.ray import NinferReplica
+    from ninfer.server import create_app
+
+    app = create_app(LLM(str(smollm2_path), n_ctx=256, threads=1))
+    replica = SimpleNamespace(served_app=app)
+
+    async def check() -> None:
+        with pytest.raises(RuntimeError, match=re.escape('/health answered 503: {"error":{"message":"Loading model"')):
+            await NinferReplica.check_health(replica)  # (before the app's startup has attached the model)
+        async with app.router.lifespan_context(app):
+            await NinferReplica.check_health(replica)
+
+    asyncio.run(check())

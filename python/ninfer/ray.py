@@ -95,11 +95,11 @@ class _NamedReplica:
     for the tests that count it)."""
 
     def __init__(self, app: Any, name: str):
-        self.served_app, self.replica_name = app, name.encode()
+        self.app, self.replica_name = app, name.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            return await self.served_app(scope, receive, send)
+            return await self.app(scope, receive, send)
 
         async def named(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -107,7 +107,7 @@ class _NamedReplica:
                 message = dict(message, headers=headers)
             await send(message)
 
-        await self.served_app(scope, receive, named)
+        await self.app(scope, receive, named)
 
 
 async def _status_of(app: Any, path: str) -> tuple[int, bytes]:

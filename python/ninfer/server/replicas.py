@@ -52,7 +52,9 @@ def serve_on_ray(args: argparse.Namespace, model: Any, settings: ServerSettings,
     _say("starting a local Ray cluster" if own_cluster else f"joining the Ray cluster at {args.ray_address}")
     try:
         try:
-            ray.init(address=args.ray_address, include_dashboard=False, logging_level=args.log_level.upper())
+            # ("local": a cluster of our own even where `ray start` left one running, which ray.init() would join)
+            ray.init(address=args.ray_address or "local", include_dashboard=False,
+                     logging_level=args.log_level.upper())
         except ConnectionError as e:  # (a cluster with token authentication: Ray's clients need RAY_AUTH_MODE=token)
             print(f"ninfer: error: cannot join the Ray cluster at {args.ray_address}: {e} (if it was started with "
                   "token authentication, set RAY_AUTH_MODE=token)", file=sys.stderr)
