@@ -309,3 +309,10 @@ def test_the_health_check_is_the_apps_health(smollm2_path):
             await NinferReplica.check_health(replica)
 
     asyncio.run(check())
+
+
+def test_ninfer_ray_without_ray_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.delitem(sys.modules, "ninfer.ray", raising=False)
+    with pytest.raises(ImportError, match=re.escape("ninfer.ray needs Ray Serve: pip install 'ninfer[ray]'")):
+        import ninfer.ray  # noqa: F401

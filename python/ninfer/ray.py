@@ -26,8 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray import serve
-from ray.serve.config import AutoscalingConfig
+try:
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig
+except ImportError as e:  # (the extra is optional: say which package brings it)
+    raise ImportError(f"ninfer.ray needs Ray Serve: pip install 'ninfer[ray]' (the ray[serve] package): {e}") from e
 
 from ninfer.errors import InvalidArgumentError
 from ninfer.server.app import ServerSettings, create_app
