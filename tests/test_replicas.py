@@ -316,3 +316,27 @@ def test_ninfer_ray_without_ray_names_the_package(monkeypatch):
     monkeypatch.delitem(sys.modules, "ninfer.ray", raising=False)
     with pytest.raises(ImportError, match=re.escape("ninfer.ray needs Ray Serve: pip install 'ninfer[ray]'")):
         import ninfer.ray  # noqa: F401
+
+
+@pytest.mark.slow
+def test_autoscaling_adds_a_replica_under_load(smollm2_path, tmp_path):
+    server = RayServer(["-m", str(smollm2_path), "-t", "1", "-c", "512", "--min-replicas", "1", "--max-replicas", "2",
+                        "--target-ongoing-requests", "1"], tmp_path / "server.log")
+    try:
+        mark = len(server.log())
+        assert len(server.replica_pids()) == 1
+        deadline = time.monotonic() + 150  # (Ray waits upscale_delay_s, 30 s by default, before it adds one)
+
+        def client(k: int) -> Counter:
+            served: Counter = Counter()
+            while time.monotonic() < deadline and len(served) < 2:
+                served[_replica_of(server.base, f"Tale {k}:")] += 1
+            return served
+
+        with cf.ThreadPoolExecutor(6) as pool:
+            served = sum(pool.map(client, range(6)), Counter())
+        assert len(served) == 2, served  # (the requests, all 200, reached a second replica)
+        server.wait_for("replicas {'RUNNING': 2}", 10, after=mark)
+        assert len(server.replica_pids()) == 2
+    finally:
+        server.stop()
