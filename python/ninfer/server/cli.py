@@ -14,8 +14,12 @@ import math
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING, Any
 
 from ninfer.config import CACHE_TYPES
+
+if TYPE_CHECKING:
+    from ninfer.server import ServerSettings
 
 EXIT_USAGE = 2
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -90,6 +94,20 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
                    help="how /embedding and /v1/embeddings pool the tokens' hidden states (default mean)")
     p.add_argument("--embeddings", "--embedding", action="store_true",
                    help="accepted for llama-server's command lines: the embedding endpoints are always served")
+    r = p.add_argument_group("replicas on Ray Serve (`pip install 'ninfer[ray]'`; docs/replicas.md)")
+    r.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N replicas of the model (one model each, --threads each) behind Ray Serve's HTTP "
+                        "proxy on --host/--port; with --min/--max-replicas, the number to start with")
+    r.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                   help="autoscale: never fewer replicas than this (default: --replicas)")
+    r.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="autoscale: never more replicas than this (default: --replicas)")
+    r.add_argument("--target-ongoing-requests", type=float, default=None, metavar="N",
+                   help="autoscale: add or remove replicas to keep about N requests on each (default: --parallel)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (as `ray start --address`, or 'auto'); default: start a local one")
+    r.add_argument("--ray-startup-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="give up (exit 2) if the replicas are not all running after this long (default 600)")
     return p
 
 
@@ -112,6 +130,18 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"argument --max-body-size: must be at least 1 byte, got {args.max_body_size}")
     if args.sampler_core is not None and args.sampler_core < 0:
         p.error(f"argument --sampler-core: must be >= 0, got {args.sampler_core}")
+    for flag, value in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
+                        ("--max-replicas", args.max_replicas)):
+        if value is not None and value < 1:
+            p.error(f"argument {flag}: must be >= 1, got {value}")
+    if not (args.ray_startup_timeout > 0 and math.isfinite(args.ray_startup_timeout)):
+        p.error("argument --ray-startup-timeout: must be a finite number of seconds > 0, got "
+                f"{args.ray_startup_timeout}")
+
+
+def _on_ray(args: argparse.Namespace) -> bool:
+    return any(v is not None for v in (args.replicas, args.min_replicas, args.max_replicas,
+                                       args.target_ongoing_requests, args.ray_address))
 
 
 def _gib(n: float) -> str:
@@ -124,32 +154,36 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     if args.n_gpu_layers is None:  # (a budget is a request for the GPU)
         args.n_gpu_layers = -1 if args.gpu_mem_budget is not None else 0
     _check(args, parser)
+    on_ray = _on_ray(args)
+    if on_ray:
+        try:
+            import ray.serve  # noqa: F401
+        except ImportError:
+            print("ninfer: error: --replicas needs Ray Serve: pip install 'ninfer[ray]' (the ray[serve] package)",
+                  file=sys.stderr)
+            return EXIT_USAGE
     logging.basicConfig(level=args.log_level.upper(), format="ninfer: %(levelname)s: %(message)s", stream=sys.stderr)
     log = logging.getLogger("ninfer.server")
 
-    import uvicorn
-
     from ninfer.backends import cuda_unavailable_reason
     from ninfer.chat import ChatTemplate, read_chat_template
+    from ninfer.default_model import default_model_path
     from ninfer.errors import NinferError
-    from ninfer.llm import LLM
     from ninfer.model_file import ModelFile
-    from ninfer.server import ServerSettings, create_app
-    from ninfer.server.guards import header_deadline_protocol
 
     model = args.model
-    if model is None:
-        from ninfer.default_model import default_model_path
-
-        model = default_model_path()
     try:
-        mf = ModelFile(model)
+        if model is None and not on_ray:  # (replicas fetch the default model on their own nodes)
+            model = default_model_path()
+        mf = ModelFile(default_model_path() if model is None else model)
         spec = mf.spec
     except NinferError as e:
         print(f"ninfer: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     device = "cpu"
-    if args.n_gpu_layers != 0 and args.device != "cpu":
+    if on_ray and args.device == "cuda":
+        device = "cuda"  # (the replicas' nodes have the GPUs, not necessarily this one)
+    elif args.n_gpu_layers != 0 and args.device != "cpu":
         reason = cuda_unavailable_reason()
         if reason is None:
             device = "cuda"
@@ -169,39 +203,64 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         chat_template = read_chat_template(args.chat_template_file)
         if chat_template is not None:
             ChatTemplate.from_metadata(mf.metadata, template=chat_template)
+        settings = _settings(args)
     except NinferError as e:
         print(f"ninfer: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    bind_error = _bind_error(args.host, args.port)
-    if bind_error:
-        print(f"ninfer: error: {bind_error}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.ray_address is None:  # (on a cluster of its own, Ray's proxy listens on this machine)
+        bind_error = _bind_error(args.host, args.port)
+        if bind_error:
+            print(f"ninfer: error: {bind_error}", file=sys.stderr)
+            return EXIT_USAGE
     n_ctx = args.ctx_size // args.parallel
+    # LLM's arguments, the same for `ninfer serve` and each replica on Ray
+    llm_kwargs = dict(n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size, cache_type_k=args.cache_type_k,
+                      cache_type_v=args.cache_type_v, device=device, n_gpu_layers=args.n_gpu_layers,
+                      gpu_mem_budget=args.gpu_mem_budget, n_seq_max=args.parallel, chat_template=chat_template,
+                      **speculation, **kv_tiers)
     kv = mf.kv_bytes_per_token(CACHE_TYPES[args.cache_type_k][1], CACHE_TYPES[args.cache_type_v][1])
     weights = mf.weight_bytes()
+    each = " each replica's" if on_ray else ""
     print(f"ninfer serve: model {mf.path} ({mf.architecture}, {mf.n_params() / 1e6:.0f} M parameters)\n"
-          f"ninfer serve: memory budget {_gib(weights + kv * n_ctx * args.parallel)} = weights {_gib(weights)} "
-          f"(memory-mapped) + KV cache up to {_gib(kv * n_ctx * args.parallel)} ({args.parallel} slots x {n_ctx} "
-          f"tokens, {args.cache_type_k}/{args.cache_type_v}, allocated as used)\n"
+          f"ninfer serve:{each} memory budget {_gib(weights + kv * n_ctx * args.parallel)} = weights "
+          f"{_gib(weights)} (memory-mapped) + KV cache up to {_gib(kv * n_ctx * args.parallel)} ({args.parallel} "
+          f"slots x {n_ctx} tokens, {args.cache_type_k}/{args.cache_type_v}, allocated as used)\n"
           + (f"ninfer serve: device cuda, -ngl {args.n_gpu_layers} (the GPU memory plan follows at load)\n"
-             if device == "cuda" else "")
-          + f"ninfer serve: listening on http://{args.host}:{args.port} (/health is 503 until the model is loaded)",
-          file=sys.stderr, flush=True)
+             if device == "cuda" else ""),
+          end="", file=sys.stderr, flush=True)
+    if on_ray:
+        from ninfer.server.replicas import serve_on_ray
 
-    def load() -> LLM:
-        return LLM(model, n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size,
-                   cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device=device,
-                   n_gpu_layers=args.n_gpu_layers, gpu_mem_budget=args.gpu_mem_budget, n_seq_max=args.parallel,
-                   chat_template=chat_template, **speculation, **kv_tiers,
-                   log=lambda line: print(line, file=sys.stderr, flush=True))
+        return serve_on_ray(args, model, settings, llm_kwargs, num_gpus=1 if device == "cuda" else 0)
+    return _serve_here(args, model, settings, llm_kwargs)
 
-    settings = ServerSettings(
+
+def _settings(args: argparse.Namespace) -> ServerSettings:
+    from ninfer.server import ServerSettings
+
+    return ServerSettings(
         n_parallel=args.parallel, queue_size=args.queue_size, timeout_s=args.timeout, api_key=args.api_key,
         alias=args.alias, n_predict=args.n_predict, temperature=args.temp, metrics=args.metrics,
         sampler_core=args.sampler_core, sampler_rt=args.sampler_rt, max_body_bytes=args.max_body_size,
         body_timeout_s=args.body_timeout, pooling=args.pooling, webui=not args.no_webui,
         batch_policy=args.batch_policy, ubatch_size=args.ubatch_size,
     )
+
+
+def _serve_here(args: argparse.Namespace, model: Any, settings: ServerSettings, llm_kwargs: dict[str, Any]) -> int:
+    """One process: uvicorn on --host/--port, the model loading on a thread meanwhile."""
+    import uvicorn
+
+    from ninfer.llm import LLM
+    from ninfer.server import create_app
+    from ninfer.server.guards import header_deadline_protocol
+
+    print(f"ninfer serve: listening on http://{args.host}:{args.port} (/health is 503 until the model is loaded)",
+          file=sys.stderr, flush=True)
+
+    def load() -> LLM:
+        return LLM(model, **llm_kwargs, log=lambda line: print(line, file=sys.stderr, flush=True))
+
     failed: list[Exception] = []
 
     def stop_on_load_error(e: Exception) -> None:
