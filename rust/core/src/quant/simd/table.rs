@@ -54,6 +54,8 @@ pub(in crate::quant) struct Kernels {
     /// matmul's default: a kernel that repacks its weight rows at each call wants many activation rows to share
     /// the cost.
     pub(super) tile_shape_gemm4: Slots<(usize, usize)>,
+    /// The same for the `vec_dot_tile_tiled` kernels.
+    pub(super) tile_shape_tiled: Slots<(usize, usize)>,
     pub(super) quantize: Slots<QuantizeFn>,
     pub(super) dequantize: Slots<DequantizeFn>,
     /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md) and their activations.
@@ -75,6 +77,7 @@ impl Kernels {
         vec_dot_tile_gemm4: [None; SLOTS],
         vec_dot_tile_tiled: [None; SLOTS],
         tile_shape_gemm4: [None; SLOTS],
+        tile_shape_tiled: [None; SLOTS],
         quantize: [None; SLOTS],
         dequantize: [None; SLOTS],
         gsq_dot: None,
@@ -131,6 +134,7 @@ impl Kernels {
     pub(in crate::quant) fn tile_shape_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<(usize, usize)> {
         match self.path(ty, pos) {
             Path::Gemm4 => self.tile_shape_gemm4[ty as usize],
+            Path::Tiled => self.tile_shape_tiled[ty as usize],
             _ => None,
         }
     }

@@ -81,8 +81,8 @@ fn check_tiles(k: &Kernels) {
     }
 }
 
-/// The tile kernels that want larger tiles than the others (`Kernels::tile_shape_gemm4`: the AVX-512 repacked
-/// Q4_K GEMM) give their single kernel's bits in shapes around theirs: rows in one, two and a part of a group of
+/// The tile kernels that want larger tiles than the others (`Kernels::tile_shape_gemm4` / `_tiled`: the AVX-512
+/// repacked Q4_K GEMM and tiled Q6_K) give their single kernel's bits in shapes around theirs: rows in one, two and a part of a group of
 /// lanes, activation rows in and past their groups; also on blocks at the extremes of the integer sums (all codes
 /// 15 with scales and mins 63 against activations of -128, 127 or mixed), where a kernel that overflowed or
 /// rounded its integer parts would differ.
@@ -96,9 +96,12 @@ fn wide_tiles_equal_single_products_bit_for_bit() {
     let mut rng = Rng::new(41);
     let mut tested = 0;
     for (ty, name, tile, single) in all_tile_kernels(&k) {
-        let Some((rows, cols)) = (name == "gemm4").then(|| k.tile_shape_gemm4[ty as usize]).flatten() else {
-            continue;
+        let shape = match name {
+            "gemm4" => k.tile_shape_gemm4[ty as usize],
+            "tiled" => k.tile_shape_tiled[ty as usize],
+            _ => None,
         };
+        let Some((rows, cols)) = shape else { continue };
         let act_ty = ty.act_type();
         for (nb, extreme) in [(1usize, false), (6, false), (35, false), (2, true)] {
             let n = nb * ty.block_size();
@@ -107,8 +110,7 @@ fn wide_tiles_equal_single_products_bit_for_bit() {
             let mut w: Vec<u8> = (0..nr_max).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
             let mut a: Vec<u8> = (0..nc_max).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
             if extreme {
-                assert_eq!(ty, GgmlType::Q4_K, "extreme blocks are written for Q4_K / Q8_K");
-                extreme_q4_k_q8_k(&mut w, &mut a, &mut rng);
+                extreme_blocks(ty, &mut w, &mut a, &mut rng);
             }
             for (nr, nc) in [(rows, cols), (1, 4), (rows - 3, 7), (rows + 1, 4), (nr_max, nc_max), (2 * rows, 9)] {
                 let mut out = vec![0.0f32; nr * nc];
@@ -124,16 +126,23 @@ fn wide_tiles_equal_single_products_bit_for_bit() {
         }
         tested += 1;
     }
-    assert!(tested > 0, "the AVX-512 set has a wide tile kernel");
+    assert_eq!(tested, 2, "the AVX-512 set has two wide tile kernels");
 }
 
-/// Q4_K weights and Q8_K activations at the extremes of the integer sums: every code 15, every scale and min 63;
-/// activation quants -128 or 127 (whole blocks of one or the other, or mixed), bsums to match.
-fn extreme_q4_k_q8_k(w: &mut [u8], a: &mut [u8], rng: &mut Rng) {
-    use crate::quant::format::{Q4_K_BYTES, Q8_K_BYTES, QK_K};
-    for b in w.chunks_exact_mut(Q4_K_BYTES) {
-        b[4..16].fill(0xFF);
-        b[16..].fill(0xFF);
+/// Weights of `ty` (Q4_K or Q6_K) and Q8_K activations at the extremes of the integer sums: every code at its
+/// maximum (15, 63), scales and mins at theirs (63; Q6_K's signed scales all 127 or all -128, per block); activation
+/// quants -128 or 127 (whole blocks of one or the other, or mixed), bsums to match.
+fn extreme_blocks(ty: GgmlType, w: &mut [u8], a: &mut [u8], rng: &mut Rng) {
+    use crate::quant::format::{Q8_K_BYTES, QK_K};
+    for b in w.chunks_exact_mut(ty.type_size()) {
+        match ty {
+            GgmlType::Q4_K => b[4..].fill(0xFF),
+            GgmlType::Q6_K => {
+                b[..192].fill(0xFF);
+                b[192..208].fill(if rng.next_u64() & 1 == 0 { 127 } else { 0x80 });
+            }
+            _ => panic!("no extreme blocks written for {ty}"),
+        }
     }
     for b in a.chunks_exact_mut(Q8_K_BYTES) {
         let kind = rng.next_u64() % 3;

@@ -1,14 +1,8 @@
-//! Repacked Q4_K GEMM on AVX-512 VNNI: the products of 16 weight rows with activation rows 4 at a time, each
+//! Repacked Q4_K GEMM on AVX-512 VNNI, with the weight rows in vector lanes ([`super::lanes`]): each product
 //! summed exactly as `ggml_gemm_q4_K_8x8_q8_K` sums it (one FMA step per 64 elements, see the AVX2
-//! `orders::vec_dot_q4_k_q8_k_repacked_gemm`), with the weight rows in the sixteen 32-bit lanes of a vector.
+//! `orders::vec_dot_q4_k_q8_k_repacked_gemm`).
 //!
-//! llama.cpp's AVX-512 build gets its speed from a weight layout repacked at load (8 rows interleaved) and runs
-//! 16 rows x 4 tokens per pass. ninfer keeps the GGUF layout in memory; instead, each call transposes its 16 rows
-//! once into [`Packed`] (4 unpacked codes of each row per lane, the sub-block scales and mins per lane) and then
-//! runs every group of 4 activation rows over it, so the transposition is shared by all the call's tokens
-//! (matmul hands this kernel 64 tokens per call, [`SHAPE`]).
-//!
-//! Per lane (weight row) and token, a sub-block's integer dot product is 8 `vpdpbusd` with the token's 4 codes
+//! Per lane (weight row) and token, a sub-block's integer dot product is 8 `vpdpbusd` with the token's 4 quants
 //! broadcast; `isum = scale_lo * dot_lo + scale_hi * dot_hi` is formed in f32, which is exact (|dot| <= 32 * 15 *
 //! 128, scales < 64, so |isum| < 2^23), so the converted value is the one llama.cpp converts from its i32 sum. The
 //! mins' products `min_lo * (bsums 0 + 1) + min_hi * (bsums 2 + 3)` are one `vpmaddwd` of (min_lo, min_hi) i16
@@ -17,15 +11,9 @@
 
 use std::arch::x86_64::*;
 
+use super::lanes::{LaneKernel, RowOffsets, LANES, TOKENS};
 use crate::quant::format::{Q4_K_BYTES, Q8_K_BYTES, QK_K};
 use crate::quant::kquants::k4_scales_mins;
-
-/// Weight rows per pass: the lanes of a 512-bit vector of i32.
-pub(super) const LANES: usize = 16;
-/// Activation rows per pass: their accumulators and the two sub-block sums per token fill the vector registers.
-const TOKENS: usize = 4;
-/// The tile shape (weight rows, activation rows) matmul hands this kernel per call.
-pub(super) const SHAPE: (usize, usize) = (LANES, 64);
 
 const Q8K_QS: usize = 4;
 const Q8K_BSUMS: usize = 4 + QK_K;
@@ -35,7 +23,7 @@ const Q8K_BSUMS: usize = 4 + QK_K;
 /// per row (two i16 in each lane), `d` and `dmin` the super-block scales per row. Rows past the tile's end are 0.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-pub(super) struct Packed {
+pub(super) struct Q4kPacked {
     q: [[u8; 64]; QK_K / 4],
     sc: [[f32; LANES]; 8],
     mins: [[u32; LANES]; 4],
@@ -43,32 +31,33 @@ pub(super) struct Packed {
     dmin: [f32; LANES],
 }
 
-impl Packed {
-    pub(super) const ZERO: Packed =
-        Packed { q: [[0; 64]; QK_K / 4], sc: [[0.0; LANES]; 8], mins: [[0; LANES]; 4], d: [0.0; LANES], dmin: [0.0; LANES] };
+/// The repacked Q4_K GEMM (`ggml_gemm_q4_K_8x8_q8_K`'s sums).
+pub(super) struct Q4kGemm;
+
+impl LaneKernel for Q4kGemm {
+    type Packed = Q4kPacked;
+    const ZERO: Q4kPacked =
+        Q4kPacked { q: [[0; 64]; QK_K / 4], sc: [[0.0; LANES]; 8], mins: [[0; LANES]; 4], d: [0.0; LANES], dmin: [0.0; LANES] };
+
+    unsafe fn pack(x: *const u8, ws: usize, nr: usize, sb: usize, p: &mut Q4kPacked) {
+        pack(x, ws, nr, sb, p)
+    }
+
+    unsafe fn products<const T: usize>(nb: usize, p: &[Q4kPacked], y: *const u8, ys: usize) -> [[f32; LANES]; T] {
+        products::<T>(nb, p, y, ys)
+    }
 }
 
-/// Transposes super-block `sb` of `nr` (1..=16) weight rows (`ws` bytes apart from `x`) into `p`.
-///
-/// # Safety
-/// The CPU has the features of this module's `target_feature`; rows `0 .. nr` hold super-block `sb`.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn pack(x: *const u8, ws: usize, nr: usize, sb: usize, p: &mut Packed) {
+unsafe fn pack(x: *const u8, ws: usize, nr: usize, sb: usize, p: &mut Q4kPacked) {
     debug_assert!((1..=LANES).contains(&nr));
     let m4 = _mm512_set1_epi8(0x0F);
-    // Byte offsets of the rows, as i64 (a row stride times 15 need not fit an i32).
-    let lo_rows = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-    let stride = _mm512_set1_epi64(ws as i64);
-    let idx = [_mm512_mullo_epi64(lo_rows, stride), _mm512_mullo_epi64(_mm512_add_epi64(lo_rows, _mm512_set1_epi64(8)), stride)];
-    let masks = [(((1u32 << nr.min(8)) - 1) & 0xFF) as u8, (((1u32 << nr.max(8)) - 1) >> 8) as u8];
+    let rows = RowOffsets::new(ws, nr);
     let qs = x.add(sb * Q4_K_BYTES + 16);
     for j in 0..QK_K / 64 {
         for k in 0..8 {
             // Packed bytes 32j + 4k .. + 4 of every row: low nibbles are codes 64j + 4k .., high ones 64j + 32 + 4k ..
-            let base = qs.add(32 * j + 4 * k) as *const i32;
-            let lo = _mm512_mask_i64gather_epi32::<1>(_mm256_setzero_si256(), masks[0], idx[0], base);
-            let hi = _mm512_mask_i64gather_epi32::<1>(_mm256_setzero_si256(), masks[1], idx[1], base);
-            let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            let v = rows.gather(qs.add(32 * j + 4 * k));
             _mm512_store_si512(p.q[16 * j + k].as_mut_ptr() as *mut __m512i, _mm512_and_si512(v, m4));
             let high = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
             _mm512_store_si512(p.q[16 * j + 8 + k].as_mut_ptr() as *mut __m512i, high);
@@ -95,14 +84,9 @@ pub(super) unsafe fn pack(x: *const u8, ws: usize, nr: usize, sb: usize, p: &mut
     }
 }
 
-/// The products of the packed rows `p` (`nb` super-blocks) with `T` activation rows (`ys` bytes apart from `y`):
-/// `out[t]` holds token `t`'s sixteen products, one per lane (weight row).
-///
-/// # Safety
-/// The CPU has the features of this module's `target_feature`; the `T` activation rows hold `nb` Q8_K blocks.
 #[allow(clippy::needless_range_loop)] // tokens and sub-blocks index several arrays each
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn gemm<const T: usize>(nb: usize, p: &[Packed], y: *const u8, ys: usize) -> [[f32; LANES]; T] {
+unsafe fn products<const T: usize>(nb: usize, p: &[Q4kPacked], y: *const u8, ys: usize) -> [[f32; LANES]; T] {
     debug_assert!(T <= TOKENS && p.len() >= nb);
     let mut acc = [_mm512_setzero_ps(); T];
     let mut acc_min = [_mm512_setzero_ps(); T];
@@ -155,47 +139,4 @@ pub(super) unsafe fn gemm<const T: usize>(nb: usize, p: &[Packed], y: *const u8,
         _mm512_storeu_ps(out[t].as_mut_ptr(), _mm512_sub_ps(acc[t], acc_min[t]));
     }
     out
-}
-
-/// [`pack`] and [`gemm`] over a whole tile: `nr` weight rows (16 at a time) by `nc` activation rows (4 at a time)
-/// into `out[r * nc + c]`, `packed` reused as scratch space.
-///
-/// # Safety
-/// The CPU has the features of this module's `target_feature`; the tile lies within its weights and activations
-/// (`nb` blocks per row) and `out` holds `nr * nc` floats.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn tile(
-    nb: usize,
-    x: *const u8,
-    ws: usize,
-    nr: usize,
-    y: *const u8,
-    ys: usize,
-    nc: usize,
-    out: &mut [f32],
-    packed: &mut Vec<Packed>,
-) {
-    packed.resize(nb, Packed::ZERO);
-    for r0 in (0..nr).step_by(LANES) {
-        let rows = (nr - r0).min(LANES);
-        let xr = x.add(r0 * ws);
-        for (sb, p) in packed.iter_mut().enumerate() {
-            pack(xr, ws, rows, sb, p);
-        }
-        for c0 in (0..nc).step_by(TOKENS) {
-            let yc = y.add(c0 * ys);
-            let mut put = |c: usize, v: &[f32; LANES]| {
-                for (r, &v) in v.iter().enumerate().take(rows) {
-                    out[(r0 + r) * nc + c0 + c] = v;
-                }
-            };
-            match nc - c0 {
-                1 => gemm::<1>(nb, packed, yc, ys).iter().enumerate().for_each(|(c, v)| put(c, v)),
-                2 => gemm::<2>(nb, packed, yc, ys).iter().enumerate().for_each(|(c, v)| put(c, v)),
-                3 => gemm::<3>(nb, packed, yc, ys).iter().enumerate().for_each(|(c, v)| put(c, v)),
-                _ => gemm::<4>(nb, packed, yc, ys).iter().enumerate().for_each(|(c, v)| put(c, v)),
-            }
-        }
-    }
 }
