@@ -43,7 +43,8 @@ fn random_matrix(ty: GgmlType, rows: usize, k: usize, d_at: &[usize], rng: &mut 
 
 fn main() {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
-    let (rows, k, tokens) = (args.first().copied().unwrap_or(256), args.get(1).copied().unwrap_or(8960), args.get(2).copied().unwrap_or(64));
+    let arg = |i: usize, default: usize| args.get(i).copied().unwrap_or(default);
+    let (rows, k, tokens) = (arg(0, 256), arg(1, 8960), arg(2, 64));
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     println!("kernel set: {} | {rows} x {k} matrix, {tokens} tokens, 1 thread", simd::isa());
     for (ty, d_at) in [(GgmlType::Q4_K, &[0usize, 2][..]), (GgmlType::Q6_K, &[208][..])] {

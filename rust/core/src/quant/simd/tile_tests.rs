@@ -119,7 +119,8 @@ fn wide_tiles_equal_single_products_bit_for_bit() {
                     for c in 0..nc {
                         let want = single(nb, &w[r * rb..(r + 1) * rb], &a[c * ab..(c + 1) * ab]);
                         let got = out[r * nc + c];
-                        assert_eq!(got.to_bits(), want.to_bits(), "{ty} {name} nb {nb} {nr}x{nc} ({r},{c}): {got} vs {want}");
+                        let at = format!("{ty} {name} nb {nb} {nr}x{nc} ({r},{c})");
+                        assert_eq!(got.to_bits(), want.to_bits(), "{at}: {got} vs {want}");
                     }
                 }
             }

@@ -36,8 +36,13 @@ pub(super) struct Q4kGemm;
 
 impl LaneKernel for Q4kGemm {
     type Packed = Q4kPacked;
-    const ZERO: Q4kPacked =
-        Q4kPacked { q: [[0; 64]; QK_K / 4], sc: [[0.0; LANES]; 8], mins: [[0; LANES]; 4], d: [0.0; LANES], dmin: [0.0; LANES] };
+    const ZERO: Q4kPacked = Q4kPacked {
+        q: [[0; 64]; QK_K / 4],
+        sc: [[0.0; LANES]; 8],
+        mins: [[0; LANES]; 4],
+        d: [0.0; LANES],
+        dmin: [0.0; LANES],
+    };
 
     unsafe fn pack(x: *const u8, ws: usize, nr: usize, sb: usize, p: &mut Q4kPacked) {
         pack(x, ws, nr, sb, p)
