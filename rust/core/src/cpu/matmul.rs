@@ -98,6 +98,8 @@ const PREFILL_COL_TILE: usize = 8;
 const PREFILL_MAX_ROWS_PER_TASK: usize = 64;
 /// Weight rows per tile in prefill: each activation block is loaded once for both.
 const PREFILL_ROW_TILE: usize = 2;
+/// The most products of one prefill tile: a kernel's own tile shape (`TileKernel::shape`) is cut to fit.
+const PREFILL_MAX_TILE: usize = 1024;
 
 /// As `matmul`, reusing activations already quantized for `w`'s format (q, k and v share theirs, gate and up
 /// theirs).
@@ -136,6 +138,13 @@ pub fn matmul_quantized_ordered(w: &Matrix, acts: &QuantizedActs, order: RowOrde
     };
     let kernel_at = |t: usize| tile_kernel(w.ty, pos(t));
     let kernels = [kernel_at(0), if split < n { kernel_at(split) } else { None }];
+    // Prefill tiles: (weight rows, activation rows) per call, the kernel's own shape where it has one.
+    let shape_at = |t0: usize| {
+        let (r, c) = kernels[usize::from(t0 >= split)]
+            .and_then(|k| k.shape())
+            .unwrap_or((PREFILL_ROW_TILE, PREFILL_COL_TILE));
+        (r.clamp(1, PREFILL_MAX_TILE), c.clamp(1, PREFILL_MAX_TILE / r.clamp(1, PREFILL_MAX_TILE)))
+    };
     // Products of weight rows r0.. (nr of them) with activation rows t0.. (nc of them) into dst[i * nc + j].
     let tile = |r0: usize, nr: usize, t0: usize, nc: usize, dst: &mut [f32]| {
         let (w, a) = (&data[r0 * rb..(r0 + nr) * rb], &acts.bytes[t0 * arb..(t0 + nc) * arb]);
@@ -169,13 +178,14 @@ pub fn matmul_quantized_ordered(w: &Matrix, acts: &QuantizedActs, order: RowOrde
         let out_ptr = &out_ptr;
         let r0 = task * rows_per_task;
         let rows = (m - r0).min(rows_per_task);
-        let mut buf = [0.0f32; PREFILL_ROW_TILE * PREFILL_COL_TILE];
+        let mut buf = [0.0f32; PREFILL_MAX_TILE];
         let mut t0 = 0;
         while t0 < n {
             let end = if t0 < split { split } else { n };
-            let nc = (end - t0).min(PREFILL_COL_TILE);
-            for i in (0..rows).step_by(PREFILL_ROW_TILE) {
-                let nr = (rows - i).min(PREFILL_ROW_TILE);
+            let (row_tile, col_tile) = shape_at(t0);
+            let nc = (end - t0).min(col_tile);
+            for i in (0..rows).step_by(row_tile) {
+                let nr = (rows - i).min(row_tile);
                 tile(r0 + i, nr, t0, nc, &mut buf[..nr * nc]);
                 for j in 0..nr {
                     for c in 0..nc {

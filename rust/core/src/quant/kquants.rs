@@ -124,7 +124,7 @@ fn q3_k_scales(s: &[u8]) -> [i32; 16] {
 /// s[j] & 63 and min j is s[j + 4] & 63; for j >= 4 the low 4 bits come from s[j + 4] (scale: low nibble,
 /// min: high nibble) and the high 2 bits from the top bits of s[j - 4] (scale) and s[j] (min).
 #[inline(always)]
-fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub(in crate::quant) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let mut sc = [0u8; 8];
     let mut mn = [0u8; 8];
     for j in 0..4 {

@@ -47,6 +47,8 @@ mod table;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tile_tests;
+#[cfg(test)]
 mod vecops_tests;
 pub mod vecops;
 
@@ -222,6 +224,7 @@ pub fn vec_ops() -> &'static VecOps {
 pub struct TileKernel {
     f: TileFn,
     block_size: usize,
+    shape: Option<(usize, usize)>,
 }
 
 impl TileKernel {
@@ -233,6 +236,14 @@ impl TileKernel {
     pub fn run(&self, n: usize, w: &[u8], w_stride: usize, nr: usize, act: &[u8], act_stride: usize, nc: usize, out: &mut [f32]) {
         (self.f)(n / self.block_size, w, w_stride, nr, act, act_stride, nc, out)
     }
+
+    /// The tile (weight rows, activation rows) this kernel is fastest at per call, if it differs from what suits
+    /// the others (a few rows by a few activation rows): a kernel that repacks its weight rows at each call wants
+    /// many activation rows to share that work.
+    #[inline]
+    pub fn shape(&self) -> Option<(usize, usize)> {
+        self.shape
+    }
 }
 
 /// The tile kernel for the dot products of a matmul of type `ty` whose first product is at `pos`; every product
@@ -241,7 +252,8 @@ impl TileKernel {
 /// [`vec_dot_matmul`] at its position, bit for bit. `None` when this kernel set has none (then call
 /// [`vec_dot_matmul`] per product).
 pub fn tile_kernel(ty: GgmlType, pos: MatmulPos) -> Option<TileKernel> {
-    kernels().vec_dot_tile_at(ty, pos).map(|f| TileKernel { f, block_size: ty.block_size() })
+    let k = kernels();
+    k.vec_dot_tile_at(ty, pos).map(|f| TileKernel { f, block_size: ty.block_size(), shape: k.tile_shape_at(ty, pos) })
 }
 
 /// Dot product of one GSQ-RCO row's records with int8 activations `x` (the records both cover): the SIMD kernel of

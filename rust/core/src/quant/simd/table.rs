@@ -50,6 +50,12 @@ pub(in crate::quant) struct Kernels {
     pub(super) vec_dot_tile_gemv: Slots<TileFn>,
     pub(super) vec_dot_tile_gemm4: Slots<TileFn>,
     pub(super) vec_dot_tile_tiled: Slots<TileFn>,
+    /// The tile shape (weight rows, activation rows) per call a `vec_dot_tile_gemm4` kernel wants, where it is not
+    /// matmul's default: a kernel that repacks its weight rows at each call wants many activation rows to share
+    /// the cost.
+    pub(super) tile_shape_gemm4: Slots<(usize, usize)>,
+    /// The same for the `vec_dot_tile_tiled` kernels.
+    pub(super) tile_shape_tiled: Slots<(usize, usize)>,
     pub(super) quantize: Slots<QuantizeFn>,
     pub(super) dequantize: Slots<DequantizeFn>,
     /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md) and their activations.
@@ -70,6 +76,8 @@ impl Kernels {
         vec_dot_tile_gemv: [None; SLOTS],
         vec_dot_tile_gemm4: [None; SLOTS],
         vec_dot_tile_tiled: [None; SLOTS],
+        tile_shape_gemm4: [None; SLOTS],
+        tile_shape_tiled: [None; SLOTS],
         quantize: [None; SLOTS],
         dequantize: [None; SLOTS],
         gsq_dot: None,
@@ -118,6 +126,16 @@ impl Kernels {
             Path::Gemv => self.vec_dot_tile_gemv[t],
             Path::Tiled => self.vec_dot_tile_tiled[t],
             Path::Plain => self.vec_dot_tile[t],
+        }
+    }
+
+    /// The tile shape the kernel of [`Kernels::vec_dot_tile_at`] wants per call, if it has a preference.
+    #[inline]
+    pub(in crate::quant) fn tile_shape_at(&self, ty: GgmlType, pos: MatmulPos) -> Option<(usize, usize)> {
+        match self.path(ty, pos) {
+            Path::Gemm4 => self.tile_shape_gemm4[ty as usize],
+            Path::Tiled => self.tile_shape_tiled[ty as usize],
+            _ => None,
         }
     }
 

@@ -9,14 +9,14 @@ use crate::quant::format::{GgmlType, QK_K};
 use crate::quant::scalar::{dequantize_scalar, quantize_scalar, vec_dot_scalar};
 
 /// Tiny xorshift64* generator: deterministic, no dependencies.
-struct Rng(u64);
+pub(super) struct Rng(u64);
 
 impl Rng {
-    fn new(seed: u64) -> Rng {
+    pub(super) fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
-    fn next_u64(&mut self) -> u64 {
+    pub(super) fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -33,7 +33,7 @@ impl Rng {
     }
 
     /// Roughly normal, mean 0, times a per-call random magnitude (activations are not all of one scale).
-    fn floats(&mut self, n: usize) -> Vec<f32> {
+    pub(super) fn floats(&mut self, n: usize) -> Vec<f32> {
         let mag = [0.01f32, 1.0, 30.0][(self.next_u64() % 3) as usize];
         (0..n)
             .map(|_| (self.unit() + self.unit() + self.unit() + self.unit() - 2.0) * 1.7 * mag)
@@ -51,7 +51,7 @@ impl Rng {
 }
 
 /// The kernel set under test (llama.cpp's default orders), or `None` (with a note) when this CPU lacks it.
-fn simd_kernels() -> Option<Kernels> {
+pub(super) fn simd_kernels() -> Option<Kernels> {
     simd_kernels_with(Orders::LLAMA_CPP_DEFAULT)
 }
 
@@ -119,7 +119,7 @@ fn put_f16(b: &mut [u8], v: f32) {
 
 /// A random weight row: random quant bits, f16 scales of magnitude 0.001..0.1 and random sign; float types
 /// from random floats.
-fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+pub(super) fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     let size = ty.row_bytes(n).unwrap();
     let mut row = vec![0u8; size];
     if ty.block_size() == 1 {
@@ -139,7 +139,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     row
 }
 
-fn quantized_acts(act_ty: GgmlType, x: &[f32]) -> Vec<u8> {
+pub(super) fn quantized_acts(act_ty: GgmlType, x: &[f32]) -> Vec<u8> {
     let mut out = vec![0u8; act_ty.row_bytes(x.len()).unwrap()];
     quantize_scalar(act_ty, x, &mut out);
     out
@@ -469,116 +469,6 @@ fn atoi_reads_switches_like_c() {
     assert_eq!(atoi("-3"), -3);
     assert_eq!(atoi("off"), 0);
     assert_eq!(atoi(""), 0);
-}
-
-/// Every tile kernel of the table with the single kernel whose sums it must reproduce.
-fn all_tile_kernels(k: &Kernels) -> Vec<(GgmlType, &'static str, super::TileFn, VecDotFn)> {
-    let mut out = Vec::new();
-    for t in 0..super::table::SLOTS {
-        let Some(ty) = GgmlType::from_id(t as u32) else { continue };
-        let plain = k.vec_dot_unpacked[t].or(k.vec_dot[t]);
-        let slots = [
-            ("plain", k.vec_dot_tile[t], plain),
-            ("gemv", k.vec_dot_tile_gemv[t], if k.repacked_q4 { k.vec_dot[t] } else { None }),
-            ("gemm4", k.vec_dot_tile_gemm4[t], k.vec_dot_gemm4[t]),
-            ("tiled", k.vec_dot_tile_tiled[t], k.vec_dot_tiled[t]),
-        ];
-        for (name, tile, single) in slots {
-            if let Some(tile) = tile {
-                out.push((ty, name, tile, single.unwrap_or_else(|| panic!("{ty} {name} tile without its kernel"))));
-            }
-        }
-    }
-    out
-}
-
-/// Every tile kernel of the AVX2 and (where the CPU has it) AVX-512 sets, in every shape 1..=4 x 1..=9 (the
-/// instanced ones and the one-at-a-time fallback), gives the products of its single kernel bit for bit, on rows
-/// of 1, 3 and 11 blocks; a tile that does not fit its slices gives NaNs instead of reading out of bounds.
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn dot_tiles_equal_single_products_bit_for_bit() {
-    let avx512 = super::x86_avx512::detect(Orders::LLAMA_CPP_DEFAULT);
-    if avx512.is_none() {
-        eprintln!("note: this CPU lacks AVX-512 F/BW/DQ/VL/VNNI; only the AVX2 tiles are tested here");
-    }
-    for k in [simd_kernels(), avx512].into_iter().flatten() {
-        check_tiles(&k);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn check_tiles(k: &Kernels) {
-    let tiles = all_tile_kernels(k);
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
-        assert!(tiles.iter().any(|t| t.0 == ty), "{ty} has a tile kernel");
-    }
-    let mut rng = Rng::new(11);
-    for (ty, name, tile, single) in tiles {
-        let act_ty = ty.act_type();
-        for nb in [1usize, 3, 11] {
-            let n = nb * ty.block_size();
-            let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
-            let w: Vec<u8> = (0..4).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
-            let a: Vec<u8> = (0..9).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
-            for nr in 1..=4 {
-                for nc in 1..=9 {
-                    let mut out = vec![0.0f32; nr * nc];
-                    tile(nb, &w, rb, nr, &a, ab, nc, &mut out);
-                    for r in 0..nr {
-                        for c in 0..nc {
-                            let want = single(nb, &w[r * rb..(r + 1) * rb], &a[c * ab..(c + 1) * ab]);
-                            assert_eq!(
-                                out[r * nc + c].to_bits(),
-                                want.to_bits(),
-                                "{} {ty} {name} nb {nb} tile {nr}x{nc} ({r},{c}): {} vs {want}",
-                                k.name,
-                                out[r * nc + c]
-                            );
-                        }
-                    }
-                }
-            }
-            let mut out = vec![0.0f32; 4];
-            tile(nb, &w[..3 * rb], rb, 4, &a, ab, 1, &mut out);
-            assert!(out.iter().all(|v| v.is_nan()), "{ty} {name}: a tile past the weights' end is refused");
-        }
-    }
-}
-
-/// On CPUs with AVX-512 VNNI: its legacy-format products and tiles give the AVX2 kernels' bits exactly.
-#[test]
-fn vnni_kernels_equal_avx2_kernels_bit_for_bit() {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let (Some(avx2), Some(vnni)) = (
-            super::x86_avx2::detect(Orders::PLAIN, false),
-            super::x86_avx2::detect(Orders::PLAIN, true),
-        ) else {
-            return;
-        };
-        if !(is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")) {
-            eprintln!("note: this CPU lacks AVX-512 VNNI; the VNNI kernels are not tested here");
-            return;
-        }
-        let mut rng = Rng::new(21);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q8_1] {
-            let t = ty as usize;
-            let act_ty = ty.act_type();
-            for nb in [1usize, 7, 11, 128] {
-                let n = nb * ty.block_size();
-                let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
-                let w: Vec<u8> = (0..2).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
-                let a: Vec<u8> = (0..4).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
-                let (d0, d1) = (avx2.vec_dot[t].unwrap(), vnni.vec_dot[t].unwrap());
-                assert_eq!(d0(nb, &w[..rb], &a[..ab]).to_bits(), d1(nb, &w[..rb], &a[..ab]).to_bits(), "{ty} nb {nb}");
-                let (mut o0, mut o1) = ([0.0f32; 8], [0.0f32; 8]);
-                avx2.vec_dot_tile[t].unwrap()(nb, &w, rb, 2, &a, ab, 4, &mut o0);
-                vnni.vec_dot_tile[t].unwrap()(nb, &w, rb, 2, &a, ab, 4, &mut o1);
-                assert_eq!(o0.map(f32::to_bits), o1.map(f32::to_bits), "{ty} nb {nb} 2x4 tile");
-            }
-        }
-    }
 }
 
 /// On aarch64 the entry points dispatch to the NEON set; its K-quant products are the reference code with NEON

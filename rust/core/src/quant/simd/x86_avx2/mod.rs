@@ -218,7 +218,7 @@ fn gsq_quantize(x: &[f32], a: &mut ActQ8) {
 /// Whether a tile of `nr` weight rows (`ws` bytes apart) and `nc` activation rows (`as_` apart) of `nb` blocks
 /// lies within its slices.
 #[allow(clippy::too_many_arguments)]
-fn tile_fits(nb: usize, wl: usize, ws: usize, nr: usize, wb: usize, al: usize, as_: usize, nc: usize, ab: usize) -> bool {
+pub(super) fn tile_fits(nb: usize, wl: usize, ws: usize, nr: usize, wb: usize, al: usize, as_: usize, nc: usize, ab: usize) -> bool {
     let fits = |len: usize, stride: usize, rows: usize, bb: usize| {
         rows >= 1 && stride >= nb * bb && len >= (rows - 1) * stride + nb * bb
     };

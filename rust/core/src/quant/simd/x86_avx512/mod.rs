@@ -11,17 +11,24 @@
 //! The quantized dot products of `arch/x86/quants.c` have no AVX-512 branches of their own (only VNNI), and its
 //! AVX-512 repacked Q4_K GEMM and VNNI tiled K-quant microkernels add the same exact integers in the same float
 //! steps as the AVX2 ones (read from the source; the greedy references of tests/data, whose prompts take both
-//! paths, agree), so those entries stay. (A 512-bit version of the Q4_K GEMM tile's integer products, two tokens
-//! per instruction, measured no faster than the AVX2 tile on the Xeon dev VM and was not kept.)
+//! paths, agree), so those sums stay. What changes is speed: the repacked Q4_K GEMM of prefill runs 16 weight
+//! rows x 4 tokens per pass in the lanes of 512-bit VNNI products ([`q4k_gemm`]), as llama.cpp's AVX-512 build
+//! does; matmul hands it 16 x 64 tiles (`Kernels::tile_shape_gemm4`).
 //!
 //! Every kernel is an `unsafe fn` with `#[target_feature]`, reached only through the tables [`detect`] and
 //! [`detect_vec_ops`] return after checking the features.
 
+use std::cell::RefCell;
+
 use super::table::{Kernels, Orders, VecDotFn};
 use super::vecops::VecOps;
-use crate::quant::format::GgmlType;
+use super::x86_avx2::tile_fits;
+use crate::quant::format::{GgmlType, Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
 
 mod float;
+mod lanes;
+mod q4k_gemm;
+mod q6k_tiled;
 mod vecops;
 #[cfg(test)]
 mod tests;
@@ -52,6 +59,15 @@ pub(super) fn detect(orders: Orders) -> Option<Kernels> {
     let mut k = super::x86_avx2::detect(orders, true)?;
     k.name = if has_fp16() { "avx512fp16" } else { "avx512" };
     k.vec_dot[GgmlType::F16 as usize] = Some(vec_dot_f16 as VecDotFn);
+    let (q4_k, q6_k) = (GgmlType::Q4_K as usize, GgmlType::Q6_K as usize);
+    if k.vec_dot_tile_gemm4[q4_k].is_some() {
+        k.vec_dot_tile_gemm4[q4_k] = Some(tile_q4_k_gemm);
+        k.tile_shape_gemm4[q4_k] = Some(lanes::SHAPE);
+    }
+    if k.vec_dot_tile_tiled[q6_k].is_some() {
+        k.vec_dot_tile_tiled[q6_k] = Some(tile_q6_k_tiled);
+        k.tile_shape_tiled[q6_k] = Some(lanes::SHAPE);
+    }
     Some(k)
 }
 
@@ -71,3 +87,31 @@ fn vec_dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
     // are in bounds of both slices.
     unsafe { float::vec_dot_f16(n, w.as_ptr(), a.as_ptr()) }
 }
+
+/// A `TileFn` running the `lanes::LaneKernel` `$kernel` over `$wb`-byte weight blocks (Q8_K activations), with
+/// a per-thread scratch space for its transposed rows (so that a prefill matmul does not allocate and clear it at
+/// every tile); NaNs for a tile that does not fit its slices.
+macro_rules! lane_tile {
+    ($name:ident, $kernel:ty, $wb:expr) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $name(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
+            thread_local! {
+                static PACKED: RefCell<Vec<<$kernel as lanes::LaneKernel>::Packed>> = const { RefCell::new(Vec::new()) };
+            }
+            if !tile_fits(nb, w.len(), ws, nr, $wb, a.len(), as_, nc, Q8_K_BYTES) || out.len() < nr * nc {
+                out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
+                return;
+            }
+            PACKED.with(|packed| {
+                // SAFETY: the table holding this wrapper exists only on CPUs with the features of `available`; the
+                // tile lies within both slices (`tile_fits`) and `out` holds its `nr * nc` products.
+                unsafe {
+                    lanes::tile::<$kernel>(nb, w.as_ptr(), ws, nr, a.as_ptr(), as_, nc, out, &mut packed.borrow_mut())
+                }
+            });
+        }
+    };
+}
+
+lane_tile!(tile_q4_k_gemm, q4k_gemm::Q4kGemm, Q4_K_BYTES);
+lane_tile!(tile_q6_k_tiled, q6k_tiled::Q6kTiled, Q6_K_BYTES);
