@@ -57,10 +57,11 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="tokens to generate when a request says nothing (default -1: until the context is full)")
     p.add_argument("--temp", type=float, default=0.8, help="default temperature (default 0.8)")
-    from ninfer.cli import add_kv_tier_args, add_spec_args
+    from ninfer.cli import add_kv_tier_args, add_rope_args, add_spec_args
 
     add_spec_args(p)
     add_kv_tier_args(p)
+    add_rope_args(p)
     p.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type")
     p.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type")
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"], default="auto",
@@ -143,7 +144,11 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
 
         model = default_model_path()
     try:
-        mf = ModelFile(model)
+        from ninfer.cli import rope_kwargs
+        from ninfer.config import RopeConfig
+
+        rope = rope_kwargs(args)
+        mf = ModelFile(model, rope=RopeConfig(**rope))
         spec = mf.spec
     except NinferError as e:
         print(f"ninfer: error: {e}", file=sys.stderr)
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
         return LLM(model, n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size,
                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, device=device,
                    n_gpu_layers=args.n_gpu_layers, gpu_mem_budget=args.gpu_mem_budget, n_seq_max=args.parallel,
-                   chat_template=chat_template, **speculation, **kv_tiers,
+                   chat_template=chat_template, **speculation, **kv_tiers, **rope,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
 
     settings = ServerSettings(
