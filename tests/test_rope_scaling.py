@@ -135,9 +135,10 @@ def test_yarn_from_the_files_keys_equals_the_flags(yarn_file: Path) -> None:
 def test_flags_override_the_keys(yarn_file: Path) -> None:
     s = ModelFile(yarn_file, rope=RopeConfig(rope_scaling="none")).spec
     assert s["layers"][0]["rope_freq_scale"] == 1.0 and s["rope_yarn"]["ext_factor"] == 0.0  # none never scales
-    s = ModelFile(yarn_file, rope=RopeConfig(rope_scale=2, yarn_orig_ctx=4096)).spec
+    assert ModelFile(yarn_file).spec["n_ctx_train"] == 8192  # (the file's own scale: its context_length, as llama.cpp)
+    s = ModelFile(yarn_file, rope=RopeConfig(rope_scale=2, yarn_orig_ctx=3000)).spec
     assert s["layers"][0]["rope_freq_scale"] == 0.5
-    assert (s["rope_yarn"]["ext_factor"], s["rope_yarn"]["n_ctx_orig"]) == (1.0, 4096)
+    assert (s["rope_yarn"]["ext_factor"], s["rope_yarn"]["n_ctx_orig"], s["n_ctx_train"]) == (1.0, 3000, 6000)
     s = ModelFile(yarn_file, rope=RopeConfig(yarn_ext_factor=0)).spec  # YaRN's type, no extrapolation mixed in
     assert (s["layers"][0]["rope_freq_scale"], s["rope_yarn"]["ext_factor"], s["rope_yarn"]["attn_factor"]) \
         == (0.25, 0.0, 1.0)

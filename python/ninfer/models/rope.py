@@ -25,14 +25,16 @@ class Rope:
     scaling: str  # none, linear or yarn
     freq_base: float
     freq_scale: float  # of the global layers (gemma3's sliding-window layers keep 1)
+    freq_scale_train: float  # the file's
     n_ctx_orig: int
     yarn: dict[str, Any]  # the spec's rope_yarn
 
     @property
     def n_ctx_train(self) -> int | None:
-        """The context YaRN stretches the model to (llama.cpp's adjusted n_ctx_train), None when not stretched."""
-        if self.scaling == "yarn" and self.freq_scale != 1.0:
-            return int(self.n_ctx_orig / self.freq_scale)
+        """The context a YaRN scale given by flags stretches the model to (llama.cpp's adjusted n_ctx_train, in its
+        float arithmetic), None when the flags leave the file's scale."""
+        if self.scaling == "yarn" and self.freq_scale != self.freq_scale_train:
+            return int(np.float32(self.n_ctx_orig) / np.float32(self.freq_scale))
         return None
 
 
@@ -70,4 +72,4 @@ def resolve_rope(m: MetadataReader, config: RopeConfig) -> Rope:
         "beta_slow": 1.0 if config.yarn_beta_slow is None else float(np.float32(config.yarn_beta_slow)),
         "n_ctx_orig": n_ctx_orig_train if config.yarn_orig_ctx is None else config.yarn_orig_ctx,
     }
-    return Rope(scaling, freq_base, freq_scale, yarn["n_ctx_orig"], yarn)
+    return Rope(scaling, freq_base, freq_scale, freq_scale_train, yarn["n_ctx_orig"], yarn)
