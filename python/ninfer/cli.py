@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 
 from ninfer.chat import read_chat_template
-from ninfer.config import CACHE_TYPES, EngineConfig
+from ninfer.config import CACHE_TYPES, ROPE_SCALING_TYPES, EngineConfig
 from ninfer.errors import NinferError, read_text_file, shown
 
 EXIT_USAGE = 2
@@ -40,7 +40,7 @@ def _add_engine_args(p: argparse.ArgumentParser, ctx_default: int) -> None:
 def add_rope_args(p: argparse.ArgumentParser) -> None:
     """RoPE scaling, llama.cpp's flags with their meanings (a flag given overrides the model file's key)."""
     g = p.add_argument_group("RoPE scaling (context past training; default: the model file's settings)")
-    g.add_argument("--rope-scaling", choices=["none", "linear", "yarn"], default=None,
+    g.add_argument("--rope-scaling", choices=list(ROPE_SCALING_TYPES), default=None,
                    help="RoPE frequency scaling method (default: the model's, else linear)")
     g.add_argument("--rope-scale", type=float, default=None, metavar="N",
                    help="context scaling factor: expands the trained context N times")
