@@ -5,7 +5,8 @@
     python3 scripts/make_reference.py [--peer ~/.cache/ninfer-peer/bin] [--models ~/.cache/ninfer-models]
                                       [--isa avx512fp16 --greedy-only]
 
-Writes tests/data/reference_greedy.json and tests/data/reference_perplexity.json. The tools come from
+Writes tests/data/reference_greedy.json and tests/data/reference_perplexity.json, and with --rope-only
+tests/data/reference_rope[_<isa>].json: greedy continuations under RoPE scaling flags (ROPE_CASES). The tools come from
 ../shared/scripts/build-llama-cpp (llama.cpp as vendored by llama-cpp-python 0.3.36, CPU build, -march=native).
 llama.cpp's greedy tokens depend on the host's vector extensions (its AVX-512 build sums in other orders than
 its AVX2 one), so each of ninfer's x86 kernel sets has its own file: reference_greedy.json for "avx2" (made on
@@ -24,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
+# The shared evaluation texts: $NINFER_EVAL (as the tests read it), or ../shared/eval next to the checkout.
+EVAL = Path(os.environ.get("NINFER_EVAL", ROOT.parent / "shared" / "eval"))
 MODELS = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
     "qwen05": "qwen2.5-coder-0.5b.gguf",
@@ -39,6 +42,20 @@ PROMPTS = [
     "import numpy as np\nx = np.",
 ]
 N_PREDICT = 64
+# RoPE scaling (issue 51): llama.cpp's flags, given to llama-completion and parsed by ninfer's CLI in the test. The
+# prompts are PROMPTS[:3] and the opening of the shared prose text (~350 tokens, to reach past the first positions).
+ROPE_CASES = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf": [
+        ["--rope-scaling", "yarn", "--rope-scale", "4", "--yarn-orig-ctx", "8192"],
+        ["--rope-scaling", "linear", "--rope-scale", "2"],
+        ["--rope-scaling", "yarn", "--rope-freq-scale", "0.125", "--yarn-beta-fast", "16", "--yarn-ext-factor",
+         "0.5", "--rope-freq-base", "200000"],
+    ],
+    "qwen2.5-coder-0.5b.gguf": [["--rope-scaling", "yarn", "--rope-scale", "4", "--yarn-orig-ctx", "32768"]],
+}
+ROPE_N_PREDICT = 32
+# llama-perplexity under RoPE scaling: the first 4 chunks of the shared prose text at c=512.
+ROPE_PPL = {"SmolLM2-135M-Instruct.Q4_1.gguf": ["--rope-scaling", "linear", "--rope-scale", "2"]}
 
 
 def run(tool: Path, args: list[str]) -> tuple[str, str]:
@@ -49,12 +66,13 @@ def run(tool: Path, args: list[str]) -> tuple[str, str]:
     return out.stdout.decode("utf-8", errors="surrogateescape"), out.stderr.decode(errors="replace")
 
 
-def greedy(peer: Path, model: Path) -> list[dict]:
+def greedy(peer: Path, model: Path, prompts: list[str] = PROMPTS, n_predict: int = N_PREDICT,
+           flags: tuple[str, ...] = ()) -> list[dict]:
     cases = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         text, err = run(peer / "llama-completion", [
-            "-m", str(model), "-p", prompt, "-n", str(N_PREDICT), "--temp", "0", "-no-cnv", "-t", "2",
-            "--no-display-prompt", "-c", "2048", "--seed", "1", "--no-warmup",
+            "-m", str(model), "-p", prompt, "-n", str(n_predict), "--temp", "0", "-no-cnv", "-t", "2",
+            "--no-display-prompt", "-c", "2048", "--seed", "1", "--no-warmup", *flags,
         ])
         # llama-completion ends stdout with two newlines of its own; when it stops on an end-of-generation token
         # it writes " [end of text]\n" before them.
@@ -64,22 +82,43 @@ def greedy(peer: Path, model: Path) -> list[dict]:
         eog = text.endswith(" [end of text]\n")
         if eog:
             text = text[: -len(" [end of text]\n")]
-        cases.append({"prompt": prompt, "n_predict": N_PREDICT, "text": text, "stopped_on_eog": eog})
+        cases.append({"prompt": prompt, "n_predict": n_predict, "text": text, "stopped_on_eog": eog})
     return cases
 
 
-def perplexities(peer: Path, model: Path, chunks: int | None) -> dict:
+def perplexities(peer: Path, model: Path, chunks: int | None, texts: tuple[str, ...] = ("code", "prose"),
+                 flags: tuple[str, ...] = ()) -> dict:
     """llama-perplexity at c=512 on the shared eval texts: all chunks, or only the first `chunks`."""
     result = {}
-    for name in ("code", "prose"):
-        extra = ["--chunks", str(chunks)] if chunks else []
+    for name in texts:
+        extra = (["--chunks", str(chunks)] if chunks else []) + list(flags)
         _, err = run(peer / "llama-perplexity", [
-            "-m", str(model), "-f", str(ROOT.parent / "shared" / "eval" / f"{name}.txt"), "-c", "512", "-t", "2",
+            "-m", str(model), "-f", str(EVAL / f"{name}.txt"), "-c", "512", "-t", "2",
             *extra,
         ])
         m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", err)
         result[name] = float(m.group(1)) if m else None
     return result
+
+
+def rope_references(peer: Path, models: Path) -> dict:
+    """{"greedy": {model file: [{"flags": [...], "cases": greedy cases}]}, "perplexity": {model file: {"flags":
+    [...], "prose_chunks4": PPL}}} for ROPE_CASES and ROPE_PPL."""
+    prose = (EVAL / "prose.txt").read_text()[:1500]
+    prompts = PROMPTS[:3] + [prose]
+    out = {}
+    for fname, configs in ROPE_CASES.items():
+        if (models / fname).is_file():
+            print(f"rope {fname}", flush=True)
+            out[fname] = [{"flags": flags, "cases": greedy(peer, models / fname, prompts, ROPE_N_PREDICT, flags)}
+                          for flags in configs]
+    ppl = {}
+    for fname, flags in ROPE_PPL.items():
+        if (models / fname).is_file():
+            print(f"rope perplexity {fname}", flush=True)
+            ppl[fname] = {"flags": flags, "prose_chunks4": perplexities(peer, models / fname, 4, ("prose",),
+                                                                        tuple(flags))["prose"]}
+    return {"greedy": out, "perplexity": ppl}
 
 
 def main() -> None:
@@ -89,7 +128,13 @@ def main() -> None:
     ap.add_argument("--greedy-only", action="store_true", help="keep the recorded perplexities")
     ap.add_argument("--full-perplexity", action="store_true", help="also score whole files (slow on 2 cores)")
     ap.add_argument("--isa", default="avx2", help="ninfer kernel set this host's llama.cpp build corresponds to")
+    ap.add_argument("--rope-only", action="store_true", help="only the RoPE scaling references (ROPE_CASES)")
     args = ap.parse_args()
+    if args.rope_only:
+        name = "reference_rope.json" if args.isa == "avx2" else f"reference_rope_{args.isa}.json"
+        refs = rope_references(args.peer, args.models)
+        (DATA / name).write_text(json.dumps(refs, indent=1, ensure_ascii=False) + "\n")
+        return
     ppl_file = DATA / "reference_perplexity.json"
     greedy_out = {}
     ppl_out = json.loads(ppl_file.read_text()) if ppl_file.exists() else {}

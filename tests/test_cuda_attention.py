@@ -24,6 +24,41 @@ def _rope_ref(v: np.ndarray, pos: int, dims: int, base: float, neox: bool) -> np
     return v
 
 
+def _rope_yarn_ref(v: np.ndarray, pos: int, dims: int, base: float, layer: dict, neox: bool) -> np.ndarray:
+    """The CPU's YaRN angles (rust/core/src/cpu/rope.rs rope_angles) in f32, its FMA emulated in f64, then
+    rope_row; `layer` holds the factors CudaMemory.rope_layers gives a launch."""
+    v = v.astype(np.float32).copy()
+    f32 = np.float32
+    ts = f32(base) ** (f32(-2.0) / f32(dims))
+    fs, ext, lo, hi, mscale = (f32(layer[k]) for k in ("rope_freq_scale", "rope_ext_factor", "rope_corr_lo",
+                                                      "rope_corr_hi", "rope_mscale"))
+    theta = f32(pos)
+    half = dims // 2
+    for i in range(half):
+        t = f32(fs * theta)
+        y = f32(f32(f32(i) - lo) / max(f32(0.001), f32(hi - lo)))
+        mix = f32(f32(1.0) - min(f32(1.0), max(f32(0.0), y))) * ext
+        t = f32(np.float64(t) * np.float64(f32(1.0) - mix) + np.float64(f32(theta * mix)))
+        c, s = f32(f32(np.cos(t)) * mscale), f32(f32(np.sin(t)) * mscale)
+        a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        x0, x1 = v[a], v[b]
+        v[a] = x0 * c - x1 * s
+        v[b] = x0 * s + x1 * c
+        theta = f32(theta * ts)
+    return v
+
+
+def _yarn_layer(base: float, freq_scale: float, dims: int, n_ctx_orig: int) -> dict:
+    """A layer's RoPE entries with YaRN on, derived by the CPU's code as CudaMemory derives them."""
+    from ninfer import _core
+
+    yarn = {"ext_factor": 1.0, "attn_factor": _core.rope_yarn_attn_factor(freq_scale, 1.0, 1.0, 1.0),
+            "beta_fast": 32.0, "beta_slow": 1.0, "n_ctx_orig": n_ctx_orig}
+    (lo, hi), mscale = _core.rope_layer_params(base, freq_scale, dims, yarn)
+    return {"rope_freq_scale": freq_scale, "rope_ext_factor": 1.0, "rope_corr_lo": lo, "rope_corr_hi": hi,
+            "rope_mscale": mscale}
+
+
 def _attention_ref(q, keys, vals, scale):
     s = (q.astype(np.float64) @ keys.astype(np.float64).T) * scale
     p = np.exp(s - s.max())
@@ -117,17 +152,56 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
 
 
 @needs_cuda
-@pytest.mark.parametrize("hd,rope,n_head,n_kv,neox,norms,biases,length,n_split", [
-    (64, 64, 9, 3, False, False, True, 37, 1), (128, 128, 40, 8, True, False, True, 100, 1),
-    (128, 128, 12, 2, False, True, True, 700, 3), (256, 256, 4, 1, True, True, False, 260, 2),
-    (128, 64, 8, 2, True, False, True, 50, 1)])
+@pytest.mark.parametrize("hd,neox", [(64, True), (128, False), (128, True)])
+def test_rope_kv_with_yarn_equals_the_cpus_angles(hd: int, neox: bool) -> None:
+    """rope_kv with YaRN's factors (Qwen2.5's scale 4 over a 4,096-token original context, so the ramp falls inside
+    the head) against the CPU's formula, queries and keys, at every position's first and last heads."""
+    import cupy as cp
+    from ninfer.backends import cuda_ops as ops
+
+    rng = np.random.default_rng(hd)
+    n_head, n_kv, length, page, base = 4, 2, 1200, 256, 1e4
+    n_pages = -(-length // page)
+    spec = {"n_head": n_head, "n_head_kv": n_kv, "head_dim": hd, "head_dim_v": hd, "rms_eps": 1e-6,
+            "rope_dims": hd, "rope_neox": neox, "q_scale": 1.0, "attn_scale": hd**-0.5}
+    layer = {"bq": 0, "bk": 0, "bv": 0, "q_norm": 0, "k_norm": 0} | _yarn_layer(base, 0.25, hd, 4096)
+    assert 0 < layer["rope_corr_lo"] < layer["rope_corr_hi"] < hd // 2 - 1 and layer["rope_mscale"] > 1.1
+    qkv_dim = (n_head + 2 * n_kv) * hd
+    qkv = rng.standard_normal((length, qkv_dim)).astype(np.float32)
+    table = cp.arange(n_pages, dtype=cp.int32)
+    kp = cp.zeros((n_pages, n_kv, page, hd), cp.uint16)
+    vp = cp.zeros_like(kp)
+    q_rot = cp.zeros((length, n_head * hd), cp.float32)
+    theta_scale = float(np.float32(base) ** (np.float32(-2.0) / np.float32(hd)))
+    qkv_d, pos_all = cp.asarray(qkv), cp.arange(length, dtype=cp.int32)
+    ops.rope_kv(length, qkv_d.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
+                vp.data.ptr, table.data.ptr, page, theta_scale)
+    q_all = q_rot.get().reshape(length, n_head, hd)
+    k_all = kp.get().view(np.float16)
+    for t in (1, 100, length - 1):
+        for h in (0, n_head - 1):
+            ref = _rope_yarn_ref(qkv[t, h * hd : (h + 1) * hd], t, hd, base, layer, neox)
+            assert nmse(q_all[t, h], ref) < 1e-10, (t, h)
+        ref_k = _rope_yarn_ref(qkv[t, n_head * hd : (n_head + 1) * hd], t, hd, base, layer, neox)
+        assert nmse(k_all[t // page, 0, t % page].astype(np.float32), ref_k) < 1e-6
+    # Not the plain angles: YaRN's factors reached the kernel.
+    plain = _rope_ref(qkv[length - 1, :hd], length - 1, hd, base, neox)
+    assert nmse(q_all[length - 1, 0], plain) > 1e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("hd,rope,n_head,n_kv,neox,norms,biases,length,n_split,yarn", [
+    (64, 64, 9, 3, False, False, True, 37, 1, False), (128, 128, 40, 8, True, False, True, 100, 1, False),
+    (128, 128, 12, 2, False, True, True, 700, 3, False), (256, 256, 4, 1, True, True, False, 260, 2, False),
+    (128, 64, 8, 2, True, False, True, 50, 1, False), (128, 128, 12, 2, True, False, True, 900, 3, True)])
 def test_decode_step_attention_equals_rope_kv_then_prompt_attention(hd: int, rope: int, n_head: int, n_kv: int,
                                                                      neox: bool, norms: bool, biases: bool,
-                                                                     length: int, n_split: int) -> None:
+                                                                     length: int, n_split: int, yarn: bool) -> None:
     """The decode form (attention_step_*: RoPE of the query heads and the new key, its K / V write and attention in
     one launch) against rope_kv for that row and then the prompt form: the same cache bytes and the same output, bit
     for bit, with and without biases and per-head norms, both RoPE layouts (neox and adjacent pairs), RoPE over the
-    whole head and over half of it, one key split (a warp a head merges) and several (the last block merges)."""
+    whole head and over half of it, one key split (a warp a head merges) and several (the last block merges), and
+    with YaRN's factors."""
     import cupy as cp
     from ninfer.backends import cuda_ops as ops
 
@@ -144,6 +218,8 @@ def test_decode_step_attention_equals_rope_kv_then_prompt_attention(hd: int, rop
         return keep[-1].data.ptr
 
     layer = {"bq": 0, "bk": 0, "bv": 0, "q_norm": 0, "k_norm": 0, "rope_freq_scale": 0.75}
+    if yarn:
+        layer |= _yarn_layer(1e4, 0.25, rope, 4096)
     if biases:
         layer |= {"bq": dev(rng.standard_normal(n_head * hd)), "bk": dev(rng.standard_normal(n_kv * hd)),
                   "bv": dev(rng.standard_normal(n_kv * hd))}

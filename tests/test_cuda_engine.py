@@ -51,6 +51,18 @@ def test_synthetic_1_5b_unquantized_activations_greedy_gpu_equals_cpu(ty: str, t
 
 
 @needs_cuda
+def test_synthetic_1_5b_yarn_greedy_gpu_equals_cpu(tmp_path: Path) -> None:
+    """YaRN (issue 51) on both devices: the GPU's rope_kv and decode step take the factors the CPU derives, so an
+    unquantized-activation model's free-running tokens stay equal, and differ from unscaled RoPE's."""
+    path = write_synthetic(tmp_path / "F32.gguf", "qwen2.5-1.5b", "F32", n_layer=4, seed=11)
+    prompt = [17, 400, 9000, 123, 5555, 42, 7, 100000]
+    yarn = {"rope_scaling": "yarn", "rope_scale": 4, "yarn_orig_ctx": 256}  # (the ramp inside the head)
+    gpu = greedy_tokens(path, "cuda", prompt, 64, **yarn)
+    assert gpu == greedy_tokens(path, "cpu", prompt, 64, **yarn)
+    assert gpu != greedy_tokens(path, "cuda", prompt, 64)
+
+
+@needs_cuda
 @pytest.mark.parametrize("ty", [t for t in TYPES if t not in ("F32", "F16")] + ["Q4_K_M", "GSQ3", "GSQ4"])
 def test_synthetic_1_5b_teacher_forced_greedy_gpu_agrees_with_cpu(ty: str, tmp_path: Path) -> None:
     # Full-width Qwen2.5-1.5B layers; 4 of them keep the file small and the CPU reference quick.

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ninfer.config import RopeConfig
 from ninfer.errors import InvalidArgumentError, NinferError
 from ninfer.llm import LLM
 
@@ -64,10 +65,12 @@ class NinferRunner:
 
     def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, cache_type_k: str, cache_type_v: str,
                  device: str = "cpu", n_gpu_layers: int = -1, gpu_mem_budget: str | None = None, log=None,
-                 speculation: dict[str, Any] | None = None, kv_tiers: dict[str, Any] | None = None):
+                 speculation: dict[str, Any] | None = None, kv_tiers: dict[str, Any] | None = None,
+                 rope: dict[str, Any] | None = None):
         self.llm = LLM(model, n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k,
                        cache_type_v=cache_type_v, device=device, n_gpu_layers=n_gpu_layers,
-                       gpu_mem_budget=gpu_mem_budget, log=log, **(speculation or {}), **(kv_tiers or {}))
+                       gpu_mem_budget=gpu_mem_budget, log=log, **(speculation or {}), **(kv_tiers or {}),
+                       **(rope or {}))
         self.kv_memory: dict[str, Any] | None = None  # the CPU KV cache's tiers at the end of the last tg
         self.backend = "CUDA" if self.llm.device == "cuda" else f"CPU {_core_isa()}"
         self.n_vocab = self.llm.n_vocab
@@ -136,7 +139,7 @@ class NinferRunner:
 class LlamaCppRunner:
     name = "llama.cpp"
 
-    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int):
+    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int, rope: RopeConfig = RopeConfig()):
         try:
             import llama_cpp
         except ImportError:
@@ -145,7 +148,8 @@ class LlamaCppRunner:
             ) from None
         self.lib = llama_cpp
         self.llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_batch=max(n_batch, 2048), n_ubatch=n_batch,
-                                   n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
+                                   n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False,
+                                   **rope.llama_cpp_kwargs())
         self.ctx = self.llm._ctx.ctx
         vocab = llama_cpp.llama_model_get_vocab(self.llm._model.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
@@ -212,11 +216,13 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
               reps: int, n_batch: int, cache_type_k: str, cache_type_v: str, vs_llama_cpp: bool, profile: bool,
               seed: int = 1, log=None, device: str = "cpu", n_gpu_layers: int = -1,
               gpu_mem_budget: str | None = None, speculation: dict[str, Any] | None = None,
-              kv_tiers: dict[str, Any] | None = None, kv_fill: str | None = None) -> list[Result]:
+              kv_tiers: dict[str, Any] | None = None, kv_fill: str | None = None,
+              rope: dict[str, Any] | None = None) -> list[Result]:
     """speculation: LLM's draft_model/speculative arguments; tg then decodes speculatively (on random tokens, so
     the acceptance says little about real text: scripts/bench-spec measures that), and the log reports the
     accepted tokens per verify step. kv_tiers: LLM's kv_l1/kv_l2/kv_select/kv_l3_file arguments (the log then
-    reports the KV cache's tiers after each tg test). kv_fill="random": tg tests at depth decode after random keys
+    reports the KV cache's tiers after each tg test). rope: LLM's RoPE arguments (rope_scaling ...), given to
+    llama.cpp too. kv_fill="random": tg tests at depth decode after random keys
     and values instead of a prefill (ninfer only, on the CPU; the test names say so)."""
     if reps < 1:
         raise InvalidArgumentError(f"-r/--repetitions must be >= 1, got {reps}")
@@ -233,9 +239,9 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
         if th < 1:
             raise InvalidArgumentError(f"-t/--threads must be >= 1, got {th}")
         runners: list[Any] = [NinferRunner(model, th, n_ctx, n_batch, cache_type_k, cache_type_v, device,
-                                           n_gpu_layers, gpu_mem_budget, log, speculation, kv_tiers)]
+                                           n_gpu_layers, gpu_mem_budget, log, speculation, kv_tiers, rope)]
         if vs_llama_cpp:
-            runners.append(LlamaCppRunner(model, th, n_ctx, n_batch))
+            runners.append(LlamaCppRunner(model, th, n_ctx, n_batch, RopeConfig(**(rope or {}))))
         rng = random.Random(seed)
         n_vocab = runners[0].n_vocab
 

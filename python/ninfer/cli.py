@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 
 from ninfer.chat import read_chat_template
-from ninfer.config import CACHE_TYPES, EngineConfig
+from ninfer.config import CACHE_TYPES, ROPE_SCALING_TYPES, EngineConfig
 from ninfer.errors import NinferError, read_text_file, shown
 
 EXIT_USAGE = 2
@@ -33,7 +33,37 @@ def _add_engine_args(p: argparse.ArgumentParser, ctx_default: int) -> None:
     p.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type (default f16)")
     p.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type (default f16)")
     add_kv_tier_args(p)
+    add_rope_args(p)
     _add_device_args(p)
+
+
+def add_rope_args(p: argparse.ArgumentParser) -> None:
+    """RoPE scaling, llama.cpp's flags with their meanings (a flag given overrides the model file's key)."""
+    g = p.add_argument_group("RoPE scaling (context past training; default: the model file's settings)")
+    g.add_argument("--rope-scaling", choices=list(ROPE_SCALING_TYPES), default=None,
+                   help="RoPE frequency scaling method (default: the model's, else linear)")
+    g.add_argument("--rope-scale", type=float, default=None, metavar="N",
+                   help="context scaling factor: expands the trained context N times")
+    g.add_argument("--rope-freq-base", type=float, default=None, metavar="F", help="RoPE base frequency")
+    g.add_argument("--rope-freq-scale", type=float, default=None, metavar="F",
+                   help="RoPE frequency scaling factor: expands the context 1/F times")
+    g.add_argument("--yarn-orig-ctx", type=int, default=None, metavar="N",
+                   help="YaRN: the model's original context size (default: the model's training context)")
+    g.add_argument("--yarn-ext-factor", type=float, default=None, metavar="F",
+                   help="YaRN: extrapolation mix factor (default 1 with yarn, else 0; 0 = full interpolation)")
+    g.add_argument("--yarn-attn-factor", type=float, default=None, metavar="F",
+                   help="YaRN: attention magnitude (default 1; with YaRN mixing on, YaRN's own, as llama.cpp)")
+    g.add_argument("--yarn-beta-slow", type=float, default=None, metavar="F",
+                   help="YaRN: high correction dim or alpha (default 1)")
+    g.add_argument("--yarn-beta-fast", type=float, default=None, metavar="F",
+                   help="YaRN: low correction dim or beta (default 32)")
+
+
+def rope_kwargs(args: argparse.Namespace) -> dict:
+    """LLM's RoPE arguments (rope_scaling ... yarn_beta_slow) from the flags above."""
+    names = ("rope_scaling", "rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx", "yarn_ext_factor",
+             "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow")
+    return {n: getattr(args, n) for n in names}
 
 
 def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
@@ -124,6 +154,7 @@ def _load(args: argparse.Namespace):
         chat_template=read_chat_template(getattr(args, "chat_template_file", None)),
         log=_log,
         **kv_tier_kwargs(args),
+        **rope_kwargs(args),
         **(spec_kwargs(args) if hasattr(args, "model_draft") else {}),
     )
 
@@ -264,6 +295,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         speculation=spec_kwargs(args),
         kv_tiers=kv_tier_kwargs(args),
         kv_fill=args.kv_fill,
+        rope=rope_kwargs(args),
     )
     if args.json:
         print(json.dumps(bench.to_json(results, info), indent=2))
@@ -338,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cache-type-k", choices=list(CACHE_TYPES), default="f16")
     b.add_argument("--cache-type-v", choices=list(CACHE_TYPES), default="f16")
     add_kv_tier_args(b)
+    add_rope_args(b)
     b.add_argument("--kv-fill", choices=["random"], default=None,
                    help="tg tests at depth start from a cache filled with random keys and values instead of a "
                         "prefill (labelled in the output; no llama.cpp comparison): decode speed and memory at depth")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+import numpy as np
 
 from ninfer.errors import InvalidArgumentError
 
@@ -121,3 +123,80 @@ class EngineConfig:
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
+
+
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+def _f32(value: float) -> float:
+    """A flag's number as llama.cpp holds it (std::stof: a float)."""
+    return float(np.float32(value))
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE settings given by the caller, with llama.cpp's flags' meanings (common/arg.cpp); None takes the model
+    file's value or llama.cpp's default (models/rope.py resolves them against the file's keys).
+
+    rope_scaling: none, linear or yarn. rope_scale N: the context stretched N times (freq_scale 1/N);
+    rope_freq_scale: the same given as 1/N. yarn_orig_ctx: the context the model was trained at (default: the
+    file's rope.scaling.original_context_length, else its context_length). yarn_ext_factor: how much of the
+    extrapolated angles YaRN mixes in (default 1 with yarn, else 0); yarn_attn_factor: cos/sin magnitude (replaced
+    by YaRN's own when ext_factor != 0, as in llama.cpp); yarn_beta_fast / yarn_beta_slow: turns over the original
+    context where YaRN's ramp starts and ends (default 32 / 1)."""
+
+    rope_scaling: str | None = None
+    rope_scale: float | None = None
+    rope_freq_base: float | None = None
+    rope_freq_scale: float | None = None
+    yarn_orig_ctx: int | None = None
+    yarn_ext_factor: float | None = None
+    yarn_attn_factor: float | None = None
+    yarn_beta_fast: float | None = None
+    yarn_beta_slow: float | None = None
+
+    def __post_init__(self) -> None:
+        def flag(name: str) -> str:
+            return f"{name} (--{name.replace('_', '-')})"
+
+        if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALING_TYPES:
+            raise InvalidArgumentError(f"{flag('rope_scaling')} must be one of {', '.join(ROPE_SCALING_TYPES)}, "
+                                       f"got {self.rope_scaling!r}")
+        for name in ("rope_scale", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor",
+                     "yarn_beta_fast", "yarn_beta_slow"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            zero_ok = name == "yarn_ext_factor"  # (0: no extrapolation mixed in)
+            # (a number within a float's range, compared as the float llama.cpp would hold: 1e-50 is 0 there)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and -3.4e38 < value < 3.4e38
+            if not number or not (_f32(value) >= 0 if zero_ok else _f32(value) > 0):
+                raise InvalidArgumentError(f"{flag(name)} must be a finite number {'>= 0' if zero_ok else '> 0'}, "
+                                           f"got {value!r}")
+        if self.yarn_orig_ctx is not None and (not isinstance(self.yarn_orig_ctx, int)
+                                               or isinstance(self.yarn_orig_ctx, bool)
+                                               or not 0 < self.yarn_orig_ctx < 2**31):
+            raise InvalidArgumentError(f"{flag('yarn_orig_ctx')} must be an integer in 1..2^31-1, got "
+                                       f"{self.yarn_orig_ctx!r}")
+        if self.rope_scale is not None and self.rope_freq_scale is not None:
+            raise InvalidArgumentError(f"{flag('rope_scale')} and {flag('rope_freq_scale')} both set the scale "
+                                       "(N and 1/N): give one")
+
+    @property
+    def freq_scale(self) -> float | None:
+        """The position scale as llama.cpp computes it from the flag (1.0f / N, or the value), None if not given."""
+        if self.rope_scale is not None:
+            return float(np.float32(1.0) / np.float32(self.rope_scale))
+        return None if self.rope_freq_scale is None else _f32(self.rope_freq_scale)
+
+    def llama_cpp_kwargs(self) -> dict[str, float | int]:
+        """The same settings as llama-cpp-python's `Llama` arguments (bench --vs-llama-cpp)."""
+        out: dict[str, float | int] = {f.name: getattr(self, f.name) for f in fields(self)
+                                       if f.name.startswith("yarn_") and getattr(self, f.name) is not None}
+        if self.rope_scaling is not None:
+            out["rope_scaling_type"] = ROPE_SCALING_TYPES.index(self.rope_scaling)  # (llama.h's enum values)
+        if self.rope_freq_base is not None:
+            out["rope_freq_base"] = self.rope_freq_base
+        if self.freq_scale is not None:
+            out["rope_freq_scale"] = self.freq_scale
+        return out

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ninfer import _core
+from ninfer.errors import UnsupportedModelError
 from ninfer.model_file import ModelFile, TensorEntry
 
 # Tokens a multiplication handles at a time in the feed-forward part (bounds the [tokens, n_ff] temporaries).
@@ -95,6 +96,10 @@ class SequentialCalibration:
                  gram_block_cols: int = 0, source_stream: bool = False,
                  log: Callable[[str], None] | None = None):
         self.mf, self.spec = mf, mf.spec
+        if self.spec["rope_yarn"]["ext_factor"] != 0.0:
+            # (calibration runs the model's trained context; this forward's rope() has no YaRN ramp)
+            raise UnsupportedModelError(f"{mf.path}: YaRN RoPE scaling is not supported by the sequential "
+                                        "calibration forward: convert the model without it")
         self.tensors: dict[str, TensorEntry] = {t.name: t for t in mf.tensors}
         self.chunks = [np.asarray(c, np.int64) for c in chunks]
         self.gram_max_cols, self.gram_block_cols = gram_max_cols, gram_block_cols

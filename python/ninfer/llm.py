@@ -23,7 +23,7 @@ import numpy as np
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
-from ninfer.config import CACHE_TYPES, EngineConfig, SamplingParams, stop_strings
+from ninfer.config import CACHE_TYPES, EngineConfig, RopeConfig, SamplingParams, stop_strings
 from ninfer.embeddings import embed_job
 from ninfer.engine import Backend, EngineCore, GenParams, Job, Limits, Request, Result
 from ninfer.engine.speculative import DraftProposer, NgramProposer, SpecConfig, Speculator, check_vocab
@@ -98,6 +98,15 @@ class LLM:
         kv_l2: int = 0,
         kv_select: int = 0,
         kv_l3_file: str | os.PathLike[str] | None = None,
+        rope_scaling: str | None = None,
+        rope_scale: float | None = None,
+        rope_freq_base: float | None = None,
+        rope_freq_scale: float | None = None,
+        yarn_orig_ctx: int | None = None,
+        yarn_ext_factor: float | None = None,
+        yarn_attn_factor: float | None = None,
+        yarn_beta_fast: float | None = None,
+        yarn_beta_slow: float | None = None,
     ):
         """device: "cpu", "cuda" or "auto" (cuda when CuPy sees a GPU). On cuda, n_gpu_layers puts the first N
         layers on the GPU and the rest on the CPU (-1: all, or as many as gpu_mem_budget allows, e.g. "12GiB");
@@ -112,7 +121,13 @@ class LLM:
         Tiered KV cache (CPU): kv_l1 > 0 keeps the newest kv_l1 tokens (and the first block, the attention sinks)
         in f16, the next kv_l2 in q8_0 and older ones in q4_0 in an L3 ring (anonymous memory, or the file
         kv_l3_file); kv_select > 0 makes each decode step read only that many tokens of the older tiers, the
-        blocks whose key summaries bound q·k highest (0: all of them)."""
+        blocks whose key summaries bound q·k highest (0: all of them).
+
+        RoPE (llama.cpp's --rope-* and --yarn-* flags, the same meanings; None: the model file's setting):
+        rope_scaling "none", "linear" or "yarn"; rope_scale N stretches the trained context N times (or
+        rope_freq_scale 1/N); rope_freq_base; yarn_orig_ctx, the context the model was trained at; yarn_ext_factor,
+        yarn_attn_factor, yarn_beta_fast, yarn_beta_slow (ninfer.config.RopeConfig). E.g. Qwen2.5 past its 32K:
+        rope_scaling="yarn", rope_scale=4, yarn_orig_ctx=32768."""
         if not isinstance(n_seq_max, int) or n_seq_max < 1:
             raise InvalidArgumentError(f"n_seq_max must be a positive integer, got {n_seq_max!r}")
         if model is None:
@@ -123,7 +138,12 @@ class LLM:
             n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
             kv_l1=kv_l1, kv_l2=kv_l2, kv_select=kv_select, kv_l3_file=None if kv_l3_file is None else str(kv_l3_file),
         )
-        self.model_file = ModelFile(model)
+        self.rope = RopeConfig(
+            rope_scaling=rope_scaling, rope_scale=rope_scale, rope_freq_base=rope_freq_base,
+            rope_freq_scale=rope_freq_scale, yarn_orig_ctx=yarn_orig_ctx, yarn_ext_factor=yarn_ext_factor,
+            yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast, yarn_beta_slow=yarn_beta_slow,
+        )
+        self.model_file = ModelFile(model, rope=self.rope)
         spec = self.model_file.spec
         self.tokenizer = Tokenizer.from_metadata(self.model_file.metadata)
         from ninfer.backends.budget import parse_size

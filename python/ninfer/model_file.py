@@ -13,6 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ninfer import _core
+from ninfer.config import RopeConfig
 from ninfer.errors import ModelFileError
 from ninfer.models import build_spec
 
@@ -36,10 +37,12 @@ class TensorEntry:
 
 
 class ModelFile:
-    """Opens and validates a GGUF file. Weights stay memory-mapped; nothing is copied here."""
+    """Opens and validates a GGUF file. Weights stay memory-mapped; nothing is copied here. `rope`: RoPE flags
+    that override the file's keys in the spec."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], rope: RopeConfig = RopeConfig()):
         self.path = Path(path)
+        self.rope = rope
         if not self.path.exists():
             raise ModelFileError(f"{self.path}: no such model file")
         if not self.path.is_file():
@@ -97,7 +100,7 @@ class ModelFile:
     @cached_property
     def spec(self) -> dict[str, Any]:
         """The executor spec (raises UnsupportedModelError for architectures ninfer cannot run)."""
-        spec = build_spec(self.metadata, {t.name: t.dims for t in self.tensors}, str(self.path))
+        spec = build_spec(self.metadata, {t.name: t.dims for t in self.tensors}, str(self.path), self.rope)
         spec["gsq"] = self.gsq_layouts()
         split = self.gsq_infos.get(spec["token_embd"], {})
         if "hot_rows" in split:

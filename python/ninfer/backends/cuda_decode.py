@@ -213,7 +213,7 @@ class DecodeGraphs:
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
                                                ops.MODE_STORE, max_grid=room, **pf["qkv"]))
             params = ops.attn_params(
-                s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
+                s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | self.rope_layers[il],
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
                 page_tables=table, table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
                 window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,

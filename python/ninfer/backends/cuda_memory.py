@@ -116,6 +116,15 @@ class WeightsAndBuffers:
         # RoPE's per-pair factor, computed as the CPU computes it (f32 powf on the host).
         self.theta_scale = [float(np.float32(ls["rope_base"]) ** (np.float32(-2.0) / np.float32(s["rope_dims"])))
                             for ls in s["layers"]]
+        # Each layer's other RoPE factors, the launches' `layer` entries: its position scale and YaRN's ramp and
+        # magnitude, derived by the CPU's code (cpu/rope.rs RopeParams; without YaRN: ext_factor 0, mscale 1).
+        self.rope_layers = []
+        for ls in s["layers"]:
+            (lo, hi), mscale = _core.rope_layer_params(ls["rope_base"], ls["rope_freq_scale"], s["rope_dims"],
+                                                       s["rope_yarn"])
+            self.rope_layers.append({"rope_freq_scale": ls["rope_freq_scale"],
+                                     "rope_ext_factor": s["rope_yarn"]["ext_factor"], "rope_corr_lo": lo,
+                                     "rope_corr_hi": hi, "rope_mscale": mscale})
 
     def _head_type(self) -> int:
         """The output head's GPU type: T_Q6_K_PLANAR, the rows gemv_q6k_stream reads, for a Q6_K head it can stream

@@ -154,7 +154,8 @@ ATTN_PARAMS = np.dtype(
                           "page_tables", "row_seq", "pos", "part_ml", "part_acc", "tickets", "out")]
     + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "qkv_stride",
                             "rope_dims", "neox")]
-    + [(k, "<f4") for k in ("scale", "eps", "theta_scale", "freq_scale", "q_scale")] + [("pad", "<i4")]
+    + [(k, "<f4") for k in ("scale", "eps", "theta_scale", "freq_scale", "q_scale", "ext_factor", "corr_lo",
+                            "corr_hi", "mscale")] + [("pad", "<i4")]
     + [(k, "<u8") for k in ("out_q", "out_d")], align=True)
 
 
@@ -503,6 +504,12 @@ def rms_norm_rows(rows: int, x: int, w: int, eps: float, n: int, out: int, add: 
                   dependent=True)
 
 
+def _yarn_args(layer: dict) -> tuple:
+    """YaRN's factors of a layer (CudaMemory.rope_layers; absent: none, plain or linear RoPE) as kernel arguments."""
+    return (f32(layer.get("rope_ext_factor", 0.0)), f32(layer.get("rope_corr_lo", 0.0)),
+            f32(layer.get("rope_corr_hi", 0.0)), f32(layer.get("rope_mscale", 1.0)))
+
+
 def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict, q_out: int, k_pool: int,
             v_pool: int, page_table: int, page_size: int, theta_scale: float) -> None:
     warps = 4
@@ -513,8 +520,8 @@ def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict
         i32(s["head_dim_v"]),
         u64(layer["bq"]), u64(layer["bk"]), u64(layer["bv"]), u64(layer["q_norm"]), u64(layer["k_norm"]),
         f32(s["rms_eps"]),
-        i32(s["rope_dims"]), f32(theta_scale), f32(layer["rope_freq_scale"]), i32(int(s["rope_neox"])),
-        f32(s["q_scale"]),
+        i32(s["rope_dims"]), f32(theta_scale), f32(layer["rope_freq_scale"]), *_yarn_args(layer),
+        i32(int(s["rope_neox"])), f32(s["q_scale"]),
         u64(q_out), u64(k_pool), u64(v_pool), u64(page_table), i32(page_size)), shared_mem=4 * warps * hd)
 
 
@@ -536,7 +543,9 @@ def attn_params(s: dict, *, k_pool: int, v_pool: int, page_tables: int, table_st
         out=out, table_stride=table_stride,
         window=window, n_head=s["n_head"], n_head_kv=s["n_head_kv"], page_size=page_size, qkv_stride=qkv_stride,
         rope_dims=s["rope_dims"], neox=int(s["rope_neox"]), scale=s["attn_scale"], eps=s["rms_eps"],
-        theta_scale=theta_scale, freq_scale=lw.get("rope_freq_scale", 1.0), q_scale=s["q_scale"], out_q=out_q,
+        theta_scale=theta_scale, freq_scale=lw.get("rope_freq_scale", 1.0), q_scale=s["q_scale"],
+        ext_factor=lw.get("rope_ext_factor", 0.0), corr_lo=lw.get("rope_corr_lo", 0.0),
+        corr_hi=lw.get("rope_corr_hi", 0.0), mscale=lw.get("rope_mscale", 1.0), out_q=out_q,
         out_d=out_d)
 
 

@@ -77,7 +77,7 @@ class PromptLayers:
         x, qkv, o = self.x.data.ptr, self.qkv.data.ptr, self.o.data.ptr
         self._matmul_rows(T, [lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim, qkv + 4 * (q_dim + k_dim)],
                           self.qkv_dim, x, lw["ptr"]["attn_norm"], 0.0)
-        ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | {"rope_freq_scale": ls["rope_freq_scale"]},
+        ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | self.rope_layers[il],
                     self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
                     self.tables.data.ptr + 4 * self.max_pages * seq, self.page_size,
                     self.theta_scale[il])

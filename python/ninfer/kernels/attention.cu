@@ -72,7 +72,8 @@ __device__ void attend(const AttnParams& P) {
     // faster on the H200, docs/journal/gsq-rco-gpu.md).
     constexpr int RK = (HD + 63) / 64;
     RopeCS cs;
-    if (STEP) cs = rope_cs<RK>(p, P.rope_dims, P.theta_scale, P.freq_scale);
+    if (STEP) cs = rope_cs<RK>(p, P.rope_dims, P.theta_scale, P.freq_scale, {P.ext_factor, P.corr_lo, P.corr_hi,
+                                                                            P.mscale});
     // The page table is the host's, constant through a step: the cells of each warp's first tile of keys are looked
     // up before the wait too, so that the keys stage's first K and V loads wait on no table load (a shorter keys
     // stage, measured faster on the H200: docs/journal/gsq-rco-gpu.md).

@@ -21,6 +21,7 @@ struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARA
     float* out;
     int table_stride, window, n_head, n_head_kv, page_size, qkv_stride, rope_dims, neox;
     float scale, eps, theta_scale, freq_scale, q_scale;
+    float ext_factor, corr_lo, corr_hi, mscale;  // YaRN (rope_kv.cu RopeYarn)
     int pad;
     // With HD = 128 and out_q set, `out` also quantized for the output projection as quant_act(ACT_GSQ8_PAIRS)
     // would (a head is one 128-value group): codes and int16 sums to out_q, scales to out_d (a float per 32)

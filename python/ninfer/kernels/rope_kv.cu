@@ -13,8 +13,15 @@ struct RopeCS {
     float c[4], s[4];
 };
 
+// YaRN's factors of a layer (rust/core/src/cpu/rope.rs RopeParams, derived there): the mix of extrapolated angles,
+// the pairs its ramp runs between, and the magnitude on cos and sin. {0, 0, 0, 1}: plain or linear RoPE.
+struct RopeYarn {
+    float ext_factor, corr_lo, corr_hi, mscale;
+};
+
 template <int K = 4>
-__device__ __forceinline__ RopeCS rope_cs(int pos, int rope_dims, float theta_scale, float freq_scale) {
+__device__ __forceinline__ RopeCS rope_cs(int pos, int rope_dims, float theta_scale, float freq_scale,
+                                          RopeYarn yarn) {
     const int lane = threadIdx.x & 31, half = rope_dims / 2;
     RopeCS r;
     float theta = (float)pos;
@@ -24,9 +31,17 @@ __device__ __forceinline__ RopeCS rope_cs(int pos, int rope_dims, float theta_sc
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         if (lane + 32 * k < half) {
-            const float t = freq_scale * theta;
-            r.c[k] = cosf(t);
-            r.s[k] = sinf(t);
+            float t = freq_scale * theta;
+            if (yarn.ext_factor != 0.0f) {  // the CPU's rope_angles: ggml's rope_yarn_ramp, then its FMA
+                const float span = yarn.corr_hi - yarn.corr_lo;
+                float y = ((float)(lane + 32 * k) - yarn.corr_lo) / (0.001f > span ? 0.001f : span);
+                y = 0.0f > y ? 0.0f : y;
+                const float ramp_mix = (1.0f - (1.0f < y ? 1.0f : y)) * yarn.ext_factor;
+                t = fmaf(t, 1.0f - ramp_mix, __fmul_rn(theta, ramp_mix));
+            }
+            // (mscale 1 leaves cos and sin as they are, bit for bit)
+            r.c[k] = __fmul_rn(cosf(t), yarn.mscale);
+            r.s[k] = __fmul_rn(sinf(t), yarn.mscale);
             for (int j = 0; j < 32; ++j) theta *= theta_scale;  // on to pair lane + 32 (k + 1)
         }
     }
@@ -50,14 +65,15 @@ __device__ __forceinline__ void rope_apply(float* v, const RopeCS& r, int rope_d
 }
 
 __device__ __forceinline__ void rope_head(float* v, int pos, int rope_dims, float theta_scale, float freq_scale,
-                                          int neox) {
-    rope_apply(v, rope_cs(pos, rope_dims, theta_scale, freq_scale), rope_dims, neox);
+                                          RopeYarn yarn, int neox) {
+    rope_apply(v, rope_cs(pos, rope_dims, theta_scale, freq_scale, yarn), rope_dims, neox);
 }
 
 extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* pos, int n_head, int n_head_kv,
                                    int hd, int hdv, const float* bias_q, const float* bias_k, const float* bias_v,
                                    const float* q_norm, const float* k_norm, float eps, int rope_dims,
-                                   float theta_scale, float freq_scale, int neox, float q_scale, float* q_out,
+                                   float theta_scale, float freq_scale, float ext_factor, float corr_lo,
+                                   float corr_hi, float mscale, int neox, float q_scale, float* q_out,
                                    u16* k_pool, u16* v_pool, const int* page_table, int page_size) {
     const int row = blockIdx.x;
     const int warps = blockDim.x >> 5;
@@ -69,11 +85,12 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
     const int p = pos[row];
     const float* src = qkv + (long long)row * qkv_stride;
     const int page = page_table[p / page_size], off = p % page_size;
+    const RopeYarn yarn = {ext_factor, corr_lo, corr_hi, mscale};
     if (head < n_head) {
         for (int i = lane; i < hd; i += WARP) v[i] = src[head * hd + i] + (bias_q ? bias_q[head * hd + i] : 0.0f);
         __syncwarp();
         if (q_norm) head_rms_norm(v, q_norm, hd, eps);
-        rope_head(v, p, rope_dims, theta_scale, freq_scale, neox);
+        rope_head(v, p, rope_dims, theta_scale, freq_scale, yarn, neox);
         float* dst = q_out + ((long long)row * n_head + head) * hd;
         for (int i = lane; i < hd; i += WARP) dst[i] = q_scale != 1.0f ? v[i] * q_scale : v[i];
         return;
@@ -83,7 +100,7 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
     for (int i = lane; i < hd; i += WARP) v[i] = ks[i] + (bias_k ? bias_k[g * hd + i] : 0.0f);
     __syncwarp();
     if (k_norm) head_rms_norm(v, k_norm, hd, eps);
-    rope_head(v, p, rope_dims, theta_scale, freq_scale, neox);
+    rope_head(v, p, rope_dims, theta_scale, freq_scale, yarn, neox);
     u16* kd = k_pool + (((long long)page * n_head_kv + g) * page_size + off) * hd;
     for (int i = lane; i < hd; i += WARP) kd[i] = f2h(v[i]);
     const float* vs = src + (n_head + n_head_kv) * hd + g * hdv;

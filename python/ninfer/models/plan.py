@@ -13,9 +13,11 @@ from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
+from ninfer.config import RopeConfig
 from ninfer.errors import ModelFileError, UnsupportedModelError, shown
 from ninfer.models.metadata import (MAX_CONTEXT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
                                     MetadataReader)
+from ninfer.models.rope import resolve_rope
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -44,8 +46,10 @@ def blocks_present(names: Iterable[str]) -> set[int]:
     return out
 
 
-def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], path: str) -> dict[str, Any]:
-    """The executor spec of a model. `tensors` maps tensor names to GGML dims (row length first)."""
+def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], path: str,
+               rope_config: RopeConfig = RopeConfig()) -> dict[str, Any]:
+    """The executor spec of a model. `tensors` maps tensor names to GGML dims (row length first); `rope_config`:
+    the caller's RoPE flags over the file's keys (models/rope.py)."""
     arch = MetadataReader(metadata, path).text(Keys.General.ARCHITECTURE)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -67,14 +71,8 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
     head_dim_v = m.integer(Keys.Attention.VALUE_LENGTH, head_dim, hi=MAX_HEAD_DIM)
     rope_dims = m.integer(Keys.Rope.DIMENSION_COUNT, head_dim, hi=head_dim)
     rms_eps = m.number(Keys.Attention.LAYERNORM_RMS_EPS, lo=0.0, hi=1.0)
-    rope_base = m.number(Keys.Rope.FREQ_BASE, 10_000.0, lo=0.0, hi=1e15)
     n_ctx_train = m.integer(Keys.LLM.CONTEXT_LENGTH, 4096, hi=MAX_CONTEXT)
-
-    scaling = m.text(Keys.Rope.SCALING_TYPE, "none")
-    if scaling not in ("none", "linear"):
-        raise UnsupportedModelError(f"{path}: RoPE scaling {shown(scaling)} is not supported (none, linear are)")
-    factor = m.number(Keys.Rope.SCALING_FACTOR, 1.0, lo=0.0, hi=1e6) if scaling == "linear" else 1.0
-    freq_scale = 1.0 / factor
+    rope = resolve_rope(m, rope_config)
     window = m.integer(Keys.Attention.SLIDING_WINDOW, hi=MAX_CONTEXT) if arch == "gemma3" else None
 
     token_embd = _tensor(MODEL_TENSOR.TOKEN_EMBD)
@@ -107,8 +105,8 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
             "w_up": _tensor(MODEL_TENSOR.FFN_UP, il),
             "w_down": _tensor(MODEL_TENSOR.FFN_DOWN, il),
             "sliding_window": window if swa else None,
-            "rope_base": GEMMA3_ROPE_BASE_LOCAL if swa else rope_base,
-            "rope_freq_scale": 1.0 if swa else freq_scale,
+            "rope_base": GEMMA3_ROPE_BASE_LOCAL if swa else rope.freq_base,
+            "rope_freq_scale": 1.0 if swa else rope.freq_scale,
         }
         if has_bias:
             layer |= {
@@ -137,6 +135,7 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
         "rope_dims": rope_dims,
         # llama keeps the original interleaved RoPE layout (its converter permutes q/k); the others use NeoX's.
         "rope_neox": arch != "llama",
+        "rope_yarn": rope.yarn,
         "activation": "gelu_tanh" if is_gemma else "silu",
         "embd_scale": math.sqrt(n_embd) if is_gemma else 1.0,
         # Gemma 3 scales q by 1/sqrt(head_dim) itself and calls attention with scale 1.
@@ -146,5 +145,5 @@ def build_spec(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...
         "output_norm": _tensor(MODEL_TENSOR.OUTPUT_NORM),
         "output": output if output in tensors else token_embd,
         "layers": layers,
-        "n_ctx_train": n_ctx_train,
+        "n_ctx_train": rope.n_ctx_train or n_ctx_train,
     }

@@ -61,10 +61,11 @@ def build_parser(prog: str = "ninfer serve") -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="tokens to generate when a request says nothing (default -1: until the context is full)")
     p.add_argument("--temp", type=float, default=0.8, help="default temperature (default 0.8)")
-    from ninfer.cli import add_kv_tier_args, add_spec_args
+    from ninfer.cli import add_kv_tier_args, add_rope_args, add_spec_args
 
     add_spec_args(p)
     add_kv_tier_args(p)
+    add_rope_args(p)
     p.add_argument("-ctk", "--cache-type-k", choices=list(CACHE_TYPES), default="f16", help="K cache type")
     p.add_argument("-ctv", "--cache-type-v", choices=list(CACHE_TYPES), default="f16", help="V cache type")
     p.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"], default="auto",
@@ -173,9 +174,13 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
 
     model = args.model
     try:
+        from ninfer.cli import rope_kwargs
+        from ninfer.config import RopeConfig
+
+        rope = rope_kwargs(args)
         if model is None and not on_ray:  # (replicas fetch the default model on their own nodes)
             model = default_model_path()
-        mf = ModelFile(default_model_path() if model is None else model)
+        mf = ModelFile(default_model_path() if model is None else model, rope=RopeConfig(**rope))
         spec = mf.spec
     except NinferError as e:
         print(f"ninfer: error: {e}", file=sys.stderr)
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
     llm_kwargs = dict(n_ctx=n_ctx, threads=args.threads, n_batch=args.batch_size, cache_type_k=args.cache_type_k,
                       cache_type_v=args.cache_type_v, device=device, n_gpu_layers=args.n_gpu_layers,
                       gpu_mem_budget=args.gpu_mem_budget, n_seq_max=args.parallel, chat_template=chat_template,
-                      **speculation, **kv_tiers)
+                      **speculation, **kv_tiers, **rope)
     kv = mf.kv_bytes_per_token(CACHE_TYPES[args.cache_type_k][1], CACHE_TYPES[args.cache_type_v][1])
     weights = mf.weight_bytes()
     each = " each replica's" if on_ray else ""

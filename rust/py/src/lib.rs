@@ -21,5 +21,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sampler::register(m)?;
     quant::register(m)?;
     gsq::register(m)?;
+    spec::register(m)?;
     Ok(())
 }

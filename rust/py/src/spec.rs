@@ -2,7 +2,8 @@
 //! typed mirrors of the core's `ModelSpec` / `LayerSpec` (one struct field per dict key, same name) and converted
 //! with `From`. Keys the executor does not read (`n_ctx_train`) are ignored; optional ones may be absent or None.
 
-use ninfer_core::model::{Activation, LayerSpec, ModelSpec};
+use ninfer_core::cpu::rope;
+use ninfer_core::model::{Activation, LayerSpec, ModelSpec, RopeYarn};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 
@@ -39,6 +40,29 @@ struct Layer {
     rope_freq_scale: f32,
 }
 
+/// `spec["rope_yarn"]`: YaRN's settings (python/ninfer/models/rope.py).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct Yarn {
+    ext_factor: f32,
+    attn_factor: f32,
+    beta_fast: f32,
+    beta_slow: f32,
+    n_ctx_orig: usize,
+}
+
+impl From<Yarn> for RopeYarn {
+    fn from(y: Yarn) -> Self {
+        RopeYarn {
+            ext_factor: y.ext_factor,
+            attn_factor: y.attn_factor,
+            beta_fast: y.beta_fast,
+            beta_slow: y.beta_slow,
+            n_ctx_orig: y.n_ctx_orig,
+        }
+    }
+}
+
 /// `spec["activation"]`: "silu" or "gelu_tanh".
 struct ActivationName(Activation);
 
@@ -68,6 +92,9 @@ struct Spec {
     rms_eps: f32,
     rope_dims: usize,
     rope_neox: bool,
+    /// Absent or None: no YaRN.
+    #[pyo3(default)]
+    rope_yarn: Option<Yarn>,
     activation: ActivationName,
     embd_scale: f32,
     q_scale: f32,
@@ -123,6 +150,7 @@ impl From<Spec> for ModelSpec {
             rms_eps: s.rms_eps,
             rope_dims: s.rope_dims,
             rope_neox: s.rope_neox,
+            rope_yarn: s.rope_yarn.map(RopeYarn::from).unwrap_or_default(),
             activation: s.activation.0,
             embd_scale: s.embd_scale,
             q_scale: s.q_scale,
@@ -151,4 +179,25 @@ pub fn extract(spec: &Bound<'_, PyAny>) -> PyResult<ModelSpec> {
         }
         PyValueError::new_err(format!("model spec: {}", parts.join(": ")))
     })
+}
+
+/// llama.cpp's final YaRN attention factor (cpu::rope::yarn_attn_factor), computed with the CPU's logf.
+#[pyfunction]
+fn rope_yarn_attn_factor(freq_scale: f32, ext_factor: f32, attn_factor: f32, rope_attn_factor: f32) -> f32 {
+    rope::yarn_attn_factor(freq_scale, ext_factor, attn_factor, rope_attn_factor)
+}
+
+/// One layer's RoPE constants as the CPU derives them (cpu::rope::RopeParams): (corr_dims, mscale), for the CUDA
+/// kernels. `yarn` is the spec's rope_yarn dict.
+#[pyfunction]
+fn rope_layer_params(base: f32, freq_scale: f32, rope_dims: usize, yarn: &Bound<'_, PyAny>) -> PyResult<((f32, f32), f32)> {
+    let yarn = RopeYarn::from(yarn.extract::<Yarn>()?);
+    let p = rope::RopeParams::new(base, freq_scale, rope_dims, &yarn);
+    Ok(((p.corr_dims[0], p.corr_dims[1]), p.mscale))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(rope_yarn_attn_factor, m)?)?;
+    m.add_function(wrap_pyfunction!(rope_layer_params, m)?)?;
+    Ok(())
 }

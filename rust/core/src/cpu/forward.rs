@@ -6,6 +6,7 @@ use crate::cpu::attention_tiered;
 use crate::cpu::matmul::{act_format, matmul_ordered, matmul_quantized_ordered, quantize_acts, QuantizedActs};
 use crate::cpu::ops;
 use crate::cpu::profile::Work;
+use crate::cpu::rope::{self, RopeParams};
 use crate::cpu::RowOrder;
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqId};
@@ -290,10 +291,11 @@ impl Model {
                 ops::rms_norm_in_place(&mut k, kn, spec.rms_eps);
                 trace("Kcur_normed", il, &k);
             }
+            let rope_params = RopeParams::new(ls.rope_base, ls.rope_freq_scale, spec.rope_dims, &spec.rope_yarn);
             for (t, &(_, pos)) in rows.iter().enumerate() {
-                ops::rope_angles(pos, ls.rope_base, ls.rope_freq_scale, spec.rope_dims, &mut angles);
-                ops::rope_row(&mut q[t * q_dim..(t + 1) * q_dim], hd, &angles, spec.rope_neox);
-                ops::rope_row(&mut k[t * k_dim..(t + 1) * k_dim], hd, &angles, spec.rope_neox);
+                rope::rope_angles(pos, &rope_params, spec.rope_dims, &mut angles);
+                rope::rope_row(&mut q[t * q_dim..(t + 1) * q_dim], hd, &angles, spec.rope_neox);
+                rope::rope_row(&mut k[t * k_dim..(t + 1) * k_dim], hd, &angles, spec.rope_neox);
             }
             trace("Qcur_rope", il, &q);
             trace("Kcur_rope", il, &k);

@@ -6,6 +6,7 @@ pub mod forward;
 pub mod matmul;
 pub mod ops;
 pub mod profile;
+pub mod rope;
 
 /// How the rows (tokens) of one forward pass are computed. llama.cpp's CPU kernels, and so the float summation
 /// order of each product, depend on how many rows a matmul (or attention) has; [`RowOrder::AsSteps`] gives up

@@ -1,5 +1,5 @@
 //! Element-wise and per-row kernels of the layer loop. The arithmetic follows ggml's CPU ops (sum of squares in
-//! f64 for RMSNorm, RoPE angles by repeated multiplication, GELU through the f16 table) so that greedy tokens match
+//! f64 for RMSNorm, GELU through the f16 table; RoPE is rope.rs) so that greedy tokens match
 //! llama.cpp's, not only approximately.
 
 use std::sync::OnceLock;
@@ -26,33 +26,6 @@ pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
         let scale = 1.0 / ((sum / d as f64) as f32 + eps).sqrt();
         for (v, &g) in head.iter_mut().zip(w) {
             *v = *v * scale * g;
-        }
-    }
-}
-
-/// cos/sin of the rotation angles of one position: [rope_dims / 2] pairs.
-pub fn rope_angles(pos: usize, base: f32, freq_scale: f32, rope_dims: usize, cache: &mut Vec<(f32, f32)>) {
-    cache.clear();
-    let theta_scale = base.powf(-2.0 / rope_dims as f32);
-    let mut theta = pos as f32;
-    for _ in 0..rope_dims / 2 {
-        let t = freq_scale * theta;
-        cache.push((t.cos(), t.sin()));
-        theta *= theta_scale;
-    }
-}
-
-/// Rotate every head of one row in place. `neox` pairs (i, i + rope_dims/2); otherwise (2i, 2i + 1).
-pub fn rope_row(row: &mut [f32], head_dim: usize, angles: &[(f32, f32)], neox: bool) {
-    let half = angles.len();
-    for head in row.chunks_exact_mut(head_dim) {
-        for (i, &(c, s)) in angles.iter().enumerate() {
-            let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
-            let (x0, x1) = (head[a], head[b]);
-            // gcc contracts ggml's `x0*cos - x1*sin` / `x0*sin + x1*cos` into these FMAs (checked bit for bit
-            // against llama.cpp's ROPE output).
-            head[a] = x0.mul_add(c, -(x1 * s));
-            head[b] = x0.mul_add(s, x1 * c);
         }
     }
 }
@@ -114,19 +87,6 @@ mod tests {
         rms_norm(&x, &[1.0, 2.0], 0.0, &mut y);
         let r = (12.5f32).sqrt();
         assert!((y[0] - 3.0 / r).abs() < 1e-6 && (y[1] - 8.0 / r).abs() < 1e-6);
-    }
-
-    #[test]
-    fn rope_rotates_pairs_by_position() {
-        let mut angles = Vec::new();
-        rope_angles(1, 10000.0, 1.0, 4, &mut angles);
-        let mut a = [1.0f32, 0.0, 1.0, 0.0];
-        rope_row(&mut a, 4, &angles, false);
-        assert!((a[0] - 1f32.cos()).abs() < 1e-6 && (a[1] - 1f32.sin()).abs() < 1e-6);
-        let mut b = [1.0f32, 1.0, 0.0, 0.0];
-        rope_row(&mut b, 4, &angles, true);
-        assert!((b[0] - 1f32.cos()).abs() < 1e-6 && (b[2] - 1f32.sin()).abs() < 1e-6);
-        assert!((b[3] - 0.01f32.sin()).abs() < 1e-6, "second pair turns by base^(-2/4)");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::path::Path;
 use crate::cpu::profile::Profile;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-pub use spec::{Activation, LayerSpec, ModelSpec};
+pub use spec::{Activation, LayerSpec, ModelSpec, RopeYarn};
 use weights::Weights;
 
 pub struct Model {

@@ -10,6 +10,28 @@ pub enum Activation {
     GeluTanh,
 }
 
+/// YaRN's settings (llama.cpp's `yarn_*` context parameters, resolved from the model's keys and the flags in
+/// python/ninfer/models/rope.py); one set for every layer, each layer bringing its own base and freq_scale.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeYarn {
+    /// Mix of extrapolated angles into the interpolated ones (0: no YaRN, plain or linear RoPE).
+    pub ext_factor: f32,
+    /// Multiplies cos and sin (llama.cpp's final yarn_attn_factor).
+    pub attn_factor: f32,
+    /// Turns over the original context at which the ramp starts (beta_fast) and ends (beta_slow).
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    /// The context length the model was trained at, before scaling.
+    pub n_ctx_orig: usize,
+}
+
+impl Default for RopeYarn {
+    /// No YaRN: RoPE is plain or linearly scaled, cos and sin unscaled.
+    fn default() -> Self {
+        RopeYarn { ext_factor: 0.0, attn_factor: 1.0, beta_fast: 32.0, beta_slow: 1.0, n_ctx_orig: 0 }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct LayerSpec {
     pub attn_norm: String,
@@ -51,6 +73,7 @@ pub struct ModelSpec {
     pub rope_dims: usize,
     /// NeoX layout rotates (i, i + d/2) pairs; the original layout rotates (2i, 2i + 1).
     pub rope_neox: bool,
+    pub rope_yarn: RopeYarn,
     pub activation: Activation,
     /// Multiplies the token embeddings (gemma: sqrt(n_embd)).
     pub embd_scale: f32,
