@@ -28,10 +28,11 @@ def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x * scale) * w
 
 
-def teacher_forced(path: Path, prompt: list[int], n: int, **kw) -> tuple[list[int], list[int], np.ndarray]:
+def teacher_forced(path: Path, prompt: list[int], n: int, cpu_kw: dict | None = None,
+                   **kw) -> tuple[list[int], list[int], np.ndarray]:
     """CPU greedy tokens, the GPU's greedy prediction at each of those steps (prefill, then decode steps fed the
-    CPU's tokens), and the CPU's top-2 margins."""
-    cpu_llm = ninfer.LLM(path, n_ctx=512, threads=8)
+    CPU's tokens), and the CPU's top-2 margins (kw: the GPU's LLM arguments; cpu_kw: the CPU's)."""
+    cpu_llm = ninfer.LLM(path, n_ctx=512, threads=8, **(cpu_kw or {}))
     cpu = cpu_llm.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True).tokens
     logits = cpu_llm.eval_logits(prompt + cpu[:-1], rows=list(range(len(prompt) - 1, len(prompt) + n - 1)))
     top2 = np.sort(logits, axis=1)[:, -2:]

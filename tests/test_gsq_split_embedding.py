@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import ninfer
+from cuda_helpers import needs_cuda, nmse, teacher_forced
 from ninfer.errors import InvalidArgumentError, UnsupportedModelError
 from ninfer.gsq import convert
 from ninfer.gsq_file import inspect_table, tensor_infos, verify
@@ -87,3 +88,16 @@ def test_a_damaged_split_embedding_is_refused_by_name(files: dict[str, Path], tm
     with pytest.raises(UnsupportedModelError, match="split embedding token_embd.weight: hot id 2 \\(entry 1\\) is out of "
                                              "range or out of order"):
         ninfer.LLM(bad, n_ctx=32, threads=1)
+
+
+@needs_cuda
+def test_split_embedding_on_the_gpu_follows_the_cpu(files: dict[str, Path]) -> None:
+    # The CUDA backend looks split rows up on the host (one type a device table); prompt rows and decode steps.
+    tokens = [5, 300, 17, 700, 40, 1000]
+    rows = list(range(len(tokens)))
+    cpu = ninfer.LLM(files["split"], n_ctx=64, threads=1).eval_logits(tokens, rows)
+    gpu = ninfer.LLM(files["split"], n_ctx=64, device="cuda").eval_logits(tokens, rows)
+    assert nmse(gpu, cpu) < 1e-4
+    cpu_t, gpu_t, margins = teacher_forced(files["split"], tokens, 16)
+    differ = [i for i in range(16) if gpu_t[i] != cpu_t[i]]
+    assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]

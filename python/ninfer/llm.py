@@ -156,14 +156,12 @@ class LLM:
         if self.device == "cuda":
             from ninfer.backends.cuda_engine import CudaEngine
 
-            if (cache_type_k, cache_type_v) != ("f16", "f16"):
-                raise InvalidArgumentError("the CUDA backend keeps its KV cache in f16 (cache types f16/f16)")
             if self.config.tiered:
                 raise InvalidArgumentError("the tiered KV cache (kv_l1 ...) runs on the CPU backend only")
             self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
-                n_seq_max=n_seq_max,
+                n_seq_max=n_seq_max, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
             )
         else:
             self.backend = _core.Engine(

@@ -62,9 +62,10 @@ def matrix_gpu_bytes(dims: tuple[int, ...], type_id: int) -> int:
 
 
 def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_gpu_layers: int,
-         budget: int | None, n_seq: int = 1) -> MemoryPlan:
+         budget: int | None, n_seq: int = 1, kv_bytes: tuple[float, float] = (2.0, 2.0)) -> MemoryPlan:
     """tensors: name -> TensorEntry. n_gpu_layers < 0 means as many as fit (all without a budget). The KV cache
-    holds n_seq sequences of up to n_ctx tokens."""
+    holds n_seq sequences of up to n_ctx tokens, at kv_bytes (K, V) bytes a value (a quantized cache also keeps
+    an f32 key offset a page)."""
     L = len(spec["layers"])
 
     def mat(name: str) -> int:
@@ -83,14 +84,19 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
             "attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")))
     head = mat(spec["output"]) + vec(spec["output_norm"])
     pages = -(-n_ctx // page_size) * n_seq
-    kv_layer = pages * page_size * spec["n_head_kv"] * (spec["head_dim"] + spec["head_dim_v"]) * 2
+    kv_layer = int(pages * page_size * spec["n_head_kv"] * (spec["head_dim"] * kv_bytes[0]
+                                                             + spec["head_dim_v"] * kv_bytes[1]))
+    widened = 0
+    if kv_bytes != (2.0, 2.0):  # a quantized cache: a key offset a page, and one layer widened to f16 for prompts
+        kv_layer += pages * spec["n_head_kv"] * spec["head_dim"] * 4
+        widened = pages * page_size * spec["n_head_kv"] * (spec["head_dim"] + spec["head_dim_v"]) * 2
     e, n_ff = spec["n_embd"], tensors[spec["layers"][0]["w_gate"]].dims[1]
     width = max(e, n_ff, spec["n_head"] * spec["head_dim_v"])
     qkv = (spec["n_head"] + 2 * spec["n_head_kv"]) * spec["head_dim"]
     # f32 activations of one prompt batch, f16/int8 copies of the widest one, the f16 weight scratch of the
     # prefill GEMM, logits, attention partials; plus cuBLAS's workspace.
     buffers = (4 * n_batch * (3 * e + qkv + 2 * spec["n_head"] * spec["head_dim"] + 3 * n_ff + 2 * width)
-               + 2 * n_batch * width + 2 * biggest + 8 * spec["n_vocab"] + (64 << 20))
+               + 2 * n_batch * width + 2 * biggest + 8 * spec["n_vocab"] + (64 << 20) + widened)
 
     def fits(n: int, with_head: bool, extra: int = 0) -> bool:
         w = sum(per_layer[:n]) + (head if with_head else 0) + extra

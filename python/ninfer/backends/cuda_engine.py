@@ -32,9 +32,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ninfer import _core
+from ninfer.config import CACHE_TYPES
 from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_ops as ops
 from ninfer.backends.cuda_decode import DecodeGraphs
+from ninfer.backends.cuda_kv_quant import BYTES_PER_VALUE, QUANT_KINDS, QuantKv, check_cache_types
 from ninfer.backends.cuda_memory import WeightsAndBuffers, env_count
 from ninfer.backends.cuda_paging import KvPages
 from ninfer.backends.cuda_prefill import PromptLayers
@@ -56,13 +58,13 @@ class _Pending:
 
 
 
-class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers):
+class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv):
     """The CUDA backend's engine: the engine protocol (forward, prefill, step, decode; truncate, remove, kv_usage
     in cuda_paging.py) over the mixins of the modules above."""
 
     def __init__(self, model_file: Any, *, n_ctx: int, threads: int, n_batch: int = 512, n_gpu_layers: int = -1,
                  gpu_mem_budget: int | None = None, page_size: int = 256, n_seq_max: int = 1,
-                 log: Callable[[str], None] | None = None):
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", log: Callable[[str], None] | None = None):
         import cupy as cp
 
         self.cp = cp
@@ -74,10 +76,13 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers):
         if s["n_head"] % s["n_head_kv"] or s["n_head"] // s["n_head_kv"] > ops.MAX_GROUP:
             raise InvalidArgumentError(f"the CUDA attention kernel serves up to {ops.MAX_GROUP} query heads per KV "
                                        f"head; this model has {s['n_head']} / {s['n_head_kv']}")
+        self.quant_kv = ((QUANT_KINDS[cache_type_k], QUANT_KINDS[cache_type_v])
+                         if check_cache_types(cache_type_k, cache_type_v, s["head_dim"]) else None)
+        self.cache_types = (cache_type_k, cache_type_v)
         self.n_ctx, self.n_batch, self.page_size, self.n_seq_max = n_ctx, n_batch, page_size, n_seq_max
         self.tensors = {t.name: t for t in model_file.tensors}
         self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, n_gpu_layers, gpu_mem_budget,
-                                    n_seq_max)
+                                    n_seq_max, kv_bytes=(BYTES_PER_VALUE[cache_type_k], BYTES_PER_VALUE[cache_type_v]))
         if log:
             log(self.plan.table(n_ctx * n_seq_max, threads))
         self.n_gpu = self.plan.n_gpu_layers
@@ -93,7 +98,8 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers):
         if not self.plan.head_on_gpu:
             tail_spec = dict(s, layers=s["layers"][self.n_gpu:])
             self.tail = _core.Engine(model_file.gguf, tail_spec, threads=threads, n_ctx=n_ctx, n_seq_max=n_seq_max,
-                                     block_size=page_size)
+                                     block_size=page_size, k_type=CACHE_TYPES[cache_type_k][0],
+                                     v_type=CACHE_TYPES[cache_type_v][0])
             try:  # the CPU layers are read every token: keep them out of the page cache's eviction
                 self.tail.lock_weights()
             except OSError as e:

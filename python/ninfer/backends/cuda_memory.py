@@ -165,9 +165,12 @@ class WeightsAndBuffers:
         self.logits_dev = cp.zeros((4, s["n_vocab"]), f32)
         self.best = cp.zeros(1, cp.uint64)
         self._alloc_page_tables()  # (cuda_paging.py)
-        kv_shape = (self.n_pages, s["n_head_kv"], self.page_size, s["head_dim"])
-        self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
-        self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
+        if self.quant_kv:
+            self._alloc_quant_kv(T)  # (cuda_kv_quant.py)
+        else:
+            kv_shape = (self.n_pages, s["n_head_kv"], self.page_size, s["head_dim"])
+            self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
+            self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         group = s["n_head"] // s["n_head_kv"]
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)

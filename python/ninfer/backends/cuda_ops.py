@@ -511,7 +511,9 @@ def _yarn_args(layer: dict) -> tuple:
 
 
 def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict, q_out: int, k_pool: int,
-            v_pool: int, page_table: int, page_size: int, theta_scale: float) -> None:
+            v_pool: int, page_table: int, page_size: int, theta_scale: float, k_rows: int = 0,
+            v_rows: int = 0) -> None:
+    """q roped to q_out; K and V into the f16 pools, or (k_rows set: a quantized cache) rotated to k_rows/v_rows."""
     warps = 4
     heads = s["n_head"] + s["n_head_kv"]
     hd = max(s["head_dim"], s["head_dim_v"])
@@ -522,7 +524,8 @@ def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict
         f32(s["rms_eps"]),
         i32(s["rope_dims"]), f32(theta_scale), f32(layer["rope_freq_scale"]), *_yarn_args(layer),
         i32(int(s["rope_neox"])), f32(s["q_scale"]),
-        u64(q_out), u64(k_pool), u64(v_pool), u64(page_table), i32(page_size)), shared_mem=4 * warps * hd)
+        u64(q_out), u64(k_pool), u64(v_pool), u64(page_table), i32(page_size), u64(k_rows), u64(v_rows)),
+        shared_mem=4 * warps * hd)
 
 
 def attention_smem(hd: int) -> int:

@@ -70,7 +70,8 @@ class KvPages:
 
     def kv_usage(self) -> tuple[int, int]:
         """(pages in use, the pools' bytes): the books as they are, without waiting for a queued step."""
-        return self.blocks.blocks_in_use(), sum(p.nbytes for p in self.k_pools + self.v_pools)
+        pools = self._quant_pools() + self.k_offsets if self.quant_kv else self.k_pools + self.v_pools
+        return self.blocks.blocks_in_use(), sum(p.nbytes for p in pools)
 
     def _reserve(self, seq: int, n_new: int) -> int:
         """Pages for n_new more positions; returns the start position. Raises before changing anything."""
@@ -103,6 +104,9 @@ class KvPages:
     def _copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         """Run the books' block copies: the first n positions of page src into page dst, K and V of every layer."""
         with self.stream:
+            pools = self._quant_pools() if self.quant_kv else [*self.k_pools, *self.v_pools]
             for src, dst, n in copies:
-                for pool in (*self.k_pools, *self.v_pools):
+                for pool in pools:
                     pool[dst, :, :n] = pool[src, :, :n]
+                for offsets in self.k_offsets if self.quant_kv else []:
+                    offsets[dst] = offsets[src]

@@ -77,16 +77,28 @@ class PromptLayers:
         x, qkv, o = self.x.data.ptr, self.qkv.data.ptr, self.o.data.ptr
         self._matmul_rows(T, [lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim, qkv + 4 * (q_dim + k_dim)],
                           self.qkv_dim, x, lw["ptr"]["attn_norm"], 0.0)
-        ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, lw["ptr"] | self.rope_layers[il],
-                    self.q_rot.data.ptr, self.k_pools[il].data.ptr, self.v_pools[il].data.ptr,
-                    self.tables.data.ptr + 4 * self.max_pages * seq, self.page_size,
-                    self.theta_scale[il])
-        params = ops.attn_params(s, q=self.q_rot.data.ptr, k_pool=self.k_pools[il].data.ptr,
-                                 v_pool=self.v_pools[il].data.ptr,
-                                 page_tables=self.tables.data.ptr + 4 * self.max_pages * seq,
-                                 table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
-                                 window=ls.get("sliding_window") or 0, page_size=self.page_size, out=self.att.data.ptr)
-        ops.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
+        table = self.tables.data.ptr + 4 * self.max_pages * seq
+        layer = lw["ptr"] | self.rope_layers[il]
+
+        def f16_attention(k_pool: int, v_pool: int) -> None:
+            params = ops.attn_params(s, q=self.q_rot.data.ptr, k_pool=k_pool, v_pool=v_pool, page_tables=table,
+                                     table_stride=self.max_pages, row_seq=self.row_seq.data.ptr,
+                                     pos=self.pos.data.ptr, window=ls.get("sliding_window") or 0,
+                                     page_size=self.page_size, out=self.att.data.ptr)
+            ops.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
+
+        if self.quant_kv:  # (cuda_kv_quant.py)
+            self._quant_prompt_attention(
+                il, T, seq, table,
+                lambda k_rows, v_rows: ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer,
+                                                   self.q_rot.data.ptr, 0, 0, table, self.page_size,
+                                                   self.theta_scale[il], k_rows, v_rows),
+                f16_attention)
+        else:
+            ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr,
+                        self.k_pools[il].data.ptr, self.v_pools[il].data.ptr, table, self.page_size,
+                        self.theta_scale[il])
+            f16_attention(self.k_pools[il].data.ptr, self.v_pools[il].data.ptr)
         post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
         self._matmul_rows(T, [lw["wo"]], [o if post_a else x], e, self.att.data.ptr, 0, 0.0 if post_a else 1.0)
         if post_a:

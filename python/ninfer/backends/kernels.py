@@ -15,7 +15,7 @@ from pathlib import Path
 
 HEADERS = ("common.cuh", "quant.cuh")
 # in dependency order
-SOURCES = ("norm.cu", "rope_kv.cu", "gemv_dot.cu", "gemv_gsq3_pairs.cu", "gemv.cu", "gemv_stream.cu",
+SOURCES = ("norm.cu", "rope_kv.cu", "kv_quant.cu", "gemv_dot.cu", "gemv_gsq3_pairs.cu", "gemv.cu", "gemv_stream.cu",
            "gemv_stream_q6k.cu", "attention_keys.cu", "attention.cu", "misc.cu")
 
 
@@ -46,6 +46,10 @@ BASE_OPTIONS = ("-std=c++17",)
 ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "attention_keys.cu", "attention.cu")
 
 
+# Attention over the quantized KV cache: its sources, and the switches for head size and group size.
+QUANT_ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "kv_quant.cu", "attention_quant.cu")
+
+
 def attention_options(hd: int, group: int) -> tuple[str, ...]:
     return (f"-DATT_HD={hd}", f"-DATT_NG={group}")
 
@@ -70,8 +74,20 @@ def _attention_module(hd: int, group: int):
 
 
 @lru_cache(maxsize=None)
+def _quant_attention_module(hd: int, group: int):
+    """Attention over the quantized KV cache for one head size and group size (kernels/attention_quant.cu)."""
+    import cupy
+
+    return cupy.RawModule(code=source_of(*QUANT_ATTENTION_SOURCES),
+                          options=_options(f"-DQATT_HD={hd}", f"-DQATT_NG={group}"))
+
+
+@lru_cache(maxsize=None)
 def function(name: str):
     m = re.fullmatch(r"attention(?:_step)?_hd(\d+)_g(\d+)", name)
     if m:
         return _attention_module(int(m[1]), int(m[2])).get_function(name)
+    m = re.fullmatch(r"(attention_quant_k\dv\d)_hd(\d+)_g(\d+)", name)
+    if m:
+        return _quant_attention_module(int(m[2]), int(m[3])).get_function(m[1])
     return module().get_function(name)

@@ -1,6 +1,7 @@
 // After the q/k/v projections: optional per-head RMSNorm of q and k (gemma3), RoPE on q and k (llama's
 // interleaved pairs or NeoX's halves, as the CPU's rope_row with its FMAs), q scaling, then k and v written to
-// the paged f16 KV cache at the token's position and q kept in f32 for attention.
+// the paged f16 KV cache at the token's position and q kept in f32 for attention. For a quantized cache
+// (k_rows set) k and v are Hadamard-rotated instead and left in f32 rows for kv_quant.cu to store.
 //
 // Grid: (rows, n_head + n_head_kv); a warp per (row, head). Positions come from device memory (pos[row]) so a
 // captured decode step needs no new arguments. The KV pools are [page][kv_head][PAGE][head_dim] f16; the
@@ -64,6 +65,25 @@ __device__ __forceinline__ void rope_apply(float* v, const RopeCS& r, int rope_d
     __syncwarp();
 }
 
+// x <- H x on each `bw`-wide piece of a head of n values in shared memory (this warp's), H the orthonormal
+// Walsh-Hadamard matrix: rust/core/src/kv/rotation.rs's transform in its order (butterflies of width 1, 2, 4, ...,
+// then the 1/sqrt(bw) scale), so the same inputs give the same bits.
+__device__ __forceinline__ void warp_hadamard(float* x, int n, int bw) {
+    const int lane = threadIdx.x & 31;
+    for (int h = 1; h < bw; h <<= 1) {
+        for (int i = lane; i < n / 2; i += WARP) {
+            const int j = (i / h) * 2 * h + i % h;  // pairs (j, j + h) of every piece at once (bw is a power of 2)
+            const float a = x[j], b = x[j + h];
+            x[j] = __fadd_rn(a, b);
+            x[j + h] = __fsub_rn(a, b);
+        }
+        __syncwarp();
+    }
+    const float scale = 1.0f / sqrtf((float)bw);
+    for (int i = lane; i < n; i += WARP) x[i] = __fmul_rn(x[i], scale);
+    __syncwarp();
+}
+
 __device__ __forceinline__ void rope_head(float* v, int pos, int rope_dims, float theta_scale, float freq_scale,
                                           RopeYarn yarn, int neox) {
     rope_apply(v, rope_cs(pos, rope_dims, theta_scale, freq_scale, yarn), rope_dims, neox);
@@ -74,7 +94,8 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
                                    const float* q_norm, const float* k_norm, float eps, int rope_dims,
                                    float theta_scale, float freq_scale, float ext_factor, float corr_lo,
                                    float corr_hi, float mscale, int neox, float q_scale, float* q_out,
-                                   u16* k_pool, u16* v_pool, const int* page_table, int page_size) {
+                                   u16* k_pool, u16* v_pool, const int* page_table, int page_size, float* k_rows,
+                                   float* v_rows) {
     const int row = blockIdx.x;
     const int warps = blockDim.x >> 5;
     const int head = blockIdx.y * warps + (threadIdx.x >> 5);
@@ -101,9 +122,21 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
     __syncwarp();
     if (k_norm) head_rms_norm(v, k_norm, hd, eps);
     rope_head(v, p, rope_dims, theta_scale, freq_scale, yarn, neox);
+    const float* vs = src + (n_head + n_head_kv) * hd + g * hdv;
+    if (k_rows) {  // a quantized cache: rotated rows for kv_quant_store
+        warp_hadamard(v, hd, hd & -hd);
+        float* kr = k_rows + ((long long)row * n_head_kv + g) * hd;
+        for (int i = lane; i < hd; i += WARP) kr[i] = v[i];
+        __syncwarp();
+        for (int i = lane; i < hdv; i += WARP) v[i] = vs[i] + (bias_v ? bias_v[g * hdv + i] : 0.0f);
+        __syncwarp();
+        warp_hadamard(v, hdv, hdv & -hdv);
+        float* vr = v_rows + ((long long)row * n_head_kv + g) * hdv;
+        for (int i = lane; i < hdv; i += WARP) vr[i] = v[i];
+        return;
+    }
     u16* kd = k_pool + (((long long)page * n_head_kv + g) * page_size + off) * hd;
     for (int i = lane; i < hd; i += WARP) kd[i] = f2h(v[i]);
-    const float* vs = src + (n_head + n_head_kv) * hd + g * hdv;
     u16* vd = v_pool + (((long long)page * n_head_kv + g) * page_size + off) * hdv;
     for (int i = lane; i < hdv; i += WARP) vd[i] = f2h(vs[i] + (bias_v ? bias_v[g * hdv + i] : 0.0f));
 }

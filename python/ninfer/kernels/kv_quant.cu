@@ -1,0 +1,215 @@
+// The quantized KV cache (q8_0 / q4_0) as the CPU's KvCache keeps it (rust/core/src/kv/cache.rs): rows stored
+// Hadamard-rotated per head (rope_kv rotates them on the way out, rotation.rs's order), keys less their page's
+// offset (the mean rotated key of the prompt batch that began the page, else the layer's latest such mean), then
+// quantized in blocks of 32: q8_0 as llama.cpp's x86 path (d = amax / 127, codes rounded half to even), q4_0 with
+// the least-squares scale of fitted_q4.rs. Attention (attention_quant.cu) reads them back.
+//
+// Layout, per layer: codes [page][kv_head][PAGE][code bytes] (q8_0: HD bytes; q4_0: HD / 2, byte j of a 32-block
+// holding code j in its low nibble and code j + 16 in its high one, as ggml packs q4_0), scales
+// [page][kv_head][PAGE][HD / 32] f16, and for K the offsets [page][kv_head * HD] f32. Codes and scales apart, so
+// that a row's codes load as whole 16-byte words.
+
+#define KVQ_Q8 8
+#define KVQ_Q4 4
+
+// One 32-block of `x` (this lane's element v) as q8_0 codes: returns the lane's code, *d the block's scale (before
+// rounding to f16).
+__device__ __forceinline__ int quant_q8_lane(float v, float* d) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    *d = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    return __float2int_rn(__fmul_rn(v, id));
+}
+
+// fitted_q4.rs's candidate divisors of the block's largest-magnitude element.
+__constant__ float KVQ_Q4_DIVISORS[9] = {-8.0f, -7.75f, -7.5f, -7.25f, -7.0f, -6.75f, -6.5f, -6.25f, -6.0f};
+
+// One 32-block as q4_0 codes (0..15) with the scale of least squared error read back: returns the lane's code,
+// *d the scale as stored (f16).
+__device__ __forceinline__ int quant_q4_lane(float v, u16* d_out) {
+    const int lane = threadIdx.x & 31;
+    // The element of largest magnitude, the first one on ties (the CPU's fold keeps the earlier).
+    float best_abs = fabsf(v);
+    int best_lane = lane;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        const float a = __shfl_xor_sync(0xffffffffu, best_abs, o);
+        const int l = __shfl_xor_sync(0xffffffffu, best_lane, o);
+        if (a > best_abs || (a == best_abs && l < best_lane)) {
+            best_abs = a;
+            best_lane = l;
+        }
+    }
+    const float amax = __shfl_sync(0xffffffffu, v, best_lane);
+    float best_err = INFINITY;
+    int best_q = 8;
+    u16 best_d = 0;
+#pragma unroll 1
+    for (int k = 0; k < 9; ++k) {
+        const u16 dh = f2h(amax / KVQ_Q4_DIVISORS[k]);
+        const float d = h2f(dh);
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        // (roundf: half away from zero, as Rust's f32::round)
+        const int q = (int)fminf(fmaxf(roundf(__fadd_rn(__fmul_rn(v, id), 8.0f)), 0.0f), 15.0f);
+        const float r = __fsub_rn(v, __fmul_rn(d, (float)(q - 8)));
+        const float err = warp_sum(__fmul_rn(r, r));
+        if (err < best_err) {
+            best_err = err;
+            best_q = q;
+            best_d = dh;
+        }
+    }
+    *d_out = best_d;
+    return best_q;
+}
+
+// Quantize `n` floats (shared memory, this warp's) into a row's codes and scales.
+template <int TYPE>
+__device__ __forceinline__ void warp_store_row(const float* x, int n, u8* codes, u16* scales) {
+    const int lane = threadIdx.x & 31;
+    for (int b = 0; b < n / 32; ++b) {
+        const float v = x[b * 32 + lane];
+        if (TYPE == KVQ_Q8) {
+            float d;
+            const int q = quant_q8_lane(v, &d);
+            codes[b * 32 + lane] = (u8)(i8)q;
+            if (lane == 0) scales[b] = f2h(d);
+        } else {
+            u16 d;
+            const int q = quant_q4_lane(v, &d);
+            const int hi = __shfl_down_sync(0xffffffffu, q, 16);
+            if (lane < 16) codes[b * 16 + lane] = (u8)(q | (hi << 4));
+            if (lane == 0) scales[b] = d;
+        }
+    }
+}
+
+// The K and V rows rope_kv left rotated in k_rows / v_rows ([rows][n_head_kv * hd]) into the quantized pools at
+// their positions. Keys lose their page's offset first; with begin_pages (decode), a row at a page's first slot
+// gives that page the layer's latest offset (a prompt's pages get theirs from kv_page_offset before this runs).
+// Grid (rows, n_head_kv), 64 threads: warp 0 the key, warp 1 the value.
+template <int KT, int VT>
+__device__ void kv_quant_store(const float* k_rows, const float* v_rows, const int* pos, int n_head_kv, int hd,
+                               int hdv, u8* k_codes, u16* k_scales, u8* v_codes, u16* v_scales, float* k_offsets,
+                               const float* latest, int begin_pages, const int* page_table, int page_size) {
+    extern __shared__ float kvq_sm[];
+    const int row = blockIdx.x, g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int p = pos[row];
+    const int page = page_table[p / page_size], off = p % page_size;
+    const long long cell = ((long long)page * n_head_kv + g) * page_size + off;
+    float* v = kvq_sm + warp * (hd > hdv ? hd : hdv);
+    if (warp == 0) {
+        const int kd = n_head_kv * hd;
+        float* po = k_offsets + (long long)page * kd + g * hd;
+        const float* src = k_rows + (long long)row * kd + g * hd;
+        for (int i = lane; i < hd; i += WARP) {
+            if (begin_pages && off == 0) po[i] = latest[g * hd + i];
+            v[i] = __fsub_rn(src[i], po[i]);  // (each lane reads back only what it wrote)
+        }
+        __syncwarp();
+        const int cb = KT == KVQ_Q8 ? hd : hd / 2;
+        warp_store_row<KT>(v, hd, k_codes + cell * cb, k_scales + cell * (hd / 32));
+    } else {
+        const float* src = v_rows + (long long)row * n_head_kv * hdv + g * hdv;
+        for (int i = lane; i < hdv; i += WARP) v[i] = src[i];
+        __syncwarp();
+        const int cb = VT == KVQ_Q8 ? hdv : hdv / 2;
+        warp_store_row<VT>(v, hdv, v_codes + cell * cb, v_scales + cell * (hdv / 32));
+    }
+}
+
+#define KVQ_STORE(NAME, KT, VT)                                                                                      \
+    extern "C" __global__ void NAME(const float* k_rows, const float* v_rows, const int* pos, int n_head_kv,       \
+                                    int hd, int hdv, u8* k_codes, u16* k_scales, u8* v_codes, u16* v_scales,      \
+                                    float* k_offsets, const float* latest, int begin_pages, const int* page_table, \
+                                    int page_size) {                                                              \
+        kv_quant_store<KT, VT>(k_rows, v_rows, pos, n_head_kv, hd, hdv, k_codes, k_scales, v_codes, v_scales,     \
+                               k_offsets, latest, begin_pages, page_table, page_size);                            \
+    }
+KVQ_STORE(kv_quant_store_k8v8, KVQ_Q8, KVQ_Q8)
+KVQ_STORE(kv_quant_store_k8v4, KVQ_Q8, KVQ_Q4)
+KVQ_STORE(kv_quant_store_k4v8, KVQ_Q4, KVQ_Q8)
+KVQ_STORE(kv_quant_store_k4v4, KVQ_Q4, KVQ_Q4)
+
+// The offset of a page a prompt batch begins: with n rows (>= the CPU's OFFSET_MIN_ROWS), the mean of the batch's
+// rotated keys k_rows[row0 .. row0 + n) (the first left out when it is position 0), which also becomes the layer's
+// latest; with n = 0, the latest. Sums in f64 in row order, as mean_row does. One thread a channel of kd.
+extern "C" __global__ void kv_page_offset(const float* k_rows, int row0, int n, int skip_first, int kd,
+                                          float* page_offset, float* latest) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= kd) return;
+    if (n == 0) {
+        page_offset[c] = latest[c];
+        return;
+    }
+    double sum = 0.0;
+    for (int r = row0 + skip_first; r < row0 + n; ++r) sum += (double)k_rows[(long long)r * kd + c];
+    const int used = n - skip_first > 1 ? n - skip_first : 1;
+    const float mean = (float)(sum / (double)used);
+    page_offset[c] = mean;
+    latest[c] = mean;
+}
+
+// A prompt batch attends with TinyFlash's f16 prompt kernel (attention.cu) over the sequence's keys so far,
+// widened here into a layer's f16 scratch pools at the same cells: K dequantized plus its page's offset, V
+// dequantized, both still in the rotated basis (rotate_rows turns the queries into it and the output back out).
+// Keys 0..n_keys of the sequence whose page table is `page_table`; grid (ceil(n_keys / 8), n_head_kv), 8 warps,
+// a warp a key (its K row and V row).
+template <int KT, int VT>
+__device__ void kv_widen(int n_keys, int n_head_kv, int hd, int hdv, const u8* k_codes, const u16* k_scales,
+                         const u8* v_codes, const u16* v_scales, const float* k_offsets, const int* page_table,
+                         int page_size, u16* k16, u16* v16) {
+    const int key = blockIdx.x * 8 + (threadIdx.x >> 5), g = blockIdx.y, lane = threadIdx.x & 31;
+    if (key >= n_keys) return;
+    const int page = page_table[key / page_size];
+    const long long cell = ((long long)page * n_head_kv + g) * page_size + key % page_size;
+    const float* off = k_offsets + (long long)page * n_head_kv * hd + g * hd;
+    for (int e = lane; e < hd; e += WARP) {
+        const float d = h2f(k_scales[cell * (hd / 32) + (e >> 5)]);
+        int q;
+        if (KT == KVQ_Q8) {
+            q = (i8)k_codes[cell * hd + e];
+        } else {
+            const u8 b = k_codes[cell * (hd / 2) + (e >> 5) * 16 + (e & 15)];
+            q = ((e & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
+        }
+        k16[cell * hd + e] = f2h(d * (float)q + off[e]);
+    }
+    for (int e = lane; e < hdv; e += WARP) {
+        const float d = h2f(v_scales[cell * (hdv / 32) + (e >> 5)]);
+        int q;
+        if (VT == KVQ_Q8) {
+            q = (i8)v_codes[cell * hdv + e];
+        } else {
+            const u8 b = v_codes[cell * (hdv / 2) + (e >> 5) * 16 + (e & 15)];
+            q = ((e & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
+        }
+        v16[cell * hdv + e] = f2h(d * (float)q);
+    }
+}
+
+#define KVQ_WIDEN(NAME, KT, VT)                                                                                     \
+    extern "C" __global__ void NAME(int n_keys, int n_head_kv, int hd, int hdv, const u8* k_codes,                 \
+                                    const u16* k_scales, const u8* v_codes, const u16* v_scales,                  \
+                                    const float* k_offsets, const int* page_table, int page_size, u16* k16,       \
+                                    u16* v16) {                                                                   \
+        kv_widen<KT, VT>(n_keys, n_head_kv, hd, hdv, k_codes, k_scales, v_codes, v_scales, k_offsets, page_table, \
+                         page_size, k16, v16);                                                                    \
+    }
+KVQ_WIDEN(kv_widen_k8v8, KVQ_Q8, KVQ_Q8)
+KVQ_WIDEN(kv_widen_k8v4, KVQ_Q8, KVQ_Q4)
+KVQ_WIDEN(kv_widen_k4v8, KVQ_Q4, KVQ_Q8)
+KVQ_WIDEN(kv_widen_k4v4, KVQ_Q4, KVQ_Q4)
+
+// Each head of `rows` rows of x ([rows][n_heads][hd] f32) Hadamard-rotated in place (its own inverse): a prompt's
+// queries into the quantized cache's basis, and its attention output back. Grid (rows, n_heads), one warp.
+extern "C" __global__ void rotate_rows(float* x, int n_heads, int hd) {
+    __shared__ float v[256];
+    float* row = x + ((long long)blockIdx.x * n_heads + blockIdx.y) * hd;
+    for (int i = threadIdx.x; i < hd; i += WARP) v[i] = row[i];
+    __syncwarp();
+    warp_hadamard(v, hd, hd & -hd);
+    for (int i = threadIdx.x; i < hd; i += WARP) row[i] = v[i];
+}

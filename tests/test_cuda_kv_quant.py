@@ -1,0 +1,73 @@
+"""The quantized KV cache on the CUDA backend (`cache_type_k/v` q8_0, q4_0; backends/cuda_kv_quant.py): the same
+rotated, offset, block-quantized cache as the CPU engine's, so the GPU's logits and greedy tokens follow the CPU's
+with the same cache types. Needs CuPy and a GPU; skipped elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ninfer
+import numpy as np
+import pytest
+from cuda_helpers import needs_cuda, nmse, teacher_forced
+from ninfer.synth import write_synthetic
+
+TYPES = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")]
+# 300 prompt tokens in batches of 128: page 0 (256 positions) begun by a batch, continued by the next, page 1 begun
+# by a 44-row batch (its own mean key), so every way a page gets its K offset is taken.
+PROMPT = [(7 * i * i + 3 * i + 11) % 150000 for i in range(300)]
+ROWS = [0, 20, 127, 128, 255, 256, 299]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic(tmp_path_factory.mktemp("kvq") / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=2, seed=5)
+
+
+def logits(path: Path, device: str, k: str, v: str) -> np.ndarray:
+    llm = ninfer.LLM(path, n_ctx=512, n_batch=128, threads=8, device=device, cache_type_k=k, cache_type_v=v)
+    return llm.eval_logits(PROMPT, rows=ROWS)
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,v", TYPES)
+def test_prompt_logits_with_a_quantized_cache_follow_the_cpus(model: Path, k: str, v: str) -> None:
+    cpu_f16 = logits(model, "cpu", "f16", "f16")
+    cpu = logits(model, "cpu", k, v)
+    gpu = logits(model, "cuda", k, v)
+    cache_err = nmse(cpu, cpu_f16)
+    assert cache_err > 1e-9, "the CPU's cache is not quantized"
+    # The GPU's cache errs as the CPU's does (the same codes but where float sums in another order move a rounding;
+    # prompt rows read the keys widened to f16, as the f16 cache's 1e-5 between GPU and CPU allows for) and far
+    # less than a wrong kernel would (an unrotated, unoffset or misread cache errs by orders more).
+    assert nmse(gpu, cpu) < 0.25 * cache_err + 2e-5, (nmse(gpu, cpu), cache_err)
+    assert nmse(gpu, cpu_f16) < 2.0 * cache_err + 2e-5, (nmse(gpu, cpu_f16), cache_err)
+    print(f"{k}/{v}: cache NMSE {cache_err:.3g}, GPU against CPU {nmse(gpu, cpu):.3g}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,v", TYPES)
+def test_decode_with_a_quantized_cache_agrees_with_the_cpu(model: Path, k: str, v: str) -> None:
+    # 250 prompt tokens and 64 steps: decode begins page 1 itself (a row at its first slot takes the latest offset)
+    kw = {"cache_type_k": k, "cache_type_v": v}
+    cpu, gpu, margins = teacher_forced(model, PROMPT[:250], 64, cpu_kw=kw, **kw)
+    differ = [i for i in range(64) if gpu[i] != cpu[i]]
+    assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
+    assert len(differ) <= 4, differ
+
+
+@needs_cuda
+def test_quantized_pools_take_their_share_of_f16s_bytes(model: Path) -> None:
+    sizes = {}
+    for k, v in [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0")]:
+        llm = ninfer.LLM(model, n_ctx=512, device="cuda", cache_type_k=k, cache_type_v=v)
+        sizes[k] = llm.backend.kv_usage()[1]
+    # q8_0 34 bytes and q4_0 18 bytes a 32-value block against f16's 64, plus an f32 key offset a page
+    assert sizes["q8_0"] == pytest.approx(sizes["f16"] * 34 / 64, rel=0.01)
+    assert sizes["q4_0"] == pytest.approx(sizes["f16"] * 18 / 64, rel=0.02)
+
+
+@needs_cuda
+def test_a_cache_quantized_on_one_side_only_is_refused_by_name(model: Path) -> None:
+    with pytest.raises(ninfer.errors.InvalidArgumentError, match="f16/f16 or quantized on both sides .* not f16/q8_0"):
+        ninfer.LLM(model, n_ctx=256, device="cuda", cache_type_k="f16", cache_type_v="q8_0")
