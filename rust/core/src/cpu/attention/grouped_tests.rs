@@ -111,10 +111,6 @@ fn cache(ty: GgmlType, n_head_kv: usize, hd: usize, n: usize) -> KvCache {
     kv
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
-}
-
 /// Every head of every row equals llama.cpp's per-head loop, bit for bit.
 fn check(kv: &KvCache, rows: &[(SeqId, usize)], shape: AttnShape, order: RowOrder, what: &str) {
     let (n_head, hd) = (shape.n_head, shape.head_dim);
@@ -133,7 +129,10 @@ fn check(kv: &KvCache, rows: &[(SeqId, usize)], shape: AttnShape, order: RowOrde
             if kv.rotates_v() {
                 rotation::rotate(&mut want, hd);
             }
-            assert_eq!(bits(&out[(t * n_head + h) * hd..][..hd]), bits(&want), "{what}: row {t} (pos {pos}) head {h}");
+            let got = &out[(t * n_head + h) * hd..][..hd];
+            if let Some(d) = (0..hd).find(|&d| got[d].to_bits() != want[d].to_bits()) {
+                panic!("{what}: row {t} (pos {pos}) head {h}, column {d}: {} vs llama.cpp's {}", got[d], want[d]);
+            }
         }
     }
 }

@@ -113,10 +113,11 @@ fn dot_cols_is_a_sequential_fma_chain_per_column() {
 /// around the eight kept in registers, every column tail and rescales (a new running max) at any key.
 #[test]
 fn accumulate_f16_equals_the_per_key_primitives() {
-    let mut tables: Vec<&VecOps> = vec![&VecOps::SCALAR];
     #[cfg(target_arch = "x86_64")]
-    tables.extend(super::x86_avx2::detect_vec_ops().into_iter().chain(super::x86_avx512::detect_vec_ops()));
-    for ops in tables {
+    let simd = [super::x86_avx2::detect_vec_ops(), super::x86_avx512::detect_vec_ops()];
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd: [Option<&VecOps>; 0] = [];
+    for ops in std::iter::once(&VecOps::SCALAR).chain(simd.into_iter().flatten()) {
         for (heads, n, keys) in [(1, 64, 5), (7, 64, 32), (6, 128, 9), (9, 130, 4), (8, 17, 3), (3, 256, 2), (2, 0, 3), (4, 8, 0)] {
             let seed = (heads * 1000 + n * 10 + keys) as u64;
             let stride = 2 * n + 2 * 16; // rows of a cache block: other heads' values between them
