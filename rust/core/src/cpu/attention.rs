@@ -9,6 +9,8 @@
 //!   everything accumulates in f32.
 //!
 //! A single row (decode) over a long cache also splits the cells into one chunk per thread, as llama.cpp does.
+//! The one-chunk path runs all query heads of a KV head together (see `attention_stored`), each head's arithmetic
+//! unchanged.
 //! Under `RowOrder::AsSteps` every row of a batch takes the path it would take alone.
 
 use rayon::prelude::*;
@@ -77,6 +79,10 @@ pub(crate) fn in_stored_basis(kv: &KvCache, q: &[f32], shape: AttnShape, out: &m
 }
 
 /// `attention` with q already in the basis the cache stores keys in, and `out` left in the basis of its values.
+///
+/// Rows below `TILED_MIN_ROWS` (and every row under `RowOrder::AsSteps`) run llama.cpp's one-chunk path, as work
+/// items of one (row, KV head, key chunk) each: every query head of the KV head's group over the chunk's keys, so
+/// each K and V row is read once for the group. Each head's arithmetic is that of llama.cpp's per-head loop.
 fn attention_stored(
     kv: &KvCache,
     layer: usize,
@@ -94,117 +100,170 @@ fn attention_stored(
         return attention_tiled(kv, layer, rows, q, shape, out);
     }
     // llama.cpp's decode of a single query row over at least SPLIT_KV_MIN padded cache cells splits the cells
-    // into one chunk per thread and merges the chunks' partial softmaxes (ggml_flash_attn_ext_reduce_partials).
-    // The chunk size for a row at `pos`, when it takes that path:
+    // into one chunk per thread (chunk i: cells [i * chunk, (i + 1) * chunk)) and merges the chunks' partial
+    // softmaxes in chunk order (ggml_flash_attn_ext_reduce_partials). The chunk size for a row at `pos`, when it
+    // takes that path:
     let threads = rayon::current_num_threads().max(1);
     let split_at = |pos: usize| {
         let n_kv = (pos + 1).next_multiple_of(KV_PAD).max(KV_PAD);
         (f16_cache && (rows.len() == 1 || as_steps) && n_kv >= SPLIT_KV_MIN).then(|| n_kv.div_ceil(threads))
     };
-    out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
-        let (t, h) = (i / n_head, i % n_head);
-        let (seq, pos) = rows[t];
-        let qh = &q[(t * n_head + h) * dk..][..dk];
+    // Work items (row, KV head, first key, last key), a row's chunks of one KV head consecutive and in order.
+    let mut items: Vec<(usize, usize, usize, usize)> = Vec::new();
+    for (t, &(_, pos)) in rows.iter().enumerate() {
         let lo = shape.first_key(pos);
-        match split_at(pos) {
-            None => {
-                let s = attend_range(kv, layer, seq, lo, pos, qh, h / group, shape, o).1;
-                normalize(o, s);
-            }
-            Some(chunk) => {
-                let mut part = vec![0.0f32; dv];
-                let (mut m_fin, mut s_fin) = (f32::NEG_INFINITY, 0.0f32);
-                o.fill(0.0);
-                let mut start = 0;
-                while start <= pos {
-                    let (a, b) = (start.max(lo), (start + chunk - 1).min(pos));
-                    start += chunk;
-                    if a > b {
-                        continue;
-                    }
-                    let (m_c, s_c) = attend_range(kv, layer, seq, a, b, qh, h / group, shape, &mut part);
-                    if s_c == 0.0 {
-                        continue;
-                    }
-                    let m_new = m_fin.max(m_c);
-                    let (so, sn) = ((m_fin - m_new).exp(), (m_c - m_new).exp());
-                    for (f, &c) in o.iter_mut().zip(&part) {
-                        *f = f.mul_add(so, c * sn);
-                    }
-                    s_fin = s_fin.mul_add(so, s_c * sn);
-                    m_fin = m_new;
-                }
-                if s_fin != 0.0 {
-                    (vec_ops().scale)(o, 1.0 / s_fin);
+        let chunk = split_at(pos).unwrap_or(pos + 1);
+        for g in 0..n_head_kv {
+            for start in (0..=pos).step_by(chunk) {
+                let (a, b) = (start.max(lo), (start + chunk - 1).min(pos));
+                if a <= b {
+                    items.push((t, g, a, b));
                 }
             }
         }
-    });
+    }
+    let partials: Vec<Partial> = items
+        .par_iter()
+        .map(|&(t, g, a, b)| {
+            let qg = &q[(t * n_head + g * group) * dk..(t * n_head + (g + 1) * group) * dk];
+            attend_group(kv, layer, rows[t].0, a, b, qg, g, shape)
+        })
+        .collect();
+    let mut next = 0;
+    for (t, &(_, pos)) in rows.iter().enumerate() {
+        for g in 0..n_head_kv {
+            let n_chunks = items[next..].iter().take_while(|it| (it.0, it.1) == (t, g)).count();
+            let parts = &partials[next..next + n_chunks];
+            next += n_chunks;
+            for hg in 0..group {
+                let o = &mut out[(t * n_head + g * group + hg) * dv..][..dv];
+                match split_at(pos) {
+                    // One chunk: normalised as llama.cpp's one-chunk path does.
+                    None => {
+                        o.copy_from_slice(&parts[0].out[hg * dv..(hg + 1) * dv]);
+                        normalize(o, parts[0].s[hg]);
+                    }
+                    Some(_) => reduce_partials(parts, hg, dv, o),
+                }
+            }
+        }
+    }
 }
 
 /// llama.cpp pads the number of cache cells attention looks at to a multiple of this.
 const KV_PAD: usize = 256;
 /// Padded cells from which a single-row decode takes llama.cpp's split-KV path.
 const SPLIT_KV_MIN: usize = 512;
+/// Keys scored together before their values are accumulated.
+const KEY_BLOCK: usize = 32;
 
-/// Online softmax over the keys at positions lo..=hi into `out`, not yet divided by the returned sum: llama.cpp's
-/// one-chunk path (q converted to the cache's dot format; an f16 V cache accumulated in f16).
-/// Returns (running max, sum of exp(score - max)).
+/// The unnormalised result of one work item: per query head of the group, its output [group][dv], running max
+/// and sum of exp(score - max).
+struct Partial {
+    out: Vec<f32>,
+    m: Vec<f32>,
+    s: Vec<f32>,
+}
+
+/// o <- head `hg`'s chunks merged in order and normalised, as ggml_flash_attn_ext_reduce_partials does.
+fn reduce_partials(parts: &[Partial], hg: usize, dv: usize, o: &mut [f32]) {
+    let (mut m_fin, mut s_fin) = (f32::NEG_INFINITY, 0.0f32);
+    o.fill(0.0);
+    for p in parts {
+        let (m_c, s_c) = (p.m[hg], p.s[hg]);
+        if s_c == 0.0 {
+            continue;
+        }
+        let m_new = m_fin.max(m_c);
+        let (so, sn) = ((m_fin - m_new).exp(), (m_c - m_new).exp());
+        for (f, &c) in o.iter_mut().zip(&p.out[hg * dv..(hg + 1) * dv]) {
+            *f = f.mul_add(so, c * sn);
+        }
+        s_fin = s_fin.mul_add(so, s_c * sn);
+        m_fin = m_new;
+    }
+    if s_fin != 0.0 {
+        (vec_ops().scale)(o, 1.0 / s_fin);
+    }
+}
+
+/// Online softmax of each query head of `qg` ([group][head_dim], the heads of KV head `g`) over the keys at
+/// positions lo..=hi: llama.cpp's one-chunk path per head (q converted to the cache's dot format; an f16 V cache
+/// accumulated in f16), with each K and V row read once for the whole group. Keys go in blocks of up to
+/// KEY_BLOCK: the block's scores first, then each head's softmax steps in key order, then the values.
 #[allow(clippy::too_many_arguments)]
-fn attend_range(
+fn attend_group(
     kv: &KvCache,
     layer: usize,
     seq: SeqId,
     lo: usize,
-    pos: usize,
-    q: &[f32],
+    hi: usize,
+    qg: &[f32],
     g: usize,
     shape: AttnShape,
-    out: &mut [f32],
-) -> (f32, f32) {
+) -> Partial {
     let ops = vec_ops();
     let (dk, dv) = (shape.head_dim, shape.head_dim_v);
+    let group = qg.len() / dk;
     let (k_type, v_type) = (kv.cfg.k_type, kv.cfg.v_type);
     let q_type = k_type.act_type();
-    let mut q_act = vec![0u8; q_type.row_bytes(dk).unwrap_or(0)];
-    quantize_act(q_type, q, &mut q_act);
+    let q_bytes = q_type.row_bytes(dk).unwrap_or(0);
+    let mut q_act = vec![0u8; group * q_bytes];
+    for (qh, act) in qg.chunks_exact(dk).zip(q_act.chunks_exact_mut(q_bytes.max(1))) {
+        quantize_act(q_type, qh, act);
+    }
     let f16_acc = v_type == GgmlType::F16;
     let k_head_bytes = k_type.row_bytes(dk).unwrap_or(0);
     let v_head_bytes = v_type.row_bytes(dv).unwrap_or(0);
     let mut v_buf = vec![0.0f32; dv];
-    out.fill(0.0);
-    let mut softmax = OnlineSoftmax::new();
+    let mut out = vec![0.0f32; group * dv];
+    let mut softmax: Vec<OnlineSoftmax> = (0..group).map(|_| OnlineSoftmax::new()).collect();
+    // Per key of a block and head: [key][head].
+    let mut score = vec![0.0f32; KEY_BLOCK * group];
+    let (mut ms, mut vs) = (vec![0.0f32; KEY_BLOCK * group], vec![0.0f32; KEY_BLOCK * group]);
+    let mut k_offset = vec![0.0f32; group];
 
     let bs = kv.cfg.block_size;
-    for b in lo / bs..=pos / bs {
+    for b in lo / bs..=hi / bs {
         let view = kv.block_view(layer, seq, b);
         let (kb, vb, k_rb, v_rb) = (view.k, view.v, view.k_row_bytes, view.v_row_bytes);
         // What the block's stored keys lack (a rotated cache's offset): the same q·offset for each of its keys.
-        let k_offset = view.k_offset.map_or(0.0, |o| dot(q, &o[g * dk..(g + 1) * dk]));
-        let first = (b * bs).max(lo);
-        let last = ((b + 1) * bs - 1).min(pos);
-        for p in first..=last {
-            let slot = p - b * bs;
-            let k = &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes];
-            let score = (vec_dot(k_type, dk, k, &q_act) + k_offset) * shape.scale;
-            let v = &vb[slot * v_rb + g * v_head_bytes..][..v_head_bytes];
-            let (ms, vs) = softmax.step(score);
+        for (off, qh) in k_offset.iter_mut().zip(qg.chunks_exact(dk)) {
+            *off = view.k_offset.map_or(0.0, |o| dot(qh, &o[g * dk..(g + 1) * dk]));
+        }
+        let (first, last) = ((b * bs).max(lo) - b * bs, ((b + 1) * bs - 1).min(hi) - b * bs);
+        for s0 in (first..=last).step_by(KEY_BLOCK) {
+            let n = KEY_BLOCK.min(last + 1 - s0);
+            for j in 0..n {
+                let k = &kb[(s0 + j) * k_rb + g * k_head_bytes..][..k_head_bytes];
+                for h in 0..group {
+                    let act = &q_act[h * q_bytes..(h + 1) * q_bytes];
+                    score[j * group + h] = (vec_dot(k_type, dk, k, act) + k_offset[h]) * shape.scale;
+                }
+            }
+            for (h, sm) in softmax.iter_mut().enumerate() {
+                for j in 0..n {
+                    (ms[j * group + h], vs[j * group + h]) = sm.step(score[j * group + h]);
+                }
+            }
+            let v = &vb[s0 * v_rb + g * v_head_bytes..];
             if f16_acc {
-                if ms != 1.0 {
-                    (ops.scale_f16)(out, ms);
-                }
-                (ops.axpy_f16)(out, v, vs);
-            } else {
-                if ms != 1.0 {
-                    (ops.scale)(out, ms);
-                }
+                (ops.accumulate_f16)(&mut out, dv, v, v_rb, &ms[..n * group], &vs[..n * group]);
+                continue;
+            }
+            for j in 0..n {
                 // Sizes were validated when the cache was built.
-                let _ = dequantize_row(v_type, v, &mut v_buf);
-                (ops.axpy)(out, &v_buf, vs); // ggml_vec_mad_f32: FMA
+                let _ = dequantize_row(v_type, &v[j * v_rb..][..v_head_bytes], &mut v_buf);
+                for (h, o) in out.chunks_exact_mut(dv).enumerate() {
+                    if ms[j * group + h] != 1.0 {
+                        (ops.scale)(o, ms[j * group + h]);
+                    }
+                    (ops.axpy)(o, &v_buf, vs[j * group + h]); // ggml_vec_mad_f32: FMA
+                }
             }
         }
     }
-    (softmax.m, softmax.s)
+    Partial { out, m: softmax.iter().map(|s| s.m).collect(), s: softmax.iter().map(|s| s.s).collect() }
 }
 
 /// The running max and sum of llama.cpp's one-chunk online softmax, one key at a time.
@@ -366,6 +425,9 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
     }
     out
 }
+
+#[cfg(test)]
+mod grouped_tests;
 
 #[cfg(test)]
 mod tests {

@@ -16,6 +16,13 @@ pub type AxpyF16Fn = fn(&mut [f32], &[u8], f32);
 pub type AxpyRowsFn = fn(&mut [f32], &[f32], &[f32]);
 /// `y[i] *= a`, rounded to f16 when the name says so.
 pub type ScaleFn = fn(&mut [f32], f32);
+/// `accumulate_f16(ys, n, v, v_stride, ms, vs)`: the f16 V accumulation of one-row attention for the `heads =
+/// ys.len() / n` query heads that share a KV head, over `keys = ms.len() / heads` keys. For each key j in order and
+/// each head h in order, with `y_h = ys[h*n..][..n]`, `v_j` the n halves at `v[j*v_stride..]` and `i = j*heads + h`:
+/// `if ms[i] != 1 { scale_f16(y_h, ms[i]) }; axpy_f16(y_h, v_j, vs[i])`, so each head's values are exactly those
+/// of calling the two primitives key by key; the SIMD versions widen each V row once for all the heads and keep the
+/// accumulators in registers across the keys. `v` must hold the rows (`(keys - 1) * v_stride + 2n` bytes).
+pub type AccumulateF16Fn = fn(&mut [f32], usize, &[u8], usize, &[f32], &[f32]);
 /// `out[j] = fma(q[dk-1], kt[(dk-1)*w + j], ... fma(q[0], kt[j], 0))` with `w = out.len()`, `dk = q.len()`:
 /// each output a sequential FMA chain over the head dimension of a transposed key tile.
 pub type DotColsFn = fn(&[f32], &[f32], &mut [f32]);
@@ -33,6 +40,7 @@ pub struct VecOps {
     pub axpy_f16: AxpyF16Fn,
     pub scale: ScaleFn,
     pub scale_f16: ScaleFn,
+    pub accumulate_f16: AccumulateF16Fn,
     pub dot_cols: DotColsFn,
     pub exp_shifted: ExpShiftedFn,
     pub swiglu: SwigluFn,
@@ -46,6 +54,7 @@ impl VecOps {
         axpy_f16,
         scale,
         scale_f16,
+        accumulate_f16,
         dot_cols,
         exp_shifted,
         swiglu,
@@ -84,6 +93,37 @@ fn scale(y: &mut [f32], a: f32) {
 
 fn scale_f16(y: &mut [f32], a: f32) {
     y.iter_mut().for_each(|v| *v = f16_round(*v * a));
+}
+
+fn accumulate_f16(ys: &mut [f32], n: usize, v: &[u8], v_stride: usize, ms: &[f32], vs: &[f32]) {
+    accumulate_f16_with(scale_f16, axpy_f16, ys, n, v, v_stride, ms, vs);
+}
+
+/// [`AccumulateF16Fn`] by its definition, from a table's `scale_f16` and `axpy_f16`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn accumulate_f16_with(
+    scale_f16: ScaleFn,
+    axpy_f16: AxpyF16Fn,
+    ys: &mut [f32],
+    n: usize,
+    v: &[u8],
+    v_stride: usize,
+    ms: &[f32],
+    vs: &[f32],
+) {
+    let heads = ys.len().checked_div(n).unwrap_or(0);
+    if heads == 0 {
+        return;
+    }
+    for (j, (ms, vs)) in ms.chunks_exact(heads).zip(vs.chunks_exact(heads)).enumerate() {
+        let v_j = &v[j * v_stride..][..2 * n];
+        for ((y, &m), &a) in ys.chunks_exact_mut(n).zip(ms).zip(vs) {
+            if m != 1.0 {
+                scale_f16(y, m);
+            }
+            axpy_f16(y, v_j, a);
+        }
+    }
 }
 
 fn dot_cols(q: &[f32], kt: &[f32], out: &mut [f32]) {

@@ -107,3 +107,40 @@ fn dot_cols_is_a_sequential_fma_chain_per_column() {
         assert_eq!(a[0].to_bits(), want.to_bits());
     }
 }
+
+/// `accumulate_f16` of every table this CPU runs equals its definition: the same table's `scale_f16` and
+/// `axpy_f16` called key by key and head by head (so AVX512-FP16's half-precision columns too), for head counts
+/// around the eight kept in registers, every column tail and rescales (a new running max) at any key.
+#[test]
+fn accumulate_f16_equals_the_per_key_primitives() {
+    #[cfg(target_arch = "x86_64")]
+    let simd = [super::x86_avx2::detect_vec_ops(), super::x86_avx512::detect_vec_ops()];
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd: [Option<&VecOps>; 0] = [];
+    for ops in std::iter::once(&VecOps::SCALAR).chain(simd.into_iter().flatten()) {
+        for (heads, n, keys) in [(1, 64, 5), (7, 64, 32), (6, 128, 9), (9, 130, 4), (8, 17, 3), (3, 256, 2), (2, 0, 3), (4, 8, 0)] {
+            let seed = (heads * 1000 + n * 10 + keys) as u64;
+            let stride = 2 * n + 2 * 16; // rows of a cache block: other heads' values between them
+            let v: Vec<u8> = f16_bytes(&floats(seed, keys * stride / 2 + n, 3.0));
+            let ys0 = f16_values(&floats(seed + 1, heads * n, 3.0));
+            let vs = floats(seed + 2, keys * heads, 1.0).iter().map(|x| x.abs()).collect::<Vec<_>>();
+            // ms: 0 at the first key (the empty accumulator's rescale), then a few rescales, 1 otherwise.
+            let ms: Vec<f32> = (0..keys * heads)
+                .map(|i| if i < heads { 0.0 } else if i % 5 == 2 { 0.37 + (i % 7) as f32 * 0.05 } else { 1.0 })
+                .collect();
+            let mut got = ys0.clone();
+            (ops.accumulate_f16)(&mut got, n, &v, stride, &ms, &vs);
+            let mut want = ys0.clone();
+            for j in 0..keys {
+                for (h, y) in want.chunks_exact_mut(n.max(1)).enumerate().take(if n == 0 { 0 } else { heads }) {
+                    if ms[j * heads + h] != 1.0 {
+                        (ops.scale_f16)(y, ms[j * heads + h]);
+                    }
+                    (ops.axpy_f16)(y, &v[j * stride..][..2 * n], vs[j * heads + h]);
+                }
+            }
+            assert_eq!(bits(&got), bits(&want), "{}: {heads} heads, {n} columns, {keys} keys", ops.name);
+            assert!(keys == 0 || n == 0 || got != ys0, "the accumulation changed nothing");
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::simd::vecops::{f16_round, silu, VecOps};
+use crate::quant::simd::vecops::{accumulate_f16_with, f16_round, silu, VecOps};
 
 pub(in crate::quant::simd) const AVX2: VecOps = VecOps {
     name: "avx2",
@@ -12,6 +12,7 @@ pub(in crate::quant::simd) const AVX2: VecOps = VecOps {
     axpy_f16,
     scale,
     scale_f16,
+    accumulate_f16,
     dot_cols,
     exp_shifted,
     swiglu,
@@ -47,6 +48,10 @@ fn scale(y: &mut [f32], a: f32) {
 fn scale_f16(y: &mut [f32], a: f32) {
     // SAFETY: see above.
     unsafe { scale_k::<true>(y.len(), y.as_mut_ptr(), a) }
+}
+
+fn accumulate_f16(ys: &mut [f32], n: usize, v: &[u8], v_stride: usize, ms: &[f32], vs: &[f32]) {
+    accumulate_f16_with(scale_f16, axpy_f16, ys, n, v, v_stride, ms, vs);
 }
 
 fn dot_cols(q: &[f32], kt: &[f32], out: &mut [f32]) {
