@@ -54,16 +54,6 @@ __device__ __forceinline__ void load_k_block(const u8* codes, int w[8]) {
     }
 }
 
-// Value element e of a row (codes, scales): dequantized.
-template <int VT>
-__device__ __forceinline__ float v_elem(const u8* codes, const u16* scales, int e) {
-    const float d = h2f(scales[e >> 5]);
-    if (VT == KVQ_Q8) return d * (float)(i8)codes[e];
-    const int b = e >> 5, j = e & 31;
-    const u8 byte = codes[b * 16 + (j & 15)];
-    return d * (float)((j < 16 ? (byte & 15) : (byte >> 4)) - 8);
-}
-
 template <int KT, int VT>
 __device__ void attend_quant(const QAttnParams& P) {
     constexpr int HD = QATT_HD, NG = QATT_NG, NB = HD / 32, VL = HD / 32;
@@ -169,7 +159,7 @@ __device__ void attend_quant(const QAttnParams& P) {
             const u16* vs = P.v_scales + cj * NB;
             float v[VL];
 #pragma unroll
-            for (int i = 0; i < VL; ++i) v[i] = v_elem<VT>(vc, vs, lane * VL + i);
+            for (int i = 0; i < VL; ++i) v[i] = kvq_elem<VT>(vc, vs, lane * VL + i);
 #pragma unroll
             for (int h = 0; h < NG; ++h) {
                 const float pj = pt[warp][h][j];

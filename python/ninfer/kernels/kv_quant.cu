@@ -152,6 +152,16 @@ extern "C" __global__ void kv_page_offset(const float* k_rows, int row0, int n, 
     latest[c] = mean;
 }
 
+// Element e of a stored row (its codes and scales), dequantized.
+template <int TYPE>
+__device__ __forceinline__ float kvq_elem(const u8* codes, const u16* scales, int e) {
+    const float d = h2f(scales[e >> 5]);
+    if (TYPE == KVQ_Q8) return d * (float)(i8)codes[e];
+    const int b = e >> 5, j = e & 31;
+    const u8 byte = codes[b * 16 + (j & 15)];
+    return d * (float)((j < 16 ? (byte & 15) : (byte >> 4)) - 8);
+}
+
 // A prompt batch attends with TinyFlash's f16 prompt kernel (attention.cu) over the sequence's keys so far,
 // widened here into a layer's f16 scratch pools at the same cells: K dequantized plus its page's offset, V
 // dequantized, both still in the rotated basis (rotate_rows turns the queries into it and the output back out).
@@ -166,28 +176,11 @@ __device__ void kv_widen(int n_keys, int n_head_kv, int hd, int hdv, const u8* k
     const int page = page_table[key / page_size];
     const long long cell = ((long long)page * n_head_kv + g) * page_size + key % page_size;
     const float* off = k_offsets + (long long)page * n_head_kv * hd + g * hd;
-    for (int e = lane; e < hd; e += WARP) {
-        const float d = h2f(k_scales[cell * (hd / 32) + (e >> 5)]);
-        int q;
-        if (KT == KVQ_Q8) {
-            q = (i8)k_codes[cell * hd + e];
-        } else {
-            const u8 b = k_codes[cell * (hd / 2) + (e >> 5) * 16 + (e & 15)];
-            q = ((e & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
-        }
-        k16[cell * hd + e] = f2h(d * (float)q + off[e]);
-    }
-    for (int e = lane; e < hdv; e += WARP) {
-        const float d = h2f(v_scales[cell * (hdv / 32) + (e >> 5)]);
-        int q;
-        if (VT == KVQ_Q8) {
-            q = (i8)v_codes[cell * hdv + e];
-        } else {
-            const u8 b = v_codes[cell * (hdv / 2) + (e >> 5) * 16 + (e & 15)];
-            q = ((e & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
-        }
-        v16[cell * hdv + e] = f2h(d * (float)q);
-    }
+    const u8* kc = k_codes + cell * (KT == KVQ_Q8 ? hd : hd / 2);
+    const u8* vc = v_codes + cell * (VT == KVQ_Q8 ? hdv : hdv / 2);
+    for (int e = lane; e < hd; e += WARP)
+        k16[cell * hd + e] = f2h(kvq_elem<KT>(kc, k_scales + cell * (hd / 32), e) + off[e]);
+    for (int e = lane; e < hdv; e += WARP) v16[cell * hdv + e] = f2h(kvq_elem<VT>(vc, v_scales + cell * (hdv / 32), e));
 }
 
 #define KVQ_WIDEN(NAME, KT, VT)                                                                                     \
