@@ -81,9 +81,10 @@ __device__ void attend_quant(const QAttnParams& P) {
             float d;
             const int q = quant_q8_lane(qf[h][b * 32 + lane], &d);
             // pack 4 codes a word: lanes 4k..4k+3 into word 8b + k
-            const int b0 = __shfl_sync(0xffffffffu, q, (lane & 7) * 4), b1 = __shfl_sync(0xffffffffu, q, (lane & 7) * 4 + 1);
-            const int b2 = __shfl_sync(0xffffffffu, q, (lane & 7) * 4 + 2), b3 = __shfl_sync(0xffffffffu, q, (lane & 7) * 4 + 3);
-            if (lane < 8) qc[h][b * 8 + lane] = (b0 & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | ((u32)(b3 & 255) << 24);
+            u32 word = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) word |= (u32)(__shfl_sync(0xffffffffu, q, (lane & 7) * 4 + k) & 255) << (8 * k);
+            if (lane < 8) qc[h][b * 8 + lane] = (int)word;
             if (lane == 0) qd[h][b] = f16_round(d);
         }
     }
