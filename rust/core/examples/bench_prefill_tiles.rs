@@ -30,7 +30,7 @@ impl Rng {
     }
 }
 
-/// A random `rows x k` K-quant matrix: random bits with small f16 super-block scales at `d_at`.
+/// A random `rows x k` quantized matrix: random bits with small f16 super-block scales at `d_at`.
 fn random_matrix(ty: GgmlType, rows: usize, k: usize, d_at: &[usize], rng: &mut Rng) -> Vec<u8> {
     let mut m: Vec<u8> = (0..ty.row_bytes(k).unwrap() * rows).map(|_| rng.next_u64() as u8).collect();
     for block in m.chunks_exact_mut(ty.type_size()) {
@@ -47,7 +47,12 @@ fn main() {
     let (rows, k, tokens) = (arg(0, 256), arg(1, 8960), arg(2, 64));
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     println!("kernel set: {} | {rows} x {k} matrix, {tokens} tokens, 1 thread", simd::isa());
-    for (ty, d_at) in [(GgmlType::Q4_K, &[0usize, 2][..]), (GgmlType::Q6_K, &[208][..])] {
+    let types = [(GgmlType::Q4_K, &[0usize, 2][..]), (GgmlType::Q6_K, &[208][..]), (GgmlType::Q5_0, &[0][..]), (GgmlType::Q8_0, &[0][..])];
+    for (ty, d_at) in types {
+        if ty.row_bytes(k).is_err() {
+            println!("{:<5} rows of {k} are not whole blocks", ty.name());
+            continue;
+        }
         let w = random_matrix(ty, rows, k, d_at, &mut rng);
         let act_ty = ty.act_type();
         let ab = act_ty.row_bytes(k).unwrap();

@@ -56,6 +56,8 @@ pub(in crate::quant) struct Kernels {
     pub(super) tile_shape_gemm4: Slots<(usize, usize)>,
     /// The same for the `vec_dot_tile_tiled` kernels.
     pub(super) tile_shape_tiled: Slots<(usize, usize)>,
+    /// The same for the plain `vec_dot_tile` kernels.
+    pub(super) tile_shape_plain: Slots<(usize, usize)>,
     pub(super) quantize: Slots<QuantizeFn>,
     pub(super) dequantize: Slots<DequantizeFn>,
     /// GSQ-RCO rows (not a GGML type; docs/gsq-rco.md) and their activations.
@@ -78,6 +80,7 @@ impl Kernels {
         vec_dot_tile_tiled: [None; SLOTS],
         tile_shape_gemm4: [None; SLOTS],
         tile_shape_tiled: [None; SLOTS],
+        tile_shape_plain: [None; SLOTS],
         quantize: [None; SLOTS],
         dequantize: [None; SLOTS],
         gsq_dot: None,
@@ -135,7 +138,8 @@ impl Kernels {
         match self.path(ty, pos) {
             Path::Gemm4 => self.tile_shape_gemm4[ty as usize],
             Path::Tiled => self.tile_shape_tiled[ty as usize],
-            _ => None,
+            Path::Plain => self.tile_shape_plain[ty as usize],
+            Path::Gemv => None,
         }
     }
 

@@ -99,6 +99,7 @@ fn wide_tiles_equal_single_products_bit_for_bit() {
         let shape = match name {
             "gemm4" => k.tile_shape_gemm4[ty as usize],
             "tiled" => k.tile_shape_tiled[ty as usize],
+            "plain" => k.tile_shape_plain[ty as usize],
             _ => None,
         };
         let Some((rows, cols)) = shape else { continue };
@@ -112,7 +113,7 @@ fn wide_tiles_equal_single_products_bit_for_bit() {
             if extreme {
                 extreme_blocks(ty, &mut w, &mut a, &mut rng);
             }
-            for (nr, nc) in [(rows, cols), (1, 4), (rows - 3, 7), (rows + 1, 4), (nr_max, nc_max), (2 * rows, 9)] {
+            for (nr, nc) in [(rows, cols), (1, 4), (rows - 3, 7), (rows + 1, 4), (nr_max, nc_max), (2 * rows, 9), (3, nc_max)] {
                 let mut out = vec![0.0f32; nr * nc];
                 tile(nb, &w, rb, nr, &a, ab, nc, &mut out);
                 for r in 0..nr {
@@ -127,23 +128,38 @@ fn wide_tiles_equal_single_products_bit_for_bit() {
         }
         tested += 1;
     }
-    assert_eq!(tested, 2, "the AVX-512 set has two wide tile kernels");
+    // Q4_K's GEMM and Q6_K's tiled lane tiles; Q4_0, Q5_0 and Q8_0's paired-row tiles
+    assert_eq!(tested, 5, "the AVX-512 set has five wide tile kernels");
 }
 
-/// Weights of `ty` (Q4_K or Q6_K) and Q8_K activations at the extremes of the integer sums: every code at its
-/// maximum (15, 63), scales and mins at theirs (63; Q6_K's signed scales all 127 or all -128, per block); activation
-/// quants -128 or 127 (whole blocks of one or the other, or mixed), bsums to match.
+/// Weights of `ty` and their activations at the extremes of the integer sums. Q4_K / Q6_K: every code at its
+/// maximum (15, 63), scales and mins at theirs (63; Q6_K's signed scales all 127 or all -128, per block); Q8_K
+/// activation quants -128 or 127 (whole blocks of one or the other, or mixed), bsums to match. Q4_0 / Q5_0 / Q8_0:
+/// every code at its lowest or highest (per block), Q8_0 activation quants -127 or 127 (the quantizer's range).
 fn extreme_blocks(ty: GgmlType, w: &mut [u8], a: &mut [u8], rng: &mut Rng) {
-    use crate::quant::format::{Q8_K_BYTES, QK_K};
+    use crate::quant::format::{Q8_K_BYTES, QK_K, QK_LEGACY};
     for b in w.chunks_exact_mut(ty.type_size()) {
+        let high = rng.next_u64() & 1 == 0;
         match ty {
             GgmlType::Q4_K => b[4..].fill(0xFF),
             GgmlType::Q6_K => {
                 b[..192].fill(0xFF);
-                b[192..208].fill(if rng.next_u64() & 1 == 0 { 127 } else { 0x80 });
+                b[192..208].fill(if high { 127 } else { 0x80 });
             }
+            GgmlType::Q4_0 | GgmlType::Q5_0 => b[2..].fill(if high { 0xFF } else { 0 }),
+            GgmlType::Q8_0 => b[2..].fill(if high { 127 } else { 0x80 }),
             _ => panic!("no extreme blocks written for {ty}"),
         }
+    }
+    if ty.act_type() == GgmlType::Q8_0 {
+        for b in a.chunks_exact_mut(2 + QK_LEGACY) {
+            let kind = rng.next_u64() % 3;
+            for q in &mut b[2..] {
+                let neg = kind == 0 || (kind == 2 && rng.next_u64() & 1 == 0);
+                *q = if neg { (-127i8) as u8 } else { 127 };
+            }
+        }
+        return;
     }
     for b in a.chunks_exact_mut(Q8_K_BYTES) {
         let kind = rng.next_u64() % 3;

@@ -231,7 +231,8 @@ pub(super) fn tile_fits(nb: usize, wl: usize, ws: usize, nr: usize, wb: usize, a
 macro_rules! tile_wrapper {
     ($name:ident, $single:path, $wb:expr, $ab:expr, [$(($r:literal, $c:literal) => $kernel:path),* $(,)?]) => {
         #[allow(clippy::too_many_arguments)]
-        fn $name(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
+        pub(super) fn $name(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize,
+                            out: &mut [f32]) {
             if !tile_fits(nb, w.len(), ws, nr, $wb, a.len(), as_, nc, $ab) || out.len() < nr * nc {
                 out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
                 return;

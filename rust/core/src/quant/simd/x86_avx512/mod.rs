@@ -20,13 +20,14 @@
 
 use std::cell::RefCell;
 
-use super::table::{Kernels, Orders, VecDotFn};
+use super::table::{Kernels, Orders, TileFn, VecDotFn};
 use super::vecops::VecOps;
 use super::x86_avx2::tile_fits;
-use crate::quant::format::{GgmlType, Q4_K_BYTES, Q6_K_BYTES, Q8_K_BYTES};
+use crate::quant::format::{GgmlType, Q4_0_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q6_K_BYTES, Q8_0_BYTES, Q8_K_BYTES};
 
 mod float;
 mod lanes;
+mod legacy_pairs;
 mod q4k_gemm;
 mod q6k_tiled;
 mod vecops;
@@ -67,6 +68,11 @@ pub(super) fn detect(orders: Orders) -> Option<Kernels> {
     if k.vec_dot_tile_tiled[q6_k].is_some() {
         k.vec_dot_tile_tiled[q6_k] = Some(tile_q6_k_tiled);
         k.tile_shape_tiled[q6_k] = Some(lanes::SHAPE);
+    }
+    for (ty, tile) in [(GgmlType::Q4_0, tile_q4_0_pairs as TileFn), (GgmlType::Q5_0, tile_q5_0_pairs),
+                       (GgmlType::Q8_0, tile_q8_0_pairs)] {
+        k.vec_dot_tile[ty as usize] = Some(tile);
+        k.tile_shape_plain[ty as usize] = Some((legacy_pairs::ROWS, legacy_pairs::COLS));
     }
     Some(k)
 }
@@ -115,3 +121,28 @@ macro_rules! lane_tile {
 
 lane_tile!(tile_q4_k_gemm, q4k_gemm::Q4kGemm, Q4_K_BYTES);
 lane_tile!(tile_q6_k_tiled, q6k_tiled::Q6kTiled, Q6_K_BYTES);
+
+/// A `TileFn` of the paired-row prefill tiles (`legacy_pairs`) for the format `$fmt`, with `$decode` (the AVX2 set's
+/// VNNI tile, the same bits) for one activation row: decode streams its rows from memory, where the AVX2 tiles'
+/// prefetching was measured. NaNs for a tile that does not fit its slices.
+macro_rules! pair_tile {
+    ($name:ident, $fmt:ty, $wb:expr, $decode:path) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $name(nb: usize, w: &[u8], ws: usize, nr: usize, a: &[u8], as_: usize, nc: usize, out: &mut [f32]) {
+            if nc == 1 {
+                return $decode(nb, w, ws, nr, a, as_, nc, out);
+            }
+            if !tile_fits(nb, w.len(), ws, nr, $wb, a.len(), as_, nc, Q8_0_BYTES) || out.len() < nr * nc {
+                out.iter_mut().take(nr * nc).for_each(|o| *o = f32::NAN);
+                return;
+            }
+            // SAFETY: the table holding this wrapper exists only on CPUs with the features of `available`; the
+            // tile lies within both slices (`tile_fits`) and `out` holds its `nr * nc` products.
+            unsafe { legacy_pairs::tile::<$fmt>(nb, w.as_ptr(), ws, nr, a.as_ptr(), as_, nc, out) }
+        }
+    };
+}
+
+pair_tile!(tile_q4_0_pairs, legacy_pairs::Q4_0, Q4_0_BYTES, super::x86_avx2::tile_q4_0_vnni);
+pair_tile!(tile_q5_0_pairs, legacy_pairs::Q5_0, Q5_0_BYTES, super::x86_avx2::tile_q5_0_vnni);
+pair_tile!(tile_q8_0_pairs, legacy_pairs::Q8_0, Q8_0_BYTES, super::x86_avx2::tile_q8_0_vnni);
