@@ -13,7 +13,8 @@
 //! steps as the AVX2 ones (read from the source; the greedy references of tests/data, whose prompts take both
 //! paths, agree), so those sums stay. What changes is speed: the repacked Q4_K GEMM of prefill runs 16 weight
 //! rows x 4 tokens per pass in the lanes of 512-bit VNNI products ([`q4k_gemm`]), as llama.cpp's AVX-512 build
-//! does; matmul hands it 16 x 64 tiles (`Kernels::tile_shape_gemm4`).
+//! does; matmul hands it 16 x 64 tiles (`Kernels::tile_shape_gemm4`). The Q4_0, Q5_0 and Q8_0 prefill tiles put
+//! two weight rows' eight-lane sums in the halves of each 512-bit vector ([`legacy_pairs`], 4 x 8 tiles).
 //!
 //! Every kernel is an `unsafe fn` with `#[target_feature]`, reached only through the tables [`detect`] and
 //! [`detect_vec_ops`] return after checking the features.
