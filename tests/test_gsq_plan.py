@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ninfer.errors import InvalidArgumentError
-from ninfer.gsq_plan import RESIDUAL_WEIGHT_CAP, Choice, Policy, allocate, candidates, parse_size, residual_weights
+from ninfer.gsq_plan import Choice, Policy, allocate, candidates, parse_size
 
 
 def test_size_takes_a_mixture_name_or_bits_per_weight() -> None:
@@ -52,16 +52,6 @@ def test_allocation_refuses_a_budget_below_the_smallest_layout() -> None:
     with pytest.raises(InvalidArgumentError, match="the size asks for at most 63 bytes of tensors, but the smallest "
                                                    "layout of this model takes 64"):
         allocate(_choices([[(32, 0.5)], [(32, 0.5), (64, 0.1)]]), 63)
-
-
-def test_residual_weights_are_shares_over_the_median_capped_with_a_mean_of_one() -> None:
-    shares = {"a": 0.05, "b": 0.1, "c": 0.1, "d": 0.2, "e": 50.0}  # "e": a first layer's attention
-    w = residual_weights(shares)
-    assert sum(w.values()) / len(w) == pytest.approx(1.0)
-    # relative to each other: shares over the median 0.1, "e" capped
-    assert w["a"] / w["b"] == pytest.approx(0.5) and w["d"] / w["b"] == pytest.approx(2.0)
-    assert w["e"] / w["b"] == pytest.approx(RESIDUAL_WEIGHT_CAP)
-    assert residual_weights({}) == {} and residual_weights({"a": 0.0, "b": 0.0}) == {}
 
 
 def test_candidates_drop_what_keeping_the_source_beats(gsq_source: Path) -> None:

@@ -107,32 +107,6 @@ def test_statistics_come_from_the_weights_handed_back(source: Path) -> None:
         seq.stats("blk.0.attn_norm.weight")
 
 
-def test_update_shares_measure_what_each_sublayer_writes_into_the_residual_stream(source: Path) -> None:
-    from ninfer.gsq_calibration import calibration_chunks
-    from ninfer.tokenizer import Tokenizer
-
-    mf = ModelFile(source)
-    chunks = calibration_chunks(Tokenizer.from_metadata(mf.metadata).encode(TEXT), 512, 2)
-
-    def shares(double: str | None) -> dict[str, float | None]:
-        seq = SequentialCalibration(mf, chunks, gram_max_cols=0)
-        if double:
-            seq.set_weight(double, 2 * seq._w(double))
-        seq.stats("blk.1.attn_q.weight")  # the forward pass past layer 0
-        return {n: seq.update_share(f"blk.0.{n}.weight") for n in ("attn_q", "attn_output", "ffn_up", "ffn_down")}
-
-    base = shares(None)
-    assert base["attn_q"] == base["attn_output"] > 0 and base["ffn_up"] == base["ffn_down"] > 0
-    # Layer 0's attention output doubled: its update's share of the embedding it adds to is four times as large
-    # (the median of per-token ratios scales with them); so is the feed-forward's when its down matrix doubles.
-    assert shares("blk.0.attn_output.weight")["attn_q"] == pytest.approx(4 * base["attn_q"], rel=1e-4)
-    assert shares("blk.0.ffn_down.weight")["ffn_up"] == pytest.approx(4 * base["ffn_up"], rel=1e-4)
-    seq = SequentialCalibration(mf, chunks, gram_max_cols=0)
-    assert seq.update_share("blk.0.attn_q.weight") is None  # not run yet
-    seq.stats("blk.1.attn_q.weight")
-    assert seq.update_share("blk.1.attn_q.weight") is None and seq.update_share("blk.0.attn_norm.weight") is None
-
-
 def test_sequential_conversion_writes_a_valid_file_in_forward_order(source: Path, tmp_path: Path) -> None:
     calib = tmp_path / "calib.txt"
     calib.write_text(TEXT)

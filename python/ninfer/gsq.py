@@ -292,13 +292,11 @@ def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None
         tied = "output.weight" not in names
         budget = budget_bytes(mf, size, header_bytes()) - sum(
             aligned(policy_bytes(t, fixed[t.name])) for t in mf.tensors if t.name in fixed)
-        layer_weights: dict[str, float] = {}
-        if chunks:  # (with importances from the one-pass statistics, this forward pass gives the weights alone)
-            quick, layer_weights = quick_importances(
-                mf, chunks[:: max(1, len(chunks) // MEASURE_CHUNKS)][:MEASURE_CHUNKS], log)
-            importances = importances or quick
-        chosen = allocate(measure(mf, free, tied, importances, threads=threads, log=log, token_counts=token_counts,
-                                  layer_weights=layer_weights), budget)
+        if chunks and not importances:
+            importances = quick_importances(mf, chunks[:: max(1, len(chunks) // MEASURE_CHUNKS)][:MEASURE_CHUNKS],
+                                            log)
+        chosen = allocate(measure(mf, free, tied, importances, threads=threads, log=log, token_counts=token_counts),
+                          budget)
         for t in free:
             c = chosen[t.name]
             fixed[t.name] = c.policy

@@ -5,9 +5,8 @@ measured error within the byte budget of that size for that model.
 The allocation, as ExLlamaV2's optimizer does it for its bits-per-weight targets: each tensor's candidate
 treatments (3- or 4-bit codes with 0..6 residual slots, Q2_K for the token embedding, or the source's own type)
 are measured on a sample of its rows, weighted by the inputs' mean squares over a few chunks of the calibration
-text; then one treatment per tensor is chosen to minimise the sum of the tensors' relative errors (a layer matrix's
-weighted by the share of the residual stream its sublayer writes, the output head's and the embedding's scaled by
-their measured sensitivity) under the budget
+text; then one treatment per tensor is chosen to minimise the sum of the tensors' relative errors (the output head's and
+the embedding's scaled by their measured sensitivity) under the budget
 (a Lagrangian relaxation, exact for the convex hull of each tensor's choices, then the bytes left spent greedily
 on the best error per byte). The source's type counts as exact: the budget is spent where quantizing costs most.
 """
@@ -189,7 +188,6 @@ HOT_ROWS = (32768,)
 # Qwen2.5-Coder-1.5B's KL measurements (docs/gsq-rco.md, "Size presets"): a 3-bit head cost 20-45 times the KL
 # per unit of error that 3-bit layer matrices did, a Q2_K embedding about 3 times.
 SENSITIVITY = {"output.weight": 32.0, "token_embd.weight": 3.0}
-RESIDUAL_WEIGHT_CAP = 4.0  # the most a layer matrix's error weight may be, in medians (residual_weights)
 
 
 @dataclass(frozen=True)
@@ -211,19 +209,17 @@ def sample_rows(mf: Any, t: Any, n_weights: int = MEASURE_WEIGHTS) -> np.ndarray
 
 
 def measure(mf: Any, tensors: Sequence[Any], tied: bool, importances: dict[str, np.ndarray], *, threads: int,
-            log: Callable[[str], None], token_counts: np.ndarray | None = None,
-            layer_weights: dict[str, float] | None = None) -> dict[str, list[Choice]]:
+            log: Callable[[str], None], token_counts: np.ndarray | None = None) -> dict[str, list[Choice]]:
     """Each tensor's candidate treatments with their bytes and error on sampled rows. A split embedding's error is
     its Q2_K rows' error times the share of lookups they get (cold_share over `token_counts`, the calibration
-    text's count per token id; none: every token alike). A layer matrix's cost is its error times its
-    `layer_weights` entry (residual_weights; 1 where none)."""
+    text's count per token id; none: every token alike)."""
     out: dict[str, list[Choice]] = {}
     t0 = time.perf_counter()
     for t in tensors:
         opts = candidates(t, tied)
         choices = [Choice(Policy("keep"), t.n_bytes, 0.0, 0.0)]
-        scale = SENSITIVITY.get(t.name, (layer_weights or {}).get(t.name, 1.0)) \
-            if not (tied and t.name == "token_embd.weight") else SENSITIVITY["output.weight"]  # (it is the head too)
+        scale = SENSITIVITY.get(t.name, 1.0) if not (tied and t.name == "token_embd.weight") else \
+            SENSITIVITY["output.weight"]  # (a tied embedding is the head too)
         if len(opts) > 1:
             w = sample_rows(mf, t)
             h = importances.get(t.name)
@@ -298,35 +294,14 @@ def budget_bytes(mf: Any, size: str | float, header_bytes: int) -> int:
     return int(size * sum(t.n_elements for t in mf.tensors) / 8)
 
 
-def quick_importances(mf: Any, chunks: Sequence[Sequence[int]],
-                      log: Callable[[str], None]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """From one numpy forward pass of the source model over `chunks` (gsq_sequential, without Gram matrices): every
-    matrix input's mean squares, what the size presets weigh their measurements by, and every layer matrix's
-    residual weight (residual_weights)."""
+def quick_importances(mf: Any, chunks: Sequence[Sequence[int]], log: Callable[[str], None]) -> dict[str, np.ndarray]:
+    """Every matrix input's mean squares over `chunks`, from the source model (the numpy forward pass of
+    gsq_sequential without Gram matrices): what the size presets weigh their measurements by."""
     from ninfer.gsq_sequential import SequentialCalibration
 
     t0 = time.perf_counter()
     seq = SequentialCalibration(mf, chunks, gram_max_cols=0)
     out = {name: seq.stats(name).means for name in seq.order() if seq.reads(name)}
-    shares = {name: s for name in out if (s := seq.update_share(name)) is not None}
     log(f"size preset: input statistics of {len(out)} matrices from {len(chunks)} chunks in "
         f"{time.perf_counter() - t0:.1f} s")
-    return out, residual_weights(shares)
-
-
-def residual_weights(shares: dict[str, float]) -> dict[str, float]:
-    """Each layer matrix's error weight: its sublayer's share of the residual stream (update_share), relative to
-    the other layer matrices'. A matrix's measured error is relative to its own output; what reaches the next
-    layers is that error times the share of the stream its sublayer writes, and the shares differ tenfold between
-    layers (Qwen2.5-Coder-1.5B: ffn 0.05-0.15 in the middle layers, far more in the first), so a relative error
-    costs more where the sublayer writes more. Shares are taken over the median, capped at RESIDUAL_WEIGHT_CAP (a
-    first layer writing 100 times the median needs no more than to be kept), then scaled to a mean of 1: the
-    average layer matrix keeps the scale SENSITIVITY was measured in."""
-    if not shares:
-        return {}
-    mid = float(np.median(list(shares.values())))
-    if not mid > 0:
-        return {}
-    w = {name: min(s / mid, RESIDUAL_WEIGHT_CAP) for name, s in shares.items()}
-    mean = sum(w.values()) / len(w)
-    return {name: x / mean for name, x in w.items()}
+    return out

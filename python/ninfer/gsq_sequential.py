@@ -110,7 +110,6 @@ class SequentialCalibration:
         self._next = 0
         self._q = _Stream(self._w)  # the quantized model: set_weight's values where given
         self._src = _Stream(self._source) if source_stream else None
-        self._shares: dict[str, list[np.ndarray]] = {}  # per matrix: its sublayer's per-token update shares
         self.seconds = 0.0
 
     # ---- the order ---------------------------------------------------------------------------------------
@@ -163,21 +162,6 @@ class SequentialCalibration:
                 self._stats[r] = InputStats(means, grams, cross)
             self.seconds += time.perf_counter() - t0
         return self._stats.pop(name)
-
-    def update_share(self, name: str) -> float | None:
-        """The median over the calibration tokens of |update|^2 / |residual|^2 for the sublayer `name` belongs to
-        (attention: wq, wk, wv, wo; feed-forward: gate, up, down), as the quantized stream ran it: how much of the
-        residual stream that sublayer writes, so a relative error in its matrices moves the stream by about this
-        share (known once the forward pass is past the sublayer; None before, or for other tensors)."""
-        parts = self._shares.get(name)
-        return float(np.median(np.concatenate(parts))) if parts else None
-
-    def _record_share(self, st: _Stream, update: np.ndarray, h: np.ndarray, names: list[str]) -> None:
-        if st is not self._q:
-            return
-        r = np.einsum("ij,ij->i", update, update) / np.maximum(np.einsum("ij,ij->i", h, h), np.float32(1e-30))
-        for n in names:
-            self._shares.setdefault(n, []).append(r)
 
     def set_weight(self, name: str, w: np.ndarray) -> None:
         """The values the forward pass uses for `name` from now on ([rows, row length] f32)."""
@@ -288,7 +272,6 @@ class SequentialCalibration:
         o = st.x @ st.w(ly["wo"]).T
         if ly.get("post_attn_norm"):
             o = rms_norm(o, st.w(ly["post_attn_norm"]), s["rms_eps"])
-        self._record_share(st, o, st.h, [ly["wq"], ly["wk"], ly["wv"], ly["wo"]])
         st.h += o
         st.x = rms_norm(st.h, st.w(ly["ffn_norm"]), s["rms_eps"])
         return st.x
@@ -313,7 +296,6 @@ class SequentialCalibration:
             y = st.x[t0 : t0 + TOKEN_BLOCK] @ wd.T
             if ly.get("post_ffn_norm"):
                 y = rms_norm(y, st.w(ly["post_ffn_norm"]), s["rms_eps"])
-            self._record_share(st, y, st.h[t0 : t0 + TOKEN_BLOCK], [ly["w_gate"], ly["w_up"], ly["w_down"]])
             st.h[t0 : t0 + TOKEN_BLOCK] += y
         st.x = None
         if st is self._q:  # layer il is behind both streams now: its quantized values (f32) go
