@@ -93,11 +93,19 @@ def test_a_damaged_split_embedding_is_refused_by_name(files: dict[str, Path], tm
 @needs_cuda
 def test_split_embedding_on_the_gpu_follows_the_cpu(files: dict[str, Path]) -> None:
     # The CUDA backend looks split rows up on the host (one type a device table); prompt rows and decode steps.
+    # The layer matrices are GSQ-RCO, whose GPU and CPU products differ a little (measured on an H100: 2.0e-4 over
+    # these rows); the split embedding's rows are exact on both, so it adds nothing to what the same model with a
+    # whole Q2_K embedding differs by, while a wrong row would differ by the logits' own size.
     tokens = [5, 300, 17, 700, 40, 1000]
     rows = list(range(len(tokens)))
-    cpu = ninfer.LLM(files["split"], n_ctx=64, threads=1).eval_logits(tokens, rows)
-    gpu = ninfer.LLM(files["split"], n_ctx=64, device="cuda").eval_logits(tokens, rows)
-    assert nmse(gpu, cpu) < 1e-4
+
+    def gpu_cpu_nmse(path: Path) -> float:
+        cpu = ninfer.LLM(path, n_ctx=64, threads=1).eval_logits(tokens, rows)
+        gpu = ninfer.LLM(path, n_ctx=64, device="cuda").eval_logits(tokens, rows)
+        return nmse(gpu, cpu)
+
+    split, whole = gpu_cpu_nmse(files["split"]), gpu_cpu_nmse(files["q2k"])
+    assert split < 2 * whole + 1e-6 and split < 1e-3, (split, whole)
     cpu_t, gpu_t, margins = teacher_forced(files["split"], tokens, 16)
     differ = [i for i in range(16) if gpu_t[i] != cpu_t[i]]
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]

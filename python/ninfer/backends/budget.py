@@ -108,8 +108,9 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
         n = max(k for k in range(L + 1) if k == 0 or fits(k, False))
     with_head = n == L and fits(L, True)
     weights = sum(per_layer[:n]) + (head if with_head else 0)
-    embd = 0 if spec["token_embd"] == spec["output"] else mat(spec["token_embd"])
     # (a split embedding, model/embedding.rs, is looked up on the host: the device table has one type per tensor)
-    with_embd = with_head and fits(L, True, embd) and not spec.get("embd_split")
+    split = bool(spec.get("embd_split"))
+    embd = 0 if spec["token_embd"] == spec["output"] or split else mat(spec["token_embd"])
+    with_embd = with_head and fits(L, True, embd) and not split
     weights += embd if with_embd else 0
     return MemoryPlan(L, n, with_head, weights, n * kv_layer, buffers, budget, with_embd)

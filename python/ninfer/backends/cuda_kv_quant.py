@@ -106,7 +106,7 @@ class QuantKv:
         group = n_head // n_kv
         store = function(f"kv_quant_store_k{kk}v{vk}")
         attend = function(f"attention_quant_k{kk}v{vk}_hd{hd}_g{group}")
-        merge = function("attention_quant_merge")
+        merge = function(f"attention_quant_merge_hd{hd}_g{group}")  # (in the same module as attend)
         k_rows, v_rows = self.k_rows.data.ptr, self.v_rows.data.ptr
         ls = s["layers"][il]
         params = np.zeros(1, QATTN_PARAMS)[0]
