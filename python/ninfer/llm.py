@@ -14,7 +14,7 @@ from __future__ import annotations
 import numbers
 import os
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -488,7 +488,12 @@ def _spec_override(speculative: Any) -> bool | SpecConfig:
     raise InvalidArgumentError(f"speculative must be True, False, a SpecConfig or a dict, got {speculative!r}")
 
 
-def _chain_first(first: str | None, rest: Iterator[str]) -> Iterator[str]:
-    if first is not None:
-        yield first
-    yield from rest
+def _chain_first(first: str | None, rest: Generator[str, None, None]) -> Iterator[str]:
+    # Closed after the first piece (a caller that stops reading), `rest` has not been entered by `yield from`, so
+    # closing this generator would not reach it: its request would run on until the garbage collector found it.
+    try:
+        if first is not None:
+            yield first
+        yield from rest
+    finally:
+        rest.close()
