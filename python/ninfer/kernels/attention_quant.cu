@@ -71,6 +71,17 @@ __device__ void attend_quant(const QAttnParams& P) {
     const int kbeg = P.window > 0 ? max(0, p + 1 - P.window) : 0, kend = p + 1;
     const int per = (((kend - kbeg) + n_split - 1) / n_split + 31) & ~31;
     const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
+    if (s0 >= s1) {  // no keys (the grid is sized for the longest context): an empty part for the merge
+        for (int h = warp; h < NG; h += QATT_WARPS) {
+            float* dst = P.part + (((long long)row * P.n_head + g * NG + h) * n_split + split) * (2 + HD);
+            if (lane == 0) {
+                dst[0] = -INFINITY;
+                dst[1] = 0.0f;
+            }
+            for (int i = lane; i < HD; i += WARP) dst[2 + i] = 0.0f;
+        }
+        return;
+    }
 
     for (int h = warp; h < NG; h += QATT_WARPS) {
         const float* src = P.q + ((long long)row * P.n_head + g * NG + h) * HD;
@@ -99,6 +110,8 @@ __device__ void attend_quant(const QAttnParams& P) {
         for (int i = 0; i < VL; ++i) acc[h][i] = 0.0f;
     }
     const long long kv_stride = (long long)P.n_head_kv * P.page_size;  // cells a page
+    int last_pa = -1, last_pb = -1;  // the pages of the warp's last tile and their q·offset (a page spans tiles)
+    float last_da[NG], last_db[NG];
     for (int t0 = s0 + 32 * warp; t0 < s1; t0 += 32 * QATT_WARPS) {
         const int key = t0 + lane;
         const bool live = key < s1;
@@ -108,19 +121,24 @@ __device__ void attend_quant(const QAttnParams& P) {
         // q·offset of the tile's pages (a page holds at least 32 keys: one or two pages a tile)
         const int pa = table[t0 / P.page_size], pb = table[min(t0 + 31, s1 - 1) / P.page_size];
         float off[NG];
+        if (pa != last_pa || pb != last_pb) {
 #pragma unroll
-        for (int h = 0; h < NG; ++h) {
-            const float* oa = P.k_offsets + ((long long)pa * P.n_head_kv + g) * HD;
-            const float* ob = P.k_offsets + ((long long)pb * P.n_head_kv + g) * HD;
-            float da = 0.0f, db = 0.0f;
-            for (int i = lane; i < HD; i += WARP) {
-                da = fmaf(qf[h][i], oa[i], da);
-                db = fmaf(qf[h][i], ob[i], db);
+            for (int h = 0; h < NG; ++h) {
+                const float* oa = P.k_offsets + ((long long)pa * P.n_head_kv + g) * HD;
+                const float* ob = P.k_offsets + ((long long)pb * P.n_head_kv + g) * HD;
+                float da = 0.0f, db = 0.0f;
+                for (int i = lane; i < HD; i += WARP) {
+                    da = fmaf(qf[h][i], oa[i], da);
+                    db = fmaf(qf[h][i], ob[i], db);
+                }
+                last_da[h] = warp_sum(da);
+                last_db[h] = warp_sum(db);
             }
-            da = warp_sum(da);
-            db = warp_sum(db);
-            off[h] = page == pa ? da : db;
+            last_pa = pa;
+            last_pb = pb;
         }
+#pragma unroll
+        for (int h = 0; h < NG; ++h) off[h] = page == pa ? last_da[h] : last_db[h];
         float dot[NG];
 #pragma unroll
         for (int h = 0; h < NG; ++h) dot[h] = 0.0f;
@@ -159,8 +177,13 @@ __device__ void attend_quant(const QAttnParams& P) {
             const u8* vc = P.v_codes + cj * VCB;
             const u16* vs = P.v_scales + cj * NB;
             float v[VL];
+            if (VL % 4 == 0) {  // (one word of codes and one scale for four elements)
 #pragma unroll
-            for (int i = 0; i < VL; ++i) v[i] = kvq_elem<VT>(vc, vs, lane * VL + i);
+                for (int i = 0; i < VL; i += 4) kvq_elems4<VT>(vc, vs, lane * VL + i, v + i);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VL; ++i) v[i] = kvq_elem<VT>(vc, vs, lane * VL + i);
+            }
 #pragma unroll
             for (int h = 0; h < NG; ++h) {
                 const float pj = pt[warp][h][j];
