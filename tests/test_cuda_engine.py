@@ -177,3 +177,25 @@ def test_decode_with_programmatic_dependent_launches_equals_plain_launches(tmp_p
         runs[pdl] = toks
         eng.close()
     assert runs["1"] == runs["0"]
+
+
+@needs_cuda
+def test_profiled_decode_steps_time_each_kind_and_layer(tmp_path: Path) -> None:
+    """`ninfer bench --profile` on the GPU: profiled steps run the launches one by one with CUDA events between
+    them; their times add up per kind and per layer, and the tokens are those of the captured steps."""
+    path = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "Q4_K_M", n_layer=2, seed=4)
+    greedy = _core.Sampler(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=0)
+
+    def steps(profiling: bool) -> tuple[list[int], dict[str, float], list[float]]:
+        eng = ninfer.LLM(path, n_ctx=256, device="cuda").backend
+        eng.set_profiling(profiling)
+        eng.reset_profile()
+        out = [int(np.argmax(eng.prefill(0, [5, 6, 7, 8], 64)))]
+        out += [eng.step(0, out[-1], greedy) for _ in range(4)]
+        return out, eng.profile(), eng.layer_profile()
+
+    plain, _, _ = steps(False)
+    profiled, prof, layers = steps(True)
+    assert profiled == plain
+    assert prof["matmul"] > 0 and prof["attention"] > 0 and len(layers) == 3 and all(t > 0 for t in layers)
+    assert sum(layers) == pytest.approx(sum(v for k, v in prof.items() if k != "forward_calls"), rel=1e-6)

@@ -60,7 +60,7 @@ class DecodeGraphs:
                 events.append(ev)
         events[-1].synchronize()
         self.last_op_times = []
-        for (kind, layer, _), a, b in zip(ops, events, events[1:]):
+        for (kind, layer, _), a, b in zip(launches, events, events[1:]):
             dt = cp.cuda.get_elapsed_time(a, b) / 1e3
             self.prof[kind] += dt
             self.prof_layers[layer if layer >= 0 else self.n_gpu] += dt
