@@ -22,7 +22,7 @@ mod gsq;
 mod kquants;
 mod legacy;
 mod orders;
-mod prims;
+pub(super) mod prims;
 mod steps;
 pub(super) mod vecops;
 

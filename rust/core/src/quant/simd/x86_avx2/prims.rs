@@ -39,7 +39,7 @@ pub(super) unsafe fn load128(p: *const u8) -> __m128i {
 /// (measured: 3x slower Q4_1 dots).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
+pub(in crate::quant::simd) unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(f16x4_at(p))
 }
 
@@ -57,7 +57,7 @@ pub(super) unsafe fn f16_at_tail(p: *const u8) -> f32 {
 /// `vpinsrw` into whatever register it likes (the false dependency described at [`f16_at`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn f16x4_at(p: *const u8) -> __m128 {
+pub(in crate::quant::simd) unsafe fn f16x4_at(p: *const u8) -> __m128 {
     let r: __m128;
     std::arch::asm!(
         "vcvtph2ps {r}, qword ptr [{p}]",
@@ -80,7 +80,7 @@ pub(super) unsafe fn put_f16(p: *mut u8, v: f32) {
 /// `hsum_float_8`: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn hsum_float_8(x: __m256) -> f32 {
+pub(in crate::quant::simd) unsafe fn hsum_float_8(x: __m256) -> f32 {
     let mut res = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
     res = _mm_add_ps(res, _mm_movehl_ps(res, res));
     res = _mm_add_ss(res, _mm_movehdup_ps(res));

@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::x86_avx2::prims::{f16_at, hsum_float_8};
 use crate::quant::format::{Q4_0_BYTES, Q5_0_BYTES, Q8_0_BYTES};
 
 /// A symmetric 32-element block format: its codes plus `OFFSET` as unsigned bytes.
@@ -86,23 +87,6 @@ unsafe fn halves(a: *const u8, b: *const u8) -> __m512 {
     _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(two))
 }
 
-/// The little-endian IEEE half at `p`, as f32 (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
-unsafe fn half(p: *const u8) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from((p as *const u16).read_unaligned()))))
-}
-
-/// llama.cpp's `hsum_float_8`: ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")]
-unsafe fn hsum_float_8(x: __m256) -> f32 {
-    let mut res = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
-    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
-    res = _mm_add_ss(res, _mm_movehdup_ps(res));
-    _mm_cvtss_f32(res)
-}
-
 /// Bytes ahead of the current block that each weight row is prefetched (into L2), as the AVX2 tiles do.
 const PREFETCH_AHEAD: usize = 256;
 
@@ -134,7 +118,7 @@ unsafe fn pair_tile<F: PairBlock, const P: usize, const C: usize>(
             let qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.add(2) as *const __m256i));
             // -OFFSET x each lane's four quants: where the unsigned codes' products start from.
             let base = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, qy));
-            let dy = _mm512_set1_ps(half(yb));
+            let dy = _mm512_set1_ps(f16_at(yb));
             for p in 0..P {
                 let lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(base, codes[p], qy));
                 acc[p][c] = _mm512_fmadd_ps(_mm512_mul_ps(dx[p], dy), lanes, acc[p][c]);
