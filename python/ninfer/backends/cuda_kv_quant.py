@@ -6,12 +6,13 @@ A layer's pools: codes [page][kv_head][PAGE][code bytes] and f16 scales [page][k
 and V, the K offsets [page][n_head_kv * head_dim] f32, and the layer's latest offset (the mean key of the last
 prompt batch that began a page with OFFSET_MIN_ROWS rows or more, which pages begun with fewer take).
 
-Decode and prompts alike: rope_kv writes the query and the rotated K and V rows (f32), kv_quant_store quantizes
-them into the pools (a prompt's pages get their offsets first). A decode step then runs attention_quant (scores from
-the codes, split over the keys) and attention_quant_merge (the splits combined, the output rotated back). A prompt
-batch, whose rows would each read every key, widens the sequence's keys so far into a layer's f16 scratch pools
-(kv_widen: keys with their offsets added back, in the rotated basis) and runs TinyFlash's f16 prompt kernel over
-them between two rotate_rows (the queries into the basis, the output back)."""
+Decode and prompts alike: rope_kv writes the query and the rotated K and V rows (f32). A decode step then runs
+attention_quant, one launch: the block whose key share holds the new position stores its rows into the pools, the
+scores come from the codes, split over the keys, and the last block of each KV head merges the splits and rotates
+the output back. A prompt batch stores its rows with kv_quant_store (its pages get their offsets first) and, since
+its rows would each read every key, widens the sequence's keys so far into a layer's f16 scratch pools (kv_widen:
+keys with their offsets added back, in the rotated basis) and runs TinyFlash's f16 prompt kernel over them between
+two rotate_rows (the queries into the basis, the output back)."""
 
 from __future__ import annotations
 
@@ -30,15 +31,16 @@ QUANT_KINDS = {"q8_0": 8, "q4_0": 4}
 BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # Rows of one page written at once from which their mean becomes the page's K offset (the CPU's OFFSET_MIN_ROWS).
 OFFSET_MIN_ROWS = 16
-# Keys a decode split of attention_quant takes at least (fewer splits for shorter caches), and the most splits.
-QUANT_SPLIT_KEYS = 512
-QUANT_MAX_SPLIT = 64
+# Keys a decode split of attention_quant takes at least (the kernel's 32 a warp), and the most splits (the
+# kernel's QATT_MAX_SPLIT: its merge's weights in shared memory).
+QUANT_SPLIT_KEYS = 128
+QUANT_MAX_SPLIT = 128
 
 # struct QAttnParams in kernels/attention_quant.cu (C layout: align=True).
 QATTN_PARAMS = np.dtype(
-    [(k, "<u8") for k in ("q", "k_codes", "k_scales", "k_offsets", "v_codes", "v_scales", "page_tables", "row_seq",
-                          "pos", "part")]
-    + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "k_type", "v_type", "pad")]
+    [(k, "<u8") for k in ("q", "k_rows", "v_rows", "k_latest", "k_codes", "k_scales", "k_offsets", "v_codes",
+                          "v_scales", "page_tables", "row_seq", "pos", "part", "tickets", "out")]
+    + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "pad")]
     + [("scale", "<f4"), ("pad2", "<i4")], align=True)
 
 
@@ -85,8 +87,11 @@ class QuantKv:
         self.k_latest = [cp.zeros(n_kv * hd, cp.float32) for _ in range(self.n_gpu)]
         self.k_rows = cp.zeros((T, n_kv * hd), cp.float32)
         self.v_rows = cp.zeros((T, n_kv * hdv), cp.float32)
-        self.quant_split = max(1, min(QUANT_MAX_SPLIT, -(-self.n_ctx // QUANT_SPLIT_KEYS)))
+        # key splits of decode attention: two blocks an SM over the KV heads, as long contexts fill them
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.quant_split = max(1, min(QUANT_MAX_SPLIT, -(-self.n_ctx // QUANT_SPLIT_KEYS), 2 * sms // n_kv))
         self.quant_part = cp.zeros(self.quant_split * s["n_head"] * (2 + hdv), cp.float32)
+        self.quant_tickets = cp.zeros(n_kv, cp.int32)  # (a decode step's one row; each merge resets its own)
         # one layer's keys and values in f16, for prompt batches (the f16 cache's size over the layers)
         self.k16 = cp.zeros((*shape, hd), cp.uint16)
         self.v16 = cp.zeros((*shape, hdv), cp.uint16)
@@ -97,44 +102,40 @@ class QuantKv:
 
     def _quant_attention(self, il: int, rows: int, table: int, n_split: int, rope: Callable[[int, int], None],
                          offsets: Callable[[], None] | None = None) -> list[Callable[[], None]]:
-        """The launches of one decode step's attention over the quantized cache for `rows` query rows at self.pos:
-        `rope(k_rows, v_rows)` (rope_kv writing q to self.q_rot and the rotated K/V rows), the store (a row at a
-        page's first slot gives the page the latest offset), attention, merge. Output in self.att."""
+        """The launches of one layer's attention over the quantized cache for `rows` query rows at self.pos:
+        `rope(k_rows, v_rows)` (rope_kv writing q to self.q_rot and the rotated K/V rows), then for a decode row
+        (rows == 1, no `offsets`) attention_quant, which stores the row too (output in self.att); for a prompt
+        batch its pages' `offsets` and the store."""
         s = self.spec
         kk, vk = self.quant_kv
         hd, n_kv, n_head = s["head_dim"], s["n_head_kv"], s["n_head"]
         group = n_head // n_kv
         store = function(f"kv_quant_store_k{kk}v{vk}")
-        attend = function(f"attention_quant_k{kk}v{vk}_hd{hd}_g{group}")
-        merge = function(f"attention_quant_merge_hd{hd}_g{group}")  # (in the same module as attend)
         k_rows, v_rows = self.k_rows.data.ptr, self.v_rows.data.ptr
-        ls = s["layers"][il]
-        params = np.zeros(1, QATTN_PARAMS)[0]
-        for k, v in dict(q=self.q_rot.data.ptr, k_codes=self.k_pools[il].data.ptr,
-                         k_scales=self.k_scales[il].data.ptr, k_offsets=self.k_offsets[il].data.ptr,
-                         v_codes=self.v_pools[il].data.ptr, v_scales=self.v_scales[il].data.ptr,
-                         page_tables=table, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
-                         part=self.quant_part.data.ptr, table_stride=self.max_pages,
-                         window=ls.get("sliding_window") or 0, n_head=n_head, n_head_kv=n_kv,
-                         page_size=self.page_size, k_type=kk, v_type=vk, scale=s["attn_scale"]).items():
-            params[k] = v
-        store_args = (u64(k_rows), u64(v_rows), u64(self.pos.data.ptr), i32(n_kv), i32(hd), i32(s["head_dim_v"]),
-                      u64(self.k_pools[il].data.ptr), u64(self.k_scales[il].data.ptr),
-                      u64(self.v_pools[il].data.ptr), u64(self.v_scales[il].data.ptr),
-                      u64(self.k_offsets[il].data.ptr), u64(self.k_latest[il].data.ptr), i32(int(offsets is None)),
-                      u64(table), i32(self.page_size))
-        smem = 4 * 2 * max(hd, s["head_dim_v"])
-        out = self.att.data.ptr
-        if offsets:  # a prompt batch: its pages' offsets, the store, then the f16 prompt kernel
+        if offsets:  # a prompt batch: its pages' offsets, the store, then (the caller) the f16 prompt kernel
+            store_args = (u64(k_rows), u64(v_rows), u64(self.pos.data.ptr), i32(n_kv), i32(hd), i32(s["head_dim_v"]),
+                          u64(self.k_pools[il].data.ptr), u64(self.k_scales[il].data.ptr),
+                          u64(self.v_pools[il].data.ptr), u64(self.v_scales[il].data.ptr),
+                          u64(self.k_offsets[il].data.ptr), u64(self.k_latest[il].data.ptr), i32(0), u64(table),
+                          i32(self.page_size))
+            smem = 4 * 2 * max(hd, s["head_dim_v"])
             return [lambda: rope(k_rows, v_rows), offsets,
                     lambda: launch.kernel(store, (rows, n_kv), (64,), store_args, shared_mem=smem)]
-        return [
-            lambda: rope(k_rows, v_rows),
-            lambda: launch.kernel(store, (rows, n_kv), (64,), store_args, shared_mem=smem),
-            lambda: launch.kernel(attend, (n_split, n_kv, rows), (128,), (params,)),
-            lambda: launch.kernel(merge, (n_head, rows), (32,), (u64(self.quant_part.data.ptr), i32(n_head),
-                                                                 i32(n_split), i32(s["head_dim_v"]), u64(out))),
-        ]
+        if rows != 1:
+            raise ValueError("attention_quant stores one decode row a launch")
+        attend = function(f"attention_quant_k{kk}v{vk}_hd{hd}_g{group}")
+        ls = s["layers"][il]
+        params = np.zeros(1, QATTN_PARAMS)[0]
+        for k, v in dict(q=self.q_rot.data.ptr, k_rows=k_rows, v_rows=v_rows, k_latest=self.k_latest[il].data.ptr,
+                         k_codes=self.k_pools[il].data.ptr, k_scales=self.k_scales[il].data.ptr,
+                         k_offsets=self.k_offsets[il].data.ptr, v_codes=self.v_pools[il].data.ptr,
+                         v_scales=self.v_scales[il].data.ptr, page_tables=table, row_seq=self.row_seq.data.ptr,
+                         pos=self.pos.data.ptr, part=self.quant_part.data.ptr, tickets=self.quant_tickets.data.ptr,
+                         out=self.att.data.ptr, table_stride=self.max_pages, window=ls.get("sliding_window") or 0,
+                         n_head=n_head, n_head_kv=n_kv, page_size=self.page_size, scale=s["attn_scale"]).items():
+            params[k] = v
+        return [lambda: rope(k_rows, v_rows),
+                lambda: launch.kernel(attend, (n_split, n_kv, rows), (128,), (params,), dependent=True)]
 
     def _quant_prompt_offsets(self, il: int, seq: int, start: int, T: int) -> None:
         """The K offsets of the pages the prompt rows start..start+T of `seq` begin (before their store), as the

@@ -87,7 +87,7 @@ def function(name: str):
     m = re.fullmatch(r"attention(?:_step)?_hd(\d+)_g(\d+)", name)
     if m:
         return _attention_module(int(m[1]), int(m[2])).get_function(name)
-    m = re.fullmatch(r"(attention_quant_(?:k\dv\d|merge))_hd(\d+)_g(\d+)", name)
+    m = re.fullmatch(r"(attention_quant_k\dv\d)_hd(\d+)_g(\d+)", name)
     if m:
         return _quant_attention_module(int(m[2]), int(m[3])).get_function(m[1])
     return module().get_function(name)

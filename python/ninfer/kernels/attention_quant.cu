@@ -1,14 +1,19 @@
-// Attention over the quantized KV cache (kv_quant.cu's pools), for decode rows and prompt rows alike, as the CPU's
-// attend_range computes it (rust/core/src/cpu/attention.rs): the query Hadamard-rotated into the keys' basis and
-// quantized to q8_0, each score the integer block dot products scaled by both blocks' f16 scales plus q·offset of
-// the key's page (in f32), times the attention scale; f32 online softmax; values dequantized and accumulated in f32.
-// The output is rotated back by attention_quant_merge.
+// Attention of decode rows over the quantized KV cache (kv_quant.cu's pools), as the CPU's attend_range computes
+// it (rust/core/src/cpu/attention.rs): the query Hadamard-rotated into the keys' basis and quantized to q8_0, each
+// score the integer block dot products scaled by both blocks' f16 scales plus q·offset of the key's page (in f32),
+// times the attention scale; f32 online softmax; values dequantized and accumulated in f32; the output rotated back.
 //
+// One launch a layer after rope_kv (which leaves the roped query and the new token's rotated K and V rows in f32).
 // Grid (n_split, n_head_kv, rows), QATT_WARPS warps a block, QATT_HD and QATT_NG (head size, query heads per KV
 // head) fixed at compile time (backends/kernels.py builds a module per pair). Each block takes an equal share of
-// its row's keys, in 32-key tiles a warp, a lane a key for the scores and a lane a slice of the head for the
-// values; its (max, sum, unnormalized output) per query head goes to `part`, and attention_quant_merge combines
-// the splits. Lengths come from device memory (pos), so a captured decode step serves any length.
+// its row's keys, whole 32-key tiles and at least one a warp (splits past the keys exit at once). The block whose
+// share holds the new position first stores that token's K and V (kv_quant_store's work), so its own reads see
+// them; the other shares read other cells (a page the new token begins holds no other key yet). Scores: a lane a
+// key. Values: a lane DPL elements of one key, 32 / (HD / DPL) keys at once. With one split in use the block
+// writes the output; otherwise each block leaves its (max, sum, unnormalized output) per query head in `part`,
+// and the last block of its (row, KV head) to finish (an atomic ticket, which it resets) combines them by
+// log-sum-exp. Each row is its own sequence; lengths come from device memory (pos), so a captured decode step
+// serves any length.
 
 #ifndef QATT_HD
 #define QATT_HD 128
@@ -17,19 +22,26 @@
 #define QATT_NG 1
 #endif
 #define QATT_WARPS 4
+// The most key splits the merge takes (its weights in shared memory): cuda_kv_quant.py QUANT_MAX_SPLIT.
+#define QATT_MAX_SPLIT 128
 
-struct QAttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py QATTN_PARAMS
-    const float* q;  // roped, scaled queries [rows][n_head][HD] (rope_kv's q_out)
-    const u8* k_codes;
-    const u16* k_scales;
-    const float* k_offsets;
-    const u8* v_codes;
-    const u16* v_scales;
+struct QAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_quant.py QATTN_PARAMS
+    const float* q;         // roped, scaled queries [rows][n_head][HD] (rope_kv's q_out)
+    const float* k_rows;    // the new tokens' rotated K rows [rows][n_head_kv][HD] (rope_kv's k_rows)
+    const float* v_rows;    // and V rows
+    const float* k_latest;  // the layer's latest K offset [n_head_kv][HD]
+    u8* k_codes;
+    u16* k_scales;
+    float* k_offsets;
+    u8* v_codes;
+    u16* v_scales;
     const int* page_tables;
     const int* row_seq;
     const int* pos;
-    float* part;  // [rows][n_head][n_split][2 + HD]
-    int table_stride, window, n_head, n_head_kv, page_size, k_type, v_type, pad;
+    float* part;   // [rows][n_head][n_split][2 + HD]
+    int* tickets;  // [rows][n_head_kv], zero between launches
+    float* out;    // [rows][n_head][HD]
+    int table_stride, window, n_head, n_head_kv, page_size, pad;
     float scale;
     int pad2;
 };
@@ -54,34 +66,83 @@ __device__ __forceinline__ void load_k_block(const u8* codes, int w[8]) {
     }
 }
 
+// Elements e0 .. e0 + N - 1 of a stored V row, dequantized as kvq_elem does each: with N = 16 (e0 a multiple of 16:
+// half a block) one 16-byte load of codes and one scale.
+template <int TYPE, int N>
+__device__ __forceinline__ void load_v(const u8* codes, const u16* scales, int e0, float v[N]) {
+    if (N == 16) {
+        const float d = h2f(scales[e0 >> 5]);
+        const int4 a = *(const int4*)(codes + (TYPE == KVQ_Q8 ? e0 : (e0 >> 5) * 16));
+        const u32 w[4] = {(u32)a.x, (u32)a.y, (u32)a.z, (u32)a.w};
+        const int shift = (e0 & 16) ? 4 : 0;  // (q4_0: the block's second half is the high nibbles)
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const u32 byte = w[i >> 2] >> (8 * (i & 3));
+            v[i] = TYPE == KVQ_Q8 ? d * (float)(i8)byte : d * (float)((int)((byte >> shift) & 15) - 8);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = kvq_elem<TYPE>(codes, scales, e0 + i);
+    }
+}
+
+// The new token's rotated K and V rows into the pools at position p, as kv_quant_store does a decode row: warp 0 the
+// key less its page's offset (a row at a page's first slot gives the page the layer's latest offset), warp 1 the
+// value. `buf`: 2 * HD floats of shared memory.
+template <int KT, int VT>
+__device__ void store_new_row(const QAttnParams& P, int row, int g, int p, const int* table, float* buf) {
+    constexpr int HD = QATT_HD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int page = table[p / P.page_size], off = p % P.page_size;
+    const long long cell = ((long long)page * P.n_head_kv + g) * P.page_size + off;
+    const int kd = P.n_head_kv * HD;
+    float* v = buf + warp * HD;
+    if (warp == 0) {
+        float* po = P.k_offsets + (long long)page * kd + g * HD;
+        const float* src = P.k_rows + (long long)row * kd + g * HD;
+        for (int i = lane; i < HD; i += WARP) {
+            if (off == 0) po[i] = P.k_latest[g * HD + i];
+            v[i] = __fsub_rn(src[i], po[i]);  // (each lane reads back only what it wrote)
+        }
+        __syncwarp();
+        warp_store_row<KT>(v, HD, P.k_codes + cell * (KT == KVQ_Q8 ? HD : HD / 2), P.k_scales + cell * (HD / 32));
+    } else if (warp == 1) {
+        const float* src = P.v_rows + (long long)row * kd + g * HD;
+        for (int i = lane; i < HD; i += WARP) v[i] = src[i];
+        __syncwarp();
+        warp_store_row<VT>(v, HD, P.v_codes + cell * (VT == KVQ_Q8 ? HD : HD / 2), P.v_scales + cell * (HD / 32));
+    }
+}
+
 template <int KT, int VT>
 __device__ void attend_quant(const QAttnParams& P) {
-    constexpr int HD = QATT_HD, NG = QATT_NG, NB = HD / 32, VL = HD / 32;
+    constexpr int HD = QATT_HD, NG = QATT_NG, NB = HD / 32;
     constexpr int KCB = KT == KVQ_Q8 ? HD : HD / 2, VCB = VT == KVQ_Q8 ? HD : HD / 2;
-    __shared__ float qf[NG][HD];               // the rotated query, f32 (for q·offset)
+    // values: DPL elements of one key a lane (16, one load, where HD / 16 lanes tile a warp), KG keys at once
+    constexpr int DPL = (HD % 16 == 0 && 32 % (HD / 16) == 0) ? 16 : HD / 32;
+    constexpr int LPK = HD / DPL, KG = 32 / LPK;
+    __shared__ float qf[NG][HD];               // the rotated query, f32 (for q·offset); then the output
     __shared__ int qc[NG][HD / 4];             // its q8_0 codes, 4 a word
     __shared__ float qd[NG][NB];               // and their scales (f16-rounded)
     __shared__ float pt[QATT_WARPS][NG][32];   // a tile's probabilities
     __shared__ float wml[QATT_WARPS][NG][2];
-    __shared__ float wacc[QATT_WARPS][NG][HD];
+    __shared__ float wacc[QATT_WARPS][NG][HD];  // (first the stored rows' scratch)
+    // the merge's split weights [warp][QATT_MAX_SPLIT]: in pt where it is large enough (it is free by then)
+    constexpr bool WSP_IN_PT = NG * 32 >= QATT_MAX_SPLIT;
+    __shared__ float wsp_own[WSP_IN_PT ? 1 : QATT_WARPS * QATT_MAX_SPLIT];
+    __shared__ int last_block;
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    grid_dep_launch();
+    grid_dep_wait();
     const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
     const int p = P.pos[row];
     const int kbeg = P.window > 0 ? max(0, p + 1 - P.window) : 0, kend = p + 1;
-    const int per = (((kend - kbeg) + n_split - 1) / n_split + 31) & ~31;
+    const int per = max((((kend - kbeg) + n_split - 1) / n_split + 31) & ~31, 32 * QATT_WARPS);
+    const int n_used = (kend - kbeg + per - 1) / per;
+    if (split >= n_used) return;
     const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
-    if (s0 >= s1) {  // no keys (the grid is sized for the longest context): an empty part for the merge
-        for (int h = warp; h < NG; h += QATT_WARPS) {
-            float* dst = P.part + (((long long)row * P.n_head + g * NG + h) * n_split + split) * (2 + HD);
-            if (lane == 0) {
-                dst[0] = -INFINITY;
-                dst[1] = 0.0f;
-            }
-            for (int i = lane; i < HD; i += WARP) dst[2 + i] = 0.0f;
-        }
-        return;
-    }
+    if (split == n_used - 1) store_new_row<KT, VT>(P, row, g, p, table, &wacc[0][0][0]);
 
     for (int h = warp; h < NG; h += QATT_WARPS) {
         const float* src = P.q + ((long long)row * P.n_head + g * NG + h) * HD;
@@ -101,14 +162,15 @@ __device__ void attend_quant(const QAttnParams& P) {
     }
     __syncthreads();
 
-    float m[NG], s[NG], acc[NG][VL];
+    float m[NG], s[NG], acc[NG][DPL];
 #pragma unroll
     for (int h = 0; h < NG; ++h) {
         m[h] = -INFINITY;
         s[h] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < VL; ++i) acc[h][i] = 0.0f;
+        for (int i = 0; i < DPL; ++i) acc[h][i] = 0.0f;
     }
+    const int kg = lane / LPK, e0 = (lane % LPK) * DPL;  // this lane's key of KG and its elements
     const long long kv_stride = (long long)P.n_head_kv * P.page_size;  // cells a page
     int last_pa = -1, last_pb = -1;  // the pages of the warp's last tile and their q·offset (a page spans tiles)
     float last_da[NG], last_db[NG];
@@ -166,44 +228,48 @@ __device__ void attend_quant(const QAttnParams& P) {
             s[h] = fmaf(s[h], ms, warp_sum(pj));
             m[h] = m_new;
 #pragma unroll
-            for (int i = 0; i < VL; ++i) acc[h][i] *= ms;
+            for (int i = 0; i < DPL; ++i) acc[h][i] *= ms;
             pt[warp][h][lane] = pj;
         }
         __syncwarp();
-        // values: lane owns elements lane * VL .. lane * VL + VL - 1 of every key of the tile
+        // values: KG keys of the tile at once, each lane DPL elements of its key
         const int n_keys = min(32, s1 - t0);
-        for (int j = 0; j < n_keys; ++j) {
+        for (int j0 = 0; j0 < n_keys; j0 += KG) {
+            const int j = j0 + kg;
             const long long cj = __shfl_sync(0xffffffffu, cell, j);
-            const u8* vc = P.v_codes + cj * VCB;
-            const u16* vs = P.v_scales + cj * NB;
-            float v[VL];
-            if (VL % 4 == 0) {  // (one word of codes and one scale for four elements)
+            if (j < n_keys) {
+                float v[DPL];
+                load_v<VT, DPL>(P.v_codes + cj * VCB, P.v_scales + cj * NB, e0, v);
 #pragma unroll
-                for (int i = 0; i < VL; i += 4) kvq_elems4<VT>(vc, vs, lane * VL + i, v + i);
-            } else {
+                for (int h = 0; h < NG; ++h) {
+                    const float pj = pt[warp][h][j];
 #pragma unroll
-                for (int i = 0; i < VL; ++i) v[i] = kvq_elem<VT>(vc, vs, lane * VL + i);
-            }
-#pragma unroll
-            for (int h = 0; h < NG; ++h) {
-                const float pj = pt[warp][h][j];
-#pragma unroll
-                for (int i = 0; i < VL; ++i) acc[h][i] = fmaf(v[i], pj, acc[h][i]);
+                    for (int i = 0; i < DPL; ++i) acc[h][i] = fmaf(v[i], pj, acc[h][i]);
+                }
             }
         }
         __syncwarp();
     }
-    // merge the warps: each leaves (max, sum) and its output, warp 0 combines
+    // the KG key groups' sums meet in the lanes of the first; each warp leaves (max, sum) and its output
+#pragma unroll
+    for (int o = LPK; o < 32; o <<= 1)
+#pragma unroll
+        for (int h = 0; h < NG; ++h)
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], o);
 #pragma unroll
     for (int h = 0; h < NG; ++h) {
         if (lane == 0) {
             wml[warp][h][0] = m[h];
             wml[warp][h][1] = s[h];
         }
+        if (kg == 0) {
 #pragma unroll
-        for (int i = 0; i < VL; ++i) wacc[warp][h][lane * VL + i] = acc[h][i];
+            for (int i = 0; i < DPL; ++i) wacc[warp][h][e0 + i] = acc[h][i];
+        }
     }
     __syncthreads();
+    // the block's result per query head: the output itself (one split) or its partial
     for (int h = warp; h < NG; h += QATT_WARPS) {
         float mm = -INFINITY;
         for (int w = 0; w < QATT_WARPS; ++w) mm = fmaxf(mm, wml[w][h][0]);
@@ -211,7 +277,7 @@ __device__ void attend_quant(const QAttnParams& P) {
         for (int w = 0; w < QATT_WARPS; ++w)
             if (wml[w][h][0] != -INFINITY) ss += wml[w][h][1] * expf(wml[w][h][0] - mm);
         float* dst = P.part + (((long long)row * P.n_head + g * NG + h) * n_split + split) * (2 + HD);
-        if (lane == 0) {
+        if (lane == 0 && n_used > 1) {
             dst[0] = mm;
             dst[1] = ss;
         }
@@ -219,8 +285,50 @@ __device__ void attend_quant(const QAttnParams& P) {
             float a = 0.0f;
             for (int w = 0; w < QATT_WARPS; ++w)
                 if (wml[w][h][0] != -INFINITY) a += wacc[w][h][i] * expf(wml[w][h][0] - mm);
-            dst[2 + i] = a;
+            if (n_used > 1) dst[2 + i] = a;
+            else qf[h][i] = ss > 0.0f ? a / ss : 0.0f;
         }
+    }
+    if (n_used > 1) {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* ticket = P.tickets + row * P.n_head_kv + g;
+            last_block = atomicAdd(ticket, 1) == n_used - 1;
+            if (last_block) *ticket = 0;
+        }
+        __syncthreads();
+        if (!last_block) return;
+        __threadfence();
+        // the last block combines the splits: a warp a query head, its lanes over the splits, then the elements
+        float* wsp = (WSP_IN_PT ? &pt[0][0][0] : wsp_own) + warp * QATT_MAX_SPLIT;
+        for (int h = warp; h < NG; h += QATT_WARPS) {
+            const float* src = P.part + ((long long)row * P.n_head + g * NG + h) * n_split * (2 + HD);
+            float mm = -INFINITY;
+            for (int k = lane; k < n_used; k += WARP) mm = fmaxf(mm, __ldcg(src + k * (2 + HD)));
+            mm = warp_max(mm);
+            float ss = 0.0f;
+            for (int k = lane; k < n_used; k += WARP) {
+                const float mk = __ldcg(src + k * (2 + HD));
+                const float f = mk == -INFINITY ? 0.0f : expf(mk - mm);
+                wsp[k] = f;
+                ss = fmaf(__ldcg(src + k * (2 + HD) + 1), f, ss);
+            }
+            ss = warp_sum(ss);
+            __syncwarp();
+            for (int i = lane; i < HD; i += WARP) {
+                float a = 0.0f;
+#pragma unroll 4
+                for (int k = 0; k < n_used; ++k) a = fmaf(__ldcg(src + k * (2 + HD) + 2 + i), wsp[k], a);
+                qf[h][i] = ss > 0.0f ? a / ss : 0.0f;
+            }
+        }
+    }
+    // rotated back out of the values' basis
+    for (int h = warp; h < NG; h += QATT_WARPS) {
+        __syncwarp();
+        warp_hadamard(qf[h], HD, HD & -HD);
+        for (int i = lane; i < HD; i += WARP) P.out[((long long)row * P.n_head + g * NG + h) * HD + i] = qf[h][i];
     }
 }
 
@@ -230,29 +338,3 @@ QATT_KERNEL(attention_quant_k8v8, KVQ_Q8, KVQ_Q8)
 QATT_KERNEL(attention_quant_k8v4, KVQ_Q8, KVQ_Q4)
 QATT_KERNEL(attention_quant_k4v8, KVQ_Q4, KVQ_Q8)
 QATT_KERNEL(attention_quant_k4v4, KVQ_Q4, KVQ_Q4)
-
-// The splits of attention_quant combined by log-sum-exp, divided by the sum, and rotated back out of the values'
-// basis: out [rows][n_head][hd]. Grid (n_head, rows), one warp; hd <= 256.
-extern "C" __global__ void attention_quant_merge(const float* part, int n_head, int n_split, int hd, float* out) {
-    __shared__ float o[256];
-    const int head = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
-    const float* src = part + ((long long)row * n_head + head) * n_split * (2 + hd);
-    float mm = -INFINITY;
-    for (int k = 0; k < n_split; ++k) mm = fmaxf(mm, src[k * (2 + hd)]);
-    float ss = 0.0f;
-    for (int k = 0; k < n_split; ++k) {
-        const float mk = src[k * (2 + hd)];
-        if (mk != -INFINITY) ss += src[k * (2 + hd) + 1] * expf(mk - mm);
-    }
-    for (int i = lane; i < hd; i += WARP) {
-        float a = 0.0f;
-        for (int k = 0; k < n_split; ++k) {
-            const float mk = src[k * (2 + hd)];
-            if (mk != -INFINITY) a += src[k * (2 + hd) + 2 + i] * expf(mk - mm);
-        }
-        o[i] = ss > 0.0f ? a / ss : 0.0f;
-    }
-    __syncwarp();
-    warp_hadamard(o, hd, hd & -hd);
-    for (int i = lane; i < hd; i += WARP) out[((long long)row * n_head + head) * hd + i] = o[i];
-}

@@ -103,6 +103,7 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
     extern __shared__ float rope_sm[];
     float* v = rope_sm + (threadIdx.x >> 5) * (hd > hdv ? hd : hdv);
     if (head >= n_head + n_head_kv) return;
+    grid_dep_wait();  // (a decode step launches it as a dependent of the q/k/v GEMV)
     const int p = pos[row];
     const float* src = qkv + (long long)row * qkv_stride;
     const int page = page_table[p / page_size], off = p % page_size;
