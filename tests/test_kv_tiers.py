@@ -48,6 +48,26 @@ def test_cache_moves_blocks_to_the_tiers(smollm2_path: Path) -> None:
     assert m["l3"] == (5, 5 * 64 * 30 * 2 * 6 * 18), m
 
 
+def test_selection_budget_changes_after_the_prefill(smollm2_path: Path) -> None:
+    """set_kv_select between requests over one cached prompt decodes as a cache made with that budget does."""
+    ids = ninfer.LLM(smollm2_path, n_ctx=64).tokenize("The grass is green. The sky is blue. " * 60)[:800]
+
+    def answer(llm: ninfer.LLM) -> list[int]:
+        return llm.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True, cache_prompt=True).tokens
+
+    tiers = dict(n_ctx=1024, threads=2, kv_l1=128, kv_l2=128)
+    swept = ninfer.LLM(smollm2_path, kv_select=512, **tiers)
+    answer(swept)  # the prompt's blocks settle in the tiers once
+    for budget in (64, 0, 256):
+        swept.set_kv_select(budget)
+        assert swept.config.kv_select == budget
+        assert answer(swept) == answer(ninfer.LLM(smollm2_path, kv_select=budget, **tiers)), budget
+    with pytest.raises(InvalidArgumentError, match="made without selection"):
+        ninfer.LLM(smollm2_path, kv_select=0, **tiers).set_kv_select(64)
+    with pytest.raises(InvalidArgumentError, match="the KV cache is not tiered"):
+        ninfer.LLM(smollm2_path, n_ctx=256).set_kv_select(64)
+
+
 @pytest.mark.large
 def test_passkey_on_qwen_at_4k_with_most_of_the_context_in_l3(qwen05_path: Path) -> None:
     llm = ninfer.LLM(qwen05_path, n_ctx=4608, threads=2, kv_l1=512, kv_l2=512, kv_select=512)

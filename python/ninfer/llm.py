@@ -15,7 +15,7 @@ import numbers
 import os
 import queue
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -206,6 +206,17 @@ class LLM:
         if self.device != "cpu":
             raise InvalidArgumentError("kv_memory reports the CPU backend's KV cache")
         return dict(self.backend.kv_memory())
+
+    def set_kv_select(self, kv_select: int) -> None:
+        """Read `kv_select` tokens of the older tiers in each decode step from now on (0: all of them), the cache's
+        contents as they are: selection applies to decode steps only, so one prompt's prefill serves several budgets
+        (a tiered cache made with kv_select > 0, on the CPU backend)."""
+        if self.device != "cpu":
+            raise InvalidArgumentError("the tiered KV cache (kv_l1 ...) runs on the CPU backend only")
+        if kv_select < 0:
+            raise InvalidArgumentError(f"kv_select must be >= 0, got {kv_select}")
+        self.backend.set_kv_select(kv_select)
+        self.config = replace(self.config, kv_select=kv_select)
 
     def kv_prefetch_stats(self) -> dict[str, int] | None:
         """The tiered KV cache's prefetch thread: L3 block-layers a step found staged ("hits"), waited for

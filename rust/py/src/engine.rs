@@ -328,6 +328,12 @@ impl PyEngine {
         py.detach(|| kv.fill_random(seq, n, seed)).map_err(to_py)
     }
 
+    /// Read kv_select tokens of the older tiers from the next decode step on (0: all): a tiered cache made with
+    /// selection only (KvCache::set_select).
+    fn set_kv_select(&mut self, kv_select: usize) -> PyResult<()> {
+        self.kv.set_select(kv_select).map_err(to_py)
+    }
+
     /// The tiered KV cache's prefetch thread counts (L3 block-layers found staged, waited for, dequantized on the
     /// spot, and staged in all): {"hits", "stalls", "misses", "staged"}; None without one (no --kv-select).
     fn kv_prefetch_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {

@@ -56,6 +56,24 @@ impl KvCache {
         self.tiers.as_ref().map(|t| &t.cfg)
     }
 
+    /// Read `select` tokens of the older tiers from the next decode step on (0: all of them), the cache's contents
+    /// unchanged: a budget sweep over one prefill (selection applies to decode rows only). The prefetch thread is
+    /// made with the cache, so only a cache made with selection can change its budget.
+    pub fn set_select(&mut self, select: usize) -> Result<()> {
+        match &mut self.tiers {
+            Some(t) if t.prefetch.is_some() => {
+                t.cfg.select = select;
+                Ok(())
+            }
+            Some(_) => Err(Error::InvalidArgument(
+                "this tiered KV cache was made without selection (kv_select 0): it has no prefetch thread to change \
+                 the budget of"
+                    .into(),
+            )),
+            None => Err(Error::InvalidArgument("the KV cache is not tiered: it has no selection budget".into())),
+        }
+    }
+
     /// Move `seq`'s blocks to the tiers their age now gives (a tiered cache; no-op otherwise). Call after a step's
     /// rows are written in every layer: a block moves only once its last position is written.
     pub fn settle(&mut self, seq: SeqId) -> Result<()> {
