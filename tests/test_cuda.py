@@ -95,10 +95,11 @@ def test_dependent_launch_arguments_keep_the_kernels_parameter_types() -> None:
         launch._c_arg(7)
     # a struct by value (the attention kernels' AttnParams): its C layout's bytes, fields at C's offsets
     from ninfer.backends import cuda_ops as ops
+    from ninfer.backends import cuda_attention as att_ops
 
-    params = ops.struct_value(ops.ATTN_PARAMS, k_pool=5, scale=0.25, mscale=1.5, out_d=7)
+    params = ops.struct_value(att_ops.ATTN_PARAMS, k_pool=5, scale=0.25, mscale=1.5, out_d=7)
     arg = launch._c_arg(params)
-    assert ctypes.sizeof(arg) == ops.ATTN_PARAMS.itemsize == 216 and bytes(arg) == params.tobytes()
+    assert ctypes.sizeof(arg) == att_ops.ATTN_PARAMS.itemsize == 216 and bytes(arg) == params.tobytes()
     assert bytes(arg)[56:64] == (5).to_bytes(8, "little") and bytes(arg)[208:] == (7).to_bytes(8, "little")
     assert bytes(arg)[160:164] == np.float32(0.25).tobytes() and bytes(arg)[192:196] == np.float32(1.5).tobytes()
     assert ctypes.sizeof(launch._LaunchConfig) == 56 and launch._LaunchConfig.attrs.offset == 40

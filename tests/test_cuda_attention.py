@@ -75,6 +75,7 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
                                                window: int) -> None:
     import cupy as cp
     from ninfer.backends import cuda_ops as ops
+    from ninfer.backends import cuda_attention as att_ops
 
     rng = np.random.default_rng(hd + length)
     page, rows = 256, 3  # three query rows at the last three positions (a batch of decode rows)
@@ -93,7 +94,7 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
     # Device arrays stay bound to names while kernels use them: a temporary's memory returns to CuPy's pool as
     # soon as only its pointer is left.
     qkv_d, pos_all = cp.asarray(qkv), cp.arange(length, dtype=cp.int32)
-    ops.rope_kv(length, qkv_d.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
+    att_ops.rope_kv(length, qkv_d.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
               vp.data.ptr, table.data.ptr, page, theta_scale)
     q_all = q_rot.get().reshape(length, n_head, hd)
     for t in (0, length - 1):
@@ -115,12 +116,12 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
     part_acc = cp.zeros(rows * n_head * n_split * hd, cp.float32)
     tickets = cp.zeros(rows * n_kv, cp.int32)
     row_seq, pos_d = cp.zeros(rows, cp.int32), cp.asarray(positions)
-    params = ops.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
+    params = att_ops.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
                            table_stride=0, row_seq=row_seq.data.ptr, pos=pos_d.data.ptr, window=window,
                            page_size=page, out=out.data.ptr, part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr,
                            tickets=tickets.data.ptr)
     for rep in range(2):  # the tickets reset themselves: a second launch gives the same result
-        ops.attention(params, rows, n_split, n_kv, hd, False, n_head // n_kv)
+        att_ops.attention(params, rows, n_split, n_kv, hd, False, n_head // n_kv)
         got = out.get().reshape(rows, n_head, hd)
         g = n_head // n_kv
         for i, p in enumerate(positions):
@@ -139,11 +140,11 @@ def test_rope_kv_write_and_tinyflash_attention(hd: int, n_head: int, n_kv: int, 
     n = rows * n_head * hd
     q_att, d_att = cp.full(ops.act_code_bytes(n, True), 99, cp.int8), cp.full(n // 32, -1, cp.float32)
     out2 = cp.zeros_like(out)
-    params_q = ops.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
+    params_q = att_ops.attn_params(spec, q=q.data.ptr, k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr,
                              table_stride=0, row_seq=row_seq.data.ptr, pos=pos_d.data.ptr, window=window,
                              page_size=page, out=out2.data.ptr, part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr,
                              tickets=tickets.data.ptr, out_q=q_att.data.ptr, out_d=d_att.data.ptr)
-    ops.attention(params_q, rows, n_split, n_kv, hd, False, n_head // n_kv)
+    att_ops.attention(params_q, rows, n_split, n_kv, hd, False, n_head // n_kv)
     q_ref, d_ref, s_ref = cp.full_like(q_att, 99), cp.full_like(d_att, -1), cp.zeros(n // 16, cp.float32)
     ops.quant_act(out2.data.ptr, n, ACT_GSQ8_PAIRS, q_ref.data.ptr, d_ref.data.ptr, s_ref.data.ptr)
     assert (out2.get() == out.get()).all()
@@ -158,6 +159,7 @@ def test_rope_kv_with_yarn_equals_the_cpus_angles(hd: int, neox: bool) -> None:
     the head) against the CPU's formula, queries and keys, at every position's first and last heads."""
     import cupy as cp
     from ninfer.backends import cuda_ops as ops
+    from ninfer.backends import cuda_attention as att_ops
 
     rng = np.random.default_rng(hd)
     n_head, n_kv, length, page, base = 4, 2, 1200, 256, 1e4
@@ -174,7 +176,7 @@ def test_rope_kv_with_yarn_equals_the_cpus_angles(hd: int, neox: bool) -> None:
     q_rot = cp.zeros((length, n_head * hd), cp.float32)
     theta_scale = float(np.float32(base) ** (np.float32(-2.0) / np.float32(hd)))
     qkv_d, pos_all = cp.asarray(qkv), cp.arange(length, dtype=cp.int32)
-    ops.rope_kv(length, qkv_d.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
+    att_ops.rope_kv(length, qkv_d.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
                 vp.data.ptr, table.data.ptr, page, theta_scale)
     q_all = q_rot.get().reshape(length, n_head, hd)
     k_all = kp.get().view(np.float16)
@@ -204,6 +206,7 @@ def test_decode_step_attention_equals_rope_kv_then_prompt_attention(hd: int, rop
     with YaRN's factors."""
     import cupy as cp
     from ninfer.backends import cuda_ops as ops
+    from ninfer.backends import cuda_attention as att_ops
 
     rng = np.random.default_rng(hd + length + n_head)
     page = 256
@@ -241,17 +244,17 @@ def test_decode_step_attention_equals_rope_kv_then_prompt_attention(hd: int, rop
         part_acc = cp.zeros(n_head * n_split * hd, cp.float32)
         tickets = cp.zeros(n_kv, cp.int32)
         rows = last if step else length  # (the decode form writes the last row's K and V itself)
-        ops.rope_kv(rows, qkv.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
+        att_ops.rope_kv(rows, qkv.data.ptr, qkv_dim, pos_all.data.ptr, spec, layer, q_rot.data.ptr, kp.data.ptr,
                   vp.data.ptr, table.data.ptr, page, theta_scale)
         common = dict(k_pool=kp.data.ptr, v_pool=vp.data.ptr, page_tables=table.data.ptr, table_stride=0,
                       row_seq=row_seq.data.ptr, pos=pos_last.data.ptr, window=0, page_size=page, out=out.data.ptr,
                       part_ml=part_ml.data.ptr, part_acc=part_acc.data.ptr, tickets=tickets.data.ptr)
         if step:
-            params = ops.attn_params(spec, qkv=qkv.data.ptr + 4 * last * qkv_dim, qkv_stride=qkv_dim, layer=layer,
+            params = att_ops.attn_params(spec, qkv=qkv.data.ptr + 4 * last * qkv_dim, qkv_stride=qkv_dim, layer=layer,
                                    theta_scale=theta_scale, **common)
         else:
-            params = ops.attn_params(spec, q=q_rot.data.ptr + 4 * last * n_head * hd, **common)
-        ops.attention(params, 1, n_split, n_kv, hd, step, n_head // n_kv)
+            params = att_ops.attn_params(spec, q=q_rot.data.ptr + 4 * last * n_head * hd, **common)
+        att_ops.attention(params, 1, n_split, n_kv, hd, step, n_head // n_kv)
         outs.append(out.get())
         caches.append((kp.get(), vp.get()))
         assert (tickets.get() == 0).all()

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ninfer.backends import cuda_attention as att_ops
 from ninfer.backends import cuda_ops as ops
 from ninfer.backends import launch
 from ninfer.backends.cuda_memory import D2H, H2D, Matrix
@@ -212,7 +213,7 @@ class DecodeGraphs:
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
                                                ops.MODE_STORE, max_grid=room, **pf["qkv"]))
-            params = ops.attn_params(
+            params = att_ops.attn_params(
                 s, qkv=qkv, qkv_stride=self.qkv_dim, layer=lw["ptr"] | self.rope_layers[il],
                 theta_scale=self.theta_scale[il], k_pool=self.k_pools[il].data.ptr, v_pool=self.v_pools[il].data.ptr,
                 page_tables=table, table_stride=self.max_pages, row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr,
@@ -223,11 +224,11 @@ class DecodeGraphs:
                 layer = lw["ptr"] | self.rope_layers[il]
                 add("attention", il, self._quant_attention(
                     il, 1, table, self.quant_split,
-                    lambda k_rows, v_rows, il=il, layer=layer: ops.rope_kv(
+                    lambda k_rows, v_rows, il=il, layer=layer: att_ops.rope_kv(
                         1, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr, 0, 0, table,
                         self.page_size, self.theta_scale[il], k_rows, v_rows)))
             else:
-                add("attention", il, [lambda params=params: ops.attention(params, 1, self.n_split, s["n_head_kv"],
+                add("attention", il, [lambda params=params: att_ops.attention(params, 1, self.n_split, s["n_head_kv"],
                                                                           s["head_dim"], True, group)])
             # output projection + residual (or into o for gemma's post-attention norm)
             add("matmul", il, self._matmul_vec([lw["wo"]], [o if post_a else x], att, 0,

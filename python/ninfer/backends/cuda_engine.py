@@ -34,7 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ninfer import _core
 from ninfer.config import CACHE_TYPES
 from ninfer.backends import budget as budget_mod
-from ninfer.backends import cuda_ops as ops
+from ninfer.backends import cuda_attention as att_ops
 from ninfer.backends.cuda_decode import DecodeGraphs
 from ninfer.backends.cuda_kv_quant import BYTES_PER_VALUE, QUANT_KINDS, QuantKv, check_cache_types
 from ninfer.backends.cuda_memory import WeightsAndBuffers, env_count
@@ -73,8 +73,8 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv
         if s["head_dim"] != s["head_dim_v"] or s["head_dim"] not in (64, 128, 256):
             raise InvalidArgumentError(f"the CUDA attention kernel needs head_dim == head_dim_v in (64, 128, 256); "
                                        f"this model has {s['head_dim']} / {s['head_dim_v']}")
-        if s["n_head"] % s["n_head_kv"] or s["n_head"] // s["n_head_kv"] > ops.MAX_GROUP:
-            raise InvalidArgumentError(f"the CUDA attention kernel serves up to {ops.MAX_GROUP} query heads per KV "
+        if s["n_head"] % s["n_head_kv"] or s["n_head"] // s["n_head_kv"] > att_ops.MAX_GROUP:
+            raise InvalidArgumentError(f"the CUDA attention kernel serves up to {att_ops.MAX_GROUP} query heads per KV "
                                        f"head; this model has {s['n_head']} / {s['n_head_kv']}")
         self.quant_kv = ((QUANT_KINDS[cache_type_k], QUANT_KINDS[cache_type_v])
                          if check_cache_types(cache_type_k, cache_type_v, s["head_dim"]) else None)

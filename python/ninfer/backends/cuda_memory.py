@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ninfer import _core
+from ninfer.backends import cuda_attention as att_ops
 from ninfer.backends import cuda_ops as ops
 from ninfer.backends import launch
 from ninfer.backends.layouts import (
@@ -177,8 +178,8 @@ class WeightsAndBuffers:
         # Key splits of decode attention: as many blocks as the GPU holds at once, over the KV heads
         # (NINFER_CUDA_ATT_SPLIT overrides, for measuring other choices).
         n_split = (env_count("NINFER_CUDA_ATT_SPLIT")
-                   or ops.attention_resident(s["head_dim"], group) // s["n_head_kv"])
-        self.n_split = max(1, min(-(-self.n_ctx // 256), n_split, ops.attention_max_split(s["head_dim"], group)))
+                   or att_ops.attention_resident(s["head_dim"], group) // s["n_head_kv"])
+        self.n_split = max(1, min(-(-self.n_ctx // 256), n_split, att_ops.attention_max_split(s["head_dim"], group)))
         self.part_ml = cp.zeros(2 * s["n_head"] * self.n_split, f32)
         self.part_acc = cp.zeros(s["n_head"] * self.n_split * s["head_dim_v"], f32)
         self.tickets = cp.zeros(T * s["n_head_kv"], cp.int32)  # attention's split merges (each resets its own)

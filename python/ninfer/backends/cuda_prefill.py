@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ninfer.backends import cuda_attention as att_ops
 from ninfer.backends import cuda_ops as ops
 from ninfer.backends.cuda_memory import Matrix
 
@@ -81,21 +82,21 @@ class PromptLayers:
         layer = lw["ptr"] | self.rope_layers[il]
 
         def f16_attention(k_pool: int, v_pool: int) -> None:
-            params = ops.attn_params(s, q=self.q_rot.data.ptr, k_pool=k_pool, v_pool=v_pool, page_tables=table,
+            params = att_ops.attn_params(s, q=self.q_rot.data.ptr, k_pool=k_pool, v_pool=v_pool, page_tables=table,
                                      table_stride=self.max_pages, row_seq=self.row_seq.data.ptr,
                                      pos=self.pos.data.ptr, window=ls.get("sliding_window") or 0,
                                      page_size=self.page_size, out=self.att.data.ptr)
-            ops.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
+            att_ops.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
 
         if self.quant_kv:  # (cuda_kv_quant.py)
             self._quant_prompt_attention(
                 il, T, seq, table,
-                lambda k_rows, v_rows: ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer,
+                lambda k_rows, v_rows: att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer,
                                                    self.q_rot.data.ptr, 0, 0, table, self.page_size,
                                                    self.theta_scale[il], k_rows, v_rows),
                 f16_attention)
         else:
-            ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr,
+            att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr,
                         self.k_pools[il].data.ptr, self.v_pools[il].data.ptr, table, self.page_size,
                         self.theta_scale[il])
             f16_attention(self.k_pools[il].data.ptr, self.v_pools[il].data.ptr)

@@ -238,7 +238,7 @@ __device__ void attend(const AttnParams& P) {
         // The last block merges the splits that held keys (the others are empty). Each split's weight
         // exp(m_s - M) per head goes to shared memory first (wacc is free again), so the per-dimension sums below are
         // independent loads that stay in flight together. (The launcher keeps ng * n_split <= ATT_WARPS * MAX_GROUP *
-        // HD / 2, cuda_ops.attention_max_split.)
+        // HD / 2, cuda_attention.attention_max_split.)
         float2* wf = (float2*)wacc;  // [ng][n_used]: (m, l), then (weight, l)
         for (int i = tid; i < ng * n_used; i += blockDim.x) {
             const int h = i / n_used, sp = i % n_used;

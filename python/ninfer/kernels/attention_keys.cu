@@ -2,7 +2,7 @@
 // warp's pass over its tiles of 32 keys, on tensor cores (warp_keys_mma, head sizes 64 and 128) or CUDA cores
 // (warp_keys_fma). (backends/kernels.py compiles this file before attention.cu, as one module.)
 
-struct AttnParams {  // mirrored by python/ninfer/backends/cuda_ops.py ATTN_PARAMS
+struct AttnParams {  // mirrored by python/ninfer/backends/cuda_attention.py ATTN_PARAMS
     const float* q;     // roped queries [rows][n_head][HD] (prompt form)
     const float* qkv;   // raw projections [rows][qkv_stride] (decode form)
     const float* bias_q;
