@@ -31,15 +31,15 @@ QUANT_KINDS = {"q8_0": 8, "q4_0": 4}
 BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # Rows of one page written at once from which their mean becomes the page's K offset (the CPU's OFFSET_MIN_ROWS).
 OFFSET_MIN_ROWS = 16
-# Keys a decode split of attention_quant takes at least (the kernel's 32 a warp), and the most splits (the
-# kernel's QATT_MAX_SPLIT: its merge's weights in shared memory).
-QUANT_SPLIT_KEYS = 128
+# Keys a decode split of attention_quant takes at least (two 32-key tiles a warp: fewer partials to merge), and the
+# most splits (the kernel's QATT_MAX_SPLIT: its merge's weights in shared memory).
+QUANT_SPLIT_KEYS = 256
 QUANT_MAX_SPLIT = 128
 
 # struct QAttnParams in kernels/attention_quant.cu (C layout: align=True).
 QATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "k_rows", "v_rows", "k_latest", "k_codes", "k_scales", "k_offsets", "v_codes",
-                          "v_scales", "page_tables", "row_seq", "pos", "part", "tickets", "out")]
+                          "v_scales", "page_tables", "row_seq", "pos", "part_acc", "part_ml", "tickets", "out")]
     + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "pad")]
     + [("scale", "<f4"), ("pad2", "<i4")], align=True)
 
@@ -90,7 +90,7 @@ class QuantKv:
         # key splits of decode attention: two blocks an SM over the KV heads, as long contexts fill them
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.quant_split = max(1, min(QUANT_MAX_SPLIT, -(-self.n_ctx // QUANT_SPLIT_KEYS), 2 * sms // n_kv))
-        self.quant_part = cp.zeros(self.quant_split * s["n_head"] * (2 + hdv), cp.float32)
+        self.quant_part = cp.zeros(self.quant_split * s["n_head"] * (hdv + 2), cp.float32)  # outputs, then (m, l)
         self.quant_tickets = cp.zeros(n_kv, cp.int32)  # (a decode step's one row; each merge resets its own)
         # one layer's keys and values in f16, for prompt batches (the f16 cache's size over the layers)
         self.k16 = cp.zeros((*shape, hd), cp.uint16)
@@ -130,7 +130,9 @@ class QuantKv:
                          k_codes=self.k_pools[il].data.ptr, k_scales=self.k_scales[il].data.ptr,
                          k_offsets=self.k_offsets[il].data.ptr, v_codes=self.v_pools[il].data.ptr,
                          v_scales=self.v_scales[il].data.ptr, page_tables=table, row_seq=self.row_seq.data.ptr,
-                         pos=self.pos.data.ptr, part=self.quant_part.data.ptr, tickets=self.quant_tickets.data.ptr,
+                         pos=self.pos.data.ptr, part_acc=self.quant_part.data.ptr,
+                         part_ml=self.quant_part.data.ptr + 4 * self.quant_split * n_head * s["head_dim_v"],
+                         tickets=self.quant_tickets.data.ptr,
                          out=self.att.data.ptr, table_stride=self.max_pages, window=ls.get("sliding_window") or 0,
                          n_head=n_head, n_head_kv=n_kv, page_size=self.page_size, scale=s["attn_scale"]).items():
             params[k] = v

@@ -10,9 +10,10 @@
 // share holds the new position first stores that token's K and V (kv_quant_store's work), so its own reads see
 // them; the other shares read other cells (a page the new token begins holds no other key yet). Scores: a lane a
 // key. Values: a lane DPL elements of one key, 32 / (HD / DPL) keys at once. With one split in use the block
-// writes the output; otherwise each block leaves its (max, sum, unnormalized output) per query head in `part`,
-// and the last block of its (row, KV head) to finish (an atomic ticket, which it resets) combines them by
-// log-sum-exp. Each row is its own sequence; lengths come from device memory (pos), so a captured decode step
+// writes the output; otherwise each block leaves its (max, sum, unnormalized output) per query head in part_ml and
+// part_acc, and the last block of its (row, KV head) to finish (an atomic ticket, which it resets) combines them
+// by log-sum-exp, every thread summing a float4 of the output over a share of the splits with a load per query
+// head in flight (TinyFlash's merge, attention.cu). Each row is its own sequence; lengths come from device memory (pos), so a captured decode step
 // serves any length.
 
 #ifndef QATT_HD
@@ -38,7 +39,8 @@ struct QAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_quant.py QAT
     const int* page_tables;
     const int* row_seq;
     const int* pos;
-    float* part;   // [rows][n_head][n_split][2 + HD]
+    float* part_acc;  // [rows][n_head][n_split][HD]: a split's unnormalized output
+    float2* part_ml;  // [rows][n_head][n_split]: its (max, sum)
     int* tickets;  // [rows][n_head_kv], zero between launches
     float* out;    // [rows][n_head][HD]
     int table_stride, window, n_head, n_head_kv, page_size, pad;
@@ -126,10 +128,11 @@ __device__ void attend_quant(const QAttnParams& P) {
     __shared__ float qd[NG][NB];               // and their scales (f16-rounded)
     __shared__ float pt[QATT_WARPS][NG][32];   // a tile's probabilities
     __shared__ float wml[QATT_WARPS][NG][2];
-    __shared__ float wacc[QATT_WARPS][NG][HD];  // (first the stored rows' scratch)
-    // the merge's split weights [warp][QATT_MAX_SPLIT]: in pt where it is large enough (it is free by then)
-    constexpr bool WSP_IN_PT = NG * 32 >= QATT_MAX_SPLIT;
-    __shared__ float wsp_own[WSP_IN_PT ? 1 : QATT_WARPS * QATT_MAX_SPLIT];
+    __shared__ __align__(16) float wacc[QATT_WARPS][NG][HD];  // (first the stored rows' scratch)
+    __shared__ float wsp[NG][QATT_MAX_SPLIT];  // the merge's split weights
+    __shared__ float lsum[NG];                  // and sums
+    constexpr bool RED_IN_WACC = NG * HD >= 32 * 4;  // the merge's [S][HD] partial sums (S * HD <= 4 * 32 * WARPS)
+    __shared__ __align__(16) float red_own[RED_IN_WACC ? 1 : 4 * 32 * QATT_WARPS];
     __shared__ int last_block;
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -276,16 +279,13 @@ __device__ void attend_quant(const QAttnParams& P) {
         float ss = 0.0f;
         for (int w = 0; w < QATT_WARPS; ++w)
             if (wml[w][h][0] != -INFINITY) ss += wml[w][h][1] * expf(wml[w][h][0] - mm);
-        float* dst = P.part + (((long long)row * P.n_head + g * NG + h) * n_split + split) * (2 + HD);
-        if (lane == 0 && n_used > 1) {
-            dst[0] = mm;
-            dst[1] = ss;
-        }
+        const long long oh = (long long)row * P.n_head + g * NG + h;
+        if (lane == 0 && n_used > 1) P.part_ml[oh * n_split + split] = make_float2(mm, ss);
         for (int i = lane; i < HD; i += WARP) {
             float a = 0.0f;
             for (int w = 0; w < QATT_WARPS; ++w)
                 if (wml[w][h][0] != -INFINITY) a += wacc[w][h][i] * expf(wml[w][h][0] - mm);
-            if (n_used > 1) dst[2 + i] = a;
+            if (n_used > 1) P.part_acc[(oh * n_split + split) * HD + i] = a;
             else qf[h][i] = ss > 0.0f ? a / ss : 0.0f;
         }
     }
@@ -300,28 +300,55 @@ __device__ void attend_quant(const QAttnParams& P) {
         __syncthreads();
         if (!last_block) return;
         __threadfence();
-        // the last block combines the splits: a warp a query head, its lanes over the splits, then the elements
-        float* wsp = (WSP_IN_PT ? &pt[0][0][0] : wsp_own) + warp * QATT_MAX_SPLIT;
+        // the last block combines the splits: first each split's weight exp(m - M) per query head (a warp a head,
+        // its lanes over the splits), into shared memory
+        const long long oh0 = (long long)row * P.n_head + g * NG;
         for (int h = warp; h < NG; h += QATT_WARPS) {
-            const float* src = P.part + ((long long)row * P.n_head + g * NG + h) * n_split * (2 + HD);
+            const float2* ml = P.part_ml + (oh0 + h) * n_split;
             float mm = -INFINITY;
-            for (int k = lane; k < n_used; k += WARP) mm = fmaxf(mm, __ldcg(src + k * (2 + HD)));
+            for (int k = lane; k < n_used; k += WARP) mm = fmaxf(mm, __ldcg(&ml[k].x));
             mm = warp_max(mm);
             float ss = 0.0f;
             for (int k = lane; k < n_used; k += WARP) {
-                const float mk = __ldcg(src + k * (2 + HD));
-                const float f = mk == -INFINITY ? 0.0f : expf(mk - mm);
-                wsp[k] = f;
-                ss = fmaf(__ldcg(src + k * (2 + HD) + 1), f, ss);
+                const float2 v = __ldcg(&ml[k]);
+                const float f = v.x == -INFINITY ? 0.0f : expf(v.x - mm);
+                wsp[h][k] = f;
+                ss = fmaf(v.y, f, ss);
             }
             ss = warp_sum(ss);
-            __syncwarp();
-            for (int i = lane; i < HD; i += WARP) {
-                float a = 0.0f;
-#pragma unroll 4
-                for (int k = 0; k < n_used; ++k) a = fmaf(__ldcg(src + k * (2 + HD) + 2 + i), wsp[k], a);
-                qf[h][i] = ss > 0.0f ? a / ss : 0.0f;
+            if (lane == 0) lsum[h] = ss;
+        }
+        __syncthreads();
+        // then the outputs: a thread a float4 of every head over a share of the splits (S threads a float4), the
+        // S partial sums meeting in shared memory (wacc, free again, where it holds them)
+        constexpr int C4 = HD / 4, S = 32 * QATT_WARPS / C4;  // (HD a multiple of 32; threads past S * C4 idle)
+        const int tid = threadIdx.x, c4 = tid % C4, s4 = tid / C4;
+        float4 a4[NG];
+#pragma unroll
+        for (int h = 0; h < NG; ++h) a4[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 2
+        for (int k = s4; s4 < S && k < n_used; k += S) {
+#pragma unroll
+            for (int h = 0; h < NG; ++h) {
+                const float4 v = __ldcg((const float4*)(P.part_acc + ((oh0 + h) * n_split + k) * HD) + c4);
+                const float f = wsp[h][k];
+                a4[h].x = fmaf(v.x, f, a4[h].x);
+                a4[h].y = fmaf(v.y, f, a4[h].y);
+                a4[h].z = fmaf(v.z, f, a4[h].z);
+                a4[h].w = fmaf(v.w, f, a4[h].w);
             }
+        }
+        float* red = RED_IN_WACC ? &wacc[0][0][0] : red_own;  // [S][HD]
+#pragma unroll
+        for (int h = 0; h < NG; ++h) {
+            if (s4 < S) ((float4*)red)[s4 * C4 + c4] = a4[h];
+            __syncthreads();
+            if (tid < HD) {
+                float a = 0.0f;
+                for (int j = 0; j < S; ++j) a += red[j * HD + tid];
+                qf[h][tid] = lsum[h] > 0.0f ? a / lsum[h] : 0.0f;
+            }
+            __syncthreads();
         }
     }
     // rotated back out of the values' basis
