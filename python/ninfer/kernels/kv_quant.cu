@@ -162,24 +162,6 @@ __device__ __forceinline__ float kvq_elem(const u8* codes, const u16* scales, in
     return d * (float)((j < 16 ? (byte & 15) : (byte >> 4)) - 8);
 }
 
-// Elements e0 .. e0 + 3 of a stored row (e0 a multiple of 4: one block, one aligned word of codes), dequantized
-// as kvq_elem does each.
-template <int TYPE>
-__device__ __forceinline__ void kvq_elems4(const u8* codes, const u16* scales, int e0, float v[4]) {
-    const float d = h2f(scales[e0 >> 5]);
-    if (TYPE == KVQ_Q8) {
-        const u32 w = *(const u32*)(codes + e0);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = d * (float)(i8)(w >> (8 * i));
-        return;
-    }
-    const int b = e0 >> 5, j = e0 & 31;
-    const u32 w = *(const u32*)(codes + b * 16 + (j & 15));
-    const int shift = j < 16 ? 0 : 4;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = d * (float)((int)((w >> (8 * i + shift)) & 15) - 8);
-}
-
 // A prompt batch attends with TinyFlash's f16 prompt kernel (attention.cu) over the sequence's keys so far,
 // widened here into a layer's f16 scratch pools at the same cells: K dequantized plus its page's offset, V
 // dequantized, both still in the rotated basis (rotate_rows turns the queries into it and the output back out).
