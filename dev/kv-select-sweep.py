@@ -18,13 +18,11 @@ Per prompt (a passkey prompt, key at each depth, keys from a fixed seed):
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import numpy as np
-
 from ninfer.llm import LLM
-from ninfer.passkey import filler_for, passkey_prompt
+from ninfer.passkey import filler_for, passkey_prompt, sweep_keys
 
 SEQ = 0  # the LLM's own sequence (llm.py _SEQ), used directly through its backend
 
@@ -69,14 +67,12 @@ def main() -> None:
     dense = LLM(a.model, n_ctx=n_ctx, threads=a.threads)
     tiered = LLM(a.model, n_ctx=n_ctx, threads=a.threads, kv_l1=l1, kv_l2=l2, kv_select=max(budgets))
     n_filler = filler_for(dense, a.tokens)
-    rng = random.Random(51)
     depths = [float(d) for d in a.depths.split(",")]
     found = {"dense": 0} | {b: 0 for b in budgets}
     agree = {b: [] for b in budgets}
     kl = {b: [] for b in budgets}
     print(f"{a.model}: ~{a.tokens} tokens, depths {depths}, L1 {l1}, L2 {l2}, budgets {budgets}", flush=True)
-    for depth in depths:
-        key = rng.randrange(10000, 100000)
+    for depth, key in zip(depths, sweep_keys(len(depths))):
         prompt = dense.tokenize(passkey_prompt(n_filler, key, depth))
         t = time.perf_counter()
         prefill(dense, prompt[:-1])

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import subprocess
 import tempfile
 import time
 
 from ninfer.llm import LLM
-from ninfer.passkey import filler_for, passkey_prompt
+from ninfer.passkey import filler_for, passkey_prompt, sweep_keys
 
 
 def main() -> None:
@@ -29,11 +28,9 @@ def main() -> None:
     a = ap.parse_args()
     tok = LLM(a.model, n_ctx=64)
     n_filler = filler_for(tok, a.tokens)
-    rng = random.Random(51)
     found = 0
     depths = [float(d) for d in a.depths.split(",")]
-    for depth in depths:
-        key = rng.randrange(10000, 100000)
+    for depth, key in zip(depths, sweep_keys(len(depths))):
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(passkey_prompt(n_filler, key, depth))
         t = time.perf_counter()

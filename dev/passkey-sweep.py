@@ -13,11 +13,10 @@ Keys are drawn from a fixed seed, one per depth, shared by the settings.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 from ninfer.llm import LLM
-from ninfer.passkey import filler_for, run_passkey
+from ninfer.passkey import filler_for, run_passkey, sweep_keys
 
 
 def main() -> None:
@@ -35,12 +34,10 @@ def main() -> None:
         settings[name] = {"kv_l1": l1, "kv_l2": l2, "kv_select": sel}
     llms = {name: LLM(a.model, n_ctx=a.tokens + 256, threads=a.threads, **kw) for name, kw in settings.items()}
     n_filler = filler_for(next(iter(llms.values())), a.tokens)
-    rng = random.Random(51)
     depths = [float(d) for d in a.depths.split(",")]
     found = {name: 0 for name in llms}
     print(f"{a.model}: ~{a.tokens} tokens, depths {depths}, settings {settings}", flush=True)
-    for depth in depths:
-        key = rng.randrange(10000, 100000)
+    for depth, key in zip(depths, sweep_keys(len(depths))):
         for name, llm in llms.items():
             t = time.perf_counter()
             r = run_passkey(llm, n_filler, key, depth)

@@ -4,6 +4,7 @@ cache that loses or misses the key's tokens (quantization, sparse block selectio
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from ninfer.llm import LLM
@@ -19,6 +20,13 @@ def passkey_prompt(n_filler: int, key: int, depth: float) -> str:
     before = int(n_filler * depth)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     return INTRO + FILLER * before + needle + FILLER * (n_filler - before) + QUESTION
+
+
+def sweep_keys(n: int) -> list[int]:
+    """The keys of a sweep's `n` prompts, one per depth, from a fixed seed: every script that runs the same depths
+    (dev/passkey-sweep.py, kv-select-sweep.py, passkey-llama-cpp.py) asks for the same keys."""
+    rng = random.Random(51)
+    return [rng.randrange(10000, 100000) for _ in range(n)]
 
 
 def filler_for(llm: LLM, n_tokens: int) -> int:
