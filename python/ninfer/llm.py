@@ -98,6 +98,7 @@ class LLM:
         kv_l2: int = 0,
         kv_select: int = 0,
         kv_l3_file: str | os.PathLike[str] | None = None,
+        host_mem_budget: int | str | None = None,
         rope_scaling: str | None = None,
         rope_scale: float | None = None,
         rope_freq_base: float | None = None,
@@ -118,10 +119,12 @@ class LLM:
         vocabulary that drafts tokens for it; or speculative=True for n-gram lookup (no second model). speculative
         may also be a SpecConfig or a dict of its fields (n_max, n_min, p_min, ngram_min, ngram_max).
 
-        Tiered KV cache (CPU): kv_l1 > 0 keeps the newest kv_l1 tokens (and the first block, the attention sinks)
+        Tiered KV cache: kv_l1 > 0 keeps the newest kv_l1 tokens (and the first block, the attention sinks)
         in f16, the next kv_l2 in q8_0 and older ones in q4_0 in an L3 ring (anonymous memory, or the file
         kv_l3_file); kv_select > 0 makes each decode step read only that many tokens of the older tiers, the
-        blocks whose key summaries bound q·k highest (0: all of them).
+        blocks whose key summaries bound q·k highest (0: all of them). On cuda, L1 and L2 are in GPU memory and L3
+        in pinned host memory (at most host_mem_budget, e.g. "16GiB"); with a gpu_mem_budget and kv_l2 0, L2
+        takes what the budget leaves after the weights (the plan goes to `log`). kv_l3_file is CPU only.
 
         RoPE (llama.cpp's --rope-* and --yarn-* flags, the same meanings; None: the model file's setting):
         rope_scaling "none", "linear" or "yarn"; rope_scale N stretches the trained context N times (or
@@ -152,16 +155,23 @@ class LLM:
         budget = parse_size(gpu_mem_budget) if isinstance(gpu_mem_budget, str) else gpu_mem_budget
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             raise InvalidArgumentError(f"gpu_mem_budget must be a size such as '12GiB' or bytes >= 0, got {budget!r}")
+        host_budget = parse_size(host_mem_budget) if isinstance(host_mem_budget, str) else host_mem_budget
+        if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
+            raise InvalidArgumentError(f"host_mem_budget must be a size such as '16GiB' or bytes >= 0, got "
+                                       f"{host_budget!r}")
         self.device = resolve_device(device)
         if self.device == "cuda":
             from ninfer.backends.cuda_engine import CudaEngine
 
-            if self.config.tiered:
-                raise InvalidArgumentError("the tiered KV cache (kv_l1 ...) runs on the CPU backend only")
+            if self.config.kv_l3_file is not None:
+                raise InvalidArgumentError("kv_l3_file is the CPU backend's L3 ring; on cuda L3 is pinned host memory")
+            tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.kv_l2, "kv_select": self.config.kv_select}
+                     if self.config.tiered else None)
             self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
-                n_seq_max=n_seq_max, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                n_seq_max=n_seq_max, cache_type_k=cache_type_k, cache_type_v=cache_type_v, kv_tiers=tiers,
+                host_mem_budget=host_budget,
             )
         else:
             self.backend = _core.Engine(
@@ -204,15 +214,15 @@ class LLM:
         """What the CPU KV cache's blocks in use hold, by tier: {"l1": (blocks, bytes), "l2": ..., "l3": ...,
         "meta_bytes": ...} (a plain cache's blocks all count as l1)."""
         if self.device != "cpu":
-            raise InvalidArgumentError("kv_memory reports the CPU backend's KV cache")
+            if not self.config.tiered:
+                raise InvalidArgumentError("kv_memory reports the CPU backend's KV cache, or a tiered one on cuda")
+            return self.backend.tier_memory()
         return dict(self.backend.kv_memory())
 
     def set_kv_select(self, kv_select: int) -> None:
         """Read `kv_select` tokens of the older tiers in each decode step from now on (0: all of them), the cache's
         contents as they are: selection applies to decode steps only, so one prompt's prefill serves several budgets
         (a tiered cache made with kv_select > 0, on the CPU backend)."""
-        if self.device != "cpu":
-            raise InvalidArgumentError("the tiered KV cache (kv_l1 ...) runs on the CPU backend only")
         if kv_select < 0:
             raise InvalidArgumentError(f"kv_select must be >= 0, got {kv_select}")
         self.backend.set_kv_select(kv_select)

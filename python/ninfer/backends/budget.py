@@ -37,6 +37,7 @@ class MemoryPlan:
     # The token embedding table on the GPU too (the decode step embeds its token there, so steps can be queued
     # before the previous token is read back): free when the output head shares it, else where it fits.
     embd_on_gpu: bool = False
+    kv_label: str = "f16"
 
     @property
     def total(self) -> int:
@@ -47,7 +48,7 @@ class MemoryPlan:
                  f"  weights   {self.n_gpu_layers}/{self.n_layer} layers"
                  + (" + output head" if self.head_on_gpu else "") + (" + embeddings" if self.embd_on_gpu else "")
                  + f"  {gib(self.weights):>11}",
-                 f"  KV cache  {self.n_gpu_layers} layers x {n_ctx} tokens, f16  {gib(self.kv):>11}",
+                 f"  KV cache  {self.n_gpu_layers} layers x {n_ctx} tokens, {self.kv_label}  {gib(self.kv):>11}",
                  f"  buffers   activations, f16 matmul scratch  {gib(self.buffers):>11}",
                  f"  total     {gib(self.total):>11}"]
         if self.n_gpu_layers < self.n_layer:
@@ -62,10 +63,12 @@ def matrix_gpu_bytes(dims: tuple[int, ...], type_id: int) -> int:
 
 
 def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_gpu_layers: int,
-         budget: int | None, n_seq: int = 1, kv_bytes: tuple[float, float] = (2.0, 2.0)) -> MemoryPlan:
+         budget: int | None, n_seq: int = 1, kv_bytes: tuple[float, float] = (2.0, 2.0),
+         kv_total: int | None = None) -> MemoryPlan:
     """tensors: name -> TensorEntry. n_gpu_layers < 0 means as many as fit (all without a budget). The KV cache
     holds n_seq sequences of up to n_ctx tokens, at kv_bytes (K, V) bytes a value (a quantized cache also keeps
-    an f32 key offset a page)."""
+    an f32 key offset a page); or (kv_total) takes that many bytes over every layer (the tiered cache's plan,
+    cuda_kv_tiers.plan_tiers)."""
     L = len(spec["layers"])
 
     def mat(name: str) -> int:
@@ -87,7 +90,9 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
     kv_layer = int(pages * page_size * spec["n_head_kv"] * (spec["head_dim"] * kv_bytes[0]
                                                              + spec["head_dim_v"] * kv_bytes[1]))
     widened = 0
-    if kv_bytes != (2.0, 2.0):  # a quantized cache: a key offset a page, and one layer widened to f16 for prompts
+    if kv_total is not None:
+        kv_layer = -(-kv_total // L)
+    elif kv_bytes != (2.0, 2.0):  # a quantized cache: a key offset a page, and one layer widened to f16 for prompts
         kv_layer += pages * spec["n_head_kv"] * spec["head_dim"] * 4
         widened = pages * page_size * spec["n_head_kv"] * (spec["head_dim"] + spec["head_dim_v"]) * 2
     e, n_ff = spec["n_embd"], tensors[spec["layers"][0]["w_gate"]].dims[1]
@@ -113,4 +118,5 @@ def plan(tensors: dict, spec: dict, n_ctx: int, n_batch: int, page_size: int, n_
     embd = 0 if spec["token_embd"] == spec["output"] or split else mat(spec["token_embd"])
     with_embd = with_head and fits(L, True, embd) and not split
     weights += embd if with_embd else 0
-    return MemoryPlan(L, n, with_head, weights, n * kv_layer, buffers, budget, with_embd)
+    return MemoryPlan(L, n, with_head, weights, n * kv_layer, buffers, budget, with_embd,
+                      "tiered (device part)" if kv_total is not None else "f16")

@@ -209,7 +209,7 @@ class DecodeGraphs:
             post_a, post_f = lw["ptr"]["post_attn_norm"], lw["ptr"]["post_ffn_norm"]
             gate_up = [lw["w_gate"], lw["w_up"]]
             pf = self._prefetch_regions(lw, pf_cap)
-            att_quant = self._att_quantizes_o(lw) and not self.quant_kv
+            att_quant = self._att_quantizes_o(lw) and not self.quant_kv and self.kv_tiers is None
             add("matmul", il, self._matmul_vec([lw["wq"], lw["wk"], lw["wv"]], [qkv, qkv + 4 * q_dim,
                                                qkv + 4 * (q_dim + k_dim)], x, lw["ptr"]["attn_norm"],
                                                ops.MODE_STORE, max_grid=room, **pf["qkv"]))
@@ -220,7 +220,16 @@ class DecodeGraphs:
                 window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,
                 part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att,
                 **({"out_q": self.act_codes.data.ptr, "out_d": self.act_scales.data.ptr} if att_quant else {}))
-            if self.quant_kv:  # (cuda_kv_quant.py) RoPE, the store, attention split over the keys, the merge
+            if self.kv_tiers is not None:  # (cuda_kv_tiers.py) RoPE, the selection, attention over the tiers
+                layer = lw["ptr"] | self.rope_layers[il]
+                rope, score, select, attend = self._tier_attention(
+                    il, seq, lambda k_rows, v_rows, il=il, layer=layer: att_ops.rope_kv(
+                        1, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr, 0, 0, table,
+                        self.page_size, self.theta_scale[il], k_rows, v_rows))
+                add("attention", il, [rope])
+                add("select", il, [score, select])
+                add("attention", il, [attend])
+            elif self.quant_kv:  # (cuda_kv_quant.py) RoPE, the store, attention split over the keys, the merge
                 layer = lw["ptr"] | self.rope_layers[il]
                 add("attention", il, self._quant_attention(
                     il, 1, table, self.quant_split,

@@ -37,6 +37,8 @@ from ninfer.backends import budget as budget_mod
 from ninfer.backends import cuda_attention as att_ops
 from ninfer.backends.cuda_decode import DecodeGraphs
 from ninfer.backends.cuda_kv_quant import BYTES_PER_VALUE, QUANT_KINDS, QuantKv, check_cache_types
+from ninfer.backends.cuda_kv_tiers import TieredKv, plan_tiers
+from ninfer.config import TIERED_BLOCK_SIZE
 from ninfer.backends.cuda_memory import WeightsAndBuffers, env_count
 from ninfer.backends.cuda_paging import KvPages
 from ninfer.backends.cuda_prefill import PromptLayers
@@ -58,13 +60,16 @@ class _Pending:
 
 
 
-class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv):
+class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv, TieredKv):
     """The CUDA backend's engine: the engine protocol (forward, prefill, step, decode; truncate, remove, kv_usage
     in cuda_paging.py) over the mixins of the modules above."""
 
     def __init__(self, model_file: Any, *, n_ctx: int, threads: int, n_batch: int = 512, n_gpu_layers: int = -1,
                  gpu_mem_budget: int | None = None, page_size: int = 256, n_seq_max: int = 1,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16", log: Callable[[str], None] | None = None):
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", log: Callable[[str], None] | None = None,
+                 kv_tiers: dict[str, int] | None = None, host_mem_budget: int | None = None):
+        """kv_tiers: the tiered KV cache's kv_l1, kv_l2, kv_select (cuda_kv_tiers.py); with a gpu_mem_budget and
+        kv_l2 0, L2 takes what the budget leaves. host_mem_budget: the most host memory L3 may take."""
         import cupy as cp
 
         self.cp = cp
@@ -79,12 +84,35 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv
         self.quant_kv = ((QUANT_KINDS[cache_type_k], QUANT_KINDS[cache_type_v])
                          if check_cache_types(cache_type_k, cache_type_v, s["head_dim"]) else None)
         self.cache_types = (cache_type_k, cache_type_v)
+        self.kv_tiers = None
+        if kv_tiers:
+            if self.quant_kv:
+                raise InvalidArgumentError("the tiered KV cache sets its own precisions: leave the cache types at f16")
+            if any(ls.get("sliding_window") for ls in s["layers"]):
+                raise InvalidArgumentError("the tiered KV cache on the GPU does not serve sliding-window layers")
+            page_size = TIERED_BLOCK_SIZE
         self.n_ctx, self.n_batch, self.page_size, self.n_seq_max = n_ctx, n_batch, page_size, n_seq_max
         self.tensors = {t.name: t for t in model_file.tensors}
-        self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, n_gpu_layers, gpu_mem_budget,
-                                    n_seq_max, kv_bytes=(BYTES_PER_VALUE[cache_type_k], BYTES_PER_VALUE[cache_type_v]))
+        if kv_tiers:
+            bare = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, len(s["layers"]), None, n_seq_max,
+                                   kv_total=0)
+            room = None if gpu_mem_budget is None else gpu_mem_budget - bare.total
+            self.kv_tiers = plan_tiers(s, n_ctx, n_batch, n_seq_max, kv_tiers["kv_l1"],
+                                       kv_tiers.get("kv_l2") or (None if gpu_mem_budget is not None else 0),
+                                       kv_tiers.get("kv_select", 0), room, host_mem_budget)
+            self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, len(s["layers"]), gpu_mem_budget,
+                                        n_seq_max, kv_total=self.kv_tiers.device_bytes)
+        else:
+            self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, n_gpu_layers, gpu_mem_budget,
+                                        n_seq_max, kv_bytes=(BYTES_PER_VALUE[cache_type_k],
+                                                             BYTES_PER_VALUE[cache_type_v]))
+        if self.kv_tiers is not None and not self.plan.head_on_gpu:
+            raise InvalidArgumentError("the tiered KV cache on the GPU needs every layer and the output head on it; "
+                                       "they do not fit the GPU memory budget")
         if log:
             log(self.plan.table(n_ctx * n_seq_max, threads))
+            if self.kv_tiers is not None:
+                log(self.kv_tiers.table(len(s["layers"])))
         self.n_gpu = self.plan.n_gpu_layers
         self.L = len(s["layers"])
         self.stream = cp.cuda.Stream(non_blocking=True)

@@ -168,6 +168,8 @@ class WeightsAndBuffers:
         self._alloc_page_tables()  # (cuda_paging.py)
         if self.quant_kv:
             self._alloc_quant_kv(T)  # (cuda_kv_quant.py)
+        elif self.kv_tiers is not None:
+            self._alloc_tiers(T)  # (cuda_kv_tiers.py)
         else:
             kv_shape = (self.n_pages, s["n_head_kv"], self.page_size, s["head_dim"])
             self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]

@@ -25,6 +25,8 @@ class KvPages:
 
     def _init_page_books(self) -> None:
         """Every sequence empty, every page free (CudaEngine.__init__)."""
+        if self.kv_tiers is not None:
+            return self._init_tier_books()  # (cuda_kv_tiers.py)
         self.blocks = _core.BlockManager(self.page_size, self.n_pages, self.n_ctx)
         self.seq_len_: dict[int, int] = {}
         self._table_rows: dict[int, list[int]] = {}  # what each device table row holds, as last written
@@ -48,6 +50,8 @@ class KvPages:
 
     def remove(self, seq: int) -> None:
         self._drain()
+        if self.kv_tiers is not None:
+            return self._tier_remove(seq)
         self.blocks.remove(seq)
         self.seq_len_.pop(seq, None)
         self._table_rows.pop(seq, None)
@@ -61,6 +65,9 @@ class KvPages:
         self._check_seq(dst)
         if not 0 <= n <= self.seq_len(src):
             raise InvalidArgumentError(f"fork of {n} positions, but sequence {src} holds {self.seq_len(src)}")
+        if self.kv_tiers is not None:
+            self._drain()
+            return self._tier_fork(src, dst, n)
         self.remove(dst)
         self._copy_pages(self.blocks.fork(src, dst, n))
         self.seq_len_[dst] = n
@@ -70,11 +77,15 @@ class KvPages:
 
     def kv_usage(self) -> tuple[int, int]:
         """(pages in use, the pools' bytes): the books as they are, without waiting for a queued step."""
+        if self.kv_tiers is not None:
+            return sum(len(p) for p in self.t_pages.values()), self.kv_tiers.device_bytes
         pools = self._quant_pools() + self.k_offsets if self.quant_kv else self.k_pools + self.v_pools
         return self.blocks.blocks_in_use(), sum(p.nbytes for p in pools)
 
     def _reserve(self, seq: int, n_new: int) -> int:
         """Pages for n_new more positions; returns the start position. Raises before changing anything."""
+        if self.kv_tiers is not None:
+            return self._tier_reserve(seq, n_new)
         self._check_seq(seq)
         start = self.seq_len(seq)
         end = start + n_new
@@ -87,6 +98,8 @@ class KvPages:
     def _release_pages(self, seq: int) -> None:
         """Give back the positions past seq's committed length (after a truncation, or reserved for a step that
         did not happen)."""
+        if self.kv_tiers is not None:
+            return self._tier_release(seq)
         if self.blocks.seq_len(seq) > self.seq_len(seq):
             self._copy_pages(self.blocks.truncate(seq, self.seq_len(seq)))
             self._sync_table(seq)

@@ -81,14 +81,21 @@ class PromptLayers:
         table = self.tables.data.ptr + 4 * self.max_pages * seq
         layer = lw["ptr"] | self.rope_layers[il]
 
-        def f16_attention(k_pool: int, v_pool: int) -> None:
+        def f16_attention(k_pool: int, v_pool: int, table: int = table) -> None:
             params = att_ops.attn_params(s, q=self.q_rot.data.ptr, k_pool=k_pool, v_pool=v_pool, page_tables=table,
                                      table_stride=self.max_pages, row_seq=self.row_seq.data.ptr,
                                      pos=self.pos.data.ptr, window=ls.get("sliding_window") or 0,
                                      page_size=self.page_size, out=self.att.data.ptr)
             att_ops.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
 
-        if self.quant_kv:  # (cuda_kv_quant.py)
+        if self.kv_tiers is not None:  # (cuda_kv_tiers.py)
+            self._tier_prompt_attention(
+                il, T, seq,
+                lambda k_rows, v_rows: att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer,
+                                                       self.q_rot.data.ptr, 0, 0, table, self.page_size,
+                                                       self.theta_scale[il], k_rows, v_rows),
+                f16_attention)
+        elif self.quant_kv:  # (cuda_kv_quant.py)
             self._quant_prompt_attention(
                 il, T, seq, table,
                 lambda k_rows, v_rows: att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer,

@@ -48,6 +48,8 @@ ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "attention_keys.cu", "attention.cu
 
 # Attention over the quantized KV cache: its sources, and the switches for head size and group size.
 QUANT_ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "kv_quant.cu", "attention_quant.cu")
+# The tiered KV cache's kernels (selection, attention, moves between tiers), built on the quantized cache's.
+TIERED_SOURCES = (*QUANT_ATTENTION_SOURCES, "attention_tiered.cu")
 
 
 def attention_options(hd: int, group: int) -> tuple[str, ...]:
@@ -83,6 +85,14 @@ def _quant_attention_module(hd: int, group: int):
 
 
 @lru_cache(maxsize=None)
+def _tiered_module(hd: int, group: int):
+    """The tiered KV cache's kernels for one head size and group size (kernels/attention_tiered.cu)."""
+    import cupy
+
+    return cupy.RawModule(code=source_of(*TIERED_SOURCES), options=_options(f"-DQATT_HD={hd}", f"-DQATT_NG={group}"))
+
+
+@lru_cache(maxsize=None)
 def function(name: str):
     m = re.fullmatch(r"attention(?:_step)?_hd(\d+)_g(\d+)", name)
     if m:
@@ -90,4 +100,7 @@ def function(name: str):
     m = re.fullmatch(r"(attention_quant_k\dv\d)_hd(\d+)_g(\d+)", name)
     if m:
         return _quant_attention_module(int(m[2]), int(m[3])).get_function(m[1])
+    m = re.fullmatch(r"(attention_tiered|tier_[a-z0-9_]+?)_hd(\d+)_g(\d+)", name)
+    if m:
+        return _tiered_module(int(m[2]), int(m[3])).get_function(m[1])
     return module().get_function(name)

@@ -116,24 +116,219 @@ __device__ void store_new_row(const QAttnParams& P, int row, int g, int p, const
     }
 }
 
+// A decode block's shared memory (attention_quant, and attention_tiered.cu's blocks over the tiered cache).
+constexpr int QATT_NB = QATT_HD / 32;
+// values: DPL elements of one key a lane (16, one load, where HD / 16 lanes tile a warp), KG keys at once
+constexpr int QATT_DPL = (QATT_HD % 16 == 0 && 32 % (QATT_HD / 16) == 0) ? 16 : QATT_HD / 32;
+constexpr int QATT_LPK = QATT_HD / QATT_DPL, QATT_KG = 32 / QATT_LPK;
+constexpr bool QATT_RED_IN_WACC = QATT_NG * QATT_HD >= 32 * 4;  // the merge's [S][HD] partial sums fit wacc
+struct QattSmem {
+    float qf[QATT_NG][QATT_HD];               // the rotated query, f32 (for q·offset); then the output
+    int qc[QATT_NG][QATT_HD / 4];             // its q8_0 codes, 4 a word
+    float qd[QATT_NG][QATT_NB];               // and their scales (f16-rounded)
+    float pt[QATT_WARPS][QATT_NG][32];        // a tile's probabilities
+    float wml[QATT_WARPS][QATT_NG][2];
+    __align__(16) float wacc[QATT_WARPS][QATT_NG][QATT_HD];  // (first the stored rows' scratch)
+    float wsp[QATT_NG][QATT_MAX_SPLIT];       // the merge's split weights
+    float lsum[QATT_NG];                      // and sums
+    __align__(16) float red_own[QATT_RED_IN_WACC ? 1 : 4 * 32 * QATT_WARPS];
+    int last_block;
+};
+
+// The group's queries of (row, KV head g) into S.qf rotated into the cache's basis, and quantized to q8_0 (S.qc,
+// S.qd) for the integer dot products. Ends with __syncthreads.
+__device__ void qatt_query(QattSmem& S, const float* q, int row, int n_head, int g) {
+    constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int h = warp; h < NG; h += QATT_WARPS) {
+        const float* src = q + ((long long)row * n_head + g * NG + h) * HD;
+        for (int i = lane; i < HD; i += WARP) S.qf[h][i] = src[i];
+        __syncwarp();
+        warp_hadamard(S.qf[h], HD, HD & -HD);
+        for (int b = 0; b < NB; ++b) {
+            float d;
+            const int qi = quant_q8_lane(S.qf[h][b * 32 + lane], &d);
+            // pack 4 codes a word: lanes 4k..4k+3 into word 8b + k
+            u32 word = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) word |= (u32)(__shfl_sync(0xffffffffu, qi, (lane & 7) * 4 + k) & 255) << (8 * k);
+            if (lane < 8) S.qc[h][b * 8 + lane] = (int)word;
+            if (lane == 0) S.qd[h][b] = f16_round(d);
+        }
+    }
+    __syncthreads();
+}
+
+// Where a decode block's splits meet: a block's (max, sum, unnormalized output) per query head.
+struct QattOut {
+    float* part_acc;  // [rows][n_head][n_split][HD]
+    float2* part_ml;  // [rows][n_head][n_split]
+    int* tickets;     // [rows][n_head_kv], zero between launches
+    float* out;       // [rows][n_head][HD]
+    int n_head, n_head_kv;
+};
+
+// The end of a decode block after its key loop (m, s, acc: each warp's online softmax over its keys, acc with the
+// lane's DPL elements of its key group): the warps' results combined, then the output itself (one split in use)
+// or the block's partial, the last block of its (row, KV head) to finish (an atomic ticket, which it resets)
+// combining the splits by log-sum-exp, every thread summing a float4 of the output over a share of the splits
+// with a load per query head in flight (TinyFlash's merge, attention.cu); the output rotated back out of the
+// values' basis.
+__device__ void qatt_finish(QattSmem& S, const QattOut& O, float (&m)[QATT_NG], float (&s)[QATT_NG],
+                            float (&acc)[QATT_NG][QATT_DPL], int row, int g, int split, int n_split, int n_used) {
+    constexpr int HD = QATT_HD, NG = QATT_NG, DPL = QATT_DPL, LPK = QATT_LPK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kg = lane / LPK, e0 = (lane % LPK) * DPL;
+    // the KG key groups' sums meet in the lanes of the first; each warp leaves (max, sum) and its output
+#pragma unroll
+    for (int o = LPK; o < 32; o <<= 1)
+#pragma unroll
+        for (int h = 0; h < NG; ++h)
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], o);
+#pragma unroll
+    for (int h = 0; h < NG; ++h) {
+        if (lane == 0) {
+            S.wml[warp][h][0] = m[h];
+            S.wml[warp][h][1] = s[h];
+        }
+        if (kg == 0) {
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) S.wacc[warp][h][e0 + i] = acc[h][i];
+        }
+    }
+    __syncthreads();
+    // the block's result per query head: the output itself (one split) or its partial
+    for (int h = warp; h < NG; h += QATT_WARPS) {
+        float mm = -INFINITY;
+        for (int w = 0; w < QATT_WARPS; ++w) mm = fmaxf(mm, S.wml[w][h][0]);
+        float ss = 0.0f;
+        for (int w = 0; w < QATT_WARPS; ++w)
+            if (S.wml[w][h][0] != -INFINITY) ss += S.wml[w][h][1] * expf(S.wml[w][h][0] - mm);
+        const long long oh = (long long)row * O.n_head + g * NG + h;
+        if (lane == 0 && n_used > 1) O.part_ml[oh * n_split + split] = make_float2(mm, ss);
+        for (int i = lane; i < HD; i += WARP) {
+            float a = 0.0f;
+            for (int w = 0; w < QATT_WARPS; ++w)
+                if (S.wml[w][h][0] != -INFINITY) a += S.wacc[w][h][i] * expf(S.wml[w][h][0] - mm);
+            if (n_used > 1) O.part_acc[(oh * n_split + split) * HD + i] = a;
+            else S.qf[h][i] = ss > 0.0f ? a / ss : 0.0f;
+        }
+    }
+    if (n_used > 1) {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* ticket = O.tickets + row * O.n_head_kv + g;
+            S.last_block = atomicAdd(ticket, 1) == n_used - 1;
+            if (S.last_block) *ticket = 0;
+        }
+        __syncthreads();
+        if (!S.last_block) return;
+        __threadfence();
+        // the last block combines the splits: first each split's weight exp(m - M) per query head (a warp a head,
+        // its lanes over the splits), into shared memory
+        const long long oh0 = (long long)row * O.n_head + g * NG;
+        for (int h = warp; h < NG; h += QATT_WARPS) {
+            const float2* ml = O.part_ml + (oh0 + h) * n_split;
+            float mm = -INFINITY;
+            for (int k = lane; k < n_used; k += WARP) mm = fmaxf(mm, __ldcg(&ml[k].x));
+            mm = warp_max(mm);
+            float ss = 0.0f;
+            for (int k = lane; k < n_used; k += WARP) {
+                const float2 v = __ldcg(&ml[k]);
+                const float f = v.x == -INFINITY ? 0.0f : expf(v.x - mm);
+                S.wsp[h][k] = f;
+                ss = fmaf(v.y, f, ss);
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) S.lsum[h] = ss;
+        }
+        __syncthreads();
+        // then the outputs: a thread a float4 of every head over a share of the splits (SP threads a float4), the
+        // SP partial sums meeting in shared memory (wacc, free again, where it holds them)
+        constexpr int C4 = HD / 4, SP = 32 * QATT_WARPS / C4;  // (HD a multiple of 32; threads past SP * C4 idle)
+        const int tid = threadIdx.x, c4 = tid % C4, s4 = tid / C4;
+        float4 a4[NG];
+#pragma unroll
+        for (int h = 0; h < NG; ++h) a4[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 2
+        for (int k = s4; s4 < SP && k < n_used; k += SP) {
+#pragma unroll
+            for (int h = 0; h < NG; ++h) {
+                const float4 v = __ldcg((const float4*)(O.part_acc + ((oh0 + h) * n_split + k) * HD) + c4);
+                const float f = S.wsp[h][k];
+                a4[h].x = fmaf(v.x, f, a4[h].x);
+                a4[h].y = fmaf(v.y, f, a4[h].y);
+                a4[h].z = fmaf(v.z, f, a4[h].z);
+                a4[h].w = fmaf(v.w, f, a4[h].w);
+            }
+        }
+        float* red = QATT_RED_IN_WACC ? &S.wacc[0][0][0] : S.red_own;  // [SP][HD]
+#pragma unroll
+        for (int h = 0; h < NG; ++h) {
+            if (s4 < SP) ((float4*)red)[s4 * C4 + c4] = a4[h];
+            __syncthreads();
+            if (tid < HD) {
+                float a = 0.0f;
+                for (int j = 0; j < SP; ++j) a += red[j * HD + tid];
+                S.qf[h][tid] = S.lsum[h] > 0.0f ? a / S.lsum[h] : 0.0f;
+            }
+            __syncthreads();
+        }
+    }
+    // rotated back out of the values' basis
+    for (int h = warp; h < NG; h += QATT_WARPS) {
+        __syncwarp();
+        warp_hadamard(S.qf[h], HD, HD & -HD);
+        for (int i = lane; i < HD; i += WARP) O.out[((long long)row * O.n_head + g * NG + h) * HD + i] = S.qf[h][i];
+    }
+}
+
+// A 32-key tile's online-softmax step for every query head of the group: scores sc (this lane's key; -inf where
+// dead) into m, s, acc's rescale, and the probabilities into S.pt[warp].
+__device__ __forceinline__ void qatt_softmax_tile(QattSmem& S, const float (&sc)[QATT_NG], float (&m)[QATT_NG],
+                                                  float (&s)[QATT_NG], float (&acc)[QATT_NG][QATT_DPL]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int h = 0; h < QATT_NG; ++h) {
+        const float m_new = fmaxf(m[h], warp_max(sc[h]));
+        const float ms = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
+        const float pj = sc[h] == -INFINITY ? 0.0f : expf(sc[h] - m_new);
+        s[h] = fmaf(s[h], ms, warp_sum(pj));
+        m[h] = m_new;
+#pragma unroll
+        for (int i = 0; i < QATT_DPL; ++i) acc[h][i] *= ms;
+        S.pt[warp][h][lane] = pj;
+    }
+    __syncwarp();
+}
+
+// The q8_0 dot products of the group's queries with a stored quantized K row (codes kc, scales ks).
+template <int KT>
+__device__ __forceinline__ void qatt_dots(const QattSmem& S, const u8* kc, const u16* ks, float (&dot)[QATT_NG]) {
+#pragma unroll
+    for (int h = 0; h < QATT_NG; ++h) dot[h] = 0.0f;
+#pragma unroll
+    for (int b = 0; b < QATT_NB; ++b) {
+        int w[8];
+        load_k_block<KT>(kc + b * (KT == KVQ_Q8 ? 32 : 16), w);
+        const float dk = h2f(ks[b]);
+#pragma unroll
+        for (int h = 0; h < QATT_NG; ++h) {
+            int sumi = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sumi = __dp4a(w[i], S.qc[h][b * 8 + i], sumi);
+            dot[h] = __fadd_rn(dot[h], __fmul_rn(__fmul_rn((float)sumi, dk), S.qd[h][b]));
+        }
+    }
+}
+
 template <int KT, int VT>
 __device__ void attend_quant(const QAttnParams& P) {
-    constexpr int HD = QATT_HD, NG = QATT_NG, NB = HD / 32;
+    constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB, DPL = QATT_DPL, LPK = QATT_LPK, KG = QATT_KG;
     constexpr int KCB = KT == KVQ_Q8 ? HD : HD / 2, VCB = VT == KVQ_Q8 ? HD : HD / 2;
-    // values: DPL elements of one key a lane (16, one load, where HD / 16 lanes tile a warp), KG keys at once
-    constexpr int DPL = (HD % 16 == 0 && 32 % (HD / 16) == 0) ? 16 : HD / 32;
-    constexpr int LPK = HD / DPL, KG = 32 / LPK;
-    __shared__ float qf[NG][HD];               // the rotated query, f32 (for q·offset); then the output
-    __shared__ int qc[NG][HD / 4];             // its q8_0 codes, 4 a word
-    __shared__ float qd[NG][NB];               // and their scales (f16-rounded)
-    __shared__ float pt[QATT_WARPS][NG][32];   // a tile's probabilities
-    __shared__ float wml[QATT_WARPS][NG][2];
-    __shared__ __align__(16) float wacc[QATT_WARPS][NG][HD];  // (first the stored rows' scratch)
-    __shared__ float wsp[NG][QATT_MAX_SPLIT];  // the merge's split weights
-    __shared__ float lsum[NG];                  // and sums
-    constexpr bool RED_IN_WACC = NG * HD >= 32 * 4;  // the merge's [S][HD] partial sums (S * HD <= 4 * 32 * WARPS)
-    __shared__ __align__(16) float red_own[RED_IN_WACC ? 1 : 4 * 32 * QATT_WARPS];
-    __shared__ int last_block;
+    __shared__ QattSmem S;
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     grid_dep_launch();
@@ -145,25 +340,8 @@ __device__ void attend_quant(const QAttnParams& P) {
     const int n_used = (kend - kbeg + per - 1) / per;
     if (split >= n_used) return;
     const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
-    if (split == n_used - 1) store_new_row<KT, VT>(P, row, g, p, table, &wacc[0][0][0]);
-
-    for (int h = warp; h < NG; h += QATT_WARPS) {
-        const float* src = P.q + ((long long)row * P.n_head + g * NG + h) * HD;
-        for (int i = lane; i < HD; i += WARP) qf[h][i] = src[i];
-        __syncwarp();
-        warp_hadamard(qf[h], HD, HD & -HD);
-        for (int b = 0; b < NB; ++b) {
-            float d;
-            const int q = quant_q8_lane(qf[h][b * 32 + lane], &d);
-            // pack 4 codes a word: lanes 4k..4k+3 into word 8b + k
-            u32 word = 0;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) word |= (u32)(__shfl_sync(0xffffffffu, q, (lane & 7) * 4 + k) & 255) << (8 * k);
-            if (lane < 8) qc[h][b * 8 + lane] = (int)word;
-            if (lane == 0) qd[h][b] = f16_round(d);
-        }
-    }
-    __syncthreads();
+    if (split == n_used - 1) store_new_row<KT, VT>(P, row, g, p, table, &S.wacc[0][0][0]);
+    qatt_query(S, P.q, row, P.n_head, g);
 
     float m[NG], s[NG], acc[NG][DPL];
 #pragma unroll
@@ -193,8 +371,8 @@ __device__ void attend_quant(const QAttnParams& P) {
                 const float* ob = P.k_offsets + ((long long)pb * P.n_head_kv + g) * HD;
                 float da = 0.0f, db = 0.0f;
                 for (int i = lane; i < HD; i += WARP) {
-                    da = fmaf(qf[h][i], oa[i], da);
-                    db = fmaf(qf[h][i], ob[i], db);
+                    da = fmaf(S.qf[h][i], oa[i], da);
+                    db = fmaf(S.qf[h][i], ob[i], db);
                 }
                 last_da[h] = warp_sum(da);
                 last_db[h] = warp_sum(db);
@@ -205,36 +383,11 @@ __device__ void attend_quant(const QAttnParams& P) {
 #pragma unroll
         for (int h = 0; h < NG; ++h) off[h] = page == pa ? last_da[h] : last_db[h];
         float dot[NG];
+        qatt_dots<KT>(S, P.k_codes + cell * KCB, P.k_scales + cell * NB, dot);
+        float sc[NG];
 #pragma unroll
-        for (int h = 0; h < NG; ++h) dot[h] = 0.0f;
-        const u8* kc = P.k_codes + cell * KCB;
-        const u16* ks = P.k_scales + cell * NB;
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            int w[8];
-            load_k_block<KT>(kc + b * (KT == KVQ_Q8 ? 32 : 16), w);
-            const float dk = h2f(ks[b]);
-#pragma unroll
-            for (int h = 0; h < NG; ++h) {
-                int sumi = 0;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) sumi = __dp4a(w[i], qc[h][b * 8 + i], sumi);
-                dot[h] = __fadd_rn(dot[h], __fmul_rn(__fmul_rn((float)sumi, dk), qd[h][b]));
-            }
-        }
-#pragma unroll
-        for (int h = 0; h < NG; ++h) {
-            const float sc = live ? __fmul_rn(__fadd_rn(dot[h], off[h]), P.scale) : -INFINITY;
-            const float m_new = fmaxf(m[h], warp_max(sc));
-            const float ms = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
-            const float pj = live ? expf(sc - m_new) : 0.0f;
-            s[h] = fmaf(s[h], ms, warp_sum(pj));
-            m[h] = m_new;
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) acc[h][i] *= ms;
-            pt[warp][h][lane] = pj;
-        }
-        __syncwarp();
+        for (int h = 0; h < NG; ++h) sc[h] = live ? __fmul_rn(__fadd_rn(dot[h], off[h]), P.scale) : -INFINITY;
+        qatt_softmax_tile(S, sc, m, s, acc);
         // values: KG keys of the tile at once, each lane DPL elements of its key
         const int n_keys = min(32, s1 - t0);
         for (int j0 = 0; j0 < n_keys; j0 += KG) {
@@ -245,7 +398,7 @@ __device__ void attend_quant(const QAttnParams& P) {
                 load_v<VT, DPL>(P.v_codes + cj * VCB, P.v_scales + cj * NB, e0, v);
 #pragma unroll
                 for (int h = 0; h < NG; ++h) {
-                    const float pj = pt[warp][h][j];
+                    const float pj = S.pt[warp][h][j];
 #pragma unroll
                     for (int i = 0; i < DPL; ++i) acc[h][i] = fmaf(v[i], pj, acc[h][i]);
                 }
@@ -253,110 +406,8 @@ __device__ void attend_quant(const QAttnParams& P) {
         }
         __syncwarp();
     }
-    // the KG key groups' sums meet in the lanes of the first; each warp leaves (max, sum) and its output
-#pragma unroll
-    for (int o = LPK; o < 32; o <<= 1)
-#pragma unroll
-        for (int h = 0; h < NG; ++h)
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], o);
-#pragma unroll
-    for (int h = 0; h < NG; ++h) {
-        if (lane == 0) {
-            wml[warp][h][0] = m[h];
-            wml[warp][h][1] = s[h];
-        }
-        if (kg == 0) {
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) wacc[warp][h][e0 + i] = acc[h][i];
-        }
-    }
-    __syncthreads();
-    // the block's result per query head: the output itself (one split) or its partial
-    for (int h = warp; h < NG; h += QATT_WARPS) {
-        float mm = -INFINITY;
-        for (int w = 0; w < QATT_WARPS; ++w) mm = fmaxf(mm, wml[w][h][0]);
-        float ss = 0.0f;
-        for (int w = 0; w < QATT_WARPS; ++w)
-            if (wml[w][h][0] != -INFINITY) ss += wml[w][h][1] * expf(wml[w][h][0] - mm);
-        const long long oh = (long long)row * P.n_head + g * NG + h;
-        if (lane == 0 && n_used > 1) P.part_ml[oh * n_split + split] = make_float2(mm, ss);
-        for (int i = lane; i < HD; i += WARP) {
-            float a = 0.0f;
-            for (int w = 0; w < QATT_WARPS; ++w)
-                if (wml[w][h][0] != -INFINITY) a += wacc[w][h][i] * expf(wml[w][h][0] - mm);
-            if (n_used > 1) P.part_acc[(oh * n_split + split) * HD + i] = a;
-            else qf[h][i] = ss > 0.0f ? a / ss : 0.0f;
-        }
-    }
-    if (n_used > 1) {
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int* ticket = P.tickets + row * P.n_head_kv + g;
-            last_block = atomicAdd(ticket, 1) == n_used - 1;
-            if (last_block) *ticket = 0;
-        }
-        __syncthreads();
-        if (!last_block) return;
-        __threadfence();
-        // the last block combines the splits: first each split's weight exp(m - M) per query head (a warp a head,
-        // its lanes over the splits), into shared memory
-        const long long oh0 = (long long)row * P.n_head + g * NG;
-        for (int h = warp; h < NG; h += QATT_WARPS) {
-            const float2* ml = P.part_ml + (oh0 + h) * n_split;
-            float mm = -INFINITY;
-            for (int k = lane; k < n_used; k += WARP) mm = fmaxf(mm, __ldcg(&ml[k].x));
-            mm = warp_max(mm);
-            float ss = 0.0f;
-            for (int k = lane; k < n_used; k += WARP) {
-                const float2 v = __ldcg(&ml[k]);
-                const float f = v.x == -INFINITY ? 0.0f : expf(v.x - mm);
-                wsp[h][k] = f;
-                ss = fmaf(v.y, f, ss);
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) lsum[h] = ss;
-        }
-        __syncthreads();
-        // then the outputs: a thread a float4 of every head over a share of the splits (S threads a float4), the
-        // S partial sums meeting in shared memory (wacc, free again, where it holds them)
-        constexpr int C4 = HD / 4, S = 32 * QATT_WARPS / C4;  // (HD a multiple of 32; threads past S * C4 idle)
-        const int tid = threadIdx.x, c4 = tid % C4, s4 = tid / C4;
-        float4 a4[NG];
-#pragma unroll
-        for (int h = 0; h < NG; ++h) a4[h] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 2
-        for (int k = s4; s4 < S && k < n_used; k += S) {
-#pragma unroll
-            for (int h = 0; h < NG; ++h) {
-                const float4 v = __ldcg((const float4*)(P.part_acc + ((oh0 + h) * n_split + k) * HD) + c4);
-                const float f = wsp[h][k];
-                a4[h].x = fmaf(v.x, f, a4[h].x);
-                a4[h].y = fmaf(v.y, f, a4[h].y);
-                a4[h].z = fmaf(v.z, f, a4[h].z);
-                a4[h].w = fmaf(v.w, f, a4[h].w);
-            }
-        }
-        float* red = RED_IN_WACC ? &wacc[0][0][0] : red_own;  // [S][HD]
-#pragma unroll
-        for (int h = 0; h < NG; ++h) {
-            if (s4 < S) ((float4*)red)[s4 * C4 + c4] = a4[h];
-            __syncthreads();
-            if (tid < HD) {
-                float a = 0.0f;
-                for (int j = 0; j < S; ++j) a += red[j * HD + tid];
-                qf[h][tid] = lsum[h] > 0.0f ? a / lsum[h] : 0.0f;
-            }
-            __syncthreads();
-        }
-    }
-    // rotated back out of the values' basis
-    for (int h = warp; h < NG; h += QATT_WARPS) {
-        __syncwarp();
-        warp_hadamard(qf[h], HD, HD & -HD);
-        for (int i = lane; i < HD; i += WARP) P.out[((long long)row * P.n_head + g * NG + h) * HD + i] = qf[h][i];
-    }
+    const QattOut O = {P.part_acc, P.part_ml, P.tickets, P.out, P.n_head, P.n_head_kv};
+    qatt_finish(S, O, m, s, acc, row, g, split, n_split, n_used);
 }
 
 #define QATT_KERNEL(NAME, KT, VT) \

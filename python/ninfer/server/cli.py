@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None, prog: str = "ninfer-cli") -> int:
 
         speculation = spec_kwargs(args)
         kv_tiers = kv_tier_kwargs(args)
-        EngineConfig(cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, **kv_tiers)  # (checked now)
+        EngineConfig(cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,  # (checked now)
+                     **{k: v for k, v in kv_tiers.items() if k != "host_mem_budget"})
         chat_template = read_chat_template(args.chat_template_file)
         if chat_template is not None:
             ChatTemplate.from_metadata(mf.metadata, template=chat_template)

@@ -1,0 +1,386 @@
+"""The CUDA engine's tiered KV cache (`kv_l1`, `kv_l2`, `kv_select`): the CPU's kv::tiers (rust/core/src/kv/tiers.rs)
+on the GPU. A sequence's pages of TIERED_BLOCK_SIZE tokens live in L1 (f16 in device memory: its first page, the
+attention sinks, and the pages holding its newest kv_l1 tokens), L2 (q8_0 in device memory: the next kv_l2
+tokens) or L3 (q4_0 in mapped pinned host memory, read by the kernels over the bus; the rest of the context), rows
+Hadamard-rotated in every tier and keys less their page's mean once quantized, as on the CPU. Pages move down once,
+after the step that aged them (`_settle`, at the next reservation); a page leaving L1 gets its key summary
+(element-wise min and max) for selection. A decode step per layer runs rope_kv, tier_select (the pages to read:
+all, or with kv_select > 0 the sink, the best old pages by their summaries' bound on q·k, and L1) and
+attention_tiered (kernels/attention_tiered.cu); a prompt batch stores its rows into L1 and widens every tier into
+f16 scratch for TinyFlash's prompt kernel, as the quantized cache does.
+
+The books are kept here (not in the Rust BlockManager): per sequence its pages' (tier, index), a free list per
+tier. A page table entry on the device is (tier << TIER_SHIFT) | index."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ninfer.backends import launch
+from ninfer.backends.budget import gib
+from ninfer.backends.cuda_kv_quant import QUANT_MAX_SPLIT, QUANT_SPLIT_KEYS
+from ninfer.backends.cuda_memory import Pinned
+from ninfer.backends.kernels import function
+from ninfer.config import TIERED_BLOCK_SIZE
+from ninfer.errors import ContextOverflowError, InvalidArgumentError
+
+u64, i32, f32 = np.uint64, np.int32, np.float32
+
+TIER_SHIFT = 28
+TIER_MAX_LIST = 4096  # kernels/attention_tiered.cu: the most old pages tier_select scores
+
+# struct TAttnParams in kernels/attention_tiered.cu (C layout: align=True).
+TATTN_PARAMS = np.dtype(
+    [(k, "<u8") for k in ("q", "k_rows", "v_rows", "l1_k", "l1_v", "l2_kc", "l2_ks", "l2_vc", "l2_vs", "l2_off",
+                          "l3_kc", "l3_ks", "l3_vc", "l3_vs", "l3_off", "summary", "page_tables", "row_seq", "pos",
+                          "lists", "counts", "scores", "part_acc", "part_ml", "tickets", "out")]
+    + [(k, "<i4") for k in ("table_stride", "list_stride", "n_head", "n_head_kv", "page_size", "l1", "select", "pad")]
+    + [("scale", "<f4"), ("pad2", "<i4")], align=True)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Pages of each tier (every sequence's together) and the bytes they take a layer."""
+
+    l1_tokens: int
+    l2_tokens: int
+    select: int
+    n1: int
+    n2: int
+    n3: int
+    device_bytes: int  # every layer's L1 and L2 pools, offsets, summaries; the prompt's f16 scratch
+    host_bytes: int  # every layer's L3 pools
+
+    def table(self, n_layer: int) -> str:
+        ps = TIERED_BLOCK_SIZE
+        return "\n".join([
+            f"KV tiers ({n_layer} layers, pages of {ps} tokens):",
+            f"  L1 f16, device   sinks + newest {self.l1_tokens} tokens   {self.n1} pages",
+            f"  L2 q8_0, device  next {self.l2_tokens} tokens   {self.n2} pages",
+            f"  L3 q4_0, host    the rest   {self.n3} pages   {gib(self.host_bytes):>11}",
+            f"  device: pools, offsets, key summaries, prompt scratch   {gib(self.device_bytes):>11}",
+            f"  selection: " + (f"{self.select} tokens of L2/L3 a step" if self.select else "every page (exact)")])
+
+
+def page_bytes(n_kv: int, hd: int) -> dict[str, int]:
+    """Bytes of one page of one layer, K and V together, in each tier (codes, scales; offsets apart)."""
+    cells = n_kv * TIERED_BLOCK_SIZE
+    return {"l1": 2 * cells * hd * 2, "l2": 2 * cells * (hd + hd // 16), "l3": 2 * cells * (hd // 2 + hd // 16),
+            "off": 4 * n_kv * hd, "summary": 2 * 2 * n_kv * hd}
+
+
+def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: int | None, select: int,
+               device_room: int | None, host_budget: int | None) -> TierPlan:
+    """The tier sizes: L1 holds l1 tokens a sequence (plus the sink page and a prompt batch's pages); L2 holds l2
+    tokens, or (l2 None) as many as `device_room` bytes leave after L1, the summaries and the scratch; L3 the whole
+    context (pages leave it only when their sequence ends). Raises when a budget cannot hold the plan."""
+    ps = TIERED_BLOCK_SIZE
+    L, n_kv, hd = len(spec["layers"]), spec["n_head_kv"], spec["head_dim"]
+    b = page_bytes(n_kv, hd)
+    max_pages = -(-n_ctx // ps)
+    if max_pages > TIER_MAX_LIST:
+        raise InvalidArgumentError(f"the tiered GPU cache holds up to {TIER_MAX_LIST * ps} tokens a sequence "
+                                   f"({TIER_MAX_LIST} pages of {ps}); n_ctx is {n_ctx}")
+    n1 = n_seq * (3 + -(-l1 // ps) + -(-n_batch // ps))
+    fixed = L * (n1 * b["l1"] + n_seq * max_pages * b["summary"]) + max_pages * ps * n_kv * hd * 2 * 2
+    per_l2_page = L * (b["l2"] + b["off"])
+    if l2 is None:
+        if device_room is None:
+            raise InvalidArgumentError("kv_l2 not given and no GPU memory budget to size it from")
+        l2_pages = max(0, (device_room - fixed) // per_l2_page // n_seq - 2)
+        l2 = min(l2_pages * ps, n_ctx)
+    n2 = n_seq * (2 + -(-l2 // ps))
+    device = fixed + n2 * per_l2_page
+    n3 = n_seq * max_pages
+    host = L * n3 * (b["l3"] + b["off"])
+    if device_room is not None and device > device_room:
+        raise InvalidArgumentError(f"the KV tiers need {gib(device)} of GPU memory (L1 {l1}, L2 {l2} tokens), "
+                                   f"{gib(device_room)} is left in the budget")
+    if host_budget is not None and host > host_budget:
+        raise InvalidArgumentError(f"L3 of {n_ctx} tokens needs {gib(host)} of host memory, over the host memory "
+                                   f"budget of {gib(host_budget)}")
+    return TierPlan(l1, l2, select, n1, n2, n3, device, host)
+
+
+class TieredKv:
+    """CudaEngine's tiered cache (a mixin: the engine's state is CudaEngine's; `kv_tiers` is the TierPlan or None)."""
+
+    def _alloc_tiers(self, T: int) -> None:
+        cp, s, tp = self.cp, self.spec, self.kv_tiers
+        ps, n_kv, hd, n_head = TIERED_BLOCK_SIZE, s["n_head_kv"], s["head_dim"], s["n_head"]
+        self.t_l1_k = [cp.zeros((tp.n1, n_kv, ps, hd), cp.uint16) for _ in range(self.n_gpu)]
+        self.t_l1_v = [cp.zeros((tp.n1, n_kv, ps, hd), cp.uint16) for _ in range(self.n_gpu)]
+        self.k_pools, self.v_pools = self.t_l1_k, self.t_l1_v  # (what the f16 launch descriptors name; unread)
+        self.t_l2 = [{"kc": cp.zeros((tp.n2, n_kv, ps, hd), cp.uint8), "ks": cp.zeros((tp.n2, n_kv, ps, hd // 32), cp.uint16),
+                      "vc": cp.zeros((tp.n2, n_kv, ps, hd), cp.uint8), "vs": cp.zeros((tp.n2, n_kv, ps, hd // 32), cp.uint16),
+                      "off": cp.zeros((tp.n2, n_kv * hd), cp.float32)} for _ in range(self.n_gpu)]
+        # L3 in mapped pinned host memory, one allocation a layer: K codes, K scales, V codes, V scales, offsets
+        sizes = {"kc": tp.n3 * n_kv * ps * hd // 2, "ks": tp.n3 * n_kv * ps * hd // 16,
+                 "vc": tp.n3 * n_kv * ps * hd // 2, "vs": tp.n3 * n_kv * ps * hd // 16, "off": tp.n3 * n_kv * hd * 4}
+        self.t_l3 = []
+        for _ in range(self.n_gpu):
+            mem = Pinned(np.uint8, sum(-(-n // 256) * 256 for n in sizes.values()))
+            at, ptrs = 0, {"mem": mem}
+            for k, n in sizes.items():
+                ptrs[k] = (mem.dev_ptr + at, mem.array[at:at + n])
+                at += -(-n // 256) * 256
+            self.t_l3.append(ptrs)
+        self.t_summary = [cp.zeros((self.n_seq_max, self.max_pages, 2, n_kv, hd), cp.uint16) for _ in range(self.n_gpu)]
+        self.t_lists = cp.zeros((T, n_kv, self.max_pages), cp.int32)
+        self.t_counts = cp.zeros((T, n_kv), cp.int32)
+        self.t_scores = cp.zeros((T, n_kv, self.max_pages), cp.float32)
+        # tier_score's blocks a KV head: a chunk of up to 64 pages each
+        self.t_score_chunks = max(1, min(64, -(-self.max_pages // 64)))
+        self.t_scratch_k = cp.zeros((self.max_pages, n_kv, ps, hd), cp.uint16)  # a prompt's keys widened to f16
+        self.t_scratch_v = cp.zeros((self.max_pages, n_kv, ps, hd), cp.uint16)
+        self.t_identity = cp.arange(self.max_pages, dtype=cp.int32)  # the scratch's page table
+        self.k_rows = cp.zeros((T, n_kv * hd), cp.float32)
+        self.v_rows = cp.zeros((T, n_kv * hd), cp.float32)
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.quant_split = max(1, min(QUANT_MAX_SPLIT, -(-self.n_ctx // QUANT_SPLIT_KEYS), 2 * sms // n_kv))
+        self.quant_part = cp.zeros(self.quant_split * n_head * (hd + 2), cp.float32)
+        self.quant_tickets = cp.zeros(n_kv, cp.int32)
+        self.t_params = [self._tier_params(il) for il in range(self.n_gpu)]
+
+    def _tier_params(self, il: int) -> np.void:
+        s, tp = self.spec, self.kv_tiers
+        p = np.zeros(1, TATTN_PARAMS)[0]
+        l2, l3 = self.t_l2[il], self.t_l3[il]
+        n_head = s["n_head"]
+        fields = dict(
+            q=self.q_rot.data.ptr, k_rows=self.k_rows.data.ptr, v_rows=self.v_rows.data.ptr,
+            l1_k=self.t_l1_k[il].data.ptr, l1_v=self.t_l1_v[il].data.ptr,
+            l2_kc=l2["kc"].data.ptr, l2_ks=l2["ks"].data.ptr, l2_vc=l2["vc"].data.ptr, l2_vs=l2["vs"].data.ptr,
+            l2_off=l2["off"].data.ptr, l3_kc=l3["kc"][0], l3_ks=l3["ks"][0], l3_vc=l3["vc"][0], l3_vs=l3["vs"][0],
+            l3_off=l3["off"][0], summary=self.t_summary[il].data.ptr, page_tables=self.tables.data.ptr,
+            row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr, lists=self.t_lists.data.ptr,
+            counts=self.t_counts.data.ptr, scores=self.t_scores.data.ptr, part_acc=self.quant_part.data.ptr,
+            part_ml=self.quant_part.data.ptr + 4 * self.quant_split * n_head * s["head_dim"],
+            tickets=self.quant_tickets.data.ptr, out=self.att.data.ptr, table_stride=self.max_pages,
+            list_stride=self.max_pages, n_head=n_head, n_head_kv=s["n_head_kv"], page_size=TIERED_BLOCK_SIZE,
+            l1=tp.l1_tokens, select=tp.select, scale=s["attn_scale"])
+        for k, v in fields.items():
+            p[k] = v
+        return p
+
+    def _seq_params(self, il: int, seq: int) -> np.void:
+        """Layer il's parameters for the launches that find their sequence through row_seq (zeros): seq's page
+        table and key summaries."""
+        p = self.t_params[il].copy()
+        p["page_tables"] += 4 * self.max_pages * seq
+        p["summary"] += 2 * self.max_pages * self.t_summary[il][0, 0].size * seq
+        return p
+
+    def _tier_fn(self, name: str):
+        s = self.spec
+        return function(f"{name}_hd{s['head_dim']}_g{s['n_head'] // s['n_head_kv']}")
+
+    # ---- the books ---------------------------------------------------------------------------------------
+    def _init_tier_books(self) -> None:
+        tp = self.kv_tiers
+        self.t_free = [list(range(tp.n1 - 1, -1, -1)), list(range(tp.n2 - 1, -1, -1)), list(range(tp.n3 - 1, -1, -1))]
+        self.t_pages: dict[int, list[tuple[int, int]]] = {}  # seq -> its pages' (tier, index)
+        self.seq_len_ = {}
+        self.t_stats = {"demoted_l2": 0, "demoted_l3": 0}
+
+    def _take(self, tier: int) -> int:
+        if not self.t_free[tier]:
+            raise ContextOverflowError(f"the KV cache's L{tier + 1} tier has no free page")
+        return self.t_free[tier].pop()
+
+    def _write_entries(self, seq: int, first: int) -> None:
+        pages = self.t_pages.get(seq, [])
+        if first < len(pages):
+            entries = np.array([(t << TIER_SHIFT) | i for t, i in pages[first:]], np.int32)
+            self.tables[seq, first:len(pages)].set(entries, stream=self.stream)
+
+    def _tier_reserve(self, seq: int, n_new: int) -> int:
+        self._check_seq(seq)
+        start = self.seq_len(seq)
+        if start + n_new > self.n_ctx:
+            raise ContextOverflowError(f"sequence {seq} would hold {start + n_new} tokens, but the context holds "
+                                       f"{self.n_ctx}")
+        self._settle(seq)
+        pages = self.t_pages.setdefault(seq, [])
+        need = -(-(start + n_new) // TIERED_BLOCK_SIZE) - len(pages)
+        if need > len(self.t_free[0]):
+            raise ContextOverflowError(f"the KV cache's L1 tier has {len(self.t_free[0])} free pages, {need} needed")
+        first = len(pages)
+        pages.extend((0, self._take(0)) for _ in range(need))
+        self._write_entries(seq, first)
+        return start
+
+    def _tier_release(self, seq: int) -> None:
+        """Give back the pages past seq's committed length (positions reserved for a step that did not happen)."""
+        self._tier_truncate_pages(seq, self.seq_len(seq))
+
+    def _tier_truncate_pages(self, seq: int, n: int) -> None:
+        pages = self.t_pages.get(seq, [])
+        keep = -(-n // TIERED_BLOCK_SIZE)
+        for t, i in pages[keep:]:
+            self.t_free[t].append(i)
+        del pages[keep:]
+        if n % TIERED_BLOCK_SIZE and pages and pages[-1][0] != 0:
+            self._promote(seq, len(pages) - 1, n)  # a partial page must be in L1 to be written again
+
+    def _tier_remove(self, seq: int) -> None:
+        self._tier_truncate_pages(seq, 0)
+        self.t_pages.pop(seq, None)
+        self.seq_len_.pop(seq, None)
+
+    def _promote(self, seq: int, page: int, n: int) -> None:
+        """Page `page` of seq (its keys up to position n) back into L1, widened from its tier."""
+        t, i = self.t_pages[seq][page]
+        j = self._take(0)
+        ps, s = TIERED_BLOCK_SIZE, self.spec
+        n_kv, hd = s["n_head_kv"], s["head_dim"]
+        shift = 2 * (j - page) * n_kv * ps * hd  # tier_widen writes page p at scratch page p: aim it at slot j
+        with self.stream:
+            for il in range(self.n_gpu):
+                launch.kernel(self._tier_fn("tier_widen"), (-(-(n - page * ps) // 8), n_kv), (256,), (
+                    self.t_params[il], i32(seq), i32(page * ps), i32(n),
+                    u64(self.t_l1_k[il].data.ptr + shift), u64(self.t_l1_v[il].data.ptr + shift)))
+        self.t_free[t].append(i)
+        self.t_pages[seq][page] = (0, j)
+        self._write_entries(seq, page)
+
+    def _settle(self, seq: int) -> None:
+        """Move seq's pages down to the tiers their age gives (kv::tiers settle): a page leaves L1 once its last
+        position is older than the newest l1, L2 once older than the next l2 (the sink page stays)."""
+        tp = self.kv_tiers
+        pages, n = self.t_pages.get(seq, []), self.seq_len(seq)
+        ps = TIERED_BLOCK_SIZE
+        first_changed = None
+        for k in range(1, len(pages)):
+            end = (k + 1) * ps
+            if end + tp.l1_tokens > n:
+                break
+            want = 1 if end + tp.l1_tokens + tp.l2_tokens > n else 2
+            t, i = pages[k]
+            if want <= t:
+                continue
+            j = self._take(want)
+            name = "tier_demote_l2" if want == 1 else "tier_demote_l3"
+            s = self.spec
+            with self.stream:
+                for il in range(self.n_gpu):
+                    launch.kernel(self._tier_fn(name), (s["n_head_kv"],), (64,), (
+                        self.t_params[il], i32(t), i32(i), i32(j), i32(seq), i32(k)), shared_mem=2 * 4 * s["head_dim"])
+            self.t_free[t].append(i)
+            pages[k] = (want, j)
+            self.t_stats["demoted_l2" if want == 1 else "demoted_l3"] += 1
+            first_changed = k if first_changed is None else first_changed
+        if first_changed is not None:
+            self._write_entries(seq, first_changed)
+
+    def _tier_fork(self, src: int, dst: int, n: int) -> None:
+        """dst becomes the first n positions of src: its pages copied into new slots of the same tiers."""
+        self._tier_remove(dst)
+        pages = []
+        with self.stream:
+            for k, (t, i) in enumerate(self.t_pages.get(src, [])[: -(-n // TIERED_BLOCK_SIZE)]):
+                j = self._take(t)
+                for il in range(self.n_gpu):
+                    if t == 0:
+                        self.t_l1_k[il][j] = self.t_l1_k[il][i]
+                        self.t_l1_v[il][j] = self.t_l1_v[il][i]
+                    elif t == 1:
+                        for a in self.t_l2[il].values():
+                            a[j] = a[i]
+                    else:
+                        self.stream.synchronize()
+                        for key in ("kc", "ks", "vc", "vs", "off"):
+                            arr = self.t_l3[il][key][1]
+                            per = arr.size // self.kv_tiers.n3
+                            arr[j * per:(j + 1) * per] = arr[i * per:(i + 1) * per]
+                    self.t_summary[il][dst, k] = self.t_summary[il][src, k]
+                pages.append((t, j))
+        self.t_pages[dst] = pages
+        self.seq_len_[dst] = n
+        self._write_entries(dst, 0)
+        if n % TIERED_BLOCK_SIZE and pages and pages[-1][0] != 0:
+            self._promote(dst, len(pages) - 1, n)
+
+    def tier_memory(self) -> dict[str, tuple[int, int]]:
+        """Pages in use per tier and their bytes over the GPU layers; the pages moved down so far."""
+        s = self.spec
+        b = page_bytes(s["n_head_kv"], s["head_dim"])
+        used = [0, 0, 0]
+        for pages in self.t_pages.values():
+            for t, _ in pages:
+                used[t] += 1
+        L = self.n_gpu
+        return {"l1": (used[0], used[0] * L * b["l1"]), "l2": (used[1], used[1] * L * b["l2"]),
+                "l3": (used[2], used[2] * L * b["l3"]),
+                "meta_bytes": L * ((used[1] + used[2]) * (b["off"] + b["summary"])),
+                "moved": (self.t_stats["demoted_l2"], self.t_stats["demoted_l3"])}
+
+    def set_kv_select(self, select: int) -> None:
+        """Read `select` tokens of L2/L3 a decode step from the next one on (0: all); the cache as it is."""
+        if self.kv_tiers is None:
+            raise InvalidArgumentError("the KV cache is not tiered: it has no selection budget")
+        self._drain()
+        self.kv_tiers = replace(self.kv_tiers, select=select)
+        self.t_params = [self._tier_params(il) for il in range(self.n_gpu)]
+        self.graphs.clear()
+        self._op_lists.clear()
+
+    # ---- attention ---------------------------------------------------------------------------------------
+    def _tier_attention(self, il: int, seq: int, rope: Callable[[int, int], None]) -> list[Callable[[], None]]:
+        """The launches of one layer's decode attention: rope_kv (query, rotated K/V rows), the scores and selection, and
+        attention over the chosen pages (which stores the new rows into L1 first). Output in self.att."""
+        s = self.spec
+        n_kv = s["n_head_kv"]
+        params = self._seq_params(il, seq)
+        score, select = self._tier_fn("tier_score"), self._tier_fn("tier_select")
+        attend = self._tier_fn("attention_tiered")
+        smem = 4 * min(self.max_pages, TIER_MAX_LIST)
+        k_rows, v_rows = self.k_rows.data.ptr, self.v_rows.data.ptr
+        chunks = self.t_score_chunks
+        return [lambda: rope(k_rows, v_rows),
+                lambda: launch.kernel(score, (n_kv, chunks, 1), (256,), (params,), dependent=True),
+                lambda: launch.kernel(select, (n_kv, 1), (1024,), (params,), shared_mem=smem, dependent=True),
+                lambda: launch.kernel(attend, (self.quant_split, n_kv, 1), (128,), (params,), dependent=True)]
+
+    def _tier_prompt_attention(self, il: int, T: int, seq: int, rope: Callable[[int, int], None],
+                               f16_attention: Callable[[int, int, int], None]) -> None:
+        """One layer's attention for T prompt rows of seq: RoPE, the rows into L1, every key so far widened into
+        f16 scratch, and `f16_attention(k16, v16, table)` over it with the queries in the cache's basis."""
+        s = self.spec
+        n_kv, n_head, hd = s["n_head_kv"], s["n_head"], s["head_dim"]
+        params = self.t_params[il]
+        rope(self.k_rows.data.ptr, self.v_rows.data.ptr)
+        launch.kernel(self._tier_fn("tier_store_rows"), (T, n_kv), (64,), (self._seq_params(il, seq),))
+        n_keys = self.seq_len(seq) + T
+        k16, v16 = self.t_scratch_k.data.ptr, self.t_scratch_v.data.ptr
+        launch.kernel(self._tier_fn("tier_widen"), (-(-n_keys // 8), n_kv), (256,), (
+            params, i32(seq), i32(0), i32(n_keys), u64(k16), u64(v16)))
+        rotate = function("rotate_rows")
+        launch.kernel(rotate, (T, n_head), (32,), (u64(self.q_rot.data.ptr), i32(n_head), i32(hd)))
+        f16_attention(k16, v16, self.t_identity.data.ptr)
+        launch.kernel(rotate, (T, n_head), (32,), (u64(self.att.data.ptr), i32(n_head), i32(hd)))
+
+    def fill_random(self, seq: int, n: int, seed: int = 1) -> None:
+        """Append n positions of synthetic keys and values (uniform in [-1, 1), rotated basis) to seq in every
+        layer, moving pages down the tiers as a prefill would: decode speed and memory at depth without a prefill
+        (`ninfer bench --kv-fill random`)."""
+        if self.kv_tiers is None:
+            raise InvalidArgumentError("fill_random needs the tiered KV cache on the CUDA backend")
+        self._drain()
+        s = self.spec
+        fill = self._tier_fn("tier_fill_random")
+        done = 0
+        while done < n:
+            m = min(n - done, TIERED_BLOCK_SIZE - self.seq_len(seq) % TIERED_BLOCK_SIZE)
+            start = self._tier_reserve(seq, m)
+            with self.stream:
+                for il in range(self.n_gpu):
+                    launch.kernel(fill, (m, s["n_head_kv"]), (32,), (
+                        self.t_params[il], i32(seq), i32(start), i32((seed * 0x9E3779B1 + il) & 0x7FFFFFFF)))
+            self.seq_len_[seq] = start + m
+            done += m
+        self._settle(seq)
+        self.stream.synchronize()
