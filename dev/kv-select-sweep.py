@@ -3,7 +3,7 @@
 agreement with the dense f16 cache (issue 51's accuracy table, BENCHMARKS.md "Tiered KV cache").
 
     python3 dev/kv-select-sweep.py MODEL --tokens 16384 [--depths 0.1,0.3,0.5,0.7,0.9] [--threads 2]
-        [--tiers 1024,2048] [--budgets 0,256,512,1024,2048,4096] [--forced 64]
+        [--tiers 1024,2048] [--budgets 0,256,512,1024,2048,4096] [--forced 64] [--needles 4 --haystack TEXT]
 
 Per prompt (a passkey prompt, key at each depth, keys from a fixed seed):
 - the dense f16 cache: prefill, then `--forced` greedy decode steps: its answer and its logits at each step;
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 from ninfer.llm import LLM
-from ninfer.passkey import filler_for, passkey_prompt, sweep_keys
+from ninfer.passkey import sweep_prompts
 
 SEQ = 0  # the LLM's own sequence (llm.py _SEQ), used directly through its backend
 
@@ -60,20 +60,23 @@ def main() -> None:
     ap.add_argument("--tiers", default="1024,2048")
     ap.add_argument("--budgets", default="0,256,512,1024,2048,4096")
     ap.add_argument("--forced", type=int, default=64)
+    ap.add_argument("--needles", type=int, default=0, help="multi-key needles a prompt (0: the passkey)")
+    ap.add_argument("--haystack", default=None, help="the real text the needles hide in")
     a = ap.parse_args()
     l1, l2 = (int(x) for x in a.tiers.split(","))
     budgets = [int(b) for b in a.budgets.split(",")]
     n_ctx = a.tokens + a.forced + 256
     dense = LLM(a.model, n_ctx=n_ctx, threads=a.threads)
     tiered = LLM(a.model, n_ctx=n_ctx, threads=a.threads, kv_l1=l1, kv_l2=l2, kv_select=max(budgets))
-    n_filler = filler_for(dense, a.tokens)
     depths = [float(d) for d in a.depths.split(",")]
+    haystack = open(a.haystack, encoding="utf-8").read() if a.haystack else None
+    prompts = sweep_prompts(dense, a.tokens, depths, a.needles, haystack)
     found = {"dense": 0} | {b: 0 for b in budgets}
     agree = {b: [] for b in budgets}
     kl = {b: [] for b in budgets}
     print(f"{a.model}: ~{a.tokens} tokens, depths {depths}, L1 {l1}, L2 {l2}, budgets {budgets}", flush=True)
-    for depth, key in zip(depths, sweep_keys(len(depths))):
-        prompt = dense.tokenize(passkey_prompt(n_filler, key, depth))
+    for depth, (text, key) in zip(depths, prompts):
+        prompt = dense.tokenize(text)
         t = time.perf_counter()
         prefill(dense, prompt[:-1])
         ref, ref_logits = steps(dense, prompt[-1], a.forced)

@@ -53,3 +53,62 @@ def run_passkey(llm: LLM, n_filler: int, key: int, depth: float) -> PasskeyResul
     llm.clear_cache()
     out = llm.generate(passkey_prompt(n_filler, key, depth), max_tokens=6, temperature=0.0)
     return PasskeyResult(key, depth, out.prompt_tokens, out.text)
+
+
+# Multi-key needle retrieval in real text (RULER's multi-key needle-in-a-haystack): several "magic numbers", each
+# for its own word, hidden at different depths of a real text; the question asks for one of them, so a cache must
+# keep that needle and tell it from the others.
+NEEDLE_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+                "I will quiz you about the numbers afterwards.\n")
+NEEDLE_WORDS = ("lantern", "harbor", "violet", "copper", "meadow", "falcon", "juniper", "quartz")
+
+
+def needle_prompt(haystack: str, n_chars: int, needles: list[tuple[str, int]], depths: list[float], ask: int) -> str:
+    """`haystack` (repeated as needed) cut to about n_chars characters, with needle i ("One of the special magic
+    numbers for WORD is: NUMBER.") at the first sentence end after depths[i] of it, then the question for needle
+    `ask`."""
+    if not haystack.strip():
+        raise ValueError("the haystack text is empty")
+    text = (haystack * (n_chars // max(1, len(haystack)) + 1))[:n_chars]
+    cuts = []
+    for (word, number), depth in zip(needles, depths):
+        at = int(len(text) * depth)
+        end = text.find(". ", at)
+        cuts.append((end + 2 if end >= 0 else at, f"One of the special magic numbers for {word} is: {number}. "))
+    out, last = [], 0
+    for at, needle in sorted(cuts):
+        out += [text[last:at], needle]
+        last = at
+    out.append(text[last:])
+    word = needles[ask][0]
+    return (NEEDLE_INTRO + "".join(out) + f"\nWhat is the special magic number for {word} mentioned in the provided "
+            f"text? The special magic number for {word} mentioned in the provided text is:")
+
+
+def needle_sweep(llm: LLM, haystack: str, n_tokens: int, depths: list[float], n_needles: int) -> list[tuple[str, int]]:
+    """A sweep's multi-key prompts of about n_tokens tokens: for each depth, n_needles needles (numbers from a fixed
+    seed), the one asked at that depth and the others spread over the text; (prompt, the number asked for)."""
+    sample = haystack[:20000]
+    chars_per_token = len(sample) / max(1, len(llm.tokenize(sample, add_special=False)))
+    fixed = len(llm.tokenize(needle_prompt("x. ", 3, [(w, 12345) for w in NEEDLE_WORDS[:n_needles]],
+                                           [0.5] * n_needles, 0)))
+    n_chars = int((n_tokens - fixed) * chars_per_token)
+    rng = random.Random(52)
+    out = []
+    for depth in depths:
+        needles = [(NEEDLE_WORDS[i], rng.randrange(10000, 100000)) for i in range(n_needles)]  # (answered in 6 tokens)
+        spots = [depth] + [min(0.95, max(0.05, (depth + i / n_needles) % 1.0)) for i in range(1, n_needles)]
+        out.append((needle_prompt(haystack, n_chars, needles, spots, 0), needles[0][1]))
+    return out
+
+
+def sweep_prompts(llm: LLM, n_tokens: int, depths: list[float], needles: int = 0,
+                  haystack: str | None = None) -> list[tuple[str, int]]:
+    """The prompts of a retrieval sweep and the number each asks for: passkey prompts (needles 0), or multi-key
+    needles in `haystack` (the dev scripts' --needles K --haystack FILE). Every script asks the same questions."""
+    if needles:
+        if haystack is None:
+            raise ValueError("multi-key needles need a haystack text")
+        return needle_sweep(llm, haystack, n_tokens, depths, needles)
+    n_filler = filler_for(llm, n_tokens)
+    return [(passkey_prompt(n_filler, key, depth), key) for depth, key in zip(depths, sweep_keys(len(depths)))]
