@@ -65,6 +65,20 @@ def test_candidates_drop_what_keeping_the_source_beats(gsq_source: Path) -> None
     opts = candidates(q, tied=False)
     assert opts[-1] == Policy("keep") and Policy("q2_k") not in opts
     assert all(p.kind == "gsq" for p in opts[:-1])
+    # the first eighth's and the last layer's down projections: 4 bits or the source's own
+    n_layer = 1 + max(int(n.split(".")[1]) for n in by if n.startswith("blk."))
+    down = by["blk.0.ffn_down.weight"]
+    assert all(p.bits == 4 for p in candidates(down, tied=False, n_layer=n_layer)[:-1])
+    assert any(p.bits == 3 for p in candidates(down, tied=False)), "(no layer count: no floor)"
+
+
+def test_four_bits_at_least_for_the_first_eighth_and_the_last_down_projection() -> None:
+    from ninfer.gsq_plan import four_bits_at_least
+
+    assert [i for i in range(28) if four_bits_at_least(f"blk.{i}.ffn_down.weight", 28)] == [0, 1, 2, 27]
+    assert [i for i in range(4) if four_bits_at_least(f"blk.{i}.ffn_down.weight", 4)] == [0, 3]
+    assert not four_bits_at_least("blk.0.ffn_up.weight", 28)
+    assert not four_bits_at_least("blk.0.ffn_down.weight.bias", 28)
 
 
 def test_the_seed_command_line_gives_the_q3_k_m_preset_within_its_budget(tmp_path: Path) -> None:
