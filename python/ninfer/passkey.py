@@ -92,13 +92,20 @@ def needle_sweep(llm: LLM, haystack: str, n_tokens: int, depths: list[float], n_
     chars_per_token = len(sample) / max(1, len(llm.tokenize(sample, add_special=False)))
     fixed = len(llm.tokenize(needle_prompt("x. ", 3, [(w, 12345) for w in NEEDLE_WORDS[:n_needles]],
                                            [0.5] * n_needles, 0)))
-    n_chars = int((n_tokens - fixed) * chars_per_token)
     rng = random.Random(52)
     out = []
     for depth in depths:
         needles = [(NEEDLE_WORDS[i], rng.randrange(10000, 100000)) for i in range(n_needles)]  # (answered in 6 tokens)
         spots = [depth] + [min(0.95, max(0.05, (depth + i / n_needles) % 1.0)) for i in range(1, n_needles)]
-        out.append((needle_prompt(haystack, n_chars, needles, spots, 0), needles[0][1]))
+        # a text's tokens per character vary along it: cut, count, and cut again to the count
+        n_chars = int((n_tokens - fixed) * chars_per_token)
+        for _ in range(3):
+            prompt = needle_prompt(haystack, n_chars, needles, spots, 0)
+            n = len(llm.tokenize(prompt))
+            if abs(n - n_tokens) <= n_tokens // 100:
+                break
+            n_chars = int(n_chars * (n_tokens - fixed) / max(1, n - fixed))
+        out.append((prompt, needles[0][1]))
     return out
 
 
