@@ -152,13 +152,14 @@ class LLM:
         from ninfer.backends.budget import parse_size
 
         # (read whatever the device: a malformed size is the caller's mistake even where no GPU is used)
-        budget = parse_size(gpu_mem_budget) if isinstance(gpu_mem_budget, str) else gpu_mem_budget
-        if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise InvalidArgumentError(f"gpu_mem_budget must be a size such as '12GiB' or bytes >= 0, got {budget!r}")
-        host_budget = parse_size(host_mem_budget) if isinstance(host_mem_budget, str) else host_mem_budget
-        if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
-            raise InvalidArgumentError(f"host_mem_budget must be a size such as '16GiB' or bytes >= 0, got "
-                                       f"{host_budget!r}")
+        def size_of(name: str, value: int | str | None, example: str) -> int | None:
+            size = parse_size(value) if isinstance(value, str) else value
+            if size is not None and (not isinstance(size, int) or size < 0):
+                raise InvalidArgumentError(f"{name} must be a size such as '{example}' or bytes >= 0, got {size!r}")
+            return size
+
+        budget = size_of("gpu_mem_budget", gpu_mem_budget, "12GiB")
+        host_budget = size_of("host_mem_budget", host_mem_budget, "16GiB")
         self.device = resolve_device(device)
         if self.device == "cuda":
             from ninfer.backends.cuda_engine import CudaEngine
