@@ -85,16 +85,22 @@ class QuantKv:
         self.v_scales = [cp.zeros((*shape, hdv // 32), cp.uint16) for _ in range(self.n_gpu)]
         self.k_offsets = [cp.zeros((self.n_pages, n_kv * hd), cp.float32) for _ in range(self.n_gpu)]
         self.k_latest = [cp.zeros(n_kv * hd, cp.float32) for _ in range(self.n_gpu)]
-        self.k_rows = cp.zeros((T, n_kv * hd), cp.float32)
-        self.v_rows = cp.zeros((T, n_kv * hdv), cp.float32)
-        # key splits of decode attention: two blocks an SM over the KV heads, as long contexts fill them
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.quant_split = max(1, min(QUANT_MAX_SPLIT, -(-self.n_ctx // QUANT_SPLIT_KEYS), 2 * sms // n_kv))
-        self.quant_part = cp.zeros(self.quant_split * s["n_head"] * (hdv + 2), cp.float32)  # outputs, then (m, l)
-        self.quant_tickets = cp.zeros(n_kv, cp.int32)  # (a decode step's one row; each merge resets its own)
+        self._alloc_rotated_rows(T)
         # one layer's keys and values in f16, for prompt batches (the f16 cache's size over the layers)
         self.k16 = cp.zeros((*shape, hd), cp.uint16)
         self.v16 = cp.zeros((*shape, hdv), cp.uint16)
+
+    def _alloc_rotated_rows(self, T: int) -> None:
+        """What attention_quant's decode split (and the tiered cache's, which shares it) needs besides the pools:
+        rope_kv's rotated K and V rows for T rows, and the key splits' partial outputs and merge tickets."""
+        cp, s = self.cp, self.spec
+        n_kv, hd, hdv = s["n_head_kv"], s["head_dim"], s["head_dim_v"]
+        self.k_rows = cp.zeros((T, n_kv * hd), cp.float32)
+        self.v_rows = cp.zeros((T, n_kv * hdv), cp.float32)
+        # key splits of decode attention: two blocks an SM over the KV heads, as long contexts fill them
+        self.quant_split = max(1, min(QUANT_MAX_SPLIT, -(-self.n_ctx // QUANT_SPLIT_KEYS), 2 * self.sms // n_kv))
+        self.quant_part = cp.zeros(self.quant_split * s["n_head"] * (hdv + 2), cp.float32)  # outputs, then (m, l)
+        self.quant_tickets = cp.zeros(n_kv, cp.int32)  # (a decode step's one row; each merge resets its own)
 
     def _quant_pools(self) -> list:
         """Every per-page array of the quantized cache ([page, kv_head, slot, ...] or [page, ...] for offsets)."""

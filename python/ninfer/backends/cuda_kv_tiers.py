@@ -21,7 +21,6 @@ import numpy as np
 
 from ninfer.backends import launch
 from ninfer.backends.budget import gib
-from ninfer.backends.cuda_kv_quant import QUANT_MAX_SPLIT, QUANT_SPLIT_KEYS
 from ninfer.backends.cuda_memory import Pinned
 from ninfer.backends.kernels import function
 from ninfer.config import TIERED_BLOCK_SIZE
@@ -62,7 +61,7 @@ class TierPlan:
             f"  L2 q8_0, device  next {self.l2_tokens} tokens   {self.n2} pages",
             f"  L3 q4_0, host    the rest   {self.n3} pages   {gib(self.host_bytes):>11}",
             f"  device: pools, offsets, key summaries, prompt scratch   {gib(self.device_bytes):>11}",
-            f"  selection: " + (f"{self.select} tokens of L2/L3 a step" if self.select else "every page (exact)")])
+            "  selection: " + (f"{self.select} tokens of L2/L3 a step" if self.select else "every page (exact)")])
 
 
 def page_bytes(n_kv: int, hd: int) -> dict[str, int]:
@@ -85,7 +84,9 @@ def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: in
         raise InvalidArgumentError(f"the tiered GPU cache holds up to {TIER_MAX_LIST * ps} tokens a sequence "
                                    f"({TIER_MAX_LIST} pages of {ps}); n_ctx is {n_ctx}")
     n1 = n_seq * (3 + -(-l1 // ps) + -(-n_batch // ps))
-    fixed = L * (n1 * b["l1"] + n_seq * max_pages * b["summary"]) + max_pages * ps * n_kv * hd * 2 * 2
+    # L1 and the key summaries of every layer; one layer's f16 scratch for prompts; selection's lists and scores
+    fixed = (L * (n1 * b["l1"] + n_seq * max_pages * b["summary"]) + max_pages * ps * n_kv * hd * 2 * 2
+             + n_kv * max_pages * 8)
     per_l2_page = L * (b["l2"] + b["off"])
     if l2 is None:
         if device_room is None:
@@ -110,7 +111,7 @@ class TieredKv:
 
     def _alloc_tiers(self, T: int) -> None:
         cp, s, tp = self.cp, self.spec, self.kv_tiers
-        ps, n_kv, hd, n_head = TIERED_BLOCK_SIZE, s["n_head_kv"], s["head_dim"], s["n_head"]
+        ps, n_kv, hd = TIERED_BLOCK_SIZE, s["n_head_kv"], s["head_dim"]
         self.t_l1_k = [cp.zeros((tp.n1, n_kv, ps, hd), cp.uint16) for _ in range(self.n_gpu)]
         self.t_l1_v = [cp.zeros((tp.n1, n_kv, ps, hd), cp.uint16) for _ in range(self.n_gpu)]
         self.k_pools, self.v_pools = self.t_l1_k, self.t_l1_v  # (what the f16 launch descriptors name; unread)
@@ -129,20 +130,16 @@ class TieredKv:
                 at += -(-n // 256) * 256
             self.t_l3.append(ptrs)
         self.t_summary = [cp.zeros((self.n_seq_max, self.max_pages, 2, n_kv, hd), cp.uint16) for _ in range(self.n_gpu)]
-        self.t_lists = cp.zeros((T, n_kv, self.max_pages), cp.int32)
-        self.t_counts = cp.zeros((T, n_kv), cp.int32)
-        self.t_scores = cp.zeros((T, n_kv, self.max_pages), cp.float32)
+        # selection's per KV head pages, their count and scores: a decode step's one row
+        self.t_lists = cp.zeros((1, n_kv, self.max_pages), cp.int32)
+        self.t_counts = cp.zeros((1, n_kv), cp.int32)
+        self.t_scores = cp.zeros((1, n_kv, self.max_pages), cp.float32)
         # tier_score's blocks a KV head: a chunk of up to 64 pages each
         self.t_score_chunks = max(1, min(64, -(-self.max_pages // 64)))
         self.t_scratch_k = cp.zeros((self.max_pages, n_kv, ps, hd), cp.uint16)  # a prompt's keys widened to f16
         self.t_scratch_v = cp.zeros((self.max_pages, n_kv, ps, hd), cp.uint16)
         self.t_identity = cp.arange(self.max_pages, dtype=cp.int32)  # the scratch's page table
-        self.k_rows = cp.zeros((T, n_kv * hd), cp.float32)
-        self.v_rows = cp.zeros((T, n_kv * hd), cp.float32)
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        self.quant_split = max(1, min(QUANT_MAX_SPLIT, -(-self.n_ctx // QUANT_SPLIT_KEYS), 2 * sms // n_kv))
-        self.quant_part = cp.zeros(self.quant_split * n_head * (hd + 2), cp.float32)
-        self.quant_tickets = cp.zeros(n_kv, cp.int32)
+        self._alloc_rotated_rows(T)  # (cuda_kv_quant.py: attention_tiered splits as attention_quant does)
         self.t_params = [self._tier_params(il) for il in range(self.n_gpu)]
 
     def _tier_params(self, il: int) -> np.void:
@@ -170,8 +167,8 @@ class TieredKv:
         """Layer il's parameters for the launches that find their sequence through row_seq (zeros): seq's page
         table and key summaries."""
         p = self.t_params[il].copy()
-        p["page_tables"] += 4 * self.max_pages * seq
-        p["summary"] += 2 * self.max_pages * self.t_summary[il][0, 0].size * seq
+        p["page_tables"] = self.tables[seq].data.ptr
+        p["summary"] = self.t_summary[il][seq].data.ptr
         return p
 
     def _tier_fn(self, name: str):
@@ -223,13 +220,19 @@ class TieredKv:
         for t, i in pages[keep:]:
             self.t_free[t].append(i)
         del pages[keep:]
-        if n % TIERED_BLOCK_SIZE and pages and pages[-1][0] != 0:
-            self._promote(seq, len(pages) - 1, n)  # a partial page must be in L1 to be written again
+        self._promote_partial(seq, n)
 
     def _tier_remove(self, seq: int) -> None:
         self._tier_truncate_pages(seq, 0)
         self.t_pages.pop(seq, None)
         self.seq_len_.pop(seq, None)
+
+    def _promote_partial(self, seq: int, n: int) -> None:
+        """seq's last page back into L1 when it holds part of a page (n positions) and has left L1: a partial page
+        is written again, and writes go to L1."""
+        pages = self.t_pages.get(seq, [])
+        if n % TIERED_BLOCK_SIZE and pages and pages[-1][0] != 0:
+            self._promote(seq, len(pages) - 1, n)
 
     def _promote(self, seq: int, page: int, n: int) -> None:
         """Page `page` of seq (its keys up to position n) back into L1, widened from its tier."""
@@ -301,8 +304,7 @@ class TieredKv:
         self.t_pages[dst] = pages
         self.seq_len_[dst] = n
         self._write_entries(dst, 0)
-        if n % TIERED_BLOCK_SIZE and pages and pages[-1][0] != 0:
-            self._promote(dst, len(pages) - 1, n)
+        self._promote_partial(dst, n)
 
     def tier_memory(self) -> dict[str, tuple[int, int]]:
         """Pages in use per tier and their bytes over the GPU layers; the pages moved down so far."""

@@ -165,6 +165,7 @@ class WeightsAndBuffers:
         self.row_seq = cp.zeros(T, cp.int32)  # every row reads the one page table it is given
         self.logits_dev = cp.zeros((4, s["n_vocab"]), f32)
         self.best = cp.zeros(1, cp.uint64)
+        self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self._alloc_page_tables()  # (cuda_paging.py)
         if self.quant_kv:
             self._alloc_quant_kv(T)  # (cuda_kv_quant.py)
@@ -175,7 +176,6 @@ class WeightsAndBuffers:
             self.k_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
             self.v_pools = [cp.zeros(kv_shape, cp.uint16) for _ in range(self.n_gpu)]
         group = s["n_head"] // s["n_head_kv"]
-        self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.pdl = launch.supported()  # decode kernels overlap their predecessors (backends/launch.py)
         # Key splits of decode attention: as many blocks as the GPU holds at once, over the KV heads
         # (NINFER_CUDA_ATT_SPLIT overrides, for measuring other choices).

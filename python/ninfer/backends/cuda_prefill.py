@@ -88,20 +88,14 @@ class PromptLayers:
                                      page_size=self.page_size, out=self.att.data.ptr)
             att_ops.attention(params, T, 1, s["n_head_kv"], s["head_dim"], False, s["n_head"] // s["n_head_kv"])
 
+        def rotated_rope(k_rows: int, v_rows: int) -> None:  # (the rotated caches: K/V rows to k_rows/v_rows)
+            att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr, 0, 0, table,
+                            self.page_size, self.theta_scale[il], k_rows, v_rows)
+
         if self.kv_tiers is not None:  # (cuda_kv_tiers.py)
-            self._tier_prompt_attention(
-                il, T, seq,
-                lambda k_rows, v_rows: att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer,
-                                                       self.q_rot.data.ptr, 0, 0, table, self.page_size,
-                                                       self.theta_scale[il], k_rows, v_rows),
-                f16_attention)
+            self._tier_prompt_attention(il, T, seq, rotated_rope, f16_attention)
         elif self.quant_kv:  # (cuda_kv_quant.py)
-            self._quant_prompt_attention(
-                il, T, seq, table,
-                lambda k_rows, v_rows: att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer,
-                                                   self.q_rot.data.ptr, 0, 0, table, self.page_size,
-                                                   self.theta_scale[il], k_rows, v_rows),
-                f16_attention)
+            self._quant_prompt_attention(il, T, seq, table, rotated_rope, f16_attention)
         else:
             att_ops.rope_kv(T, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr,
                         self.k_pools[il].data.ptr, self.v_pools[il].data.ptr, table, self.page_size,
