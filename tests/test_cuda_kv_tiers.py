@@ -107,3 +107,29 @@ def test_truncating_into_a_moved_page_brings_it_back_to_l1(model: Path) -> None:
     ref = ninfer.LLM(model, n_ctx=1024, n_batch=128, device="cuda", **TIERS)
     b = ref.backend.prefill(0, PROMPT[:240], 128)  # all in L1: differs by the tiers' quantization only
     assert nmse(a, b) < 1e-2, nmse(a, b)
+
+
+@needs_cuda
+def test_the_hot_cache_reads_what_host_memory_holds(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ninfer import _core
+    from ninfer.backends import cuda_kv_tiers
+
+    def run() -> tuple[np.ndarray, dict | None]:
+        llm = ninfer.LLM(model, n_ctx=4096, device="cuda", kv_l1=256, kv_l2=512, kv_select=256)
+        eng = llm.backend
+        eng.fill_random(0, 3000, 7)
+        sampler = _core.Sampler(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3)  # (logits to the host)
+        out, tok = [], 1
+        for _ in range(40):  # past position 3008: a page moves from L2 into an L3 index a slot may have held
+            tok = eng.step(0, tok, sampler)
+            out.append(eng.out_logits.array.copy())
+        return np.array(out), llm.kv_prefetch_stats()
+
+    hot, stats = run()
+    monkeypatch.setattr(cuda_kv_tiers, "hot_slots", lambda select: 0)
+    direct, none = run()
+    assert none is None
+    # a slot holds the very bytes of its L3 page: the same arithmetic on them, the same logits to the bit
+    np.testing.assert_array_equal(hot, direct)
+    # 4 pages picked a step among 41 old ones (33 in L3), 32 slots a KV head and layer: most L3 picks are hits
+    assert stats["hits"] > stats["misses"] > 0 and stats["staged"] <= stats["misses"], stats

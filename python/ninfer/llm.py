@@ -230,10 +230,10 @@ class LLM:
         self.config = replace(self.config, kv_select=kv_select)
 
     def kv_prefetch_stats(self) -> dict[str, int] | None:
-        """The tiered KV cache's prefetch thread: L3 block-layers a step found staged ("hits"), waited for
-        ("stalls"), dequantized itself ("misses"), and staged in all ("staged"); None without one (kv_select 0)."""
-        if self.device != "cpu":
-            return None
+        """The tiered KV cache's prefetch counts: on the CPU its prefetch thread's L3 block-layers a step found staged
+        ("hits"), waited for ("stalls"), dequantized itself ("misses"), and staged in all ("staged"); on the GPU its
+        device hot cache's L3 page-head-layers found in a slot ("hits"), read from host memory ("misses") and
+        copied into a slot ("staged"). None without one (kv_select 0)."""
         stats = self.backend.kv_prefetch_stats()
         return None if stats is None else dict(stats)
 

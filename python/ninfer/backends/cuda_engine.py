@@ -154,6 +154,8 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv
             if getattr(self, p, None) is not None:
                 getattr(self, p).free()
                 setattr(self, p, None)
+        if getattr(self, "kv_tiers", None) is not None:
+            self._free_tiers()
 
     def __del__(self) -> None:
         try:

@@ -30,13 +30,25 @@ u64, i32, f32 = np.uint64, np.int32, np.float32
 
 TIER_SHIFT = 28
 TIER_MAX_LIST = 4096  # kernels/attention_tiered.cu: the most old pages tier_select scores
+HOT_MAX_SLOTS = 1024  # kernels/attention_tiered.cu: the most hot-cache slots a KV head and layer
+
+
+def hot_slots(select: int) -> int:
+    """The hot cache's slots a KV head and layer for a selection budget of `select` tokens: four times the pages the
+    budget picks (selection moves slowly from step to step, so a page read once is likely read again soon), in
+    whole warps of 32; none without selection (every page is read every step: a cache would only churn)."""
+    if select <= 0:
+        return 0
+    return min(HOT_MAX_SLOTS, -(-4 * -(-select // TIERED_BLOCK_SIZE) // 32) * 32)
 
 # struct TAttnParams in kernels/attention_tiered.cu (C layout: align=True).
 TATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "k_rows", "v_rows", "l1_k", "l1_v", "l2_kc", "l2_ks", "l2_vc", "l2_vs", "l2_off",
                           "l3_kc", "l3_ks", "l3_vc", "l3_vs", "l3_off", "summary", "page_tables", "row_seq", "pos",
-                          "lists", "counts", "scores", "part_acc", "part_ml", "tickets", "out")]
-    + [(k, "<i4") for k in ("table_stride", "list_stride", "n_head", "n_head_kv", "page_size", "l1", "select", "pad")]
+                          "lists", "counts", "scores", "part_acc", "part_ml", "tickets", "out", "hot_kc", "hot_ks",
+                          "hot_vc", "hot_vs", "hot_off", "hot_slot_of", "hot_owner", "hot_hand", "slots", "hot_stats")]
+    + [(k, "<i4") for k in ("table_stride", "list_stride", "n_head", "n_head_kv", "page_size", "l1", "select",
+                            "hot_slots")]
     + [("scale", "<f4"), ("pad2", "<i4")], align=True)
 
 
@@ -47,6 +59,7 @@ class TierPlan:
     l1_tokens: int
     l2_tokens: int
     select: int
+    hot_slots: int  # a KV head and layer
     n1: int
     n2: int
     n3: int
@@ -60,6 +73,7 @@ class TierPlan:
             f"  L1 f16, device   sinks + newest {self.l1_tokens} tokens   {self.n1} pages",
             f"  L2 q8_0, device  next {self.l2_tokens} tokens   {self.n2} pages",
             f"  L3 q4_0, host    the rest   {self.n3} pages   {gib(self.host_bytes):>11}",
+            f"  hot cache of L3 pages, device   {self.hot_slots} pages a KV head and layer",
             f"  device: pools, offsets, key summaries, prompt scratch   {gib(self.device_bytes):>11}",
             "  selection: " + (f"{self.select} tokens of L2/L3 a step" if self.select else "every page (exact)")])
 
@@ -69,6 +83,12 @@ def page_bytes(n_kv: int, hd: int) -> dict[str, int]:
     cells = n_kv * TIERED_BLOCK_SIZE
     return {"l1": 2 * cells * hd * 2, "l2": 2 * cells * (hd + hd // 16), "l3": 2 * cells * (hd // 2 + hd // 16),
             "off": 4 * n_kv * hd, "summary": 2 * 2 * n_kv * hd}
+
+
+def hot_bytes(n_kv: int, hd: int, slots: int, n3: int) -> int:
+    """One layer's hot cache: its slots (an L3 page's rows and K offset each, a KV head) and the slot maps."""
+    b = page_bytes(n_kv, hd)
+    return slots * (b["l3"] + b["off"]) + 4 * n_kv * (slots + 1 + n3)
 
 
 def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: int | None, select: int,
@@ -84,9 +104,12 @@ def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: in
         raise InvalidArgumentError(f"the tiered GPU cache holds up to {TIER_MAX_LIST * ps} tokens a sequence "
                                    f"({TIER_MAX_LIST} pages of {ps}); n_ctx is {n_ctx}")
     n1 = n_seq * (3 + -(-l1 // ps) + -(-n_batch // ps))
-    # L1 and the key summaries of every layer; one layer's f16 scratch for prompts; selection's lists and scores
-    fixed = (L * (n1 * b["l1"] + n_seq * max_pages * b["summary"]) + max_pages * ps * n_kv * hd * 2 * 2
-             + n_kv * max_pages * 8)
+    n3 = n_seq * max_pages
+    r = hot_slots(select)
+    # L1, the key summaries and the hot cache of every layer; one layer's f16 scratch for prompts; selection's
+    # lists, slots and scores
+    fixed = (L * (n1 * b["l1"] + n_seq * max_pages * b["summary"] + hot_bytes(n_kv, hd, r, n3))
+             + max_pages * ps * n_kv * hd * 2 * 2 + n_kv * max_pages * 12)
     per_l2_page = L * (b["l2"] + b["off"])
     if l2 is None:
         if device_room is None:
@@ -95,7 +118,6 @@ def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: in
         l2 = min(l2_pages * ps, n_ctx)
     n2 = n_seq * (2 + -(-l2 // ps))
     device = fixed + n2 * per_l2_page
-    n3 = n_seq * max_pages
     host = L * n3 * (b["l3"] + b["off"])
     if device_room is not None and device > device_room:
         raise InvalidArgumentError(f"the KV tiers need {gib(device)} of GPU memory (L1 {l1}, L2 {l2} tokens), "
@@ -103,7 +125,7 @@ def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: in
     if host_budget is not None and host > host_budget:
         raise InvalidArgumentError(f"L3 of {n_ctx} tokens needs {gib(host)} of host memory, over the host memory "
                                    f"budget of {gib(host_budget)}")
-    return TierPlan(l1, l2, select, n1, n2, n3, device, host)
+    return TierPlan(l1, l2, select, r, n1, n2, n3, device, host)
 
 
 class TieredKv:
@@ -130,8 +152,18 @@ class TieredKv:
                 at += -(-n // 256) * 256
             self.t_l3.append(ptrs)
         self.t_summary = [cp.zeros((self.n_seq_max, self.max_pages, 2, n_kv, hd), cp.uint16) for _ in range(self.n_gpu)]
-        # selection's per KV head pages, their count and scores: a decode step's one row
+        # the hot cache of L3 pages (kernels/attention_tiered.cu tier_hot_assign), a set of slots a layer
+        r = tp.hot_slots
+        self.t_hot = [{"kc": cp.zeros((n_kv, r, ps, hd // 2), cp.uint8), "ks": cp.zeros((n_kv, r, ps, hd // 32), cp.uint16),
+                       "vc": cp.zeros((n_kv, r, ps, hd // 2), cp.uint8), "vs": cp.zeros((n_kv, r, ps, hd // 32), cp.uint16),
+                       "off": cp.zeros((n_kv, r, hd), cp.float32), "slot_of": cp.full((tp.n3, n_kv), -1, cp.int32),
+                       "owner": cp.full((n_kv, r), -1, cp.int32), "hand": cp.zeros(n_kv, cp.int32)}
+                      for _ in range(self.n_gpu)]
+        self.t_hot_stats = cp.zeros(3, cp.uint64)  # hits, misses, fills (page-head-layers)
+        self.t_hot_seen = Pinned(np.uint64, 3)  # their copy as of the last kv_prefetch_stats
+        # selection's per KV head pages, their slots, count and scores: a decode step's one row
         self.t_lists = cp.zeros((1, n_kv, self.max_pages), cp.int32)
+        self.t_slots = cp.full((1, n_kv, self.max_pages), -1, cp.int32)
         self.t_counts = cp.zeros((1, n_kv), cp.int32)
         self.t_scores = cp.zeros((1, n_kv, self.max_pages), cp.float32)
         # tier_score's blocks a KV head: a chunk of up to 64 pages each
@@ -142,10 +174,19 @@ class TieredKv:
         self._alloc_rotated_rows(T)  # (cuda_kv_quant.py: attention_tiered splits as attention_quant does)
         self.t_params = [self._tier_params(il) for il in range(self.n_gpu)]
 
+    def _free_tiers(self) -> None:
+        """Give back the pinned host memory (L3, the hot cache's counts) at close."""
+        for ptrs in getattr(self, "t_l3", []):
+            ptrs["mem"].free()
+        self.t_l3 = []
+        if getattr(self, "t_hot_seen", None) is not None:
+            self.t_hot_seen.free()
+            self.t_hot_seen = None
+
     def _tier_params(self, il: int) -> np.void:
         s, tp = self.spec, self.kv_tiers
         p = np.zeros(1, TATTN_PARAMS)[0]
-        l2, l3 = self.t_l2[il], self.t_l3[il]
+        l2, l3, hot = self.t_l2[il], self.t_l3[il], self.t_hot[il]
         n_head = s["n_head"]
         fields = dict(
             q=self.q_rot.data.ptr, k_rows=self.k_rows.data.ptr, v_rows=self.v_rows.data.ptr,
@@ -156,9 +197,11 @@ class TieredKv:
             row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr, lists=self.t_lists.data.ptr,
             counts=self.t_counts.data.ptr, scores=self.t_scores.data.ptr, part_acc=self.quant_part.data.ptr,
             part_ml=self.quant_part.data.ptr + 4 * self.quant_split * n_head * s["head_dim"],
-            tickets=self.quant_tickets.data.ptr, out=self.att.data.ptr, table_stride=self.max_pages,
+            tickets=self.quant_tickets.data.ptr, out=self.att.data.ptr,
+            **{f"hot_{k}": hot[k].data.ptr for k in ("kc", "ks", "vc", "vs", "off", "slot_of", "owner", "hand")},
+            slots=self.t_slots.data.ptr, hot_stats=self.t_hot_stats.data.ptr, table_stride=self.max_pages,
             list_stride=self.max_pages, n_head=n_head, n_head_kv=s["n_head_kv"], page_size=TIERED_BLOCK_SIZE,
-            l1=tp.l1_tokens, select=tp.select, scale=s["attn_scale"])
+            l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"])
         for k, v in fields.items():
             p[k] = v
         return p
@@ -180,6 +223,7 @@ class TieredKv:
         tp = self.kv_tiers
         self.t_free = [list(range(tp.n1 - 1, -1, -1)), list(range(tp.n2 - 1, -1, -1)), list(range(tp.n3 - 1, -1, -1))]
         self.t_pages: dict[int, list[tuple[int, int]]] = {}  # seq -> its pages' (tier, index)
+        self.t_l3_upto: dict[int, int] = {}  # seq -> a page k such that its pages 1 .. k - 1 are all in L3
         self.seq_len_ = {}
         self.t_stats = {"demoted_l2": 0, "demoted_l3": 0}
 
@@ -217,6 +261,7 @@ class TieredKv:
     def _tier_truncate_pages(self, seq: int, n: int) -> None:
         pages = self.t_pages.get(seq, [])
         keep = -(-n // TIERED_BLOCK_SIZE)
+        self.t_l3_upto[seq] = max(1, min(self.t_l3_upto.get(seq, 1), keep - 1))
         for t, i in pages[keep:]:
             self.t_free[t].append(i)
         del pages[keep:]
@@ -225,6 +270,7 @@ class TieredKv:
     def _tier_remove(self, seq: int) -> None:
         self._tier_truncate_pages(seq, 0)
         self.t_pages.pop(seq, None)
+        self.t_l3_upto.pop(seq, None)
         self.seq_len_.pop(seq, None)
 
     def _promote_partial(self, seq: int, n: int) -> None:
@@ -248,6 +294,7 @@ class TieredKv:
                     u64(self.t_l1_k[il].data.ptr + shift), u64(self.t_l1_v[il].data.ptr + shift)))
         self.t_free[t].append(i)
         self.t_pages[seq][page] = (0, j)
+        self.t_l3_upto[seq] = max(1, min(self.t_l3_upto.get(seq, 1), page))
         self._write_entries(seq, page)
 
     def _settle(self, seq: int) -> None:
@@ -257,7 +304,11 @@ class TieredKv:
         pages, n = self.t_pages.get(seq, []), self.seq_len(seq)
         ps = TIERED_BLOCK_SIZE
         first_changed = None
-        for k in range(1, len(pages)):
+        start = self.t_l3_upto.get(seq, 1)  # (the pages before it are in L3 already: a step walks the young end)
+        while start < len(pages) and pages[start][0] == 2:
+            start += 1
+        self.t_l3_upto[seq] = start
+        for k in range(start, len(pages)):
             end = (k + 1) * ps
             if end + tp.l1_tokens > n:
                 break
@@ -299,6 +350,7 @@ class TieredKv:
                             arr = self.t_l3[il][key][1]
                             per = arr.size // self.kv_tiers.n3
                             arr[j * per:(j + 1) * per] = arr[i * per:(i + 1) * per]
+                        self.t_hot[il]["slot_of"][j] = -1  # (new rows at L3 index j: no slot holds them)
                     self.t_summary[il][dst, k] = self.t_summary[il][src, k]
                 pages.append((t, j))
         self.t_pages[dst] = pages
@@ -320,8 +372,25 @@ class TieredKv:
                 "meta_bytes": L * ((used[1] + used[2]) * (b["off"] + b["summary"])),
                 "moved": (self.t_stats["demoted_l2"], self.t_stats["demoted_l3"])}
 
+    def kv_prefetch_stats(self) -> dict[str, int] | None:
+        """The hot cache's counts so far, in page-head-layers: L3 pages selection found in a device slot ("hits") or
+        read from host memory ("misses"), and those copied into a slot as they were read ("staged"; the device
+        fills its own slots in the attention kernel: nothing waits, "stalls" 0). None without a hot cache."""
+        if self.kv_tiers is None or not self.kv_tiers.hot_slots:
+            return None
+        # Copied behind the queued work, never waited for while a step is queued (the serving loop asks every
+        # step: /metrics then lags a step); read at once when nothing is.
+        cp = self.cp
+        cp.cuda.runtime.memcpyAsync(self.t_hot_seen.host_ptr, self.t_hot_stats.data.ptr, 24,
+                                    cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        if getattr(self, "_pending", None) is None:
+            self.stream.synchronize()
+        hits, misses, fills = (int(v) for v in self.t_hot_seen.array)
+        return {"hits": hits, "stalls": 0, "misses": misses, "staged": fills}
+
     def set_kv_select(self, select: int) -> None:
-        """Read `select` tokens of L2/L3 a decode step from the next one on (0: all); the cache as it is."""
+        """Read `select` tokens of L2/L3 a decode step from the next one on (0: all); the cache as it is (and its hot
+        cache's slots, sized for the budget it was made with: misses past them read host memory)."""
         if self.kv_tiers is None:
             raise InvalidArgumentError("the KV cache is not tiered: it has no selection budget")
         self._drain()

@@ -16,12 +16,16 @@
 // - attention_tiered: attention_quant's split decode over those pages, each 32-key tile read in its page's tier
 //   (L1 f16 keys dotted in f32 with the f16-rounded query, L2/L3 by q8_0 integer dots plus q·offset), the block
 //   holding the new position storing its rows into L1 first; splits merged by log-sum-exp (qatt_finish).
-// Pages move down (tier_demote_*) after the step that aged them; prompts widen every tier into f16 scratch
+// With selection, L3 pages are read through a hot cache in device memory (tier_hot_assign, tier_hot_fill): a ring
+// of slots a layer and KV head, filled as attention first reads a page, read there while selection keeps choosing it.
+// Pages move down (tier_demote_*, kv_tiers.cu) after the step that aged them; prompts widen every tier into f16 scratch
 // (tier_widen) for TinyFlash's prompt kernel.
 
 #define TIER_SHIFT 28
 #define TIER_INDEX_MASK ((1 << TIER_SHIFT) - 1)
 #define TIER_MAX_LIST 4096  // the most old pages tier_select scores (its scores in dynamic shared memory)
+#define HOT_MAX_SLOTS 1024  // the most hot-cache slots a KV head and layer
+#define HOT_FILL (1 << 30)  // a list entry's slot flag: attention copies the page's tile into the slot as it reads
 
 struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TATTN_PARAMS
     const float* q;       // roped queries [rows][n_head][HD]
@@ -50,7 +54,18 @@ struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TAT
     float2* part_ml;
     int* tickets;
     float* out;
-    int table_stride, list_stride, n_head, n_head_kv, page_size, l1, select, pad;
+    // the hot cache (kv_select > 0): hot_slots device slots a KV head and layer, each one L3 page's rows
+    u8* hot_kc;        // [n_head_kv][hot_slots][PAGE][HD / 2], as L3's pools
+    u16* hot_ks;
+    u8* hot_vc;
+    u16* hot_vs;
+    float* hot_off;    // [n_head_kv][hot_slots][HD]
+    int* hot_slot_of;  // [n3][n_head_kv]: the slot holding L3 page-head (index, g), or -1
+    int* hot_owner;    // [n_head_kv][hot_slots]: the L3 index a slot holds, or -1
+    int* hot_hand;     // [n_head_kv]: where the next slot search starts (a ring)
+    int* slots;        // [rows][n_head_kv][list_stride]: per list entry its slot (| HOT_FILL: fill it) or -1
+    unsigned long long* hot_stats;  // hits, misses, fills (page-head-layers, summed over layers and steps)
+    int table_stride, list_stride, n_head, n_head_kv, page_size, l1, select, hot_slots;
     float scale;
     int pad2;
 };
@@ -140,6 +155,66 @@ extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P
     }
 }
 
+// The hot cache's slots for the chosen pages picks[0 .. n) of KV head g (a tier_select block): an L3 page whose
+// rows a slot holds reads them there (a hit); the others (misses) take the slots no hit holds, in ring order from
+// the head's hand (the oldest filled first), evicting what they held, and attention fills them as it reads the
+// page from host memory. Misses past the free slots read host memory only. L1/L2 picks get no slot.
+__device__ void tier_hot_assign(const TAttnParams& P, int g, const int* table, const int* picks, int* slots, int n) {
+    __shared__ u32 used[HOT_MAX_SLOTS / 32];
+    __shared__ short miss_at[HOT_MAX_SLOTS];
+    __shared__ int n_hit, n_miss;
+    const int tid = threadIdx.x, R = P.hot_slots;
+    for (int i = tid; i < n; i += SELECT_THREADS) slots[i] = -1;
+    if (R == 0) return;
+    for (int i = tid; i < R / 32; i += SELECT_THREADS) used[i] = 0;
+    if (tid == 0) n_hit = n_miss = 0;
+    __syncthreads();
+    int* owner = P.hot_owner + (long long)g * R;
+    for (int i = tid; i < n; i += SELECT_THREADS) {
+        const int entry = table[picks[i]];
+        if (entry >> TIER_SHIFT != 2) continue;
+        const int idx = entry & TIER_INDEX_MASK, s = P.hot_slot_of[(long long)idx * P.n_head_kv + g];
+        if (s >= 0 && owner[s] == idx) {
+            slots[i] = s;
+            atomicOr(&used[s >> 5], 1u << (s & 31));
+            atomicAdd(&n_hit, 1);
+        } else {
+            const int m = atomicAdd(&n_miss, 1);
+            if (m < HOT_MAX_SLOTS) miss_at[m] = (short)i;
+        }
+    }
+    __syncthreads();
+    if (tid < 32) {  // warp 0: the k-th miss takes the k-th slot no hit holds, from the hand on
+        const int lane = tid, need = min(n_miss, R - n_hit), hand = P.hot_hand[g];
+        int taken = 0, next = hand;
+        for (int c = 0; c < R && taken < need; c += 32) {
+            const int s = (hand + c + lane) % R;
+            const bool free = c + lane < R && !(used[s >> 5] >> (s & 31) & 1u);
+            const u32 ballot = __ballot_sync(0xffffffffu, free);
+            const int k = taken + __popc(ballot & ((1u << lane) - 1u));
+            if (free && k < need) {
+                const int i = miss_at[k], idx = table[picks[i]] & TIER_INDEX_MASK;
+                const int old = owner[s];
+                if (old >= 0 && P.hot_slot_of[(long long)old * P.n_head_kv + g] == s)
+                    P.hot_slot_of[(long long)old * P.n_head_kv + g] = -1;
+                owner[s] = idx;
+                P.hot_slot_of[(long long)idx * P.n_head_kv + g] = s;
+                slots[i] = s | HOT_FILL;
+                if (k == need - 1) next = (s + 1) % R;
+            }
+            taken += __popc(ballot);
+        }
+        __syncwarp();
+        const int last = __reduce_max_sync(0xffffffffu, next == hand ? -1 : next);
+        if (lane == 0) {
+            if (last >= 0) P.hot_hand[g] = last;
+            atomicAdd(&P.hot_stats[0], (unsigned long long)n_hit);
+            atomicAdd(&P.hot_stats[1], (unsigned long long)n_miss);
+            atomicAdd(&P.hot_stats[2], (unsigned long long)need);
+        }
+    }
+}
+
 // The pages (row, KV head g) reads this step, ascending, into lists; their number into counts: every page, or the
 // sink, the budget's best old pages by tier_score's bounds (the budget-th largest found a byte at a time from the
 // top, a radix select; ties taken in page order) and the L1 pages. Grid (n_head_kv, rows), SELECT_THREADS threads,
@@ -154,8 +229,12 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
     grid_dep_wait();
     const TierWindow w = tier_window(P, P.pos[row]);
     int* list = P.lists + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    if (w.all) {
-        for (int i = tid; i <= w.last; i += SELECT_THREADS) list[i] = i;
+    int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
+    if (w.all) {  // (every page read as it is stored: no slots)
+        for (int i = tid; i <= w.last; i += SELECT_THREADS) {
+            list[i] = i;
+            slots[i] = -1;
+        }
         if (tid == 0) P.counts[row * P.n_head_kv + g] = w.last + 1;
         return;
     }
@@ -217,11 +296,17 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
         if (k > prefix || (k == prefix && eq_seen++ < (int)rank)) list[at++] = i + 1;
     }
     const int n_recent = w.last - w.recent_start + 1;
-    for (int i = tid; i < n_recent; i += SELECT_THREADS) list[1 + w.budget + i] = w.recent_start + i;
+    for (int i = tid; i < n_recent; i += SELECT_THREADS) {
+        list[1 + w.budget + i] = w.recent_start + i;
+        slots[1 + w.budget + i] = -1;
+    }
     if (tid == 0) {
         list[0] = 0;
+        slots[0] = -1;
         P.counts[row * P.n_head_kv + g] = 1 + w.budget + n_recent;
     }
+    __syncthreads();
+    tier_hot_assign(P, g, P.page_tables + (long long)P.row_seq[row] * P.table_stride, list + 1, slots + 1, w.budget);
 }
 
 // The new token's rotated K and V rows into its L1 page at position p (warp 0 the key, warp 1 the value).
@@ -257,6 +342,51 @@ __device__ __forceinline__ void load_v_f16(const u16* row, int e0, float v[N]) {
     }
 }
 
+// A warp copies a 32-key tile of an L3 page (its first cell c0) from host memory into a hot slot (first cell h0),
+// K and V codes and scales, 16 bytes a lane at a time so that every bus read is whole (the first tile of a page
+// also its K offset, from offs into hot_offs); read back by the same warp after __syncwarp.
+__device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0, long long h0, const float* offs,
+                                              float* hot_offs) {
+    constexpr int HD = QATT_HD, CODE_V = 32 * (HD / 2) / 16, SCALE_V = 32 * (HD / 32) * 2 / 16;
+    const int lane = threadIdx.x & 31;
+    const uint4* src_kc = (const uint4*)(P.l3_kc + c0 * (HD / 2));
+    const uint4* src_vc = (const uint4*)(P.l3_vc + c0 * (HD / 2));
+    uint4* dst_kc = (uint4*)(P.hot_kc + h0 * (HD / 2));
+    uint4* dst_vc = (uint4*)(P.hot_vc + h0 * (HD / 2));
+    uint4 a[CODE_V / 32], b[CODE_V / 32];
+#pragma unroll
+    for (int i = 0; i < CODE_V / 32; ++i) {
+        a[i] = src_kc[lane + 32 * i];
+        b[i] = src_vc[lane + 32 * i];
+    }
+    const uint4* src_ks = (const uint4*)(P.l3_ks + c0 * (HD / 32));
+    const uint4* src_vs = (const uint4*)(P.l3_vs + c0 * (HD / 32));
+    uint4 ka, va;
+    if (lane < SCALE_V) {
+        ka = src_ks[lane];
+        va = src_vs[lane];
+    }
+    float o[HD / 32];
+    if (offs) {
+#pragma unroll
+        for (int j = 0; j < HD / 32; ++j) o[j] = offs[lane + 32 * j];
+    }
+#pragma unroll
+    for (int i = 0; i < CODE_V / 32; ++i) {
+        dst_kc[lane + 32 * i] = a[i];
+        dst_vc[lane + 32 * i] = b[i];
+    }
+    if (lane < SCALE_V) {
+        ((uint4*)(P.hot_ks + h0 * (HD / 32)))[lane] = ka;
+        ((uint4*)(P.hot_vs + h0 * (HD / 32)))[lane] = va;
+    }
+    if (offs) {
+#pragma unroll
+        for (int j = 0; j < HD / 32; ++j) hot_offs[lane + 32 * j] = o[j];
+    }
+    __syncwarp();
+}
+
 extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(const TAttnParams P) {
     constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB, DPL = QATT_DPL, LPK = QATT_LPK, KG = QATT_KG;
     __shared__ QattSmem S;
@@ -267,6 +397,7 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
     const int PS = P.page_size, TPP = PS / 32;  // (PS a multiple of 32: a tile never straddles pages)
     const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
     const int* list = P.lists + ((long long)row * P.n_head_kv + g) * P.list_stride;
+    const int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
     const int p = P.pos[row], n_list = P.counts[row * P.n_head_kv + g];
     const int tiles = n_list * TPP;
     const int per = max((tiles + n_split - 1) / n_split, QATT_WARPS);
@@ -290,11 +421,27 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
     }
     const int kg = lane / LPK, e0 = (lane % LPK) * DPL;
     for (int t = t_beg + warp; t < t_end; t += QATT_WARPS) {
-        const int page = list[t / TPP], within = (t % TPP) * 32;
+        const int page = list[t / TPP], within = (t % TPP) * 32, slot = slots[t / TPP];
         const int entry = table[page], tier = entry >> TIER_SHIFT, idx = entry & TIER_INDEX_MASK;
         const int key0 = page * PS + within;
         const bool live = key0 + lane <= p;
-        const long long cell = ((long long)idx * P.n_head_kv + g) * PS + within + lane;
+        long long cell = ((long long)idx * P.n_head_kv + g) * PS + within + lane;
+        // where this tile's quantized rows are read: L2's pools, L3's (host memory), or a hot slot
+        const u8 *kc = P.l2_kc, *vc = P.l2_vc;
+        const u16 *ks = P.l2_ks, *vs = P.l2_vs;
+        const float* offs = P.l2_off + ((long long)idx * P.n_head_kv + g) * HD;
+        if (tier == 2) {
+            kc = P.l3_kc, vc = P.l3_vc, ks = P.l3_ks, vs = P.l3_vs;
+            offs = P.l3_off + ((long long)idx * P.n_head_kv + g) * HD;
+            if (slot >= 0) {
+                const long long hot0 = ((long long)g * P.hot_slots + (slot & ~HOT_FILL)) * PS + within;
+                float* hot_offs = P.hot_off + ((long long)g * P.hot_slots + (slot & ~HOT_FILL)) * HD;
+                if (slot & HOT_FILL) tier_hot_fill(P, cell - lane, hot0, within == 0 ? offs : nullptr, hot_offs);
+                if (!(slot & HOT_FILL) || within == 0) offs = hot_offs;
+                kc = P.hot_kc, vc = P.hot_vc, ks = P.hot_ks, vs = P.hot_vs;
+                cell = hot0 + lane;
+            }
+        }
         float dot[NG];
         if (tier == 0) {
             const uint4* kr = (const uint4*)(P.l1_k + cell * HD);
@@ -315,7 +462,6 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
                 }
             }
         } else {
-            const float* offs = (tier == 1 ? P.l2_off : P.l3_off) + ((long long)idx * P.n_head_kv + g) * HD;
             float off[NG];
 #pragma unroll
             for (int h = 0; h < NG; ++h) {
@@ -323,8 +469,8 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
                 for (int i = lane; i < HD; i += WARP) d = fmaf(S.qf[h][i], offs[i], d);
                 off[h] = warp_sum(d);
             }
-            if (tier == 1) qatt_dots<KVQ_Q8>(S, P.l2_kc + cell * HD, P.l2_ks + cell * NB, dot);
-            else qatt_dots<KVQ_Q4>(S, P.l3_kc + cell * (HD / 2), P.l3_ks + cell * NB, dot);
+            if (tier == 1) qatt_dots<KVQ_Q8>(S, kc + cell * HD, ks + cell * NB, dot);
+            else qatt_dots<KVQ_Q4>(S, kc + cell * (HD / 2), ks + cell * NB, dot);
 #pragma unroll
             for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
         }
@@ -339,8 +485,8 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
             if (j < n_keys) {
                 float v[DPL];
                 if (tier == 0) load_v_f16<DPL>(P.l1_v + cj * HD, e0, v);
-                else if (tier == 1) load_v<KVQ_Q8, DPL>(P.l2_vc + cj * HD, P.l2_vs + cj * NB, e0, v);
-                else load_v<KVQ_Q4, DPL>(P.l3_vc + cj * (HD / 2), P.l3_vs + cj * NB, e0, v);
+                else if (tier == 1) load_v<KVQ_Q8, DPL>(vc + cj * HD, vs + cj * NB, e0, v);
+                else load_v<KVQ_Q4, DPL>(vc + cj * (HD / 2), vs + cj * NB, e0, v);
 #pragma unroll
                 for (int h = 0; h < NG; ++h) {
                     const float pj = S.pt[warp][h][j];
@@ -353,131 +499,4 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
     }
     const QattOut O = {P.part_acc, P.part_ml, P.tickets, P.out, P.n_head, P.n_head_kv};
     qatt_finish(S, O, m, s, acc, row, g, split, n_split, n_used);
-}
-
-// Element e of a K or V row stored in `tier` at cell (its offset not added).
-__device__ __forceinline__ float tier_elem(const TAttnParams& P, int tier, bool key, long long cell, int e) {
-    constexpr int HD = QATT_HD;
-    if (tier == 0) return h2f((key ? P.l1_k : P.l1_v)[cell * HD + e]);
-    if (tier == 1) return kvq_elem<KVQ_Q8>((key ? P.l2_kc : P.l2_vc) + cell * HD, (key ? P.l2_ks : P.l2_vs) + cell * (HD / 32), e);
-    return kvq_elem<KVQ_Q4>((key ? P.l3_kc : P.l3_vc) + cell * (HD / 2), (key ? P.l3_ks : P.l3_vs) + cell * (HD / 32), e);
-}
-
-// Page `page` of sequence `seq` from (tier src, index si) to (tier DST, index di), every row requantized once:
-// leaving L1, its keys' mean becomes the page's K offset (the CPU's mean_row: f64 sums in row order) and its
-// summary is taken (element-wise min and max of the f16 keys); a quantized page keeps its offset. Grid (n_head_kv),
-// 64 threads (warp 0 keys, warp 1 values), HD floats a warp of dynamic shared memory.
-template <int DST>
-__device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int seq, int page) {
-    constexpr int HD = QATT_HD;
-    extern __shared__ float row_buf[];
-    const int g = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, PS = P.page_size;
-    const int kd = P.n_head_kv * HD;
-    float* buf = row_buf + warp * HD;
-    const float* src_off = src == 1 ? P.l2_off + (long long)si * kd + g * HD : P.l3_off + (long long)si * kd + g * HD;
-    float* dst_off = (DST == 1 ? P.l2_off : P.l3_off) + (long long)di * kd + g * HD;
-    u8* kc = DST == 1 ? P.l2_kc : P.l3_kc;
-    u16* ks = DST == 1 ? P.l2_ks : P.l3_ks;
-    u8* vc = DST == 1 ? P.l2_vc : P.l3_vc;
-    u16* vs = DST == 1 ? P.l2_vs : P.l3_vs;
-    constexpr int CB = DST == 1 ? HD : HD / 2;
-    const long long s0 = ((long long)si * P.n_head_kv + g) * PS, d0 = ((long long)di * P.n_head_kv + g) * PS;
-    if (warp == 0) {
-        float off[HD / 32];  // this lane's elements e = lane + 32 j of the page's offset (kept here: L3's is in host memory)
-        if (src == 0) {
-            u16* summ = P.summary + (((long long)seq * P.table_stride + page) * 2 * P.n_head_kv + g) * HD;
-#pragma unroll
-            for (int j = 0; j < HD / 32; ++j) {
-                const int e = lane + 32 * j;
-                double sum = 0.0;
-                float lo = INFINITY, hi = -INFINITY;
-                for (int r = 0; r < PS; ++r) {
-                    const float x = tier_elem(P, 0, true, s0 + r, e);
-                    sum += (double)x;
-                    lo = fminf(lo, x);
-                    hi = fmaxf(hi, x);
-                }
-                off[j] = (float)(sum / (double)PS);
-                summ[e] = f2h(lo);
-                summ[(long long)P.n_head_kv * HD + e] = f2h(hi);
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < HD / 32; ++j) off[j] = src_off[lane + 32 * j];
-        }
-#pragma unroll
-        for (int j = 0; j < HD / 32; ++j) dst_off[lane + 32 * j] = off[j];
-        for (int r = 0; r < PS; ++r) {
-#pragma unroll
-            for (int j = 0; j < HD / 32; ++j) {
-                const int e = lane + 32 * j;
-                const float x = tier_elem(P, src, true, s0 + r, e);
-                buf[e] = src == 0 ? __fsub_rn(x, off[j]) : x;
-            }
-            __syncwarp();
-            warp_store_row<DST == 1 ? KVQ_Q8 : KVQ_Q4>(buf, HD, kc + (d0 + r) * CB, ks + (d0 + r) * (HD / 32));
-            __syncwarp();
-        }
-    } else {
-        for (int r = 0; r < PS; ++r) {
-            for (int e = lane; e < HD; e += WARP) buf[e] = tier_elem(P, src, false, s0 + r, e);
-            __syncwarp();
-            warp_store_row<DST == 1 ? KVQ_Q8 : KVQ_Q4>(buf, HD, vc + (d0 + r) * CB, vs + (d0 + r) * (HD / 32));
-            __syncwarp();
-        }
-    }
-}
-
-extern "C" __global__ void tier_demote_l2(const TAttnParams P, int src, int si, int di, int seq, int page) {
-    tier_demote<1>(P, src, si, di, seq, page);
-}
-extern "C" __global__ void tier_demote_l3(const TAttnParams P, int src, int si, int di, int seq, int page) {
-    tier_demote<2>(P, src, si, di, seq, page);
-}
-
-// A prompt batch's rotated rows (k_rows / v_rows) into their L1 pages at pos[row]. Grid (rows, n_head_kv), 64 threads.
-extern "C" __global__ void tier_store_rows(const TAttnParams P) {
-    const int* table = P.page_tables + (long long)P.row_seq[blockIdx.x] * P.table_stride;
-    tier_store_new_row(P, blockIdx.x, blockIdx.y, P.pos[blockIdx.x], table);
-}
-
-// Keys key0 .. n_keys of sequence `seq` widened from their tiers into f16 pools k16 / v16 (the page layout of the
-// L1 pools, page i of the sequence at page i: a prompt's scratch, or an L1 slot a truncation brings a page back to):
-// K plus its page's offset, V as stored, both in the rotated basis. Grid (ceil((n_keys - key0) / 8), n_head_kv), 8
-// warps, a warp a key.
-extern "C" __global__ void tier_widen(const TAttnParams P, int seq, int key0, int n_keys, u16* k16, u16* v16) {
-    constexpr int HD = QATT_HD;
-    const int key = key0 + blockIdx.x * 8 + (threadIdx.x >> 5), g = blockIdx.y, lane = threadIdx.x & 31;
-    const int PS = P.page_size;
-    if (key >= n_keys) return;
-    const int page = key / PS, entry = P.page_tables[(long long)seq * P.table_stride + page];
-    const int tier = entry >> TIER_SHIFT, idx = entry & TIER_INDEX_MASK;
-    const long long cell = ((long long)idx * P.n_head_kv + g) * PS + key % PS;
-    const long long out = ((long long)page * P.n_head_kv + g) * PS + key % PS;
-    const float* off = tier == 0 ? nullptr : (tier == 1 ? P.l2_off : P.l3_off) + ((long long)idx * P.n_head_kv + g) * HD;
-    for (int e = lane; e < HD; e += WARP) {
-        k16[out * HD + e] = f2h(tier_elem(P, tier, true, cell, e) + (off ? off[e] : 0.0f));
-        v16[out * HD + e] = f2h(tier_elem(P, tier, false, cell, e));
-    }
-}
-
-// Synthetic keys and values (uniform in [-1, 1), a hash of (seed, layer-independent cell, element)) into L1 cells
-// of positions p0 .. p0 + n of the sequence whose table is `seq`'s, rotated basis as written: a cache at depth
-// without a prefill (`ninfer bench --kv-fill random`). Grid (n, n_head_kv), 32 threads.
-extern "C" __global__ void tier_fill_random(const TAttnParams P, int seq, int p0, u32 seed) {
-    constexpr int HD = QATT_HD;
-    const int p = p0 + blockIdx.x, g = blockIdx.y, lane = threadIdx.x, PS = P.page_size;
-    const int idx = P.page_tables[(long long)seq * P.table_stride + p / PS] & TIER_INDEX_MASK;
-    const long long cell = ((long long)idx * P.n_head_kv + g) * PS + p % PS;
-    for (int e = lane; e < 2 * HD; e += WARP) {
-        u32 h = seed ^ (u32)(p * 2654435761u) ^ (u32)((g * 2 * HD + e) * 2246822519u);
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        h *= 3266489917u;
-        h ^= h >> 16;
-        const float x = (float)(h >> 8) / 8388608.0f - 1.0f;
-        if (e < HD) P.l1_k[cell * HD + e] = f2h(x);
-        else P.l1_v[cell * HD + e - HD] = f2h(x);
-    }
 }
