@@ -304,6 +304,41 @@ __device__ __forceinline__ void qatt_softmax_tile(QattSmem& S, const float (&sc)
     __syncwarp();
 }
 
+// The accumulators before the first tile: no key seen.
+__device__ __forceinline__ void qatt_start(float (&m)[QATT_NG], float (&s)[QATT_NG], float (&acc)[QATT_NG][QATT_DPL]) {
+#pragma unroll
+    for (int h = 0; h < QATT_NG; ++h) {
+        m[h] = -INFINITY;
+        s[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QATT_DPL; ++i) acc[h][i] = 0.0f;
+    }
+}
+
+// A tile's values into acc, weighted by its probabilities (S.pt[warp]): QATT_KG of its n_keys keys at once, each
+// lane QATT_DPL elements of its key, load(cell, e0, v) reading elements e0 .. of the key stored at cell (this
+// lane's key's cell: `cell`).
+template <typename LoadV>
+__device__ __forceinline__ void qatt_values(const QattSmem& S, long long cell, int n_keys,
+                                            float (&acc)[QATT_NG][QATT_DPL], LoadV load) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kg = lane / QATT_LPK, e0 = (lane % QATT_LPK) * QATT_DPL;  // this lane's key of KG and its elements
+    for (int j0 = 0; j0 < n_keys; j0 += QATT_KG) {
+        const int j = j0 + kg;
+        const long long cj = __shfl_sync(0xffffffffu, cell, j);
+        if (j < n_keys) {
+            float v[QATT_DPL];
+            load(cj, e0, v);
+#pragma unroll
+            for (int h = 0; h < QATT_NG; ++h) {
+                const float pj = S.pt[warp][h][j];
+#pragma unroll
+                for (int i = 0; i < QATT_DPL; ++i) acc[h][i] = fmaf(v[i], pj, acc[h][i]);
+            }
+        }
+    }
+}
+
 // The q8_0 dot products of the group's queries with a stored quantized K row (codes kc, scales ks).
 template <int KT>
 __device__ __forceinline__ void qatt_dots(const QattSmem& S, const u8* kc, const u16* ks, float (&dot)[QATT_NG]) {
@@ -344,14 +379,7 @@ __device__ void attend_quant(const QAttnParams& P) {
     qatt_query(S, P.q, row, P.n_head, g);
 
     float m[NG], s[NG], acc[NG][DPL];
-#pragma unroll
-    for (int h = 0; h < NG; ++h) {
-        m[h] = -INFINITY;
-        s[h] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[h][i] = 0.0f;
-    }
-    const int kg = lane / LPK, e0 = (lane % LPK) * DPL;  // this lane's key of KG and its elements
+    qatt_start(m, s, acc);
     const long long kv_stride = (long long)P.n_head_kv * P.page_size;  // cells a page
     int last_pa = -1, last_pb = -1;  // the pages of the warp's last tile and their q·offset (a page spans tiles)
     float last_da[NG], last_db[NG];
@@ -388,22 +416,9 @@ __device__ void attend_quant(const QAttnParams& P) {
 #pragma unroll
         for (int h = 0; h < NG; ++h) sc[h] = live ? __fmul_rn(__fadd_rn(dot[h], off[h]), P.scale) : -INFINITY;
         qatt_softmax_tile(S, sc, m, s, acc);
-        // values: KG keys of the tile at once, each lane DPL elements of its key
-        const int n_keys = min(32, s1 - t0);
-        for (int j0 = 0; j0 < n_keys; j0 += KG) {
-            const int j = j0 + kg;
-            const long long cj = __shfl_sync(0xffffffffu, cell, j);
-            if (j < n_keys) {
-                float v[DPL];
-                load_v<VT, DPL>(P.v_codes + cj * VCB, P.v_scales + cj * NB, e0, v);
-#pragma unroll
-                for (int h = 0; h < NG; ++h) {
-                    const float pj = S.pt[warp][h][j];
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i) acc[h][i] = fmaf(v[i], pj, acc[h][i]);
-                }
-            }
-        }
+        qatt_values(S, cell, min(32, s1 - t0), acc, [&](long long cj, int e0, float* v) {
+            load_v<VT, DPL>(P.v_codes + cj * VCB, P.v_scales + cj * NB, e0, v);
+        });
         __syncwarp();
     }
     const QattOut O = {P.part_acc, P.part_ml, P.tickets, P.out, P.n_head, P.n_head_kv};

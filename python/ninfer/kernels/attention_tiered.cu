@@ -412,14 +412,7 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
     __syncthreads();
 
     float m[NG], s[NG], acc[NG][DPL];
-#pragma unroll
-    for (int h = 0; h < NG; ++h) {
-        m[h] = -INFINITY;
-        s[h] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[h][i] = 0.0f;
-    }
-    const int kg = lane / LPK, e0 = (lane % LPK) * DPL;
+    qatt_start(m, s, acc);
     for (int t = t_beg + warp; t < t_end; t += QATT_WARPS) {
         const int page = list[t / TPP], within = (t % TPP) * 32, slot = slots[t / TPP];
         const int entry = table[page], tier = entry >> TIER_SHIFT, idx = entry & TIER_INDEX_MASK;
@@ -478,23 +471,11 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
 #pragma unroll
         for (int h = 0; h < NG; ++h) sc[h] = live ? __fmul_rn(dot[h], P.scale) : -INFINITY;
         qatt_softmax_tile(S, sc, m, s, acc);
-        const int n_keys = min(32, p + 1 - key0);
-        for (int j0 = 0; j0 < n_keys; j0 += KG) {
-            const int j = j0 + kg;
-            const long long cj = __shfl_sync(0xffffffffu, cell, j);
-            if (j < n_keys) {
-                float v[DPL];
-                if (tier == 0) load_v_f16<DPL>(P.l1_v + cj * HD, e0, v);
-                else if (tier == 1) load_v<KVQ_Q8, DPL>(vc + cj * HD, vs + cj * NB, e0, v);
-                else load_v<KVQ_Q4, DPL>(vc + cj * (HD / 2), vs + cj * NB, e0, v);
-#pragma unroll
-                for (int h = 0; h < NG; ++h) {
-                    const float pj = S.pt[warp][h][j];
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i) acc[h][i] = fmaf(v[i], pj, acc[h][i]);
-                }
-            }
-        }
+        qatt_values(S, cell, min(32, p + 1 - key0), acc, [&](long long cj, int e0, float* v) {
+            if (tier == 0) load_v_f16<DPL>(P.l1_v + cj * HD, e0, v);
+            else if (tier == 1) load_v<KVQ_Q8, DPL>(vc + cj * HD, vs + cj * NB, e0, v);
+            else load_v<KVQ_Q4, DPL>(vc + cj * (HD / 2), vs + cj * NB, e0, v);
+        });
         __syncwarp();
     }
     const QattOut O = {P.part_acc, P.part_ml, P.tickets, P.out, P.n_head, P.n_head_kv};
