@@ -127,10 +127,10 @@ class NinferRunner:
             per_tok.setdefault(k, 0.0)
         if "cpu_layers" in per_tok:  # a split model: the CPU engine's layers, timed around its call
             per_tok["other"] += per_tok.pop("cpu_layers")
-        if hasattr(eng, "layer_profile"):  # the CUDA backend times each layer with CUDA events
+        per_tok["python+glue"] = max(0.0, wall / n - sum(per_tok.values()))
+        if hasattr(eng, "layer_profile"):  # the CUDA backend times each layer with CUDA events (the same time again)
             for i, secs in enumerate(eng.layer_profile()):
                 per_tok[f"layer{i}"] = secs / calls
-        per_tok["python+glue"] = max(0.0, wall / n - sum(per_tok.values()))
         return wall, per_tok
 
 
@@ -337,7 +337,9 @@ def format_table(results: list[Result], info: dict[str, Any]) -> str:
 
 
 def format_profile(results: list[Result]) -> str:
-    kinds = ["matmul", "attention", "other", "sampling", "python+glue"]
+    # (select: the CUDA tiered cache's scoring and selection of pages, apart from its attention)
+    kinds = ["matmul", "attention", *(["select"] if any("select" in (r.profile or {}) for r in results) else []),
+             "other", "sampling", "python+glue"]
     out = ["", "where a generated token's time goes (ninfer, median over repetitions):",
            "| test | threads | ms/token | " + " | ".join(kinds) + " |",
            "|" + "---|" * (3 + len(kinds))]
