@@ -157,10 +157,7 @@ pub fn plan_blocks(
         .map(|&b| {
             let (lo, hi) = kv.key_summary(layer, seq, b);
             let (lo, hi) = (&lo[g * dk..(g + 1) * dk], &hi[g * dk..(g + 1) * dk]);
-            let bound = qg
-                .chunks_exact(dk)
-                .map(|q| q.iter().zip(lo.iter().zip(hi)).map(|(&x, (&a, &b))| (x * a).max(x * b)).sum::<f32>())
-                .fold(f32::NEG_INFINITY, f32::max);
+            let bound = qg.chunks_exact(dk).map(|q| box_bound(q, lo, hi)).fold(f32::NEG_INFINITY, f32::max);
             (bound, b)
         })
         .collect();
@@ -168,6 +165,23 @@ pub fn plan_blocks(
     let mut chosen: Vec<usize> = scored[..budget].iter().map(|&(_, b)| b).collect();
     chosen.sort_unstable();
     BlockPlan { old: sink.into_iter().chain(chosen).collect(), recent }
+}
+
+/// Quest's bound on q·k over keys k with lo <= k <= hi element-wise: sum_d max(q_d lo_d, q_d hi_d), summed in
+/// BOUND_LANES running sums (independent lanes the compiler keeps in vector registers: a decode step takes one bound
+/// per older block, KV head and query head; one chain took twice the time, measured with perf at depth 16K).
+fn box_bound(q: &[f32], lo: &[f32], hi: &[f32]) -> f32 {
+    const BOUND_LANES: usize = 16;
+    let mut acc = [0.0f32; BOUND_LANES];
+    let (qc, lc, hc) = (q.chunks_exact(BOUND_LANES), lo.chunks_exact(BOUND_LANES), hi.chunks_exact(BOUND_LANES));
+    let tail: f32 =
+        qc.remainder().iter().zip(lc.remainder().iter().zip(hc.remainder())).map(|(&x, (&a, &b))| (x * a).max(x * b)).sum();
+    for ((x, a), b) in qc.zip(lc).zip(hc) {
+        for i in 0..BOUND_LANES {
+            acc[i] += (x[i] * a[i]).max(x[i] * b[i]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// Online softmax of q (KV head `g`) over the keys of `blocks` (block indices of `seq`) at positions in lo..=pos,
