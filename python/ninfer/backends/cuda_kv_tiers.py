@@ -39,7 +39,8 @@ def hot_slots(select: int) -> int:
     whole warps of 32; none without selection (every page is read every step: a cache would only churn)."""
     if select <= 0:
         return 0
-    return min(HOT_MAX_SLOTS, -(-4 * -(-select // TIERED_BLOCK_SIZE) // 32) * 32)
+    pages = -(-select // TIERED_BLOCK_SIZE)
+    return min(HOT_MAX_SLOTS, -(-4 * pages // 32) * 32)
 
 # struct TAttnParams in kernels/attention_tiered.cu (C layout: align=True).
 TATTN_PARAMS = np.dtype(

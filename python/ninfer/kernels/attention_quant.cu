@@ -361,7 +361,7 @@ __device__ __forceinline__ void qatt_dots(const QattSmem& S, const u8* kc, const
 
 template <int KT, int VT>
 __device__ void attend_quant(const QAttnParams& P) {
-    constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB, DPL = QATT_DPL, LPK = QATT_LPK, KG = QATT_KG;
+    constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB, DPL = QATT_DPL;
     constexpr int KCB = KT == KVQ_Q8 ? HD : HD / 2, VCB = VT == KVQ_Q8 ? HD : HD / 2;
     __shared__ QattSmem S;
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;

@@ -186,7 +186,7 @@ __device__ void tier_hot_assign(const TAttnParams& P, int g, const int* table, c
     __syncthreads();
     if (tid < 32) {  // warp 0: the k-th miss takes the k-th slot no hit holds, from the hand on
         const int lane = tid, need = min(n_miss, R - n_hit), hand = P.hot_hand[g];
-        int taken = 0, next = hand;
+        int taken = 0;
         for (int c = 0; c < R && taken < need; c += 32) {
             const int s = (hand + c + lane) % R;
             const bool free = c + lane < R && !(used[s >> 5] >> (s & 31) & 1u);
@@ -200,14 +200,11 @@ __device__ void tier_hot_assign(const TAttnParams& P, int g, const int* table, c
                 owner[s] = idx;
                 P.hot_slot_of[(long long)idx * P.n_head_kv + g] = s;
                 slots[i] = s | HOT_FILL;
-                if (k == need - 1) next = (s + 1) % R;
+                if (k == need - 1) P.hot_hand[g] = (s + 1) % R;  // (the last miss's lane; hand was read above)
             }
             taken += __popc(ballot);
         }
-        __syncwarp();
-        const int last = __reduce_max_sync(0xffffffffu, next == hand ? -1 : next);
         if (lane == 0) {
-            if (last >= 0) P.hot_hand[g] = last;
             atomicAdd(&P.hot_stats[0], (unsigned long long)n_hit);
             atomicAdd(&P.hot_stats[1], (unsigned long long)n_miss);
             atomicAdd(&P.hot_stats[2], (unsigned long long)need);
@@ -388,7 +385,7 @@ __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0
 }
 
 extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(const TAttnParams P) {
-    constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB, DPL = QATT_DPL, LPK = QATT_LPK, KG = QATT_KG;
+    constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB, DPL = QATT_DPL;
     __shared__ QattSmem S;
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

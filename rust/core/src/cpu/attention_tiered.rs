@@ -174,8 +174,8 @@ fn box_bound(q: &[f32], lo: &[f32], hi: &[f32]) -> f32 {
     const BOUND_LANES: usize = 16;
     let mut acc = [0.0f32; BOUND_LANES];
     let (qc, lc, hc) = (q.chunks_exact(BOUND_LANES), lo.chunks_exact(BOUND_LANES), hi.chunks_exact(BOUND_LANES));
-    let tail: f32 =
-        qc.remainder().iter().zip(lc.remainder().iter().zip(hc.remainder())).map(|(&x, (&a, &b))| (x * a).max(x * b)).sum();
+    let tail = qc.remainder().iter().zip(lc.remainder().iter().zip(hc.remainder()));
+    let tail: f32 = tail.map(|(&x, (&a, &b))| (x * a).max(x * b)).sum();
     for ((x, a), b) in qc.zip(lc).zip(hc) {
         for i in 0..BOUND_LANES {
             acc[i] += (x[i] * a[i]).max(x[i] * b[i]);
