@@ -76,11 +76,12 @@ def test_vs_llama_cpp_interleaves_both_engines(smollm2_path: Path) -> None:
 
 def test_kv_fill_random_measures_a_tiered_cache_at_depth(smollm2_path: Path) -> None:
     """tg at depth over random keys and values (no prefill), labelled as such, with the cache's tiers and the
-    prefetch thread's counts in the log."""
+    prefetch thread's counts in the log, and where a step's time goes."""
     out = _bench("-m", str(smollm2_path), "-p", "0", "-n", "4", "-d", "1024", "-r", "1", "-t", "2",
-                 "--kv-fill", "random", "--kv-l1", "128", "--kv-l2", "256", "--kv-select", "128")
+                 "--kv-fill", "random", "--kv-l1", "128", "--kv-l2", "256", "--kv-select", "128", "--profile")
     assert out.returncode == 0, out.stderr
     assert "tg4 @ d1024 (kv-fill random)" in out.stdout
+    assert "| tg4 @ d1024 (kv-fill random) | 2 | " in out.stdout  # the profile table's row
     # 1024 + 4 positions in blocks of 64: the sink and 3 blocks in f16, 4 in q8_0, 9 in q4_0.
     assert "KV cache: L1 4 blocks 5.6 MiB, L2 4 blocks 3.0 MiB, L3 9 blocks 3.6 MiB" in out.stderr
     assert "KV prefetch: " in out.stderr and "block-layers staged" in out.stderr

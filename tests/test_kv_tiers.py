@@ -14,7 +14,9 @@ from ninfer.passkey import run_passkey
 
 def test_tier_settings_are_checked(smollm2_path: Path) -> None:
     cases = [
-        (dict(kv_l2=256), "kv_l2, kv_select and kv_l3_file set up the tiered KV cache: give kv_l1 too"),
+        (dict(kv_l2=256), "kv_l2, kv_select, kv_l3_file and no_l3_cache set up the tiered KV cache: give kv_l1 too"),
+        (dict(no_l3_cache=True), "no_l3_cache set up the tiered KV cache: give kv_l1 too"),
+        (dict(kv_l1=128, kv_l2=128, no_l3_cache=True), "no_l3_cache keeps every older token in L2: leave kv_l2"),
         (dict(kv_l1=32), "kv_l1 must be at least one block of 64 tokens, got 32"),
         (dict(kv_l1=128, cache_type_k="q8_0"), "the tiered KV cache sets its own precisions"),
         (dict(kv_l1=-1), "kv_l1 must be an integer >= 0, got -1"),
@@ -46,6 +48,16 @@ def test_cache_moves_blocks_to_the_tiers(smollm2_path: Path) -> None:
     assert m["l1"] == (4, 4 * 64 * 30 * 2 * 192 * 2), m
     assert m["l2"] == (2, 2 * 64 * 30 * 2 * 6 * 34), m
     assert m["l3"] == (5, 5 * 64 * 30 * 2 * 6 * 18), m
+
+
+def test_no_l3_cache_keeps_every_older_block_in_l2(smollm2_path: Path) -> None:
+    llm = ninfer.LLM(smollm2_path, n_ctx=1024, threads=2, kv_l1=128, no_l3_cache=True)
+    ids = llm.tokenize("The grass is green. " * 200)[:700]
+    llm.generate(ids, max_tokens=1, temperature=0.0, cache_prompt=True)
+    m = llm.kv_memory()
+    assert m["l1"] == (4, 4 * 64 * 30 * 2 * 192 * 2), m
+    assert m["l2"] == (7, 7 * 64 * 30 * 2 * 6 * 34), m
+    assert m["l3"][0] == 0, m
 
 
 def test_selection_budget_changes_after_the_prefill(smollm2_path: Path) -> None:

@@ -87,8 +87,9 @@ class NinferRunner:
         llm.clear_cache()
         return dt
 
-    def tg_filled(self, depth: int, n: int, seed: int) -> float:
-        """Seconds for n greedy decode steps after `depth` positions of random keys and values (no prefill)."""
+    def tg_filled(self, depth: int, n: int, seed: int, profile: bool) -> tuple[float, dict[str, float] | None]:
+        """Seconds for n greedy decode steps after `depth` positions of random keys and values (no prefill), and
+        with `profile` where a step's time went."""
         from ninfer import _core
 
         llm, eng = self.llm, self.llm.backend
@@ -96,14 +97,17 @@ class NinferRunner:
         eng.fill_random(0, depth, seed)
         sampler = _core.Sampler(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
         token = self.bos if self.bos is not None else 0
+        eng.set_profiling(profile)
+        eng.reset_profile()
         t = time.perf_counter()
         for _ in range(n):
             token = eng.step(0, token, sampler)
         dt = time.perf_counter() - t
+        eng.set_profiling(False)
         self.kv_memory = llm.kv_memory()
         eng.remove(0)
         llm.clear_cache()
-        return dt
+        return dt, self._per_token(dt / n) if profile else None
 
     def tg(self, context: list[int], n: int, profile: bool) -> tuple[float, dict[str, float] | None]:
         llm, eng = self.llm, self.llm.backend
@@ -120,6 +124,11 @@ class NinferRunner:
         wall = out.timings.predicted_ms / 1e3
         if not profile:
             return wall, None
+        return wall, self._per_token(wall / n)
+
+    def _per_token(self, wall_per_token: float) -> dict[str, float]:
+        """The engine's profile of the steps just run, per token, with the rest of the wall time as python+glue."""
+        eng = self.llm.backend
         p = dict(eng.profile())
         calls = max(1, int(p.pop("forward_calls")))
         per_tok = {k: v / calls for k, v in p.items()}
@@ -127,11 +136,11 @@ class NinferRunner:
             per_tok.setdefault(k, 0.0)
         if "cpu_layers" in per_tok:  # a split model: the CPU engine's layers, timed around its call
             per_tok["other"] += per_tok.pop("cpu_layers")
-        per_tok["python+glue"] = max(0.0, wall / n - sum(per_tok.values()))
+        per_tok["python+glue"] = max(0.0, wall_per_token - sum(per_tok.values()))
         if hasattr(eng, "layer_profile"):  # the CUDA backend times each layer with CUDA events (the same time again)
             for i, secs in enumerate(eng.layer_profile()):
                 per_tok[f"layer{i}"] = secs / calls
-        return wall, per_tok
+        return per_tok
 
 
 class LlamaCppRunner:
@@ -261,13 +270,13 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
                     gc.collect()
                     time.sleep(_SETTLE_S)
                     if test.kind == "pp":
-                        dt = r.pp(context, tokens(test.n, not context))
+                        dt, prof = r.pp(context, tokens(test.n, not context)), None
                     elif test.kv_fill and test.depth:
-                        dt, prof = r.tg_filled(test.depth, test.n, rng.randrange(2**32)), None
+                        dt, prof = r.tg_filled(test.depth, test.n, rng.randrange(2**32), profile)
                     else:
                         dt, prof = r.tg(context or tokens(1, True), test.n, profile and r.name == "ninfer")
-                        if prof:
-                            profiles.append(prof)
+                    if prof:
+                        profiles.append(prof)
                     rows[r.name].samples_ts.append(test.n / dt)
             if profiles:
                 rows["ninfer"].profile = {k: statistics.median(p[k] for p in profiles) for k in profiles[0]}

@@ -79,6 +79,8 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
                         "key summaries bound q·k highest (default 0: all of them)")
     g.add_argument("--kv-l3-file", default=None, metavar="PATH",
                    help="keep the L3 ring in this file (created or truncated) instead of anonymous memory")
+    g.add_argument("--no-l3-cache", action="store_true",
+                   help="no L3 tier: every block older than L1 stays in L2 (q8_0; on cuda in GPU memory)")
     g.add_argument("--host-mem-budget", default=None, metavar="SIZE",
                    help="CUDA: the most host memory the L3 tier may take (e.g. 16GiB); with --gpu-mem-budget and "
                         "no --kv-l2, L2 takes what the GPU budget leaves")
@@ -87,7 +89,7 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 def kv_tier_kwargs(args: argparse.Namespace) -> dict:
     """LLM's kv_l1, kv_l2, kv_select, kv_l3_file and host_mem_budget arguments from the flags above."""
     return {"kv_l1": args.kv_l1, "kv_l2": args.kv_l2, "kv_select": args.kv_select, "kv_l3_file": args.kv_l3_file,
-            "host_mem_budget": args.host_mem_budget}
+            "no_l3_cache": args.no_l3_cache, "host_mem_budget": args.host_mem_budget}
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:

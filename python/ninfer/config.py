@@ -71,11 +71,13 @@ class EngineConfig:
     kv_block_size: int = 256
     # The tiered KV cache (kv_l1 > 0): the newest kv_l1 tokens in f16, the next kv_l2 in q8_0, older ones in q4_0
     # in an L3 ring (anonymous memory, or the file kv_l3_file); a decode step reads kv_select tokens of the older
-    # tiers, the blocks whose key summaries bound q·k highest (0: all).
+    # tiers, the blocks whose key summaries bound q·k highest (0: all). kv_no_l3: no L3 (every older block stays
+    # in L2, in device memory on cuda).
     kv_l1: int = 0
     kv_l2: int = 0
     kv_select: int = 0
     kv_l3_file: str | None = None
+    kv_no_l3: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "kv_block_size"):
@@ -88,8 +90,11 @@ class EngineConfig:
                 raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
         if self.kv_l3_file is not None and not isinstance(self.kv_l3_file, str):
             raise InvalidArgumentError(f"kv_l3_file must be a path, got {self.kv_l3_file!r}")
-        if not self.tiered and (self.kv_l2 or self.kv_select or self.kv_l3_file):
-            raise InvalidArgumentError("kv_l2, kv_select and kv_l3_file set up the tiered KV cache: give kv_l1 too")
+        if not self.tiered and (self.kv_l2 or self.kv_select or self.kv_l3_file or self.kv_no_l3):
+            raise InvalidArgumentError("kv_l2, kv_select, kv_l3_file and no_l3_cache set up the tiered KV cache: "
+                                       "give kv_l1 too")
+        if self.kv_no_l3 and (self.kv_l2 or self.kv_l3_file):
+            raise InvalidArgumentError("no_l3_cache keeps every older token in L2: leave kv_l2 and kv_l3_file unset")
         if self.tiered:
             if self.kv_l1 < TIERED_BLOCK_SIZE:
                 raise InvalidArgumentError(f"kv_l1 must be at least one block of {TIERED_BLOCK_SIZE} tokens, "
@@ -109,6 +114,11 @@ class EngineConfig:
     @property
     def tiered(self) -> bool:
         return self.kv_l1 > 0
+
+    @property
+    def l2_tokens(self) -> int:
+        """L2's size in tokens as the engines take it: with no L3, every position of the context."""
+        return self.n_ctx if self.kv_no_l3 else self.kv_l2
 
     @property
     def block_size(self) -> int:

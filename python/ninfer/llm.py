@@ -98,6 +98,7 @@ class LLM:
         kv_l2: int = 0,
         kv_select: int = 0,
         kv_l3_file: str | os.PathLike[str] | None = None,
+        no_l3_cache: bool = False,
         host_mem_budget: int | str | None = None,
         rope_scaling: str | None = None,
         rope_scale: float | None = None,
@@ -125,6 +126,7 @@ class LLM:
         blocks whose key summaries bound q·k highest (0: all of them). On cuda, L1 and L2 are in GPU memory and L3
         in pinned host memory (at most host_mem_budget, e.g. "16GiB"); with a gpu_mem_budget and kv_l2 0, L2
         takes what the budget leaves after the weights (the plan goes to `log`). kv_l3_file is CPU only.
+        no_l3_cache=True keeps every older block in L2 (on the device, on cuda): no L3 and no host reads.
 
         RoPE (llama.cpp's --rope-* and --yarn-* flags, the same meanings; None: the model file's setting):
         rope_scaling "none", "linear" or "yarn"; rope_scale N stretches the trained context N times (or
@@ -140,6 +142,7 @@ class LLM:
         self.config = EngineConfig(
             n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
             kv_l1=kv_l1, kv_l2=kv_l2, kv_select=kv_select, kv_l3_file=None if kv_l3_file is None else str(kv_l3_file),
+            kv_no_l3=no_l3_cache,
         )
         self.rope = RopeConfig(
             rope_scaling=rope_scaling, rope_scale=rope_scale, rope_freq_base=rope_freq_base,
@@ -166,7 +169,7 @@ class LLM:
 
             if self.config.kv_l3_file is not None:
                 raise InvalidArgumentError("kv_l3_file is the CPU backend's L3 ring; on cuda L3 is pinned host memory")
-            tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.kv_l2, "kv_select": self.config.kv_select}
+            tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.l2_tokens, "kv_select": self.config.kv_select}
                      if self.config.tiered else None)
             self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
@@ -184,7 +187,7 @@ class LLM:
                 k_type=CACHE_TYPES[self.config.cache_type_k][0],
                 v_type=CACHE_TYPES[self.config.cache_type_v][0],
                 kv_l1=self.config.kv_l1,
-                kv_l2=self.config.kv_l2,
+                kv_l2=self.config.l2_tokens,
                 kv_select=self.config.kv_select,
                 kv_l3_file=self.config.kv_l3_file,
                 n_seq_max=n_seq_max,
