@@ -47,7 +47,9 @@ def test_prompt_logits_over_the_tiers_follow_the_cpus(model: Path) -> None:
 def test_decode_over_the_tiers_agrees_with_the_cpu(model: Path, select: int) -> None:
     # 400 prompt tokens and 64 steps: pages move L1 -> L2 -> L3 during decode too (the step at 447 ages page 4)
     kw = dict(TIERS, kv_select=select)
-    cpu, gpu, margins = teacher_forced(model, PROMPT[:400], 64, cpu_kw=kw, **kw)
+    # (the CPU ranked by the GPU's scorer: Quest's bound)
+    cpu_kw = dict(kw, kv_scorer="bound") if select else kw
+    cpu, gpu, margins = teacher_forced(model, PROMPT[:400], 64, cpu_kw=cpu_kw, **kw)
     differ = [i for i in range(64) if gpu[i] != cpu[i]]
     # Exact over the tiers (select 0), the rounding of the quantized cache's test. With selection a page whose
     # bound ties another's within the GPU's f16 summaries (the CPU keeps f32 ones of the unrounded keys) may be
@@ -93,6 +95,8 @@ def test_budgets_size_the_tiers_and_refuse_what_does_not_fit(model: Path) -> Non
     assert any("L2 q8_0, device" in line for line in logs), logs
     with pytest.raises(ninfer.errors.InvalidArgumentError, match="over the host memory budget"):
         ninfer.LLM(model, n_ctx=8192, device="cuda", kv_l1=256, host_mem_budget="1MiB")
+    with pytest.raises(ninfer.errors.InvalidArgumentError, match="kv_scorer 'keys' runs on the CPU backend"):
+        ninfer.LLM(model, n_ctx=1024, device="cuda", kv_l1=256, kv_select=256, kv_scorer="keys")
 
 
 @needs_cuda

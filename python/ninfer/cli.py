@@ -75,10 +75,14 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-l2", type=int, default=0, metavar="N", help="the next N older tokens in q8_0; older ones go "
                                                                        "to q4_0 in the L3 ring")
     g.add_argument("--kv-select", type=int, default=0, metavar="N",
-                   help="a decode step reads N tokens of the older tiers besides the sinks and L1: the blocks whose "
-                        "key summaries bound q·k highest (default 0: all of them)")
+                   help="a decode step reads N tokens of the older tiers besides the sinks and L1: the blocks that "
+                        "--kv-scorer ranks highest (default 0: all of them)")
     g.add_argument("--kv-l3-file", default=None, metavar="PATH",
                    help="keep the L3 ring in this file (created or truncated) instead of anonymous memory")
+    g.add_argument("--kv-scorer", choices=["keys", "bound"], default=None,
+                   help="how --kv-select ranks the older blocks: keys, the largest q·k over each block's stored keys "
+                        "(the CPU's default), or bound, Quest's bound from each block's key minimum and maximum "
+                        "(cheaper, less accurate in real text; the only one on cuda)")
     g.add_argument("--no-l3-cache", action="store_true",
                    help="no L3 tier: every block older than L1 stays in L2 (q8_0; on cuda in GPU memory)")
     g.add_argument("--host-mem-budget", default=None, metavar="SIZE",
@@ -89,7 +93,7 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 def kv_tier_kwargs(args: argparse.Namespace) -> dict:
     """LLM's kv_l1, kv_l2, kv_select, kv_l3_file and host_mem_budget arguments from the flags above."""
     return {"kv_l1": args.kv_l1, "kv_l2": args.kv_l2, "kv_select": args.kv_select, "kv_l3_file": args.kv_l3_file,
-            "no_l3_cache": args.no_l3_cache, "host_mem_budget": args.host_mem_budget}
+            "no_l3_cache": args.no_l3_cache, "kv_scorer": args.kv_scorer, "host_mem_budget": args.host_mem_budget}
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,9 @@ CACHE_TYPES: dict[str, tuple[int, float]] = {
 }
 
 
+KV_SCORERS = ("keys", "bound")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05. temperature 0 is greedy."""
@@ -71,13 +74,16 @@ class EngineConfig:
     kv_block_size: int = 256
     # The tiered KV cache (kv_l1 > 0): the newest kv_l1 tokens in f16, the next kv_l2 in q8_0, older ones in q4_0
     # in an L3 ring (anonymous memory, or the file kv_l3_file); a decode step reads kv_select tokens of the older
-    # tiers, the blocks whose key summaries bound q·k highest (0: all). kv_no_l3: no L3 (every older block stays
+    # tiers, the blocks kv_scorer ranks highest (0: all). no_l3_cache: no L3 (every older block stays
     # in L2, in device memory on cuda).
     kv_l1: int = 0
     kv_l2: int = 0
     kv_select: int = 0
     kv_l3_file: str | None = None
-    kv_no_l3: bool = False
+    no_l3_cache: bool = False
+    # How selection ranks older blocks: "keys" (the largest q·k over a block's stored keys) or "bound" (Quest's bound
+    # from its key summary); None: the backend's own (keys on the CPU; the CUDA tiered cache has bound only).
+    kv_scorer: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "kv_block_size"):
@@ -90,10 +96,14 @@ class EngineConfig:
                 raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
         if self.kv_l3_file is not None and not isinstance(self.kv_l3_file, str):
             raise InvalidArgumentError(f"kv_l3_file must be a path, got {self.kv_l3_file!r}")
-        if not self.tiered and (self.kv_l2 or self.kv_select or self.kv_l3_file or self.kv_no_l3):
+        if not self.tiered and (self.kv_l2 or self.kv_select or self.kv_l3_file or self.no_l3_cache):
             raise InvalidArgumentError("kv_l2, kv_select, kv_l3_file and no_l3_cache set up the tiered KV cache: "
                                        "give kv_l1 too")
-        if self.kv_no_l3 and (self.kv_l2 or self.kv_l3_file):
+        if self.kv_scorer not in (None, *KV_SCORERS):
+            raise InvalidArgumentError(f"kv_scorer '{self.kv_scorer}' is not one of {', '.join(KV_SCORERS)}")
+        if self.kv_scorer is not None and not self.kv_select:
+            raise InvalidArgumentError("kv_scorer ranks blocks for selection: give kv_select too")
+        if self.no_l3_cache and (self.kv_l2 or self.kv_l3_file):
             raise InvalidArgumentError("no_l3_cache keeps every older token in L2: leave kv_l2 and kv_l3_file unset")
         if self.tiered:
             if self.kv_l1 < TIERED_BLOCK_SIZE:
@@ -118,7 +128,7 @@ class EngineConfig:
     @property
     def l2_tokens(self) -> int:
         """L2's size in tokens as the engines take it: with no L3, every position of the context."""
-        return self.n_ctx if self.kv_no_l3 else self.kv_l2
+        return self.n_ctx if self.no_l3_cache else self.kv_l2
 
     @property
     def block_size(self) -> int:

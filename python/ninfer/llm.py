@@ -99,6 +99,7 @@ class LLM:
         kv_select: int = 0,
         kv_l3_file: str | os.PathLike[str] | None = None,
         no_l3_cache: bool = False,
+        kv_scorer: str | None = None,
         host_mem_budget: int | str | None = None,
         rope_scaling: str | None = None,
         rope_scale: float | None = None,
@@ -123,10 +124,13 @@ class LLM:
         Tiered KV cache: kv_l1 > 0 keeps the newest kv_l1 tokens (and the first block, the attention sinks)
         in f16, the next kv_l2 in q8_0 and older ones in q4_0 in an L3 ring (anonymous memory, or the file
         kv_l3_file); kv_select > 0 makes each decode step read only that many tokens of the older tiers, the
-        blocks whose key summaries bound q·k highest (0: all of them). On cuda, L1 and L2 are in GPU memory and L3
+        blocks kv_scorer ranks highest (0: all of them). On cuda, L1 and L2 are in GPU memory and L3
         in pinned host memory (at most host_mem_budget, e.g. "16GiB"); with a gpu_mem_budget and kv_l2 0, L2
         takes what the budget leaves after the weights (the plan goes to `log`). kv_l3_file is CPU only.
         no_l3_cache=True keeps every older block in L2 (on the device, on cuda): no L3 and no host reads.
+        kv_scorer: how selection ranks older blocks, "keys" (the largest q·k over each block's stored keys; the CPU's
+        default) or "bound" (Quest's bound from each block's key minimum and maximum: cheaper, less accurate in real
+        text; the only one on cuda, whose L3 keys are in host memory).
 
         RoPE (llama.cpp's --rope-* and --yarn-* flags, the same meanings; None: the model file's setting):
         rope_scaling "none", "linear" or "yarn"; rope_scale N stretches the trained context N times (or
@@ -142,7 +146,7 @@ class LLM:
         self.config = EngineConfig(
             n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
             kv_l1=kv_l1, kv_l2=kv_l2, kv_select=kv_select, kv_l3_file=None if kv_l3_file is None else str(kv_l3_file),
-            kv_no_l3=no_l3_cache,
+            no_l3_cache=no_l3_cache, kv_scorer=kv_scorer,
         )
         self.rope = RopeConfig(
             rope_scaling=rope_scaling, rope_scale=rope_scale, rope_freq_base=rope_freq_base,
@@ -169,6 +173,9 @@ class LLM:
 
             if self.config.kv_l3_file is not None:
                 raise InvalidArgumentError("kv_l3_file is the CPU backend's L3 ring; on cuda L3 is pinned host memory")
+            if self.config.kv_scorer == "keys":
+                raise InvalidArgumentError("kv_scorer 'keys' runs on the CPU backend: the CUDA tiered cache ranks "
+                                           "blocks by their key summaries ('bound'), its L3 keys being in host memory")
             tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.l2_tokens, "kv_select": self.config.kv_select}
                      if self.config.tiered else None)
             self.backend: Backend = CudaEngine(
@@ -190,6 +197,7 @@ class LLM:
                 kv_l2=self.config.l2_tokens,
                 kv_select=self.config.kv_select,
                 kv_l3_file=self.config.kv_l3_file,
+                kv_scorer=self.config.kv_scorer or "keys",
                 n_seq_max=n_seq_max,
             )
         self.n_seq_max = n_seq_max

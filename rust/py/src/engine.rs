@@ -4,7 +4,7 @@
 use ninfer_core::cpu::forward::SeqTokens;
 use ninfer_core::cpu::profile::Work;
 use ninfer_core::cpu::RowOrder;
-use ninfer_core::kv::{KvCache, KvConfig, TierConfig};
+use ninfer_core::kv::{BlockScorer, KvCache, KvConfig, TierConfig};
 use ninfer_core::model::Model;
 use ninfer_core::quant::GgmlType;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
@@ -34,7 +34,7 @@ impl PyEngine {
     /// in q8_0, older ones in q4_0 in the L3 ring (anonymous memory, or the file kv_l3_file); a decode step reads
     /// kv_select tokens of the older tiers (0: all). The cache types must then be f16.
     #[pyo3(signature = (file, spec, *, threads, n_ctx, n_seq_max=1, block_size=256, k_type=1, v_type=1, kv_l1=0,
-                        kv_l2=0, kv_select=0, kv_l3_file=None))]
+                        kv_l2=0, kv_select=0, kv_l3_file=None, kv_scorer="keys"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -50,7 +50,10 @@ impl PyEngine {
         kv_l2: usize,
         kv_select: usize,
         kv_l3_file: Option<std::path::PathBuf>,
+        kv_scorer: &str,
     ) -> PyResult<Self> {
+        let scorer = BlockScorer::parse(kv_scorer)
+            .ok_or_else(|| PyValueError::new_err(format!("kv_scorer '{kv_scorer}' is not one of keys, bound")))?;
         let spec = spec::extract(spec)?;
         let (k_type, v_type) = (cache_type(k_type)?, cache_type(v_type)?);
         let file = file.inner.clone();
@@ -68,7 +71,7 @@ impl PyEngine {
             };
             let kv = match kv_l1 {
                 0 => KvCache::new(cfg)?,
-                l1 => KvCache::new_tiered(cfg, TierConfig { l1, l2: kv_l2, select: kv_select, l3_file: kv_l3_file })?,
+                l1 => KvCache::new_tiered(cfg, TierConfig { l1, l2: kv_l2, select: kv_select, l3_file: kv_l3_file, scorer })?,
             };
             let model = Model::load(&file, spec, threads)?;
             Ok(PyEngine { model, kv })

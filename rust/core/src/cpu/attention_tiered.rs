@@ -4,9 +4,9 @@
 //! each block from its own precision. Other rows attend per (row, head) in two parts: the old part (the sink block
 //! and the blocks before L1) and the recent part (the blocks holding the newest `l1` positions). Each part is an
 //! online softmax; the two partial results merge by log-sum-exp. At a decode step (a sequence's only row in the
-//! batch) with `select` > 0, the old part is cut to the sink and the best `select` tokens' worth of blocks: each
-//! block's key summary (element-wise min and max per KV head) bounds q·k from above by sum_d max(q_d min_d,
-//! q_d max_d), and the blocks with the highest bound over the KV head's query heads are read (Quest).
+//! batch) with `select` > 0, the old part is cut to the sink and the best `select` tokens' worth of blocks, ranked
+//! per KV head over its query heads by the tier settings' `BlockScorer`: the largest q·k over each block's stored
+//! keys, or Quest's bound from the block's key summary (element-wise min and max: sum_d max(q_d min_d, q_d max_d)).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,8 +15,8 @@ use rayon::prelude::*;
 
 use crate::cpu::attention::{attention_tiled, dot, in_stored_basis, AttnShape, OnlineSoftmax, TILED_MIN_ROWS};
 use crate::cpu::RowOrder;
-use crate::kv::{KvCache, SeqId, Staged};
-use crate::quant::simd::vec_ops;
+use crate::kv::{BlockScorer, KvCache, SeqId, Staged};
+use crate::quant::simd::{tile_kernel, vec_ops, MatmulPos};
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
 
 /// The blocks one (row, KV head) reads: old (sink and chosen older blocks) and recent (L1), each ascending.
@@ -151,20 +151,71 @@ pub fn plan_blocks(
     if !decode || tiers.select == 0 || older.len() <= budget {
         return BlockPlan { old: sink.into_iter().chain(older).collect(), recent };
     }
-    let dk = shape.head_dim;
-    let mut scored: Vec<(f32, usize)> = older
-        .iter()
-        .map(|&b| {
-            let (lo, hi) = kv.key_summary(layer, seq, b);
-            let (lo, hi) = (&lo[g * dk..(g + 1) * dk], &hi[g * dk..(g + 1) * dk]);
-            let bound = qg.chunks_exact(dk).map(|q| box_bound(q, lo, hi)).fold(f32::NEG_INFINITY, f32::max);
-            (bound, b)
-        })
-        .collect();
+    let scores = match tiers.scorer {
+        BlockScorer::Keys => key_scan(kv, layer, seq, &older, qg, g, shape),
+        BlockScorer::Bound => {
+            let dk = shape.head_dim;
+            let bound = |b: usize| {
+                let (lo, hi) = kv.key_summary(layer, seq, b);
+                let (lo, hi) = (&lo[g * dk..(g + 1) * dk], &hi[g * dk..(g + 1) * dk]);
+                qg.chunks_exact(dk).map(|q| box_bound(q, lo, hi)).fold(f32::NEG_INFINITY, f32::max)
+            };
+            older.iter().map(|&b| bound(b)).collect()
+        }
+    };
+    let mut scored: Vec<(f32, usize)> = scores.into_iter().zip(older.iter().copied()).collect();
     scored.select_nth_unstable_by(budget - 1, |a, b| b.0.total_cmp(&a.0));
     let mut chosen: Vec<usize> = scored[..budget].iter().map(|&(_, b)| b).collect();
     chosen.sort_unstable();
     BlockPlan { old: sink.into_iter().chain(chosen).collect(), recent }
+}
+
+/// Each block's score for KV head `g`: the largest q·k over its keys, as stored (q8_0 in L2, q4_0 in L3, plus the
+/// block's K offset), and over the group's query heads `qg` [group][head_dim]. A bound from a block summary (Quest's
+/// element-wise min and max) ranks blocks by how wide their keys spread, not by how well they match, and in real
+/// text picks the wrong ones; the keys themselves cost one int8 product a key and query head.
+fn key_scan(kv: &KvCache, layer: usize, seq: SeqId, blocks: &[usize], qg: &[f32], g: usize, shape: AttnShape) -> Vec<f32> {
+    let dk = shape.head_dim;
+    let group = qg.len() / dk;
+    let acts = |ty: GgmlType| {
+        let row = ty.row_bytes(dk).unwrap_or(0);
+        let mut a = vec![0u8; row * group];
+        for (q, dst) in qg.chunks_exact(dk).zip(a.chunks_exact_mut(row.max(1))) {
+            quantize_act(ty, q, dst);
+        }
+        (a, row)
+    };
+    let (q8, f16) = (acts(GgmlType::Q8_0), acts(GgmlType::F16));
+    let bs = kv.cfg.block_size;
+    blocks
+        .par_iter()
+        .with_min_len(8)
+        .map(|&b| {
+            let view = kv.block_view(layer, seq, b);
+            let (a, a_row) = if view.k_type.act_type() == GgmlType::F16 { &f16 } else { &q8 };
+            let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
+            let keys = &view.k[g * k_head_bytes..];
+            let mut dots = vec![0.0f32; bs * group];
+            match tile_kernel(view.k_type, MatmulPos { w_rows: 1, act_rows: 1, act_row: 0 }) {
+                Some(t) => t.run(dk, keys, view.k_row_bytes, bs, a, *a_row, group, &mut dots),
+                None => {
+                    for (r, d) in dots.chunks_exact_mut(group).enumerate() {
+                        let k = &keys[r * view.k_row_bytes..][..k_head_bytes];
+                        for (h, x) in d.iter_mut().enumerate() {
+                            *x = vec_dot(view.k_type, dk, k, &a[h * a_row..][..*a_row]);
+                        }
+                    }
+                }
+            }
+            let offset: Vec<f32> = match view.k_offset {
+                Some(o) => qg.chunks_exact(dk).map(|q| dot(q, &o[g * dk..(g + 1) * dk])).collect(),
+                None => vec![0.0; group],
+            };
+            dots.chunks_exact(group)
+                .flat_map(|d| d.iter().zip(&offset).map(|(x, o)| x + o))
+                .fold(f32::NEG_INFINITY, f32::max)
+        })
+        .collect()
 }
 
 /// Quest's bound on q·k over keys k with lo <= k <= hi element-wise: sum_d max(q_d lo_d, q_d hi_d), summed in

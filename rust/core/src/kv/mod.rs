@@ -22,4 +22,4 @@ pub mod tiers;
 pub use blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
 pub use cache::{BlockView, KvCache, KvConfig};
 pub use prefetch::{PrefetchStats, Staged};
-pub use tier_config::{KvMemory, TierConfig, TierUse};
+pub use tier_config::{BlockScorer, KvMemory, TierConfig, TierUse};

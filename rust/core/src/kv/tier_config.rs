@@ -18,6 +18,30 @@ pub struct TierConfig {
     pub select: usize,
     /// The L3 ring's file; None: anonymous memory.
     pub l3_file: Option<PathBuf>,
+    /// How selection ranks the older blocks.
+    pub scorer: BlockScorer,
+}
+
+/// How a decode step with selection ranks the older blocks for a KV head.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BlockScorer {
+    /// The largest q·k over the block's stored keys (one int8 product a key and query head; reads every older key,
+    /// so an L3 ring in a file is read half through each step).
+    #[default]
+    Keys,
+    /// Quest's upper bound on q·k from the block's element-wise key minimum and maximum (reads only those: cheap,
+    /// but in real text it ranks blocks by how widely their keys spread more than by how well they match).
+    Bound,
+}
+
+impl BlockScorer {
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "keys" => Some(BlockScorer::Keys),
+            "bound" => Some(BlockScorer::Bound),
+            _ => None,
+        }
+    }
 }
 
 pub struct Tiers {

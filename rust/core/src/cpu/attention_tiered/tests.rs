@@ -1,5 +1,5 @@
 use super::*;
-use crate::kv::{rotation, KvConfig, TierConfig};
+use crate::kv::{rotation, BlockScorer, KvConfig, TierConfig};
 
 const HD: usize = 64;
 const N_HEAD: usize = 4;
@@ -10,11 +10,15 @@ fn shape() -> AttnShape {
 }
 
 fn tiered(select: usize) -> KvCache {
+    tiered_by(select, BlockScorer::Keys)
+}
+
+fn tiered_by(select: usize, scorer: BlockScorer) -> KvCache {
     let cfg = KvConfig {
         n_layer: 1, n_head_kv: N_HEAD_KV, head_dim_k: HD, head_dim_v: HD, k_type: GgmlType::F16,
         v_type: GgmlType::F16, block_size: 16, n_ctx: 512, max_blocks: 64,
     };
-    KvCache::new_tiered(cfg, TierConfig { l1: 32, l2: 32, select, l3_file: None }).unwrap()
+    KvCache::new_tiered(cfg, TierConfig { l1: 32, l2: 32, select, l3_file: None, scorer }).unwrap()
 }
 
 /// Keys with a common component and an outlier channel.
@@ -149,6 +153,37 @@ fn selection_finds_the_planted_key() {
     attention(&a, 0, &[(0, 229)], &q, shape(), RowOrder::Batch, &mut oa);
     attention(&b, 0, &[(0, 229)], &q, shape(), RowOrder::Batch, &mut ob);
     assert_eq!(oa, ob);
+}
+
+/// The key scorer reads the block holding the one key that matches the query; Quest's bound reads the block whose
+/// keys spread widest though none of them matches (its failure in real text, where blocks differ in spread).
+#[test]
+fn the_key_scorer_reads_the_matching_block_where_the_bound_reads_the_widest() {
+    let q = crate::test_rng::uniform_floats(11, N_HEAD * HD, 1.0);
+    for (scorer, want) in [(BlockScorer::Keys, 2usize), (BlockScorer::Bound, 4)] {
+        let mut kv = tiered_by(16, scorer);
+        for p in 0..200usize {
+            let mut k = crate::test_rng::uniform_floats(p as u64, N_HEAD_KV * HD, 0.1);
+            if p / 16 == 2 && p % 16 == 5 {
+                for g in 0..N_HEAD_KV {  // along the KV head's first query head, twice its length
+                    k[g * HD..(g + 1) * HD].iter_mut().zip(&q[g * 2 * HD..]).for_each(|(x, &y)| *x = 2.0 * y);
+                }
+            }
+            if p / 16 == 4 {
+                k = crate::test_rng::uniform_floats(1 << 30 | p as u64, N_HEAD_KV * HD, 3.0);
+            }
+            let v = crate::test_rng::uniform_floats(1 << 20 | p as u64, N_HEAD_KV * HD, 1.0);
+            kv.extend(0, 1).unwrap();
+            kv.write(0, 0, p, &k, &v).unwrap();
+            kv.settle(0).unwrap();
+        }
+        let mut rq = q.clone();
+        rotation::rotate(&mut rq, HD);
+        for g in 0..N_HEAD_KV {
+            let plan = plan_blocks(&kv, 0, (0, 199), &rq[g * 2 * HD..(g + 1) * 2 * HD], g, shape(), true);
+            assert_eq!(plan.old, vec![0, want], "{scorer:?}, KV head {g}");
+        }
+    }
 }
 
 /// The L3 blocks a decode step chose are staged by the prefetch thread for the next: the same query again finds

@@ -48,7 +48,7 @@ fn read_key(kv: &KvCache, layer: usize, seq: SeqId, pos: usize) -> Vec<f32> {
 fn blocks_move_down_the_tiers_once_as_a_sequence_grows() {
     for file in [false, true] {
         let path = std::env::temp_dir().join(format!("ninfer-tiers-test-{}", std::process::id()));
-        let tiers = TierConfig { l1: 32, l2: 32, select: 0, l3_file: file.then(|| path.clone()) };
+        let tiers = TierConfig { l1: 32, l2: 32, select: 0, l3_file: file.then(|| path.clone()), ..Default::default() };
         let mut kv = KvCache::new_tiered(config(16, 256), tiers).unwrap();
         grow(&mut kv, 3, 150);
         // Blocks of 16: 0 sink, 1..=4 L3 (ends at 80 <= 150 - 64), 5..=6 L2, 7..=9 L1 (the last partial).
