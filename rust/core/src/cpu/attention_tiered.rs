@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::cpu::attention::{attention_tiled, dot, in_stored_basis, AttnShape, OnlineSoftmax, TILED_MIN_ROWS};
+use crate::cpu::attention::{attention_tiled, in_stored_basis, AttnShape, OnlineSoftmax, TILED_MIN_ROWS};
 use crate::cpu::RowOrder;
 use crate::kv::{BlockScorer, KvCache, SeqId, Staged};
 use crate::quant::simd::{tile_kernel, vec_ops, MatmulPos};
@@ -77,18 +77,32 @@ fn attention_stored(
         blocks.dedup();
         staged.extend(kv.stage_l3(layer, *seq, blocks).into_iter().map(|(b, s)| ((*seq, b), s)));
     }
-    out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
-        let (t, h) = (i / n_head, i % n_head);
-        let (seq, pos) = rows[t];
-        let qh = &q[(t * n_head + h) * dk..][..dk];
-        let plan = &plans[t * n_head_kv + h / group];
-        let lo = shape.first_key(pos);
-        let parts = Parts { kv, layer, seq, lo, pos, staged: &staged };
-        let (m_old, s_old) = parts.attend(&plan.old, qh, h / group, shape, o);
-        let mut recent = vec![0.0f32; dv];
-        let (m_new, s_new) = parts.attend(&plan.recent, qh, h / group, shape, &mut recent);
-        merge_partials(o, (m_old, s_old), &recent, (m_new, s_new));
-    });
+    // A KV head's blocks in runs, each attended by the group's query heads together (its keys and values read
+    // once for all of them), then the runs' partial results merged by log-sum-exp.
+    let runs: Vec<(usize, usize, &[usize])> = plans
+        .iter()
+        .enumerate()
+        .flat_map(|(i, plan)| {
+            let (t, g) = (i / n_head_kv, i % n_head_kv);
+            plan.old.chunks(RUN_BLOCKS).chain(plan.recent.chunks(RUN_BLOCKS)).map(move |c| (t, g, c))
+        })
+        .collect();
+    let partials: Vec<GroupPartial> = runs
+        .par_iter()
+        .map(|&(t, g, blocks)| {
+            let (seq, pos) = rows[t];
+            let qg = &q[(t * n_head + g * group) * dk..][..group * dk];
+            attend_group(kv, layer, seq, blocks, (shape.first_key(pos), pos), qg, g, shape, &staged)
+        })
+        .collect();
+    let mut merged: Vec<GroupPartial> = (0..plans.len()).map(|_| GroupPartial::new(group, dv)).collect();
+    for (&(t, g, _), p) in runs.iter().zip(&partials) {
+        merged[t * n_head_kv + g].merge(p);
+    }
+    for (i, m) in merged.iter().enumerate() {
+        let (t, g) = (i / n_head_kv, i % n_head_kv);
+        m.write(&mut out[(t * n_head + g * group) * dv..][..group * dv]);
+    }
     // This step's choice is the next step's guess (with selection; all of L3 otherwise, which is not prefetched).
     if kv.tier_config().is_some_and(|t| t.select > 0) {
         for (seq, blocks) in &l3 {
@@ -97,34 +111,45 @@ fn attention_stored(
     }
 }
 
-/// What one (row, head) reads from: the cache, and the L3 blocks already dequantized.
-struct Parts<'a> {
-    kv: &'a KvCache,
-    layer: usize,
-    seq: SeqId,
-    lo: usize,
-    pos: usize,
-    staged: &'a HashMap<(SeqId, usize), Arc<Staged>>,
+/// Blocks a run of one KV head's attention takes (a unit of parallel work at a decode step).
+const RUN_BLOCKS: usize = 8;
+
+/// A group of query heads' online softmax over some keys: running max, sum of exp(score - max) and the unnormalised
+/// output, per head.
+struct GroupPartial {
+    m: Vec<f32>,
+    s: Vec<f32>,
+    acc: Vec<f32>,
 }
 
-impl Parts<'_> {
-    fn attend(&self, blocks: &[usize], q: &[f32], g: usize, shape: AttnShape, out: &mut [f32]) -> (f32, f32) {
-        attend_blocks(self.kv, self.layer, self.seq, blocks, self.lo, self.pos, q, g, shape, self.staged, out)
+impl GroupPartial {
+    fn new(group: usize, dv: usize) -> Self {
+        GroupPartial { m: vec![f32::NEG_INFINITY; group], s: vec![0.0; group], acc: vec![0.0; group * dv] }
     }
-}
 
-/// o <- the normalised softmax result of two unnormalised partial results (max, sum) over disjoint keys.
-fn merge_partials(o: &mut [f32], (ma, sa): (f32, f32), b: &[f32], (mb, sb): (f32, f32)) {
-    let m = ma.max(mb);
-    if m == f32::NEG_INFINITY {
-        o.fill(0.0);
-        return;
+    /// Adds another partial result over disjoint keys.
+    fn merge(&mut self, o: &GroupPartial) {
+        let dv = self.acc.len() / self.m.len();
+        for h in 0..self.m.len() {
+            let m = self.m[h].max(o.m[h]);
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            let (wa, wb) = ((self.m[h] - m).exp(), (o.m[h] - m).exp());
+            self.s[h] = self.s[h] * wa + o.s[h] * wb;
+            let (a, b) = (&mut self.acc[h * dv..(h + 1) * dv], &o.acc[h * dv..(h + 1) * dv]);
+            a.iter_mut().zip(b).for_each(|(x, &y)| *x = *x * wa + y * wb);
+            self.m[h] = m;
+        }
     }
-    let (wa, wb) = ((ma - m).exp(), (mb - m).exp());
-    let s = sa * wa + sb * wb;
-    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-    for (x, &y) in o.iter_mut().zip(b) {
-        *x = (*x * wa + y * wb) * inv;
+
+    /// The normalised outputs [group][dv] (zeros for a head that saw no key).
+    fn write(&self, out: &mut [f32]) {
+        let dv = self.acc.len() / self.m.len();
+        for (h, o) in out.chunks_exact_mut(dv).enumerate() {
+            let inv = if self.s[h] > 0.0 { 1.0 / self.s[h] } else { 0.0 };
+            o.iter_mut().zip(&self.acc[h * dv..]).for_each(|(x, &y)| *x = y * inv);
+        }
     }
 }
 
@@ -177,15 +202,7 @@ pub fn plan_blocks(
 fn key_scan(kv: &KvCache, layer: usize, seq: SeqId, blocks: &[usize], qg: &[f32], g: usize, shape: AttnShape) -> Vec<f32> {
     let dk = shape.head_dim;
     let group = qg.len() / dk;
-    let acts = |ty: GgmlType| {
-        let row = ty.row_bytes(dk).unwrap_or(0);
-        let mut a = vec![0u8; row * group];
-        for (q, dst) in qg.chunks_exact(dk).zip(a.chunks_exact_mut(row.max(1))) {
-            quantize_act(ty, q, dst);
-        }
-        (a, row)
-    };
-    let (q8, f16) = (acts(GgmlType::Q8_0), acts(GgmlType::F16));
+    let (q8, f16) = (group_acts(qg, dk, GgmlType::Q8_0), group_acts(qg, dk, GgmlType::F16));
     let bs = kv.cfg.block_size;
     blocks
         .par_iter()
@@ -194,28 +211,34 @@ fn key_scan(kv: &KvCache, layer: usize, seq: SeqId, blocks: &[usize], qg: &[f32]
             let view = kv.block_view(layer, seq, b);
             let (a, a_row) = if view.k_type.act_type() == GgmlType::F16 { &f16 } else { &q8 };
             let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
-            let keys = &view.k[g * k_head_bytes..];
             let mut dots = vec![0.0f32; bs * group];
-            match tile_kernel(view.k_type, MatmulPos { w_rows: 1, act_rows: 1, act_row: 0 }) {
-                Some(t) => t.run(dk, keys, view.k_row_bytes, bs, a, *a_row, group, &mut dots),
-                None => {
-                    for (r, d) in dots.chunks_exact_mut(group).enumerate() {
-                        let k = &keys[r * view.k_row_bytes..][..k_head_bytes];
-                        for (h, x) in d.iter_mut().enumerate() {
-                            *x = vec_dot(view.k_type, dk, k, &a[h * a_row..][..*a_row]);
-                        }
-                    }
-                }
-            }
+            group_dots(view.k_type, dk, &view.k[g * k_head_bytes..], view.k_row_bytes, bs, a, *a_row, group, &mut dots);
             let offset: Vec<f32> = match view.k_offset {
-                Some(o) => qg.chunks_exact(dk).map(|q| dot(q, &o[g * dk..(g + 1) * dk])).collect(),
+                Some(o) => qg.chunks_exact(dk).map(|q| dot_lanes(q, &o[g * dk..(g + 1) * dk])).collect(),
                 None => vec![0.0; group],
             };
-            dots.chunks_exact(group)
-                .flat_map(|d| d.iter().zip(&offset).map(|(x, o)| x + o))
-                .fold(f32::NEG_INFINITY, f32::max)
+            let mut best = vec![f32::NEG_INFINITY; group];
+            for d in dots.chunks_exact(group) {
+                best.iter_mut().zip(d).for_each(|(m, &x)| *m = m.max(x));
+            }
+            best.iter().zip(&offset).map(|(m, o)| m + o).fold(f32::NEG_INFINITY, f32::max)
         })
         .collect()
+}
+
+/// q·x in f32, summed in LANES running sums (independent lanes the compiler keeps in vector registers, as in
+/// `box_bound`): an L3 block's dequantized keys against each query head of the group.
+fn dot_lanes(q: &[f32], x: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let (qc, xc) = (q.chunks_exact(LANES), x.chunks_exact(LANES));
+    let tail: f32 = qc.remainder().iter().zip(xc.remainder()).map(|(a, b)| a * b).sum();
+    for (a, b) in qc.zip(xc) {
+        for i in 0..LANES {
+            acc[i] += a[i] * b[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// Quest's bound on q·k over keys k with lo <= k <= hi element-wise: sum_d max(q_d lo_d, q_d hi_d), summed in
@@ -235,68 +258,104 @@ fn box_bound(q: &[f32], lo: &[f32], hi: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// Online softmax of q (KV head `g`) over the keys of `blocks` (block indices of `seq`) at positions in lo..=pos,
-/// each block read in its own precision, into `out`, not yet divided by the returned sum.
-/// Returns (running max, sum of exp(score - max)); (-inf, 0) for no keys.
+/// The query heads `qg` [group][head_dim] of KV head `g` over the keys of `blocks` (block indices of `seq`) at
+/// positions in lo..=pos, each block read in its own precision and once for the whole group: an int8 (or f16)
+/// tile of products a block, one dequantized value row a key.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_blocks(
+fn attend_group(
     kv: &KvCache,
     layer: usize,
     seq: SeqId,
     blocks: &[usize],
-    lo: usize,
-    pos: usize,
-    q: &[f32],
+    (lo, pos): (usize, usize),
+    qg: &[f32],
     g: usize,
     shape: AttnShape,
     staged: &HashMap<(SeqId, usize), Arc<Staged>>,
-    out: &mut [f32],
-) -> (f32, f32) {
+) -> GroupPartial {
     let ops = vec_ops();
     let (dk, dv) = (shape.head_dim, shape.head_dim_v);
-    // q in each dot format the tiers use: f16 (L1) and q8_0 (the quantized tiers).
-    let mut q_f16 = vec![0u8; GgmlType::F16.row_bytes(dk).unwrap_or(0)];
-    let mut q_q8 = vec![0u8; GgmlType::Q8_0.row_bytes(dk).unwrap_or(0)];
-    quantize_act(GgmlType::F16, q, &mut q_f16);
-    quantize_act(GgmlType::Q8_0, q, &mut q_q8);
-    let mut v_buf = vec![0.0f32; dv];
-    out.fill(0.0);
-    let mut softmax = OnlineSoftmax::new();
+    let group = qg.len() / dk;
+    let (q8, f16) = (group_acts(qg, dk, GgmlType::Q8_0), group_acts(qg, dk, GgmlType::F16));
+    let mut part = GroupPartial::new(group, dv);
+    let mut softmax: Vec<OnlineSoftmax> = (0..group).map(|_| OnlineSoftmax::new()).collect();
     let bs = kv.cfg.block_size;
-    let (kd, vd) = (shape.n_head_kv * dk, shape.n_head_kv * dv);
-    let mut add = |score: f32, v: &[f32], out: &mut [f32]| {
-        let (ms, vs) = softmax.step(score);
-        if ms != 1.0 {
-            (ops.scale)(out, ms);
+    let vd = shape.n_head_kv * dv;
+    let mut dots = vec![0.0f32; bs * group];
+    let mut v_buf = vec![0.0f32; dv];
+    let mut add = |scores: &mut dyn Iterator<Item = f32>, v: &[f32], acc: &mut [f32]| {
+        for ((sm, score), a) in softmax.iter_mut().zip(scores).zip(acc.chunks_exact_mut(dv)) {
+            let (ms, vs) = sm.step(score);
+            if ms != 1.0 {
+                (ops.scale)(a, ms);
+            }
+            (ops.axpy)(a, v, vs);
         }
-        (ops.axpy)(out, v, vs);
     };
     for &b in blocks {
-        let view = kv.block_view(layer, seq, b);
-        if let Some(st) = staged.get(&(seq, b)) {
-            // An L3 block, dequantized: f32 dot products.
-            let k_offset = view.k_offset.map_or(0.0, |o| dot(q, &o[g * dk..(g + 1) * dk]));
-            for p in (b * bs).max(lo)..=((b + 1) * bs - 1).min(pos) {
-                let slot = p - b * bs;
-                let score = (dot(q, &st.k[slot * kd + g * dk..][..dk]) + k_offset) * shape.scale;
-                add(score, &st.v[slot * vd + g * dv..][..dv], out);
-            }
+        let (first, last) = ((b * bs).max(lo), ((b + 1) * bs - 1).min(pos));
+        if first > last {
             continue;
         }
-        let q_act = if view.k_type.act_type() == GgmlType::F16 { &q_f16 } else { &q_q8 };
+        let view = kv.block_view(layer, seq, b);
+        let offset: Vec<f32> = match view.k_offset {
+            Some(o) => qg.chunks_exact(dk).map(|q| dot_lanes(q, &o[g * dk..(g + 1) * dk])).collect(),
+            None => vec![0.0; group],
+        };
+        let (a, a_row) = if view.k_type.act_type() == GgmlType::F16 { &f16 } else { &q8 };
         let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
         let v_head_bytes = view.v_type.row_bytes(dv).unwrap_or(0);
-        let k_offset = view.k_offset.map_or(0.0, |o| dot(q, &o[g * dk..(g + 1) * dk]));
-        for p in (b * bs).max(lo)..=((b + 1) * bs - 1).min(pos) {
-            let slot = p - b * bs;
-            let k = &view.k[slot * view.k_row_bytes + g * k_head_bytes..][..k_head_bytes];
-            let score = (vec_dot(view.k_type, dk, k, q_act) + k_offset) * shape.scale;
-            let v = &view.v[slot * view.v_row_bytes + g * v_head_bytes..][..v_head_bytes];
-            let _ = dequantize_row(view.v_type, v, &mut v_buf);
-            add(score, &v_buf, out);
+        let (s0, n) = (first - b * bs, last - first + 1);
+        group_dots(view.k_type, dk, &view.k[s0 * view.k_row_bytes + g * k_head_bytes..], view.k_row_bytes, n, a, *a_row,
+                   group, &mut dots[..n * group]);
+        // An L3 block's values come dequantized from the prefetch thread's buffer (or stage_l3 now).
+        let st = staged.get(&(seq, b));
+        for (r, d) in dots[..n * group].chunks_exact(group).enumerate() {
+            let v = match st {
+                Some(st) => &st.v[(s0 + r) * vd + g * dv..][..dv],
+                None => {
+                    let v = &view.v[(s0 + r) * view.v_row_bytes + g * v_head_bytes..][..v_head_bytes];
+                    let _ = dequantize_row(view.v_type, v, &mut v_buf);
+                    &v_buf[..]
+                }
+            };
+            let mut scores = d.iter().zip(&offset).map(|(x, o)| (x + o) * shape.scale);
+            add(&mut scores, v, &mut part.acc);
         }
     }
-    (softmax.m, softmax.s)
+    for (h, sm) in softmax.iter().enumerate() {
+        (part.m[h], part.s[h]) = (sm.m, sm.s);
+    }
+    part
+}
+
+/// The group's query heads [group][dk] in the dot format `ty` (one row each) and the row's bytes.
+fn group_acts(qg: &[f32], dk: usize, ty: GgmlType) -> (Vec<u8>, usize) {
+    let row = ty.row_bytes(dk).unwrap_or(0);
+    let mut a = vec![0u8; row * qg.len() / dk];
+    for (q, dst) in qg.chunks_exact(dk).zip(a.chunks_exact_mut(row.max(1))) {
+        quantize_act(ty, q, dst);
+    }
+    (a, row)
+}
+
+/// out[r * group + h] = key row r (of `n`, `stride` bytes apart, type `ty`) · query act row h: the tile kernel
+/// where this CPU has one, else one product at a time.
+#[allow(clippy::too_many_arguments)]
+fn group_dots(ty: GgmlType, dk: usize, keys: &[u8], stride: usize, n: usize, acts: &[u8], act_row: usize, group: usize,
+              out: &mut [f32]) {
+    match tile_kernel(ty, MatmulPos { w_rows: 1, act_rows: 1, act_row: 0 }) {
+        Some(t) => t.run(dk, keys, stride, n, acts, act_row, group, out),
+        None => {
+            let k_bytes = ty.row_bytes(dk).unwrap_or(0);
+            for (r, d) in out.chunks_exact_mut(group).enumerate() {
+                let k = &keys[r * stride..][..k_bytes];
+                for (h, x) in d.iter_mut().enumerate() {
+                    *x = vec_dot(ty, dk, k, &acts[h * act_row..][..act_row]);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

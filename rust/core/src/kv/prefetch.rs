@@ -1,7 +1,7 @@
-//! The prefetch thread of a tiered KV cache: it dequantizes the L3 blocks a decode step chose, so that the next
-//! step, which mostly chooses the same blocks (Quest's selections change slowly from token to token), finds them
-//! ready in a hot buffer instead of reading 4-bit rows from the ring (and, with `--kv-l3-file`, faulting pages in)
-//! on its critical path.
+//! The prefetch thread of a tiered KV cache: it dequantizes the values of the L3 blocks a decode step chose, so that
+//! the next step, which mostly chooses the same blocks (selections change slowly from token to token), finds them
+//! ready in a hot buffer instead of widening 4-bit rows from the ring (and, with `--kv-l3-file`, faulting pages in)
+//! on its critical path. Keys stay 4-bit: attention multiplies them as stored (int8 products), as selection does.
 //!
 //! Protocol: attention takes each L3 block it reads from here (`take`: a hit when staged, a stall when queued
 //! and not yet done, a miss otherwise, when the caller dequantizes it itself the same way), then asks for the
@@ -17,20 +17,19 @@ use std::thread::JoinHandle;
 
 use crate::quant::{dequantize_row, GgmlType};
 
-/// One layer of one L3 block, dequantized (stored basis, offset not added): k [block_size * kd], v [block_size * vd].
+/// The values of one layer of one L3 block, dequantized (stored basis): v [block_size * vd].
 pub struct Staged {
-    pub k: Vec<f32>,
     pub v: Vec<f32>,
 }
 
 impl Staged {
-    /// Dequantize `block_size` K and V rows of `k_type`/`v_type` (row widths kd, vd) from one layer of a slot.
-    pub fn dequantize(k: &[u8], v: &[u8], k_type: GgmlType, v_type: GgmlType, kd: usize, vd: usize) -> Staged {
-        let (n, k_rb, v_rb) = (k.len() / k_type.row_bytes(kd).unwrap_or(1), k_type.row_bytes(kd).unwrap_or(1), v_type.row_bytes(vd).unwrap_or(1));
-        let mut s = Staged { k: vec![0.0; n * kd], v: vec![0.0; n * vd] };
+    /// Dequantize the V rows of `v_type` (row width vd) of one layer of a slot.
+    pub fn dequantize(v: &[u8], v_type: GgmlType, vd: usize) -> Staged {
+        let v_rb = v_type.row_bytes(vd).unwrap_or(1);
+        let n = v.len() / v_rb;
+        let mut s = Staged { v: vec![0.0; n * vd] };
         for i in 0..n {
             // Sizes were validated when the cache was built.
-            let _ = dequantize_row(k_type, &k[i * k_rb..(i + 1) * k_rb], &mut s.k[i * kd..(i + 1) * kd]);
             let _ = dequantize_row(v_type, &v[i * v_rb..(i + 1) * v_rb], &mut s.v[i * vd..(i + 1) * vd]);
         }
         s
@@ -51,7 +50,6 @@ pub struct PrefetchStats {
 pub struct Job {
     pub block: u32,
     pub layer: usize,
-    pub k: (*const u8, usize),
     pub v: (*const u8, usize),
 }
 
@@ -77,8 +75,8 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
-    /// A thread staging blocks of `k_type`/`v_type` rows of widths kd/vd.
-    pub fn new(k_type: GgmlType, v_type: GgmlType, kd: usize, vd: usize) -> Prefetcher {
+    /// A thread staging blocks' V rows of `v_type` and width vd.
+    pub fn new(v_type: GgmlType, vd: usize) -> Prefetcher {
         let shared = Arc::new(Shared {
             state: Mutex::new(State { ready: HashMap::new(), queued: HashSet::new(), stats: PrefetchStats::default() }),
             changed: Condvar::new(),
@@ -91,10 +89,8 @@ impl Prefetcher {
                 for batch in rx {
                     for job in batch {
                         // SAFETY: see `Job`.
-                        let (k, v) = unsafe {
-                            (std::slice::from_raw_parts(job.k.0, job.k.1), std::slice::from_raw_parts(job.v.0, job.v.1))
-                        };
-                        let staged = Arc::new(Staged::dequantize(k, v, k_type, v_type, kd, vd));
+                        let v = unsafe { std::slice::from_raw_parts(job.v.0, job.v.1) };
+                        let staged = Arc::new(Staged::dequantize(v, v_type, vd));
                         let mut st = s.state.lock().unwrap_or_else(|e| e.into_inner());
                         if st.queued.remove(&(job.block, job.layer)) {
                             st.ready.insert((job.block, job.layer), staged);

@@ -45,8 +45,8 @@ impl KvCache {
         let q4 = |hd: usize| GgmlType::Q4_0.row_bytes(cfg.n_head_kv * hd);
         let slot = cfg.n_layer * cfg.block_size * (q4(cfg.head_dim_k)? + q4(cfg.head_dim_v)?);
         let ring = Ring::new(slot, cfg.max_blocks, tiers.l3_file.as_deref())?;
-        let (kd, vd) = (cfg.n_head_kv * cfg.head_dim_k, cfg.n_head_kv * cfg.head_dim_v);
-        let prefetch = (tiers.select > 0).then(|| Prefetcher::new(GgmlType::Q4_0, GgmlType::Q4_0, kd, vd));
+        let vd = cfg.n_head_kv * cfg.head_dim_v;
+        let prefetch = (tiers.select > 0).then(|| Prefetcher::new(GgmlType::Q4_0, vd));
         kv.tiers = Some(Tiers { cfg: tiers, prefetch, ring });
         Ok(kv)
     }
@@ -179,7 +179,7 @@ impl KvCache {
     /// `layer` of the L3 blocks `blocks` (block indices of `seq`), dequantized: from the prefetch thread's hot
     /// buffer where it staged them, else dequantized now, the same way.
     pub fn stage_l3(&self, layer: usize, seq: SeqId, blocks: &[usize]) -> Vec<(usize, Arc<Staged>)> {
-        let (kd, vd) = (self.cfg.n_head_kv * self.cfg.head_dim_k, self.cfg.n_head_kv * self.cfg.head_dim_v);
+        let vd = self.cfg.n_head_kv * self.cfg.head_dim_v;
         let prefetch = self.tiers.as_ref().and_then(|t| t.prefetch.as_ref());
         blocks
             .iter()
@@ -187,7 +187,7 @@ impl KvCache {
                 let b = self.books.table(seq)[i];
                 let staged = prefetch.and_then(|p| p.take(b, layer)).unwrap_or_else(|| {
                     let v = self.view(b as usize, layer);
-                    Arc::new(Staged::dequantize(v.k, v.v, v.k_type, v.v_type, kd, vd))
+                    Arc::new(Staged::dequantize(v.v, v.v_type, vd))
                 });
                 (i, staged)
             })
@@ -202,7 +202,7 @@ impl KvCache {
             .map(|&i| {
                 let b = self.books.table(seq)[i];
                 let v = self.view(b as usize, layer);
-                Job { block: b, layer, k: (v.k.as_ptr(), v.k.len()), v: (v.v.as_ptr(), v.v.len()) }
+                Job { block: b, layer, v: (v.v.as_ptr(), v.v.len()) }
             })
             .collect();
         p.request(layer, jobs);
