@@ -64,8 +64,8 @@ fn attention_stored(
             plan_blocks(kv, layer, rows[t], qg, g, shape, decode)
         })
         .collect();
-    // The L3 blocks each sequence reads, dequantized once for all its rows and heads (staged by the prefetch
-    // thread when it guessed them at the last step).
+    // The values of the L3 blocks each sequence reads, dequantized once for all its rows and heads (staged by the
+    // prefetch thread when it guessed them at the last step); their keys are multiplied as stored.
     let mut l3: HashMap<SeqId, Vec<usize>> = HashMap::new();
     for (i, plan) in plans.iter().enumerate() {
         let seq = rows[i / n_head_kv].0;
