@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 
 from ninfer.chat import read_chat_template
-from ninfer.config import CACHE_TYPES, ROPE_SCALING_TYPES, EngineConfig
+from ninfer.config import CACHE_TYPES, KV_SCORERS, ROPE_SCALING_TYPES, EngineConfig
 from ninfer.errors import NinferError, read_text_file, shown
 
 EXIT_USAGE = 2
@@ -79,7 +79,7 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
                         "--kv-scorer ranks highest (default 0: all of them)")
     g.add_argument("--kv-l3-file", default=None, metavar="PATH",
                    help="keep the L3 ring in this file (created or truncated) instead of anonymous memory")
-    g.add_argument("--kv-scorer", choices=["keys", "bound"], default=None,
+    g.add_argument("--kv-scorer", choices=KV_SCORERS, default=None,
                    help="how --kv-select ranks the older blocks: keys, the largest q·k over each block's stored keys "
                         "(the CPU's default), or bound, Quest's bound from each block's key minimum and maximum "
                         "(cheaper, less accurate in real text; the only one on cuda)")
@@ -91,7 +91,8 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_tier_kwargs(args: argparse.Namespace) -> dict:
-    """LLM's kv_l1, kv_l2, kv_select, kv_l3_file and host_mem_budget arguments from the flags above."""
+    """LLM's kv_l1, kv_l2, kv_select, kv_l3_file, no_l3_cache, kv_scorer and host_mem_budget arguments from the
+    flags above."""
     return {"kv_l1": args.kv_l1, "kv_l2": args.kv_l2, "kv_select": args.kv_select, "kv_l3_file": args.kv_l3_file,
             "no_l3_cache": args.no_l3_cache, "kv_scorer": args.kv_scorer, "host_mem_budget": args.host_mem_budget}
 

@@ -1,10 +1,11 @@
 //! Attention over a tiered KV cache (`kv::tiers`): blocks of mixed precision (f16, q8_0, q4_0 in the L3 ring).
 //!
 //! Batches of at least `TILED_MIN_ROWS` rows (prefill) attend to every block through the tiled path, which widens
-//! each block from its own precision. Other rows attend per (row, head) in two parts: the old part (the sink block
-//! and the blocks before L1) and the recent part (the blocks holding the newest `l1` positions). Each part is an
-//! online softmax; the two partial results merge by log-sum-exp. At a decode step (a sequence's only row in the
-//! batch) with `select` > 0, the old part is cut to the sink and the best `select` tokens' worth of blocks, ranked
+//! each block from its own precision. Other rows attend per (row, KV head) over two parts: the old part (the sink
+//! block and the blocks before L1) and the recent part (the blocks holding the newest `l1` positions), in runs of
+//! blocks each read once for the group's query heads; the runs' online softmaxes merge by log-sum-exp. At a decode
+//! step (a sequence's only row in the batch) with `select` > 0, the old part is cut to the sink and the best
+//! `select` tokens' worth of blocks, ranked
 //! per KV head over its query heads by the tier settings' `BlockScorer`: the largest q·k over each block's stored
 //! keys, or Quest's bound from the block's key summary (element-wise min and max: sum_d max(q_d min_d, q_d max_d)).
 
@@ -202,32 +203,39 @@ pub fn plan_blocks(
 fn key_scan(kv: &KvCache, layer: usize, seq: SeqId, blocks: &[usize], qg: &[f32], g: usize, shape: AttnShape) -> Vec<f32> {
     let dk = shape.head_dim;
     let group = qg.len() / dk;
-    let (q8, f16) = (group_acts(qg, dk, GgmlType::Q8_0), group_acts(qg, dk, GgmlType::F16));
+    let acts = GroupActs::new(qg, dk);
     let bs = kv.cfg.block_size;
     blocks
         .par_iter()
         .with_min_len(8)
-        .map(|&b| {
-            let view = kv.block_view(layer, seq, b);
-            let (a, a_row) = if view.k_type.act_type() == GgmlType::F16 { &f16 } else { &q8 };
-            let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
-            let mut dots = vec![0.0f32; bs * group];
-            group_dots(view.k_type, dk, &view.k[g * k_head_bytes..], view.k_row_bytes, bs, a, *a_row, group, &mut dots);
-            let offset: Vec<f32> = match view.k_offset {
-                Some(o) => qg.chunks_exact(dk).map(|q| dot_lanes(q, &o[g * dk..(g + 1) * dk])).collect(),
-                None => vec![0.0; group],
-            };
-            let mut best = vec![f32::NEG_INFINITY; group];
-            for d in dots.chunks_exact(group) {
-                best.iter_mut().zip(d).for_each(|(m, &x)| *m = m.max(x));
-            }
-            best.iter().zip(&offset).map(|(m, o)| m + o).fold(f32::NEG_INFINITY, f32::max)
-        })
+        .map_init(
+            || (vec![0.0f32; bs * group], vec![0.0f32; group]),
+            |(dots, best), &b| {
+                let view = kv.block_view(layer, seq, b);
+                let (a, a_row) = acts.for_keys(view.k_type);
+                let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
+                group_dots(view.k_type, dk, &view.k[g * k_head_bytes..], view.k_row_bytes, bs, a, a_row, group, dots);
+                best.fill(f32::NEG_INFINITY);
+                for d in dots.chunks_exact(group) {
+                    best.iter_mut().zip(d).for_each(|(m, &x)| *m = m.max(x));
+                }
+                let offset = offset_dots(view.k_offset, qg, g, dk);
+                best.iter().zip(&offset).map(|(m, o)| m + o).fold(f32::NEG_INFINITY, f32::max)
+            },
+        )
         .collect()
 }
 
+/// Each query head of `qg` [group][dk] dotted with KV head `g`'s part of a block's K offset (zeros without one).
+fn offset_dots(k_offset: Option<&[f32]>, qg: &[f32], g: usize, dk: usize) -> Vec<f32> {
+    match k_offset {
+        Some(o) => qg.chunks_exact(dk).map(|q| dot_lanes(q, &o[g * dk..(g + 1) * dk])).collect(),
+        None => vec![0.0; qg.len() / dk],
+    }
+}
+
 /// q·x in f32, summed in LANES running sums (independent lanes the compiler keeps in vector registers, as in
-/// `box_bound`): an L3 block's dequantized keys against each query head of the group.
+/// `box_bound`): each query head of the group against a block's K offset.
 fn dot_lanes(q: &[f32], x: &[f32]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
@@ -276,7 +284,7 @@ fn attend_group(
     let ops = vec_ops();
     let (dk, dv) = (shape.head_dim, shape.head_dim_v);
     let group = qg.len() / dk;
-    let (q8, f16) = (group_acts(qg, dk, GgmlType::Q8_0), group_acts(qg, dk, GgmlType::F16));
+    let acts = GroupActs::new(qg, dk);
     let mut part = GroupPartial::new(group, dv);
     let mut softmax: Vec<OnlineSoftmax> = (0..group).map(|_| OnlineSoftmax::new()).collect();
     let bs = kv.cfg.block_size;
@@ -298,15 +306,12 @@ fn attend_group(
             continue;
         }
         let view = kv.block_view(layer, seq, b);
-        let offset: Vec<f32> = match view.k_offset {
-            Some(o) => qg.chunks_exact(dk).map(|q| dot_lanes(q, &o[g * dk..(g + 1) * dk])).collect(),
-            None => vec![0.0; group],
-        };
-        let (a, a_row) = if view.k_type.act_type() == GgmlType::F16 { &f16 } else { &q8 };
+        let offset = offset_dots(view.k_offset, qg, g, dk);
+        let (a, a_row) = acts.for_keys(view.k_type);
         let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
         let v_head_bytes = view.v_type.row_bytes(dv).unwrap_or(0);
         let (s0, n) = (first - b * bs, last - first + 1);
-        group_dots(view.k_type, dk, &view.k[s0 * view.k_row_bytes + g * k_head_bytes..], view.k_row_bytes, n, a, *a_row,
+        group_dots(view.k_type, dk, &view.k[s0 * view.k_row_bytes + g * k_head_bytes..], view.k_row_bytes, n, a, a_row,
                    group, &mut dots[..n * group]);
         // An L3 block's values come dequantized from the prefetch thread's buffer (or stage_l3 now).
         let st = staged.get(&(seq, b));
@@ -329,14 +334,30 @@ fn attend_group(
     part
 }
 
-/// The group's query heads [group][dk] in the dot format `ty` (one row each) and the row's bytes.
-fn group_acts(qg: &[f32], dk: usize, ty: GgmlType) -> (Vec<u8>, usize) {
-    let row = ty.row_bytes(dk).unwrap_or(0);
-    let mut a = vec![0u8; row * qg.len() / dk];
-    for (q, dst) in qg.chunks_exact(dk).zip(a.chunks_exact_mut(row.max(1))) {
-        quantize_act(ty, q, dst);
+/// The group's query heads [group][dk] in each dot format the tiers' keys use: f16 (L1) and q8_0 (L2, L3).
+struct GroupActs {
+    f16: (Vec<u8>, usize),
+    q8: (Vec<u8>, usize),
+}
+
+impl GroupActs {
+    fn new(qg: &[f32], dk: usize) -> Self {
+        let acts = |ty: GgmlType| {
+            let row = ty.row_bytes(dk).unwrap_or(0);
+            let mut a = vec![0u8; row * qg.len() / dk];
+            for (q, dst) in qg.chunks_exact(dk).zip(a.chunks_exact_mut(row.max(1))) {
+                quantize_act(ty, q, dst);
+            }
+            (a, row)
+        };
+        GroupActs { f16: acts(GgmlType::F16), q8: acts(GgmlType::Q8_0) }
     }
-    (a, row)
+
+    /// The rows (one a query head) and their bytes for keys of `k_type`.
+    fn for_keys(&self, k_type: GgmlType) -> (&[u8], usize) {
+        let (a, row) = if k_type.act_type() == GgmlType::F16 { &self.f16 } else { &self.q8 };
+        (a, *row)
+    }
 }
 
 /// out[r * group + h] = key row r (of `n`, `stride` bytes apart, type `ty`) · query act row h: the tile kernel

@@ -176,8 +176,8 @@ impl KvCache {
         self.blocks[self.books.table(seq)[block_index] as usize].ring_slot.is_some()
     }
 
-    /// `layer` of the L3 blocks `blocks` (block indices of `seq`), dequantized: from the prefetch thread's hot
-    /// buffer where it staged them, else dequantized now, the same way.
+    /// The values of `layer` of the L3 blocks `blocks` (block indices of `seq`), dequantized: from the prefetch
+    /// thread's hot buffer where it staged them, else dequantized now, the same way.
     pub fn stage_l3(&self, layer: usize, seq: SeqId, blocks: &[usize]) -> Vec<(usize, Arc<Staged>)> {
         let vd = self.cfg.n_head_kv * self.cfg.head_dim_v;
         let prefetch = self.tiers.as_ref().and_then(|t| t.prefetch.as_ref());
