@@ -29,6 +29,7 @@ from ninfer.errors import InvalidArgumentError, ModelFileError
 from ninfer.gsq_calibration import (BUILTIN_CALIBRATION, CALIB_CHUNKS, CALIB_CTX, GRAM_BLOCK_COLS, GRAM_MAX_COLS,
                                     MEASURE_CHUNKS, calibration_chunks_of, collect_importances, load_importances,
                                     quantize_with_feedback, read_calib_text)
+from ninfer.gsq_awq import ROW_SCALABLE, choose_scales, scale_grams, scale_rows
 from ninfer.gsq_file import GROUP, add_container_metadata, checksum, fill_tensor_infos
 from ninfer.gsq_plan import (DEFAULT_SIZE, Policy, allocate, budget_bytes, counts_of, default_policy, fixed_policy,
                              hot_ids, measure, parse_size, parse_tensor_types, policy_bytes, quick_importances,
@@ -43,8 +44,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
             importances_file: str | os.PathLike[str] | None = None,
             save_importances: str | os.PathLike[str] | None = None, feedback: bool | None = None,
             feedback_damp: float = 0.1, feedback_wide: bool = False, feedback_order: str = "in",
-            sequential: bool | None = None, asymmetric: bool = False, log: Callable[[str], None] | None = None,
-            verbose: bool = False) -> dict[str, Any]:
+            sequential: bool | None = None, asymmetric: bool = False, act_scale: bool = False,
+            log: Callable[[str], None] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Convert a GGUF model to GSQ-RCO.
 
     `size` (a preset of SIZE_PRESETS, llama-quantize's mixture names, or bits per weight; None: the per-kind
@@ -56,6 +57,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
     `feedback`), each matrix's statistics come from the text run through the model with every matrix before it
     already quantized (gsq_sequential.py), and the tensors are written in that order; with `asymmetric` too, each
     matrix is fitted to the source model's outputs from those inputs (gsq_sequential.asymmetric_target).
+    With `act_scale` (and a text), a 3- or 4-bit down projection whose up projection is kept gets activation-aware
+    column scales folded into that up projection's rows (gsq_awq.py).
     `importances_file` (from `save_importances`) replaces the text's mean squares (and so the feedback).
     Returns totals (bytes, bpw, weighted errors, seconds)."""
     import gguf
@@ -172,6 +175,13 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
         # the order in which the forward pass makes each matrix's statistics
         rank = {name: i for i, name in enumerate(seq.order())}
         plans.sort(key=lambda tp: rank.get(tp[0].name, len(rank)))
+    scaled_ups = _act_scale_pairs(mf, plans) if act_scale and chunks else {}
+    if scaled_ups:  # each such up projection is written after its down projection, whose scales it takes
+        ups = set(scaled_ups.values())
+        by_name = {t.name: (t, pol) for t, pol in plans}
+        plans = [tp for t, pol in plans if t.name not in ups
+                 for tp in [(t, pol)] + ([by_name[scaled_ups[t.name]]] if t.name in scaled_ups else [])]
+    up_factors: dict[str, np.ndarray] = {}
 
     infos: list[dict[str, Any]] = []
     totals = {"bytes": 0, "weights": 0, "weight": 0.0, "err": 0.0, "err_rtn": 0.0, "gsq_weights": 0}
@@ -193,6 +203,20 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
                 h = importances.get(t.name)
                 if h is None or h.shape != (cols,):
                     h = np.ones(cols, np.float32)
+                s_cols = None
+                if t.name in scaled_ups and t.name in importances:
+                    info["awq_alpha"], s_cols, errs = choose_scales(wf, h, bits=pol.bits, slots=pol.slots,
+                                                                    threads=threads)
+                    if verbose:
+                        log(f"{t.name:32s} activation-aware scales: error by alpha "
+                            + ", ".join(f"{a:g} {e:.3e}" for a, e in errs.items()))
+                if s_cols is not None:
+                    wf = wf * s_cols
+                    h = h / (s_cols * s_cols)
+                    if gram is not None:
+                        gram = scale_grams(gram, s_cols) if isinstance(gram, list) else \
+                            scale_grams([gram], s_cols)[0]
+                    up_factors[scaled_ups[t.name]] = 1.0 / s_cols
                 if pol.hot:
                     data, st, wf_read = _split_embedding(mf, t, wf, h, pol.hot, token_counts, steps, threads)
                 elif pol.kind == "q2_k":  # importances only: the error feedback is written for GSQ-RCO records
@@ -206,7 +230,8 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
                                                   threads=threads)
                 del wf
                 if seq is not None:
-                    seq.set_weight(t.name, wf_read if pol.hot else _dequantize_target(data, rows, cols, pol))
+                    deq = wf_read if pol.hot else _dequantize_target(data, rows, cols, pol)
+                    seq.set_weight(t.name, deq if s_cols is None else deq / s_cols)
                 if pol.hot:
                     del wf_read
                 bpw = 8 * data.size / (rows * cols)
@@ -222,6 +247,9 @@ def convert(inp: str | os.PathLike[str], out: str | os.PathLike[str], *, size: s
                 totals["gsq_weights"] += rows * cols
             else:
                 data = np.asarray(mf.raw(t))
+                if t.name in up_factors:  # (its down projection's activation-aware scales, folded in)
+                    data = scale_rows(data, t.type_name, t.dims[1], t.dims[0], up_factors.pop(t.name))
+                    info["rows_scaled"] = True
                 info.update(type=t.type_name, bpw=round(8 * t.n_bytes / max(t.n_elements, 1), 4))
             info["blake2b"] = checksum(data)
             w.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
@@ -304,6 +332,20 @@ def _plan(mf: Any, overrides: list[tuple[Any, Policy]], size: str | float | None
                 log(f"size {size}: {t.name:32s} {c.policy!s:8s} {8 * c.bytes / t.n_elements:.3f} bpw  "
                     f"measured error {c.err:.3e}")
     return [(t, fixed[t.name]) for t in mf.tensors]
+
+
+def _act_scale_pairs(mf: Any, plans: list[tuple[Any, Policy]]) -> dict[str, str]:
+    """{down projection: up projection} where the down projection is quantized and the up projection kept in a
+    type whose rows can be rescaled in place (gsq_awq.py)."""
+    pol = {t.name: p for t, p in plans}
+    types = {t.name: t.type_name for t, _ in plans}
+    out = {}
+    for ly in mf.spec["layers"]:
+        down, up = ly.get("w_down"), ly.get("w_up")
+        if down in pol and up in pol and pol[down].kind == "gsq" and pol[up].kind == "keep" \
+                and types[up] in ROW_SCALABLE:
+            out[down] = up
+    return out
 
 
 def _split_embedding(mf: Any, t: Any, wf: np.ndarray, h: np.ndarray, n_hot: int, token_counts: np.ndarray | None,

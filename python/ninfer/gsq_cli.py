@@ -64,6 +64,9 @@ def add_convert_args(p: Any) -> None:
     p.add_argument("--gptq-asymmetric", action="store_true",
                    help="--gptq-sequential: fit each matrix to the source model's outputs from the quantized model's "
                         "inputs (runs the source model alongside: twice the forward work)")
+    p.add_argument("--awq", action=argparse.BooleanOptionalAction, default=False,
+                   help="activation-aware scales for quantized down projections, folded into their kept up "
+                        "projections' rows (needs a calibration text)")
     p.add_argument("--verbose", action="store_true", help="a line per tensor: bpw, sparsity, weighted error")
 
 
@@ -86,7 +89,7 @@ def run_convert(args: Any) -> int:
                 calib_file=calib_file, calib_chunks=args.calib_chunks, importances_file=args.importances,
                 save_importances=args.save_importances, feedback=args.gptq,
                 feedback_damp=args.gptq_damp, feedback_wide=args.gptq_wide, feedback_order=args.gptq_order,
-                sequential=args.gptq_sequential, asymmetric=args.gptq_asymmetric, log=log,
+                sequential=args.gptq_sequential, asymmetric=args.gptq_asymmetric, act_scale=args.awq, log=log,
                 verbose=args.verbose)
     rel = r["err"] / max(r["weight"], 1e-30)
     rel_rtn = r["err_rtn"] / max(r["weight"], 1e-30)
