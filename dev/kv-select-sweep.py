@@ -4,6 +4,7 @@ agreement with the dense f16 cache (issue 51's accuracy table, BENCHMARKS.md "Ti
 
     python3 dev/kv-select-sweep.py MODEL --tokens 16384 [--depths 0.1,0.3,0.5,0.7,0.9] [--threads 2]
         [--tiers 1024,2048] [--budgets 0,256,512,1024,2048,4096] [--forced 64] [--needles 4 --haystack TEXT]
+    python3 dev/kv-select-sweep.py MODEL --tokens 16384 --quiz 10 --haystack TEXT [--llama-server BIN] [...]
 
 Per prompt (a passkey prompt, key at each depth, keys from a fixed seed):
 - the dense f16 cache: prefill, then `--forced` greedy decode steps: its answer and its logits at each step;
@@ -13,16 +14,27 @@ Per prompt (a passkey prompt, key at each depth, keys from a fixed seed):
   steps), back again, and the dense run's tokens fed step by step: top-1 agreement with the dense cache's and
   KL(dense || tiered) per step. Every budget starts from the same cache; against a fresh run with that budget, at
   most one block near each tier boundary sits one tier lower (those moved by the settling steps).
+
+With --quiz N: one haystack with N needles at depths spread over 10-90%, and N prompts, each asking for one of
+them. The prompts share every token up to the question's last words, so each cache is filled once: the dense and
+the tiered cache prefill that prefix, then per question append its last words, answer greedily (6 tokens) and go
+back to the prefix (the tiered cache per budget); llama-server (--llama-server, f16 cache, -t as --threads)
+reuses its slot's prefix the same way (cache_prompt). Teacher-forced agreement is taken after the first question.
+Going back leaves at most one block near each tier boundary one tier lower than a fresh prefill would.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import socket
+import subprocess
 import time
+import urllib.request
 
 import numpy as np
 from ninfer.llm import LLM
-from ninfer.passkey import sweep_prompts
+from ninfer.passkey import needle_quiz, sweep_prompts
 
 SEQ = 0  # the LLM's own sequence (llm.py _SEQ), used directly through its backend
 
@@ -33,8 +45,12 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def prefill(llm: LLM, tokens: list[int]) -> None:
-    llm.engine.release(SEQ)
+def prefill(llm: LLM, tokens: list[int], keep: int = -1) -> None:
+    """tokens into the cache after its first `keep` positions (-1: a cleared cache)."""
+    if keep < 0:
+        llm.engine.release(SEQ)
+    else:
+        llm.backend.truncate(SEQ, keep)
     step = llm.config.n_batch
     for start in range(0, len(tokens), step):
         llm.backend.forward([(SEQ, list(tokens[start : start + step]))], [])
@@ -62,7 +78,11 @@ def main() -> None:
     ap.add_argument("--forced", type=int, default=64)
     ap.add_argument("--needles", type=int, default=0, help="multi-key needles a prompt (0: the passkey)")
     ap.add_argument("--haystack", default=None, help="the real text the needles hide in")
+    ap.add_argument("--quiz", type=int, default=0, help="needles in one haystack, each asked once (needs --haystack)")
+    ap.add_argument("--llama-server", default=None, help="with --quiz: llama.cpp's answers from this llama-server")
     a = ap.parse_args()
+    if a.quiz and not a.haystack:
+        ap.error("--quiz needs --haystack")
     l1, l2 = (int(x) for x in a.tiers.split(","))
     budgets = [int(b) for b in a.budgets.split(",")]
     n_ctx = a.tokens + a.forced + 256
@@ -70,6 +90,8 @@ def main() -> None:
     tiered = LLM(a.model, n_ctx=n_ctx, threads=a.threads, kv_l1=l1, kv_l2=l2, kv_select=max(budgets))
     depths = [float(d) for d in a.depths.split(",")]
     haystack = open(a.haystack, encoding="utf-8").read() if a.haystack else None
+    if a.quiz:
+        return quiz(a, dense, tiered, budgets, haystack)
     prompts = sweep_prompts(dense, a.tokens, depths, a.needles, haystack)
     found = {"dense": 0} | {b: 0 for b in budgets}
     agree = {b: [] for b in budgets}
@@ -108,6 +130,91 @@ def main() -> None:
     for b in budgets:
         print(f"select {b:5d}: top-1 agreement {np.mean(agree[b]):.2%}, mean KL {np.mean(kl[b]):.5f} "
               f"(over {len(depths)} prompts x {a.forced} steps)")
+
+
+def quiz(a: argparse.Namespace, dense: LLM, tiered: LLM, budgets: list[int], haystack: str) -> None:
+    depths = [0.1 + 0.8 * i / max(1, a.quiz - 1) for i in range(a.quiz)]
+    q = needle_quiz(dense, haystack, a.tokens, depths)
+    prefix = dense.tokenize(q.prefix)
+    suffixes = [dense.tokenize(s, add_special=False) for s in q.suffixes]
+    if any(dense.tokenize(q.prefix + s) != prefix + t for s, t in zip(q.suffixes, suffixes)):
+        raise SystemExit("a prompt tokenizes otherwise whole than as prefix + question: no shared prefix")
+    print(f"{a.model}: {len(prefix)} tokens shared, {a.quiz} questions, L1/L2 {a.tiers}, budgets {budgets}",
+          flush=True)
+
+    def answers(llm: LLM, label: str) -> list[bool]:
+        out = []
+        for number, depth, s in zip(q.numbers, depths, suffixes):
+            prefill(llm, s[:-1], keep=len(prefix))
+            got = llm.detokenize(steps(llm, s[-1], 6)[0])
+            out.append(str(number) in got)
+            print(f"  {label} depth {depth:.2f} {number}: {'found' if out[-1] else 'MISSED'} {got!r}", flush=True)
+        return out
+
+    found: dict[str | int, list[bool]] = {}
+    t = time.perf_counter()
+    prefill(dense, prefix)
+    print(f"dense prefill {time.perf_counter() - t:.0f} s", flush=True)
+    found["dense f16"] = answers(dense, "dense")
+    prefill(dense, suffixes[0][:-1], keep=len(prefix))
+    ref, ref_logits = steps(dense, suffixes[0][-1], a.forced)
+    ref_lp = log_softmax(ref_logits)
+    t = time.perf_counter()
+    prefill(tiered, prefix)
+    print(f"tiered prefill {time.perf_counter() - t:.0f} s", flush=True)
+    forced = {}
+    for b in budgets:
+        tiered.set_kv_select(b)
+        found[b] = answers(tiered, f"select {b}")
+        prefill(tiered, suffixes[0][:-1], keep=len(prefix))
+        got, got_logits = steps(tiered, suffixes[0][-1], a.forced, forced=ref)
+        lp = log_softmax(got_logits)
+        forced[b] = (float(np.mean(np.array(got) == np.array(ref))),
+                     float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), axis=1))))
+    if a.llama_server:
+        t = time.perf_counter()
+        texts = llama_server_answers(a.llama_server, a.model, a.threads, len(prefix) + 256,
+                                     [q.prefix + s for s in q.suffixes])
+        found["llama.cpp f16"] = [str(n) in x for n, x in zip(q.numbers, texts)]
+        for n, x, ok in zip(q.numbers, texts, found["llama.cpp f16"]):
+            print(f"  llama.cpp {n}: {'found' if ok else 'MISSED'} {x!r}", flush=True)
+        print(f"llama-server {time.perf_counter() - t:.0f} s", flush=True)
+    print("| cache | " + " | ".join(f"{d:.0%}" for d in depths) + " | found | top-1 | KL |")
+    print("|---" * (len(depths) + 4) + "|")
+    for k, row in found.items():
+        label = f"tiered, select {k}" if isinstance(k, int) else k
+        agree, kl = forced.get(k, (None, None))
+        extra = f"{agree:.1%} | {kl:.4f}" if agree is not None else " | "
+        print(f"| {label} | " + " | ".join("yes" if x else "**no**" for x in row) + f" | {sum(row)}/{len(row)} | "
+              + extra + " |")
+
+
+def llama_server_answers(binary: str, model: str, threads: int, n_ctx: int, prompts: list[str]) -> list[str]:
+    """Greedy 6-token answers from llama-server (one slot, prompt cache on: shared prefixes are computed once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "-m", model, "-c", str(n_ctx), "-t", str(threads), "-np", "1", "--host",
+                             "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        out = []
+        for p in prompts:
+            body = json.dumps({"prompt": p, "n_predict": 6, "temperature": 0, "cache_prompt": True}).encode()
+            req = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=7200) as r:
+                out.append(json.loads(r.read())["content"])
+        return out
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 if __name__ == "__main__":

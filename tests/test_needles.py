@@ -1,4 +1,4 @@
-"""Multi-key needle prompts (ninfer.passkey.needle_prompt, needle_sweep): needles where they are asked to be, in
+"""Multi-key needle prompts (ninfer.passkey.needle_prompt, needle_sweep, needle_quiz): needles where they are asked to be, in
 sentence order, the question naming the first."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ninfer.llm import LLM
-from ninfer.passkey import NEEDLE_WORDS, needle_prompt, needle_sweep
+from ninfer.passkey import NEEDLE_WORDS, needle_prompt, needle_quiz, needle_sweep
 
 TEXT = "".join(f"Sentence number {i} says little. " for i in range(400))
 
@@ -35,3 +35,22 @@ def test_a_sweep_sizes_its_prompts_and_asks_a_distinct_number_each_depth(smollm2
         assert 1900 <= len(llm.tokenize(prompt)) <= 2100
         assert str(number) in prompt and prompt.count("special magic numbers for") == 4
         assert all(w in prompt for w in NEEDLE_WORDS[:4])
+
+
+def test_a_quiz_asks_every_needle_after_one_shared_prefix(smollm2_path: Path) -> None:
+    llm = LLM(smollm2_path, n_ctx=64)
+    depths = [0.1 + 0.8 * i / 9 for i in range(10)]
+    quiz = needle_quiz(llm, TEXT, 2000, depths)
+    assert len(set(quiz.numbers)) == 10 and len(quiz.suffixes) == 10
+    for word, number, suffix in zip(NEEDLE_WORDS, quiz.numbers, quiz.suffixes):
+        prompt = quiz.prefix + suffix
+        assert f"One of the special magic numbers for {word} is: {number}." in quiz.prefix
+        assert suffix == f" {word} mentioned in the provided text? The special magic number for {word} mentioned " \
+                         "in the provided text is:"
+        assert 1900 <= len(llm.tokenize(prompt)) <= 2100
+        # the prefix's tokens are the prompt's first tokens: a cache holding them serves every question
+        assert llm.tokenize(prompt)[: len(llm.tokenize(quiz.prefix))] == llm.tokenize(quiz.prefix)
+    at = [quiz.prefix.index(f"for {w} is:") for w in NEEDLE_WORDS]
+    assert at == sorted(at)
+    with pytest.raises(ValueError, match="at most 10 needles"):
+        needle_quiz(llm, TEXT, 2000, [0.5] * 11)

@@ -60,7 +60,7 @@ def run_passkey(llm: LLM, n_filler: int, key: int, depth: float) -> PasskeyResul
 # keep that needle and tell it from the others.
 NEEDLE_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
                 "I will quiz you about the numbers afterwards.\n")
-NEEDLE_WORDS = ("lantern", "harbor", "violet", "copper", "meadow", "falcon", "juniper", "quartz")
+NEEDLE_WORDS = ("lantern", "harbor", "violet", "copper", "meadow", "falcon", "juniper", "quartz", "saffron", "willow")
 
 
 def needle_prompt(haystack: str, n_chars: int, needles: list[tuple[str, int]], depths: list[float], ask: int) -> str:
@@ -80,9 +80,15 @@ def needle_prompt(haystack: str, n_chars: int, needles: list[tuple[str, int]], d
         out += [text[last:at], needle]
         last = at
     out.append(text[last:])
-    word = needles[ask][0]
-    return (NEEDLE_INTRO + "".join(out) + f"\nWhat is the special magic number for {word} mentioned in the provided "
-            f"text? The special magic number for {word} mentioned in the provided text is:")
+    return NEEDLE_INTRO + "".join(out) + needle_question(needles[ask][0])
+
+
+def needle_question(word: str) -> str:
+    return (f"{QUIZ_STEM} {word} mentioned in the provided text? The special magic number for {word} mentioned in "
+            "the provided text is:")
+
+
+QUIZ_STEM = "\nWhat is the special magic number for"
 
 
 def needle_sweep(llm: LLM, haystack: str, n_tokens: int, depths: list[float], n_needles: int) -> list[tuple[str, int]]:
@@ -107,6 +113,39 @@ def needle_sweep(llm: LLM, haystack: str, n_tokens: int, depths: list[float], n_
             n_chars = int(n_chars * (n_tokens - fixed) / max(1, n - fixed))
         out.append((prompt, needles[0][1]))
     return out
+
+
+@dataclass(frozen=True)
+class NeedleQuiz:
+    """One haystack of about n_tokens tokens with a needle at each depth, and a question for each: the prompts
+    are prefix + suffixes[i], so a cache holding the prefix answers them all after one prefill."""
+    prefix: str
+    suffixes: list[str]
+    numbers: list[int]
+    depths: list[float]
+
+
+def needle_quiz(llm: LLM, haystack: str, n_tokens: int, depths: list[float]) -> NeedleQuiz:
+    """len(depths) needles (at most len(NEEDLE_WORDS); numbers from a fixed seed) in one haystack, each asked once."""
+    if len(depths) > len(NEEDLE_WORDS):
+        raise ValueError(f"at most {len(NEEDLE_WORDS)} needles a quiz")
+    sample = haystack[:20000]
+    chars_per_token = len(sample) / max(1, len(llm.tokenize(sample, add_special=False)))
+    rng = random.Random(53)
+    needles = [(NEEDLE_WORDS[i], rng.randrange(10000, 100000)) for i in range(len(depths))]
+    fixed = len(llm.tokenize(needle_prompt("x. ", 3, needles, depths, 0)))
+    n_chars = int((n_tokens - fixed) * chars_per_token)
+    for _ in range(3):  # a text's tokens per character vary along it: cut, count, and cut again to the count
+        prompt = needle_prompt(haystack, n_chars, needles, depths, 0)
+        n = len(llm.tokenize(prompt))
+        if abs(n - n_tokens) <= n_tokens // 100:
+            break
+        n_chars = int(n_chars * (n_tokens - fixed) / max(1, n - fixed))
+    prompts = [needle_prompt(haystack, n_chars, needles, depths, i) for i in range(len(needles))]
+    cut = prompts[0].rindex(QUIZ_STEM) + len(QUIZ_STEM)
+    prefix = prompts[0][:cut]
+    assert all(p.startswith(prefix) for p in prompts)
+    return NeedleQuiz(prefix, [p[cut:] for p in prompts], [n for _, n in needles], list(depths))
 
 
 def sweep_prompts(llm: LLM, n_tokens: int, depths: list[float], needles: int = 0,
