@@ -111,3 +111,30 @@ def test_quantized_kv_cache_stays_close(smollm2_path: Path, llm: ninfer.LLM, cac
     assert agree >= 0.97, agree
     rel = float(np.linalg.norm(ref - got) / np.linalg.norm(ref))
     assert rel < (0.08 if cache == "q8_0" else 0.2), rel
+
+
+def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A q4_0 K cache's blocks are 32 positions (config.Q4_KEY_BLOCK_SIZE): each block's keys are stored less their
+    mean, and Qwen2's key bias, turned by RoPE with the position, is taken out better by a mean every 32 positions
+    than every 256 (on the shared prose text: +2.98% perplexity against +10.2%)."""
+    from ninfer import config
+
+    assert config.EngineConfig(cache_type_k="q4_0").block_size == 32
+    assert config.EngineConfig(cache_type_k="q8_0").block_size == 256
+    text = (Path(ninfer.__file__).parent / "data" / "calibration.txt").read_text(encoding="utf-8")[200000:202600]
+    ref = ninfer.LLM(qwen05_path, n_ctx=1024, threads=2)
+    ids = ref.tokenize(text)
+    rows = list(range(len(ids) // 2, len(ids)))
+    want = ref.eval_logits(ids, rows).astype(np.float64)
+
+    def kl(block: int) -> float:
+        monkeypatch.setattr(config, "Q4_KEY_BLOCK_SIZE", block)
+        got = ninfer.LLM(qwen05_path, n_ctx=1024, threads=2, cache_type_k="q4_0",
+                         cache_type_v="q4_0").eval_logits(ids, rows).astype(np.float64)
+        lp, lq = (x - x.max(1, keepdims=True) for x in (want, got))
+        lp -= np.log(np.exp(lp).sum(1, keepdims=True))
+        lq -= np.log(np.exp(lq).sum(1, keepdims=True))
+        return float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=1)))
+
+    fine, coarse = kl(32), kl(256)  # measured 0.058 and 0.068
+    assert fine < 0.92 * coarse and fine < 0.07, (fine, coarse)

@@ -182,7 +182,7 @@ class LLM:
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,
                 n_seq_max=n_seq_max, cache_type_k=cache_type_k, cache_type_v=cache_type_v, kv_tiers=tiers,
-                host_mem_budget=host_budget,
+                host_mem_budget=host_budget, page_size=self.config.block_size,
             )
         else:
             self.backend = _core.Engine(
