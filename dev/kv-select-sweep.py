@@ -45,6 +45,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def agreement(ref: list[int], ref_lp: np.ndarray, got: list[int], got_logits: np.ndarray) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(ref || got)) of teacher-forced steps against the reference's tokens and
+    log-probabilities."""
+    lp = log_softmax(got_logits)
+    return (float(np.mean(np.array(got) == np.array(ref))),
+            float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), axis=1))))
+
+
 def prefill(llm: LLM, tokens: list[int], keep: int = -1) -> None:
     """tokens into the cache after its first `keep` positions (-1: a cleared cache)."""
     if keep < 0:
@@ -119,10 +127,9 @@ def main() -> None:
             ok = str(key) in tiered.detokenize(answer)
             found[b] += ok
             tiered.backend.truncate(SEQ, len(prompt) - 1)
-            got, got_logits = steps(tiered, prompt[-1], a.forced, forced=ref)
-            lp = log_softmax(got_logits)
-            agree[b].append(float(np.mean(np.array(got) == np.array(ref))))
-            kl[b].append(float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), axis=1))))
+            top1, divergence = agreement(ref, ref_lp, *steps(tiered, prompt[-1], a.forced, forced=ref))
+            agree[b].append(top1)
+            kl[b].append(divergence)
             print(f"  select {b:5d}: {'found' if ok else 'MISSED'} {tiered.detokenize(answer)!r}, top-1 "
                   f"{agree[b][-1]:.1%}, KL {kl[b][-1]:.4f} ({time.perf_counter() - t:.0f} s)", flush=True)
     print("found: dense " + f"{found['dense']}/{len(depths)}, "
@@ -167,10 +174,7 @@ def quiz(a: argparse.Namespace, dense: LLM, tiered: LLM, budgets: list[int], hay
         tiered.set_kv_select(b)
         found[b] = answers(tiered, f"select {b}")
         prefill(tiered, suffixes[0][:-1], keep=len(prefix))
-        got, got_logits = steps(tiered, suffixes[0][-1], a.forced, forced=ref)
-        lp = log_softmax(got_logits)
-        forced[b] = (float(np.mean(np.array(got) == np.array(ref))),
-                     float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), axis=1))))
+        forced[b] = agreement(ref, ref_lp, *steps(tiered, suffixes[0][-1], a.forced, forced=ref))
     if a.llama_server:
         t = time.perf_counter()
         texts = llama_server_answers(a.llama_server, a.model, a.threads, len(prefix) + 256,

@@ -94,8 +94,7 @@ QUIZ_STEM = "\nWhat is the special magic number for"
 def needle_sweep(llm: LLM, haystack: str, n_tokens: int, depths: list[float], n_needles: int) -> list[tuple[str, int]]:
     """A sweep's multi-key prompts of about n_tokens tokens: for each depth, n_needles needles (numbers from a fixed
     seed), the one asked at that depth and the others spread over the text; (prompt, the number asked for)."""
-    sample = haystack[:20000]
-    chars_per_token = len(sample) / max(1, len(llm.tokenize(sample, add_special=False)))
+    chars_per_token = _chars_per_token(llm, haystack)
     fixed = len(llm.tokenize(needle_prompt("x. ", 3, [(w, 12345) for w in NEEDLE_WORDS[:n_needles]],
                                            [0.5] * n_needles, 0)))
     rng = random.Random(52)
@@ -103,16 +102,28 @@ def needle_sweep(llm: LLM, haystack: str, n_tokens: int, depths: list[float], n_
     for depth in depths:
         needles = [(NEEDLE_WORDS[i], rng.randrange(10000, 100000)) for i in range(n_needles)]  # (answered in 6 tokens)
         spots = [depth] + [min(0.95, max(0.05, (depth + i / n_needles) % 1.0)) for i in range(1, n_needles)]
-        # a text's tokens per character vary along it: cut, count, and cut again to the count
-        n_chars = int((n_tokens - fixed) * chars_per_token)
-        for _ in range(3):
-            prompt = needle_prompt(haystack, n_chars, needles, spots, 0)
-            n = len(llm.tokenize(prompt))
-            if abs(n - n_tokens) <= n_tokens // 100:
-                break
-            n_chars = int(n_chars * (n_tokens - fixed) / max(1, n - fixed))
-        out.append((prompt, needles[0][1]))
+        n_chars = _fitted_chars(llm, haystack, n_tokens, fixed, chars_per_token, needles, spots)
+        out.append((needle_prompt(haystack, n_chars, needles, spots, 0), needles[0][1]))
     return out
+
+
+def _chars_per_token(llm: LLM, haystack: str) -> float:
+    sample = haystack[:20000]
+    return len(sample) / max(1, len(llm.tokenize(sample, add_special=False)))
+
+
+def _fitted_chars(llm: LLM, haystack: str, n_tokens: int, fixed: int, chars_per_token: float,
+                  needles: list[tuple[str, int]], depths: list[float]) -> int:
+    """The haystack characters that make needle_prompt about n_tokens tokens (within 1%, else the third try's;
+    `fixed`: the tokens of the prompt around the haystack). A text's tokens per character vary along it: cut,
+    count, and cut again to the count."""
+    n_chars = int((n_tokens - fixed) * chars_per_token)
+    for attempt in range(3):
+        n = len(llm.tokenize(needle_prompt(haystack, n_chars, needles, depths, 0)))
+        if abs(n - n_tokens) <= n_tokens // 100 or attempt == 2:
+            break
+        n_chars = int(n_chars * (n_tokens - fixed) / max(1, n - fixed))
+    return n_chars
 
 
 @dataclass(frozen=True)
@@ -129,18 +140,10 @@ def needle_quiz(llm: LLM, haystack: str, n_tokens: int, depths: list[float]) -> 
     """len(depths) needles (at most len(NEEDLE_WORDS); numbers from a fixed seed) in one haystack, each asked once."""
     if len(depths) > len(NEEDLE_WORDS):
         raise ValueError(f"at most {len(NEEDLE_WORDS)} needles a quiz")
-    sample = haystack[:20000]
-    chars_per_token = len(sample) / max(1, len(llm.tokenize(sample, add_special=False)))
     rng = random.Random(53)
     needles = [(NEEDLE_WORDS[i], rng.randrange(10000, 100000)) for i in range(len(depths))]
     fixed = len(llm.tokenize(needle_prompt("x. ", 3, needles, depths, 0)))
-    n_chars = int((n_tokens - fixed) * chars_per_token)
-    for _ in range(3):  # a text's tokens per character vary along it: cut, count, and cut again to the count
-        prompt = needle_prompt(haystack, n_chars, needles, depths, 0)
-        n = len(llm.tokenize(prompt))
-        if abs(n - n_tokens) <= n_tokens // 100:
-            break
-        n_chars = int(n_chars * (n_tokens - fixed) / max(1, n - fixed))
+    n_chars = _fitted_chars(llm, haystack, n_tokens, fixed, _chars_per_token(llm, haystack), needles, depths)
     prompts = [needle_prompt(haystack, n_chars, needles, depths, i) for i in range(len(needles))]
     cut = prompts[0].rindex(QUIZ_STEM) + len(QUIZ_STEM)
     prefix = prompts[0][:cut]
