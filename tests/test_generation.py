@@ -115,8 +115,9 @@ def test_quantized_kv_cache_stays_close(smollm2_path: Path, llm: ninfer.LLM, cac
 
 def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A q4_0 K cache's blocks are 32 positions (config.Q4_KEY_BLOCK_SIZE): each block's keys are stored less their
-    mean, and Qwen2's key bias, turned by RoPE with the position, is taken out better by a mean every 32 positions
-    than every 256 (on the shared prose text: +2.98% perplexity against +10.2%)."""
+    mean and less Qwen2's key bias turned by RoPE to their position (kv::key_bias), which a block mean alone cannot
+    take out. On the shared prose text, 8 chunks: +10.2% perplexity with means every 256 positions and no bias taken
+    out, +2.98% with means every 32, +0.68% with the bias out as well."""
     from ninfer import config
 
     assert config.EngineConfig(cache_type_k="q4_0").block_size == 32
@@ -136,5 +137,6 @@ def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, monkeypa
         lq -= np.log(np.exp(lq).sum(1, keepdims=True))
         return float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=1)))
 
-    fine, coarse = kl(32), kl(256)  # measured 0.058 and 0.068
-    assert fine < 0.92 * coarse and fine < 0.07, (fine, coarse)
+    # measured 0.0178 and 0.0222 (0.058 and 0.068 with the key bias left in the stored keys)
+    fine, coarse = kl(32), kl(256)
+    assert fine < 0.92 * coarse and fine < 0.025, (fine, coarse)

@@ -69,11 +69,14 @@ impl PyEngine {
                 n_ctx,
                 max_blocks: n_ctx.div_ceil(block_size.max(1)) * n_seq_max,
             };
-            let kv = match kv_l1 {
+            let mut kv = match kv_l1 {
                 0 => KvCache::new(cfg)?,
                 l1 => KvCache::new_tiered(cfg, TierConfig { l1, l2: kv_l2, select: kv_select, l3_file: kv_l3_file, scorer })?,
             };
             let model = Model::load(&file, spec, threads)?;
+            if k_type == GgmlType::Q4_0 || kv_l1 > 0 {
+                kv.set_key_bias(model.key_bias(block_size, n_ctx))?;
+            }
             Ok(PyEngine { model, kv })
         })
         .map_err(to_py)

@@ -16,7 +16,7 @@
 use rayon::prelude::*;
 
 use crate::cpu::RowOrder;
-use crate::kv::{rotation, KvCache, SeqId};
+use crate::kv::{rotation, BiasTerm, KvCache, SeqId};
 use crate::quant::simd::vec_ops;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
 
@@ -222,6 +222,7 @@ fn attend_group(
     let mut score = vec![0.0f32; KEY_BLOCK * group];
     let (mut ms, mut vs) = (vec![0.0f32; KEY_BLOCK * group], vec![0.0f32; KEY_BLOCK * group]);
     let mut k_offset = vec![0.0f32; group];
+    let mut bias = KeyBiasScores::new(qg, dk);
 
     let bs = kv.cfg.block_size;
     for b in lo / bs..=hi / bs {
@@ -231,6 +232,7 @@ fn attend_group(
         for (off, qh) in k_offset.iter_mut().zip(qg.chunks_exact(dk)) {
             *off = view.k_offset.map_or(0.0, |o| dot(qh, &o[g * dk..(g + 1) * dk]));
         }
+        let bias = bias.for_block(view.k_bias);
         let (first, last) = ((b * bs).max(lo) - b * bs, ((b + 1) * bs - 1).min(hi) - b * bs);
         for s0 in (first..=last).step_by(KEY_BLOCK) {
             let n = KEY_BLOCK.min(last + 1 - s0);
@@ -238,7 +240,8 @@ fn attend_group(
                 let k = &kb[(s0 + j) * k_rb + g * k_head_bytes..][..k_head_bytes];
                 for h in 0..group {
                     let act = &q_act[h * q_bytes..(h + 1) * q_bytes];
-                    score[j * group + h] = (vec_dot(k_type, dk, k, act) + k_offset[h]) * shape.scale;
+                    let b = bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + j, g));
+                    score[j * group + h] = (vec_dot(k_type, dk, k, act) + k_offset[h] + b) * shape.scale;
                 }
             }
             for (h, sm) in softmax.iter_mut().enumerate() {
@@ -291,6 +294,53 @@ impl OnlineSoftmax {
         };
         self.s = self.s.mul_add(ms, vs);
         (ms, vs)
+    }
+}
+
+/// The key bias' share of the scores of one KV head's query heads (`kv::key_bias`): the heads taken back to the
+/// unrotated basis once, turned by each block's start.
+pub(crate) struct KeyBiasScores {
+    /// The query heads [group][dk] unrotated (made at the first block with a bias) and turned for the current one.
+    plain: Option<Vec<f32>>,
+    turned: Vec<f32>,
+    qg: Vec<f32>,
+    dk: usize,
+}
+
+/// A block's view of `KeyBiasScores`.
+pub(crate) struct BlockBias<'a, 'b> {
+    term: BiasTerm<'b>,
+    turned: &'a [f32],
+    dk: usize,
+}
+
+impl KeyBiasScores {
+    /// For the query heads `qg` [group][dk] in the stored (rotated) basis.
+    pub(crate) fn new(qg: &[f32], dk: usize) -> Self {
+        KeyBiasScores { plain: None, turned: vec![0.0; qg.len()], qg: qg.to_vec(), dk }
+    }
+
+    /// The scores' shares for a block whose keys lack `term` (None: nothing to add).
+    pub(crate) fn for_block<'b>(&mut self, term: Option<BiasTerm<'b>>) -> Option<BlockBias<'_, 'b>> {
+        let term = term?;
+        let dk = self.dk;
+        let plain = self.plain.get_or_insert_with(|| {
+            let mut p = self.qg.clone();
+            rotation::rotate(&mut p, dk);
+            p
+        });
+        for (q, t) in plain.chunks_exact(dk).zip(self.turned.chunks_exact_mut(dk)) {
+            term.turn_query(q, t);
+        }
+        Some(BlockBias { term, turned: &self.turned, dk })
+    }
+}
+
+impl BlockBias<'_, '_> {
+    /// Query head h's share for the key at `slot` of the block, KV head g.
+    #[inline]
+    pub(crate) fn score(&self, h: usize, slot: usize, g: usize) -> f32 {
+        self.term.dot(&self.turned[h * self.dk..(h + 1) * self.dk], slot, g)
     }
 }
 
@@ -355,7 +405,7 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
     let mut s = vec![0.0f32; n_out];
     let mut kt = vec![0.0f32; dk * KV_TILE]; // [d][cell]
     let mut vt = vec![0.0f32; KV_TILE * dv]; // [cell][d]
-    let mut k_row = vec![0.0f32; dk];
+    let (mut k_row, mut bias_row) = (vec![0.0f32; dk], vec![0.0f32; dk]);
     let mut score = [0.0f32; KV_TILE];
 
     let mut t0 = lo_min / KV_TILE * KV_TILE;
@@ -376,6 +426,11 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
                 let _ = dequantize_row(k_type, &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes], &mut k_row);
                 if let Some(o) = view.k_offset {
                     k_row.iter_mut().zip(&o[g * dk..(g + 1) * dk]).for_each(|(x, &o)| *x += o);
+                }
+                if let Some(term) = &view.k_bias {
+                    term.bias(slot, g, &mut bias_row);
+                    rotation::rotate(&mut bias_row, dk);
+                    k_row.iter_mut().zip(&bias_row).for_each(|(x, &b)| *x += b);
                 }
                 for (d, &x) in k_row.iter().enumerate() {
                     kt[d * KV_TILE + (p - t0)] = x;

@@ -14,10 +14,11 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::cpu::attention::{attention_tiled, in_stored_basis, AttnShape, OnlineSoftmax, TILED_MIN_ROWS};
+use crate::cpu::attention::{attention_tiled, in_stored_basis, AttnShape, KeyBiasScores, OnlineSoftmax, TILED_MIN_ROWS};
 use crate::cpu::RowOrder;
 use crate::kv::{BlockScorer, KvCache, SeqId, Staged};
 use crate::quant::simd::{tile_kernel, vec_ops, MatmulPos};
+use crate::quant::math::dot_lanes;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
 
 /// The blocks one (row, KV head) reads: old (sink and chosen older blocks) and recent (L1), each ascending.
@@ -209,12 +210,17 @@ fn key_scan(kv: &KvCache, layer: usize, seq: SeqId, blocks: &[usize], qg: &[f32]
         .par_iter()
         .with_min_len(8)
         .map_init(
-            || (vec![0.0f32; bs * group], vec![0.0f32; group]),
-            |(dots, best), &b| {
+            || (vec![0.0f32; bs * group], vec![0.0f32; group], KeyBiasScores::new(qg, dk)),
+            |(dots, best, bias), &b| {
                 let view = kv.block_view(layer, seq, b);
                 let (a, a_row) = acts.for_keys(view.k_type);
                 let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
                 group_dots(view.k_type, dk, &view.k[g * k_head_bytes..], view.k_row_bytes, bs, a, a_row, group, dots);
+                if let Some(bias) = bias.for_block(view.k_bias) {
+                    for (t, d) in dots.chunks_exact_mut(group).enumerate() {
+                        d.iter_mut().enumerate().for_each(|(h, x)| *x += bias.score(h, t, g));
+                    }
+                }
                 best.fill(f32::NEG_INFINITY);
                 for d in dots.chunks_exact(group) {
                     best.iter_mut().zip(d).for_each(|(m, &x)| *m = m.max(x));
@@ -232,21 +238,6 @@ fn offset_dots(k_offset: Option<&[f32]>, qg: &[f32], g: usize, dk: usize) -> Vec
         Some(o) => qg.chunks_exact(dk).map(|q| dot_lanes(q, &o[g * dk..(g + 1) * dk])).collect(),
         None => vec![0.0; qg.len() / dk],
     }
-}
-
-/// q·x in f32, summed in LANES running sums (independent lanes the compiler keeps in vector registers, as in
-/// `box_bound`): each query head of the group against a block's K offset.
-fn dot_lanes(q: &[f32], x: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let mut acc = [0.0f32; LANES];
-    let (qc, xc) = (q.chunks_exact(LANES), x.chunks_exact(LANES));
-    let tail: f32 = qc.remainder().iter().zip(xc.remainder()).map(|(a, b)| a * b).sum();
-    for (a, b) in qc.zip(xc) {
-        for i in 0..LANES {
-            acc[i] += a[i] * b[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// Quest's bound on q·k over keys k with lo <= k <= hi element-wise: sum_d max(q_d lo_d, q_d hi_d), summed in
@@ -290,6 +281,7 @@ fn attend_group(
     let bs = kv.cfg.block_size;
     let vd = shape.n_head_kv * dv;
     let mut dots = vec![0.0f32; bs * group];
+    let mut bias = KeyBiasScores::new(qg, dk);
     let mut v_buf = vec![0.0f32; dv];
     let mut add = |scores: &mut dyn Iterator<Item = f32>, v: &[f32], acc: &mut [f32]| {
         for ((sm, score), a) in softmax.iter_mut().zip(scores).zip(acc.chunks_exact_mut(dv)) {
@@ -307,6 +299,7 @@ fn attend_group(
         }
         let view = kv.block_view(layer, seq, b);
         let offset = offset_dots(view.k_offset, qg, g, dk);
+        let bias = bias.for_block(view.k_bias);
         let (a, a_row) = acts.for_keys(view.k_type);
         let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
         let v_head_bytes = view.v_type.row_bytes(dv).unwrap_or(0);
@@ -324,7 +317,8 @@ fn attend_group(
                     &v_buf[..]
                 }
             };
-            let mut scores = d.iter().zip(&offset).map(|(x, o)| (x + o) * shape.scale);
+            let b = |h: usize| bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + r, g));
+            let mut scores = d.iter().zip(&offset).enumerate().map(|(h, (x, o))| (x + o + b(h)) * shape.scale);
             add(&mut scores, v, &mut part.acc);
         }
     }

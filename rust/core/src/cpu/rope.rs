@@ -112,5 +112,32 @@ pub fn rope_row(row: &mut [f32], head_dim: usize, angles: &[(f32, f32)], neox: b
     }
 }
 
+/// A key bias roped at each slot of a block starting at position 0: rope(b, t) for t in 0..block_size,
+/// [block_size][b.len()] (`kv::key_bias`'s c_t).
+pub fn roped_bias_slots(bias: &[f32], p: &RopeParams, head_dim: usize, rope_dims: usize, neox: bool, block_size: usize) -> Vec<f32> {
+    let mut angles = Vec::new();
+    let mut slots = Vec::with_capacity(block_size * bias.len());
+    for t in 0..block_size {
+        let mut c = bias.to_vec();
+        rope_angles(t, p, rope_dims, &mut angles);
+        rope_row(&mut c, head_dim, &angles, neox);
+        slots.extend(c);
+    }
+    slots
+}
+
+/// cos and sin of the rotary angles of each block start j * block_size below n_ctx, without the magnitude factor
+/// (the roped bias rows carry it): [n_blocks][rope_dims / 2] (`kv::key_bias`'s R(p0)).
+pub fn block_start_turns(p: &RopeParams, rope_dims: usize, block_size: usize, n_ctx: usize) -> Vec<(f32, f32)> {
+    let n_blocks = n_ctx.div_ceil(block_size.max(1)).max(1);
+    let mut angles = Vec::new();
+    let mut t = Vec::with_capacity(n_blocks * rope_dims / 2);
+    for j in 0..n_blocks {
+        rope_angles(j * block_size, p, rope_dims, &mut angles);
+        t.extend(angles.iter().map(|&(c, s)| (c / p.mscale, s / p.mscale)));
+    }
+    t
+}
+
 #[cfg(test)]
 mod tests;

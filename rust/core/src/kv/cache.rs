@@ -5,13 +5,15 @@
 //! A K or V row is one token's heads, [n_head_kv * head_dim], stored in its block's precision (F32, F16, Q8_0 or
 //! Q4_0); a head's slice of a row is addressable because head_dim is a multiple of the type's block size. Rows of
 //! a quantized type (q8_0, q4_0) are stored Hadamard-rotated per head (`rotation`), keys less a per-block offset;
-//! attention rotates the query and its output to match (`rotates_k`, `rotates_v`, `BlockView::k_offset`).
+//! attention rotates the query and its output to match (`rotates_k`, `rotates_v`, `BlockView::k_offset`). Q4_0
+//! key rows of a model with a key bias hold the key less its roped bias (`key_bias`, `BlockView::k_bias`).
 //!
 //! A tiered cache (`tiers`) gives blocks different precisions by age and keeps its oldest in the L3 `ring`.
 
 use crate::error::{Error, Result};
 use crate::kv::blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
 use crate::kv::tier_config::Tiers;
+use crate::kv::key_bias::{BiasTerm, KeyBias};
 use crate::kv::{fitted_q4, rotation};
 use crate::quant::{quantize_row, GgmlType};
 
@@ -59,6 +61,9 @@ pub struct BlockView<'a> {
     /// What was subtracted from every stored key ([n_head_kv * head_dim_k], rotated basis): q·k is the stored
     /// key's dot product plus q·offset. None for an unrotated cache.
     pub k_offset: Option<&'a [f32]>,
+    /// What else was taken out of every stored key (q4_0 keys of a layer with a key bias): q·k adds the bias'
+    /// share (`BiasTerm`, in the unrotated basis). Set by `block_view`, which knows the block's positions.
+    pub k_bias: Option<BiasTerm<'a>>,
 }
 
 /// Rows of one block written at once from which their mean becomes the block's K offset (fewer say too little
@@ -80,6 +85,8 @@ pub struct KvCache {
     pub(super) k_offsets: Vec<Option<Vec<f32>>>,
     /// A tiered cache's settings and L3 ring.
     pub(super) tiers: Option<Tiers>,
+    /// The model's key bias, taken out of q4_0 key rows before they are quantized (`set_key_bias`).
+    pub(super) key_bias: Option<KeyBias>,
     /// Layer buffers that blocks gave up when their precision changed, by length, for the next blocks of that
     /// precision: a tiered cache moves every block f16 -> q8_0 -> L3, and freeing those buffers while each block's
     /// small summaries stay allocated between them fragments the heap (glibc kept 186 MiB of 1.9 GiB at 160K
@@ -211,8 +218,25 @@ impl KvCache {
             cfg,
             blocks: Vec::new(),
             tiers: None,
+            key_bias: None,
             spare: SpareBuffers::default(),
         })
+    }
+
+    /// Take the model's key bias out of q4_0 key rows from now on (before the first write: rows stored earlier
+    /// would be read as if it had been). A no-op for a cache that never stores q4_0 keys.
+    pub fn set_key_bias(&mut self, bias: Option<KeyBias>) -> Result<()> {
+        if self.books.blocks_in_use() > 0 {
+            return Err(Error::InvalidArgument("a key bias is set before the cache holds any row".into()));
+        }
+        let q4_keys = self.cfg.k_type == GgmlType::Q4_0 || self.tiers.is_some();
+        self.key_bias = bias.filter(|_| q4_keys);
+        Ok(())
+    }
+
+    /// The key bias q4_0 key rows are stored without (None: they hold whole keys).
+    pub fn key_bias(&self) -> Option<&KeyBias> {
+        self.key_bias.as_ref()
     }
 
     /// The books: tables, reference counts, free blocks.
@@ -397,7 +421,24 @@ impl KvCache {
     /// `rows[t]` = (sequence, position).
     pub fn write_rows(&mut self, layer: usize, rows: &[(SeqId, usize)], k: &[f32], v: &[f32]) -> Result<()> {
         let (k_dim, v_dim) = (self.cfg.n_head_kv * self.cfg.head_dim_k, self.cfg.n_head_kv * self.cfg.head_dim_v);
-        let k = self.stored_form(k, self.rotate_k, self.cfg.head_dim_k);
+        // Keys bound for q4_0 rows lose the model's key bias first (`key_bias`); the summaries see whole keys.
+        let unbiased = self.key_bias.as_ref().filter(|kb| kb.has(layer)).and_then(|kb| {
+            let q4 = |&(s, p): &(SeqId, usize)| self.block_types(self.locate(s, p).0).0 == GgmlType::Q4_0;
+            rows.iter().any(q4).then(|| {
+                let mut adj = k.to_vec();
+                for (t, r) in rows.iter().enumerate().filter(|(_, r)| q4(r)) {
+                    kb.subtract(layer, r.1, &mut adj[t * k_dim..(t + 1) * k_dim]);
+                }
+                rotation::rotate(&mut adj, self.cfg.head_dim_k);
+                adj
+            })
+        });
+        // (Whole keys are needed as stored only for a tiered cache's summaries, or where they are what is stored.)
+        let k = match unbiased {
+            Some(_) if self.tiers.is_none() => std::borrow::Cow::Borrowed(k),
+            _ => self.stored_form(k, self.rotate_k, self.cfg.head_dim_k),
+        };
+        let k_stored: &[f32] = unbiased.as_deref().unwrap_or(&k);
         let v = self.stored_form(v, self.rotate_v, self.cfg.head_dim_v);
         let bs = self.cfg.block_size;
         let mut k_row = vec![0.0f32; k_dim];
@@ -415,7 +456,7 @@ impl KvCache {
                 let run = rows[t..].iter().take_while(|&&(s, p)| s == seq && p / bs == pos / bs).count();
                 let run = (run >= OFFSET_MIN_ROWS).then_some((t, run, pos == 0));
                 if rotated(k_type) {
-                    begin_offset(&mut self.k_offsets[layer], &mut block.k_offset[layer], &k, k_dim, run);
+                    begin_offset(&mut self.k_offsets[layer], &mut block.k_offset[layer], k_stored, k_dim, run);
                 } else {
                     block.k_offset[layer].fill(0.0);
                 }
@@ -426,7 +467,7 @@ impl KvCache {
                 *lo = lo.min(x);
                 *hi = hi.max(x);
             }
-            k_row.copy_from_slice(key);
+            k_row.copy_from_slice(&k_stored[t * k_dim..(t + 1) * k_dim]);
             k_row.iter_mut().zip(&block.k_offset[layer]).for_each(|(x, &o)| *x -= o);
             let (k_dst, v_dst) = self.rows_mut(b, layer);
             store_row(k_type, &k_row, &mut k_dst[slot * kb..(slot + 1) * kb])?;
@@ -471,12 +512,16 @@ impl KvCache {
             None => (&block.k[layer][..], &block.v[layer][..]),
         };
         let k_offset = self.rotate_k.then(|| &block.k_offset[layer][..]);
-        BlockView { k, v, k_type, v_type, k_row_bytes, v_row_bytes, k_offset }
+        BlockView { k, v, k_type, v_type, k_row_bytes, v_row_bytes, k_offset, k_bias: None }
     }
 
     /// `layer` of the `block_index`-th block of `seq`'s table (slots valid below `seq_len`).
     pub fn block_view(&self, layer: usize, seq: SeqId, block_index: usize) -> BlockView<'_> {
-        self.view(self.books.table(seq)[block_index] as usize, layer)
+        let mut view = self.view(self.books.table(seq)[block_index] as usize, layer);
+        if view.k_type == GgmlType::Q4_0 {
+            view.k_bias = self.key_bias.as_ref().and_then(|kb| kb.term(layer, block_index));
+        }
+        view
     }
 }
 

@@ -13,6 +13,7 @@
 pub mod blocks;
 pub mod cache;
 pub mod fitted_q4;
+pub mod key_bias;
 pub mod prefetch;
 pub mod ring;
 pub mod rotation;
@@ -21,5 +22,6 @@ pub mod tiers;
 
 pub use blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
 pub use cache::{BlockView, KvCache, KvConfig};
+pub use key_bias::{BiasTerm, KeyBias};
 pub use prefetch::{PrefetchStats, Staged};
 pub use tier_config::{BlockScorer, KvMemory, TierConfig, TierUse};

@@ -89,14 +89,15 @@ impl KvCache {
             let want = if end + l1 + l2 > len { Precision::Q8_0 } else { Precision::Q4_0 };
             let have = self.books.home(b).expect("a held block has a home").k;
             if tier(want) > tier(have) {
-                self.move_block(b, want)?;
+                self.move_block(b, i, want)?;
             }
         }
         Ok(())
     }
 
-    /// Requantize every layer of the full block `b` to `to`, in memory (q8_0) or into a ring slot (q4_0).
-    fn move_block(&mut self, b: u32, to: Precision) -> Result<()> {
+    /// Requantize every layer of the full block `b` (the `block_index`-th of its sequences) to `to`, in memory
+    /// (q8_0) or into a ring slot (q4_0, whose keys lose the model's key bias first, `key_bias`).
+    fn move_block(&mut self, b: u32, block_index: usize, to: Precision) -> Result<()> {
         let (kd, vd) = (self.cfg.n_head_kv * self.cfg.head_dim_k, self.cfg.n_head_kv * self.cfg.head_dim_v);
         let bs = self.cfg.block_size;
         let to_type = crate::kv::cache::ggml_type(to);
@@ -110,12 +111,25 @@ impl KvCache {
                 dequantize_row(view.v_type, &view.v[slot * view.v_row_bytes..][..view.v_row_bytes], &mut vals[slot * vd..(slot + 1) * vd])?;
             }
             let old_offset = view.k_offset.expect("a tiered cache rotates its keys").to_vec();
-            // A block first quantized takes its mean key as offset; a quantized one keeps its own.
-            let offset = if rotated(view.k_type) {
+            let bias = match to {
+                Precision::Q4_0 => self.key_bias.as_ref().and_then(|kb| kb.term(layer, block_index)),
+                _ => None,
+            };
+            // A block first quantized, or losing the key bias, takes its mean key as offset; a quantized one keeps
+            // its own.
+            let offset = if rotated(view.k_type) && bias.is_none() {
                 old_offset.clone()
             } else {
-                for key in keys.chunks_exact_mut(kd) {
+                let (hd, mut row) = (self.cfg.head_dim_k, vec![0.0f32; kd]);
+                for (t, key) in keys.chunks_exact_mut(kd).enumerate() {
                     key.iter_mut().zip(&old_offset).for_each(|(x, &o)| *x += o);
+                    if let Some(term) = &bias {
+                        for (g, head) in row.chunks_exact_mut(hd).enumerate() {
+                            term.bias(t, g, head);
+                        }
+                        crate::kv::rotation::rotate(&mut row, hd);
+                        key.iter_mut().zip(&row).for_each(|(x, &y)| *x -= y);
+                    }
                 }
                 let mean = mean_row(&keys, kd, false);
                 for key in keys.chunks_exact_mut(kd) {

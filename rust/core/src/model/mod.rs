@@ -45,4 +45,33 @@ impl Model {
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
     }
+
+    /// The key bias a q4_0 KV cache of `block_size`-position blocks and `n_ctx` positions takes out of its keys
+    /// (`kv::key_bias`): every layer's attn_k bias, where no key norm comes between it and RoPE, roped as the
+    /// forward pass ropes keys.
+    pub fn key_bias(&self, block_size: usize, n_ctx: usize) -> Option<crate::kv::KeyBias> {
+        use crate::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
+        use crate::kv::key_bias::LayerBiasTables;
+        let s = &self.spec;
+        let mut turns: Vec<(RopeParams, std::sync::Arc<Vec<(f32, f32)>>)> = Vec::new();
+        let mut layers = Vec::with_capacity(s.layers.len());
+        for (lw, ls) in self.weights.layers.iter().zip(&s.layers) {
+            let Some(b) = lw.bk.as_deref().filter(|_| lw.k_norm.is_none()) else {
+                layers.push(None);
+                continue;
+            };
+            let p = RopeParams::new(ls.rope_base, ls.rope_freq_scale, s.rope_dims, &s.rope_yarn);
+            let starts = match turns.iter().find(|(q, _)| *q == p) {
+                Some((_, t)) => t.clone(),
+                None => {
+                    let t = std::sync::Arc::new(block_start_turns(&p, s.rope_dims, block_size, n_ctx));
+                    turns.push((p, t.clone()));
+                    t
+                }
+            };
+            let slots = roped_bias_slots(b, &p, s.head_dim, s.rope_dims, s.rope_neox, block_size);
+            layers.push(Some(LayerBiasTables { slots, starts }));
+        }
+        crate::kv::KeyBias::new(layers, s.n_head_kv, s.head_dim, s.rope_dims, s.rope_neox, block_size)
+    }
 }

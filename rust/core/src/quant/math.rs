@@ -3,7 +3,8 @@
 //!
 //! - [`ggml_expf`]: ggml's exp, under the SiLU and the softmax (scalar `simd::vecops` and the AVX2 tails);
 //! - llama.cpp's rounding and max scans of the quantizers ([`nearest_int`], [`abs_max`], [`signed_abs_max`]);
-//! - the exact int8 dot product inside the K-quant dot products ([`IntDot`], [`ScalarDot`]).
+//! - the exact int8 dot product inside the K-quant dot products ([`IntDot`], [`ScalarDot`]);
+//! - an f32 dot product in vector-friendly running sums ([`dot_lanes`]).
 
 /// exp(x) as ggml's vectorised `ggml_v_expf` computes it (range reduction to 2^n * e^b, degree-5 polynomial),
 /// one element at a time with the same fused multiply-adds. llama.cpp evaluates SiLU through it on every x86
@@ -133,4 +134,19 @@ mod tests {
         assert_eq!(ggml_expf(-200.0), 0.0);
         assert_eq!(ggml_expf(100.0), f32::INFINITY);
     }
+}
+
+/// q·x in f32, summed in LANES running sums (independent lanes the compiler keeps in vector registers, as in
+/// `cpu::attention_tiered::box_bound`): a query head against a block's K offset or a key bias row.
+pub fn dot_lanes(q: &[f32], x: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let (qc, xc) = (q.chunks_exact(LANES), x.chunks_exact(LANES));
+    let tail: f32 = qc.remainder().iter().zip(xc.remainder()).map(|(a, b)| a * b).sum();
+    for (a, b) in qc.zip(xc) {
+        for i in 0..LANES {
+            acc[i] += a[i] * b[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }

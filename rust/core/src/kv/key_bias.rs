@@ -1,0 +1,140 @@
+//! A key bias taken out of 4-bit keys before they are quantized, and its share of each score added back exactly.
+//!
+//! Qwen2's keys are W x + b_k, roped: their stored form holds rope(b_k, pos), a vector turning with the position.
+//! Its fast-turning pairs do not average out over a block, so a block's mean key (its K offset) leaves them in every
+//! key, where they set the 4-bit steps (docs/journal/kv-q4-keys.md: on Qwen2.5-Coder-0.5B they are most of the
+//! q4_0 cache's perplexity cost, and the tiered cache's lost needles). So a q4_0 key row holds k - bias(pos), and
+//! attention adds q·bias(pos) to its score.
+//!
+//! bias(pos) is computed one way on both sides, so what is taken out is exactly what is added back: with p0 the
+//! start of pos's block and t = pos - p0, bias(pos) = R(p0) c_t, where c_t = rope(b_k, t) is tabled once per layer
+//! (block_size rows) and R(p0) is the rotation by the angles of p0 without RoPE's magnitude factor (c_t carries
+//! it; the angles are linear in the position, so this is rope(b_k, pos) up to rounding). A score's share is then
+//! q·R(p0) c_t = (R(p0)^T q)·c_t: the query turned back once per block, then one f32 dot product per key.
+
+/// The key bias of every layer that has one (and no key norm, which would not let it through unchanged).
+pub struct KeyBias {
+    kd: usize,
+    head_dim: usize,
+    neox: bool,
+    block_size: usize,
+    /// Rotary pairs per head (rope_dims / 2).
+    half: usize,
+    /// Per layer: None without a bias.
+    layers: Vec<Option<LayerBias>>,
+}
+
+struct LayerBias {
+    /// c_t = rope(b_k, t) for t in 0..block_size: [block_size][n_head_kv * head_dim], unrotated basis.
+    slots: Vec<f32>,
+    /// Per block start p0 = j * block_size: cos and sin of its rotary angles without the magnitude factor,
+    /// [n_blocks][rope_dims / 2]; shared by layers of one RoPE setting.
+    starts: std::sync::Arc<Vec<(f32, f32)>>,
+}
+
+/// The bias of one layer for the keys of one block (positions p0 .. p0 + block_size).
+#[derive(Clone, Copy)]
+pub struct BiasTerm<'a> {
+    slots: &'a [f32],
+    turn: &'a [(f32, f32)],
+    kd: usize,
+    head_dim: usize,
+    neox: bool,
+}
+
+/// Where rotary pair i's two elements sit in a head.
+#[inline(always)]
+fn pair(i: usize, half: usize, neox: bool) -> (usize, usize) {
+    if neox {
+        (i, i + half)
+    } else {
+        (2 * i, 2 * i + 1)
+    }
+}
+
+/// One layer's key bias as `KeyBias::new` takes it, roped by the model's RoPE (`Model::key_bias`).
+pub struct LayerBiasTables {
+    /// rope(b_k, t) for t in 0..block_size: [block_size][n_head_kv * head_dim].
+    pub slots: Vec<f32>,
+    /// Per block start j * block_size (j up to the cache's blocks): cos and sin of its rotary angles without
+    /// RoPE's magnitude factor, [n_blocks][rope_dims / 2]; layers of one RoPE setting may share one.
+    pub starts: std::sync::Arc<Vec<(f32, f32)>>,
+}
+
+impl KeyBias {
+    /// `layers[l]`: layer l's tables, None without a bias. None when no layer has one.
+    pub fn new(layers: Vec<Option<LayerBiasTables>>, n_head_kv: usize, head_dim: usize, rope_dims: usize, neox: bool,
+               block_size: usize) -> Option<KeyBias> {
+        if layers.iter().all(Option::is_none) || block_size == 0 {
+            return None;
+        }
+        let kd = n_head_kv * head_dim;
+        let layers = layers
+            .into_iter()
+            .map(|l| {
+                let l = l?;
+                assert_eq!(l.slots.len(), block_size * kd, "a bias row a slot and KV head");
+                Some(LayerBias { slots: l.slots, starts: l.starts })
+            })
+            .collect();
+        Some(KeyBias { kd, head_dim, neox, block_size, half: rope_dims / 2, layers })
+    }
+
+    /// Layer `layer`'s bias for the block at `block_index` of a sequence; None if the layer has none (or the
+    /// block lies past the tabled positions, which the cache's n_ctx does not allow).
+    pub fn term(&self, layer: usize, block_index: usize) -> Option<BiasTerm<'_>> {
+        let l = self.layers.get(layer)?.as_ref()?;
+        let turn = l.starts.get(block_index * self.half..(block_index + 1) * self.half)?;
+        Some(BiasTerm { slots: &l.slots, turn, kd: self.kd, head_dim: self.head_dim, neox: self.neox })
+    }
+
+    /// Whether `layer` has a bias to take out.
+    pub fn has(&self, layer: usize) -> bool {
+        self.layers.get(layer).is_some_and(Option::is_some)
+    }
+
+    /// key -= bias(pos) for every KV head of one unrotated key row of `layer` (no-op without a bias).
+    pub fn subtract(&self, layer: usize, pos: usize, key: &mut [f32]) {
+        let Some(term) = self.term(layer, pos / self.block_size) else { return };
+        let mut b = vec![0.0f32; self.head_dim];
+        for (g, head) in key.chunks_exact_mut(self.head_dim).enumerate() {
+            term.bias(pos % self.block_size, g, &mut b);
+            head.iter_mut().zip(&b).for_each(|(x, &y)| *x -= y);
+        }
+    }
+}
+
+impl BiasTerm<'_> {
+    /// `out` = R(p0)^T q for one unrotated query head: then q·bias(p0 + t) of KV head g is `dot(out, t, g)`.
+    pub fn turn_query(&self, q: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(q);
+        let half = self.turn.len();
+        for (i, &(c, s)) in self.turn.iter().enumerate() {
+            let (a, b) = pair(i, half, self.neox);
+            out[a] = q[a] * c + q[b] * s;
+            out[b] = q[b] * c - q[a] * s;
+        }
+    }
+
+    /// turned·c_t for KV head g: the bias' share of the score of the key at slot t.
+    #[inline]
+    pub fn dot(&self, turned: &[f32], t: usize, g: usize) -> f32 {
+        let c = &self.slots[t * self.kd + g * self.head_dim..][..self.head_dim];
+        crate::quant::math::dot_lanes(turned, c)
+    }
+
+    /// bias(p0 + t) of KV head g into `out` [head_dim], unrotated: R(p0) c_t.
+    pub fn bias(&self, t: usize, g: usize, out: &mut [f32]) {
+        let c = &self.slots[t * self.kd + g * self.head_dim..][..self.head_dim];
+        out.copy_from_slice(c);
+        let half = self.turn.len();
+        for (i, &(co, s)) in self.turn.iter().enumerate() {
+            let (a, b) = pair(i, half, self.neox);
+            out[a] = c[a] * co - c[b] * s;
+            out[b] = c[a] * s + c[b] * co;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
