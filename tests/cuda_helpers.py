@@ -1,5 +1,5 @@
 """What the CUDA tests share: the skip mark, the error measure, the CPU's RMSNorm, a model's greedy tokens on a
-device, and a GPU model teacher-forced along the CPU's greedy tokens."""
+device, and a GPU model teacher-forced along the CPU's greedy tokens (its tokens, or its decode steps' logits)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,32 @@ def greedy_tokens(path: Path, device: str, prompt: list[int], n: int, **kw) -> l
     """A model's free-running greedy tokens on a device (kw: more LLM arguments, such as n_gpu_layers)."""
     llm = ninfer.LLM(path, n_ctx=512, threads=8, device=device, **kw)
     return llm.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True).tokens
+
+
+class _LogitsRecorder:
+    """A sampler for CudaEngine.step that keeps each step's logits (and picks the argmax)."""
+
+    is_greedy = False
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+
+    def sample(self, logits: np.ndarray) -> int:
+        self.rows.append(np.array(logits, np.float64).reshape(-1))
+        return int(np.argmax(logits))
+
+
+def decode_logits(path: Path, prompt: list[int], tokens: list[int], device: str, **kw) -> np.ndarray:
+    """The logits of decode steps fed `tokens` after `prompt` ([len(tokens), n_vocab]): one-token forwards on the
+    CPU, the decode kernels' steps on the GPU (kw: LLM arguments)."""
+    if device == "cpu":
+        eng = ninfer.LLM(path, n_ctx=512, threads=8, **kw).backend
+        eng.forward([(0, prompt)], [len(prompt) - 1])
+        return np.array([eng.forward([(0, [t])], [0])[0] for t in tokens], np.float64)
+    eng = ninfer.LLM(path, n_ctx=512, device="cuda", **kw).backend
+    eng.prefill(0, prompt, 512)
+    rec = _LogitsRecorder()
+    for t in tokens:
+        eng.step(0, t, rec)
+    return np.array(rec.rows)
+

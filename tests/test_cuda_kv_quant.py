@@ -9,7 +9,7 @@ from pathlib import Path
 import ninfer
 import numpy as np
 import pytest
-from cuda_helpers import needs_cuda, nmse, teacher_forced
+from cuda_helpers import decode_logits, needs_cuda, nmse, teacher_forced
 from ninfer.synth import write_synthetic
 
 TYPES = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")]
@@ -52,8 +52,26 @@ def test_decode_with_a_quantized_cache_agrees_with_the_cpu(model: Path, k: str, 
     kw = {"cache_type_k": k, "cache_type_v": v}
     cpu, gpu, margins = teacher_forced(model, PROMPT[:250], 64, cpu_kw=kw, **kw)
     differ = [i for i in range(64) if gpu[i] != cpu[i]]
+    # Only close calls may go the other way (a misread cache moves most steps, by wide margins). How many do is
+    # chaotic on this random model, whose q4_0 steps are often near ties (16 of the 64 within 0.05): 1 here before
+    # q4_0 keys lost the key bias, 5 since, with the steps' logits nearly as close to the CPU's (next test).
     assert all(margins[i] < 0.25 for i in differ), [(i, float(margins[i])) for i in differ]
-    assert len(differ) <= 4, differ
+    assert len(differ) <= 8, differ
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,v", TYPES)
+def test_decode_logits_with_a_quantized_cache_follow_the_cpus(model: Path, k: str, v: str) -> None:
+    """The decode kernels' logits, teacher-forced along 32 tokens, err from the CPU's decode steps far less than
+    the cache itself errs (measured on an H100: q4_0/q4_0 NMSE 5.4e-4 against the cache's 1.8e-2, and 4.6e-4
+    before q4_0 keys lost the key bias; q8_0/q8_0 1.5e-5 against 1.0e-4)."""
+    kw = {"cache_type_k": k, "cache_type_v": v}
+    tokens = [(11 * i + 5) % 150000 for i in range(32)]
+    cpu = decode_logits(model, PROMPT[:250], tokens, "cpu", **kw)
+    cpu_f16 = decode_logits(model, PROMPT[:250], tokens, "cpu")
+    gpu = decode_logits(model, PROMPT[:250], tokens, "cuda", **kw)
+    cache_err = nmse(cpu, cpu_f16)
+    assert nmse(gpu, cpu) < 0.25 * cache_err + 2e-5, (nmse(gpu, cpu), cache_err)
 
 
 @needs_cuda

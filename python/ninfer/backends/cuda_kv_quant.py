@@ -40,8 +40,9 @@ QUANT_MAX_SPLIT = 128
 QATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "k_rows", "v_rows", "k_latest", "k_codes", "k_scales", "k_offsets", "v_codes",
                           "v_scales", "page_tables", "row_seq", "pos", "part_acc", "part_ml", "tickets", "out")]
-    + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "pad")]
-    + [("scale", "<f4"), ("pad2", "<i4")], align=True)
+    + [("kb_slots", "<u8"), ("kb_turns", "<u8")]
+    + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "kb_half")]
+    + [("scale", "<f4"), ("kb_neox", "<i4")], align=True)
 
 
 def check_cache_types(k: str, v: str, head_dim: int) -> bool:
@@ -85,10 +86,56 @@ class QuantKv:
         self.v_scales = [cp.zeros((*shape, hdv // 32), cp.uint16) for _ in range(self.n_gpu)]
         self.k_offsets = [cp.zeros((self.n_pages, n_kv * hd), cp.float32) for _ in range(self.n_gpu)]
         self.k_latest = [cp.zeros(n_kv * hd, cp.float32) for _ in range(self.n_gpu)]
+        self._alloc_key_bias(self.page_size)
         self._alloc_rotated_rows(T)
         # one layer's keys and values in f16, for prompt batches (the f16 cache's size over the layers)
         self.k16 = cp.zeros((*shape, hd), cp.uint16)
         self.v16 = cp.zeros((*shape, hdv), cp.uint16)
+
+    def _alloc_key_bias(self, page_size: int) -> None:
+        """Every GPU layer's key bias tables (kernels/kv_quant.cu KeyBiasRef; the CPU's kv::key_bias, computed by
+        its RoPE): q4_0 keys (a quantized cache's, or the tiered cache's L3) are stored without the model's attn_k
+        bias roped to their position, and scores add its share back. None for a layer without a bias (or with a
+        key norm between the bias and RoPE)."""
+        from ninfer import _core
+
+        cp, s = self.cp, self.spec
+        n_kv, hd = s["n_head_kv"], s["head_dim"]
+        self.key_bias = []
+        turns_by_rope: dict = {}  # layers of one RoPE setting share the page starts' turns
+        for il, lw in enumerate(self.layers):
+            if lw.get("bk") is None or lw.get("k_norm") is not None:
+                self.key_bias.append(None)
+                continue
+            slots, turns = _core.key_bias_tables(s, il, cp.asnumpy(lw["bk"]).astype(np.float32), page_size,
+                                                 self.n_ctx)
+            ls = s["layers"][il]
+            rope = (ls.get("rope_base"), ls.get("rope_freq_scale"))
+            if rope not in turns_by_rope:
+                turns_by_rope[rope] = cp.asarray(turns)
+            # [page][n_kv * hd] -> [n_kv][hd][page]: a warp's keys (consecutive slots) read one line an element
+            slots_t = cp.asarray(np.ascontiguousarray(slots.reshape(page_size, n_kv, hd).transpose(1, 2, 0)))
+            self.key_bias.append((slots_t, turns_by_rope[rope]))
+
+    def _key_bias_fields(self, il: int, page_size: int) -> dict:
+        """Layer il's key bias fields of QATTN_PARAMS / TATTN_PARAMS (zeros without a bias)."""
+        kb = self.key_bias[il]
+        if kb is None:
+            return dict(kb_slots=0, kb_turns=0, kb_half=0, kb_neox=0)
+        s = self.spec
+        return dict(kb_slots=kb[0].data.ptr, kb_turns=kb[1].data.ptr, kb_half=s["rope_dims"] // 2,
+                    kb_neox=int(bool(s["rope_neox"])))
+
+    def _key_unbias(self, il: int, rows: int, k_rows: int) -> None:
+        """The rotated K rows of a q4_0 K cache less the layer's key bias at their positions (before the offsets
+        and the store; no-op without a bias or for q8_0 keys)."""
+        fields = self._key_bias_fields(il, self.page_size)
+        if self.quant_kv[0] != 4 or not fields["kb_slots"]:
+            return
+        s = self.spec
+        launch.kernel(function("kv_key_unbias"), (rows, s["n_head_kv"]), (32,), (
+            u64(k_rows), u64(self.pos.data.ptr), i32(s["n_head_kv"]), i32(s["head_dim"]), u64(fields["kb_slots"]),
+            u64(fields["kb_turns"]), i32(fields["kb_half"]), i32(fields["kb_neox"]), i32(self.page_size)))
 
     def _alloc_rotated_rows(self, T: int) -> None:
         """What attention_quant's decode split (and the tiered cache's, which shares it) needs besides the pools:
@@ -125,7 +172,7 @@ class QuantKv:
                           u64(self.k_offsets[il].data.ptr), u64(self.k_latest[il].data.ptr), i32(0), u64(table),
                           i32(self.page_size))
             smem = 4 * 2 * max(hd, s["head_dim_v"])
-            return [lambda: rope(k_rows, v_rows), offsets,
+            return [lambda: rope(k_rows, v_rows), lambda: self._key_unbias(il, rows, k_rows), offsets,
                     lambda: launch.kernel(store, (rows, n_kv), (64,), store_args, shared_mem=smem)]
         if rows != 1:
             raise ValueError("attention_quant stores one decode row a launch")
@@ -140,9 +187,10 @@ class QuantKv:
                          part_ml=self.quant_part.data.ptr + 4 * self.quant_split * n_head * s["head_dim_v"],
                          tickets=self.quant_tickets.data.ptr,
                          out=self.att.data.ptr, table_stride=self.max_pages, window=ls.get("sliding_window") or 0,
-                         n_head=n_head, n_head_kv=n_kv, page_size=self.page_size, scale=s["attn_scale"]).items():
+                         n_head=n_head, n_head_kv=n_kv, page_size=self.page_size, scale=s["attn_scale"],
+                         **self._key_bias_fields(il, self.page_size)).items():
             params[k] = v
-        return [lambda: rope(k_rows, v_rows),
+        return [lambda: rope(k_rows, v_rows), lambda: self._key_unbias(il, rows, k_rows),
                 lambda: launch.kernel(attend, (n_split, n_kv, rows), (128,), (params,), dependent=True)]
 
     def _quant_prompt_offsets(self, il: int, seq: int, start: int, T: int) -> None:
@@ -180,7 +228,8 @@ class QuantKv:
         launch.kernel(function(f"kv_widen_k{kk}v{vk}"), (-(-n_keys // 8), n_kv), (256,), (
             i32(n_keys), i32(n_kv), i32(hd), i32(hdv), u64(self.k_pools[il].data.ptr), u64(self.k_scales[il].data.ptr),
             u64(self.v_pools[il].data.ptr), u64(self.v_scales[il].data.ptr), u64(self.k_offsets[il].data.ptr),
-            u64(table), i32(self.page_size), u64(self.k16.data.ptr), u64(self.v16.data.ptr)))
+            u64(table), i32(self.page_size), u64(self.k16.data.ptr), u64(self.v16.data.ptr),
+            *(t(v) for t, v in zip((u64, u64, i32, i32), self._key_bias_fields(il, self.page_size).values()))))
         rotate = function("rotate_rows")
         launch.kernel(rotate, (T, n_head), (32,), (u64(self.q_rot.data.ptr), i32(n_head), i32(hd)))
         f16_attention(self.k16.data.ptr, self.v16.data.ptr)

@@ -47,10 +47,11 @@ TATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "k_rows", "v_rows", "l1_k", "l1_v", "l2_kc", "l2_ks", "l2_vc", "l2_vs", "l2_off",
                           "l3_kc", "l3_ks", "l3_vc", "l3_vs", "l3_off", "summary", "page_tables", "row_seq", "pos",
                           "lists", "counts", "scores", "part_acc", "part_ml", "tickets", "out", "hot_kc", "hot_ks",
-                          "hot_vc", "hot_vs", "hot_off", "hot_slot_of", "hot_owner", "hot_hand", "slots", "hot_stats")]
+                          "hot_vc", "hot_vs", "hot_off", "hot_slot_of", "hot_owner", "hot_hand", "slots", "hot_stats",
+                          "kb_slots", "kb_turns")]
     + [(k, "<i4") for k in ("table_stride", "list_stride", "n_head", "n_head_kv", "page_size", "l1", "select",
                             "hot_slots")]
-    + [("scale", "<f4"), ("pad2", "<i4")], align=True)
+    + [("scale", "<f4"), ("kb_half", "<i4"), ("kb_neox", "<i4"), ("pad2", "<i4")], align=True)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class TieredKv:
         self.t_scratch_v = cp.zeros((self.max_pages, n_kv, ps, hd), cp.uint16)
         self.t_identity = cp.arange(self.max_pages, dtype=cp.int32)  # the scratch's page table
         self._alloc_rotated_rows(T)  # (cuda_kv_quant.py: attention_tiered splits as attention_quant does)
+        self._alloc_key_bias(TIERED_BLOCK_SIZE)
         self.t_params = [self._tier_params(il) for il in range(self.n_gpu)]
 
     def _free_tiers(self) -> None:
@@ -202,7 +204,8 @@ class TieredKv:
             **{f"hot_{k}": hot[k].data.ptr for k in ("kc", "ks", "vc", "vs", "off", "slot_of", "owner", "hand")},
             slots=self.t_slots.data.ptr, hot_stats=self.t_hot_stats.data.ptr, table_stride=self.max_pages,
             list_stride=self.max_pages, n_head=n_head, n_head_kv=s["n_head_kv"], page_size=TIERED_BLOCK_SIZE,
-            l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"])
+            l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"],
+            **self._key_bias_fields(il, TIERED_BLOCK_SIZE))
         for k, v in fields.items():
             p[k] = v
         return p
@@ -323,7 +326,7 @@ class TieredKv:
             with self.stream:
                 for il in range(self.n_gpu):
                     launch.kernel(self._tier_fn(name), (s["n_head_kv"],), (64,), (
-                        self.t_params[il], i32(t), i32(i), i32(j), i32(seq), i32(k)), shared_mem=2 * 4 * s["head_dim"])
+                        self.t_params[il], i32(t), i32(i), i32(j), i32(seq), i32(k)), shared_mem=3 * 4 * s["head_dim"])
             self.t_free[t].append(i)
             pages[k] = (want, j)
             self.t_stats["demoted_l2" if want == 1 else "demoted_l3"] += 1

@@ -1,6 +1,7 @@
 // Attention of decode rows over the quantized KV cache (kv_quant.cu's pools), as the CPU's attend_range computes
 // it (rust/core/src/cpu/attention.rs): the query Hadamard-rotated into the keys' basis and quantized to q8_0, each
-// score the integer block dot products scaled by both blocks' f16 scales plus q·offset of the key's page (in f32),
+// score the integer block dot products scaled by both blocks' f16 scales plus q·offset of the key's page (in f32)
+// and, for q4_0 keys of a layer with a key bias, q·bias(p) (kv_quant.cu KeyBiasRef),
 // times the attention scale; f32 online softmax; values dequantized and accumulated in f32; the output rotated back.
 //
 // One launch a layer after rope_kv (which leaves the roped query and the new token's rotated K and V rows in f32).
@@ -43,9 +44,11 @@ struct QAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_quant.py QAT
     float2* part_ml;  // [rows][n_head][n_split]: its (max, sum)
     int* tickets;  // [rows][n_head_kv], zero between launches
     float* out;    // [rows][n_head][HD]
-    int table_stride, window, n_head, n_head_kv, page_size, pad;
+    const float* kb_slots;    // the layer's key bias tables (kv_quant.cu KeyBiasRef), q4_0 keys; null: none
+    const float2* kb_turns;
+    int table_stride, window, n_head, n_head_kv, page_size, kb_half;
     float scale;
-    int pad2;
+    int kb_neox;
 };
 
 // 8 words of a K row's 32-block as signed bytes (4 a word): q8_0 codes as they are, q4_0 codes less 8.
@@ -124,6 +127,7 @@ constexpr int QATT_LPK = QATT_HD / QATT_DPL, QATT_KG = 32 / QATT_LPK;
 constexpr bool QATT_RED_IN_WACC = QATT_NG * QATT_HD >= 32 * 4;  // the merge's [S][HD] partial sums fit wacc
 struct QattSmem {
     float qf[QATT_NG][QATT_HD];               // the rotated query, f32 (for q·offset); then the output
+    float qu[QATT_NG][QATT_HD];               // the query unrotated (for q·bias of q4_0 keys, KeyBiasRef)
     int qc[QATT_NG][QATT_HD / 4];             // its q8_0 codes, 4 a word
     float qd[QATT_NG][QATT_NB];               // and their scales (f16-rounded)
     float pt[QATT_WARPS][QATT_NG][32];        // a tile's probabilities
@@ -142,7 +146,7 @@ __device__ void qatt_query(QattSmem& S, const float* q, int row, int n_head, int
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int h = warp; h < NG; h += QATT_WARPS) {
         const float* src = q + ((long long)row * n_head + g * NG + h) * HD;
-        for (int i = lane; i < HD; i += WARP) S.qf[h][i] = src[i];
+        for (int i = lane; i < HD; i += WARP) S.qf[h][i] = S.qu[h][i] = src[i];
         __syncwarp();
         warp_hadamard(S.qf[h], HD, HD & -HD);
         for (int b = 0; b < NB; ++b) {
@@ -412,9 +416,18 @@ __device__ void attend_quant(const QAttnParams& P) {
         for (int h = 0; h < NG; ++h) off[h] = page == pa ? last_da[h] : last_db[h];
         float dot[NG];
         qatt_dots<KT>(S, P.k_codes + cell * KCB, P.k_scales + cell * NB, dot);
+#pragma unroll
+        for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
+        if (KT == KVQ_Q4 && P.kb_slots) {  // what q4_0 keys were stored without: the key bias' share
+            const KeyBiasRef B = {P.kb_slots, P.kb_turns, P.kb_half, P.kb_neox, P.page_size};
+            float kb[NG];
+            kbias_dots<HD, NG>(B, S.qu, g, kk, kb);
+#pragma unroll
+            for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], kb[h]);
+        }
         float sc[NG];
 #pragma unroll
-        for (int h = 0; h < NG; ++h) sc[h] = live ? __fmul_rn(__fadd_rn(dot[h], off[h]), P.scale) : -INFINITY;
+        for (int h = 0; h < NG; ++h) sc[h] = live ? __fmul_rn(dot[h], P.scale) : -INFINITY;
         qatt_softmax_tile(S, sc, m, s, acc);
         qatt_values(S, cell, min(32, s1 - t0), acc, [&](long long cj, int e0, float* v) {
             load_v<VT, DPL>(P.v_codes + cj * VCB, P.v_scales + cj * NB, e0, v);

@@ -2,7 +2,8 @@
 // sequence's pages of PAGE tokens live in L1 (f16 on the device: its first page, the attention sinks, and the
 // pages holding its newest l1 tokens), L2 (q8_0 on the device, the next l2 tokens) or L3 (q4_0 in mapped pinned
 // host memory, which kernels read over the bus). Rows are stored Hadamard-rotated in every tier; a page's keys lose
-// their mean (its K offset) when it is first quantized (L1 keeps offset 0), as the CPU's tiers do.
+// their mean (its K offset) when it is first quantized (L1 keeps offset 0), as the CPU's tiers do; L3's keys also
+// lose the model's key bias (KeyBiasRef), its share added back to their scores.
 //
 // A page table entry is (tier << TIER_SHIFT) | index of the page in that tier's pools. Pools per layer: L1 K and V
 // [n1][n_kv][PAGE][HD] f16; L2 and L3 codes [n][n_kv][PAGE][code bytes], scales [n][n_kv][PAGE][HD / 32] f16 and
@@ -65,10 +66,16 @@ struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TAT
     int* hot_hand;     // [n_head_kv]: where the next slot search starts (a ring)
     int* slots;        // [rows][n_head_kv][list_stride]: per list entry its slot (| HOT_FILL: fill it) or -1
     unsigned long long* hot_stats;  // hits, misses, fills (page-head-layers, summed over layers and steps)
+    const float* kb_slots;  // the layer's key bias tables (kv_quant.cu KeyBiasRef): L3's keys lose it; null: none
+    const float2* kb_turns;
     int table_stride, list_stride, n_head, n_head_kv, page_size, l1, select, hot_slots;
     float scale;
-    int pad2;
+    int kb_half, kb_neox, pad2;
 };
+
+__device__ __forceinline__ KeyBiasRef tier_key_bias(const TAttnParams& P) {
+    return {P.kb_slots, P.kb_turns, P.kb_half, P.kb_neox, P.page_size};
+}
 
 // An order-preserving unsigned key of a float (larger float, larger key).
 __device__ __forceinline__ u32 score_key(float f) {
@@ -463,6 +470,12 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
             else qatt_dots<KVQ_Q4>(S, kc + cell * (HD / 2), ks + cell * NB, dot);
 #pragma unroll
             for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
+            if (tier == 2 && P.kb_slots) {  // L3's keys were stored without the key bias: its share
+                float kb[NG];
+                kbias_dots<HD, NG>(tier_key_bias(P), S.qu, g, key0 + lane, kb);
+#pragma unroll
+                for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], kb[h]);
+            }
         }
         float sc[NG];
 #pragma unroll

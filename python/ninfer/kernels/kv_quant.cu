@@ -162,24 +162,96 @@ __device__ __forceinline__ float kvq_elem(const u8* codes, const u16* scales, in
     return d * (float)((j < 16 ? (byte & 15) : (byte >> 4)) - 8);
 }
 
+// The model's key bias (rust/core/src/kv/key_bias.rs): q4_0 keys are stored less bias(p) = R(p0) c_t, the bias
+// roped to slot t of a page starting at p0, turned by p0's angles, and scores add q·bias(p) back (unrotated q).
+// Tables of a layer (backends/cuda_kv_quant.py key_bias_tables): slots c_t transposed, [n_head_kv][HD][page]
+// (t fastest: a warp's keys read one line an element), turns [page of the context][half] (cos, sin of p0's angles
+// without RoPE's magnitude factor, which c_t carries). slots null: the layer has no bias (nothing taken out).
+struct KeyBiasRef {
+    const float* slots;
+    const float2* turns;
+    int half, neox, ps;
+};
+
+// Element e of bias(p) of KV head g (unrotated basis; pairs (i, i + half) with neox, else (2i, 2i + 1)).
+__device__ __forceinline__ float kbias_elem(const KeyBiasRef& B, int hd, int g, int p, int e) {
+    const float* c = B.slots + (long long)g * hd * B.ps + p % B.ps;
+    if (e >= 2 * B.half) return c[(long long)e * B.ps];
+    const int i = B.neox ? (e < B.half ? e : e - B.half) : e >> 1;
+    const int a = B.neox ? i : 2 * i, b = B.neox ? i + B.half : 2 * i + 1;
+    const float2 cs = B.turns[(long long)(p / B.ps) * B.half + i];
+    const float ca = c[(long long)a * B.ps], cb = c[(long long)b * B.ps];
+    return e == a ? __fsub_rn(__fmul_rn(ca, cs.x), __fmul_rn(cb, cs.y)) : __fadd_rn(__fmul_rn(ca, cs.y), __fmul_rn(cb, cs.x));
+}
+
+// bias(p) of KV head g rotated into the cache's basis, into this warp's x[hd] (shared memory).
+__device__ void warp_rotated_bias(const KeyBiasRef& B, int hd, int g, int p, float* x) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    for (int e = lane; e < hd; e += WARP) x[e] = kbias_elem(B, hd, g, p, e);
+    __syncwarp();
+    warp_hadamard(x, hd, hd & -hd);
+    __syncwarp();
+}
+
+// q·bias(p) for the unrotated queries qu [NG][HD] (shared memory) and this lane's key at p of KV head g.
+template <int HD, int NG>
+__device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu)[HD], int g, int p, float (&out)[NG]) {
+    const float* c = B.slots + (long long)g * HD * B.ps + p % B.ps;
+    const float2* tr = B.turns + (long long)(p / B.ps) * B.half;
+#pragma unroll
+    for (int h = 0; h < NG; ++h) out[h] = 0.0f;
+    for (int i = 0; i < B.half; ++i) {
+        const int a = B.neox ? i : 2 * i, b = B.neox ? i + B.half : 2 * i + 1;
+        const float ca = c[(long long)a * B.ps], cb = c[(long long)b * B.ps];
+        const float2 cs = tr[i];
+        const float va = ca * cs.x - cb * cs.y, vb = ca * cs.y + cb * cs.x;
+#pragma unroll
+        for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][a], va, fmaf(qu[h][b], vb, out[h]));
+    }
+    for (int e = 2 * B.half; e < HD; ++e) {
+        const float ce = c[(long long)e * B.ps];
+#pragma unroll
+        for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][e], ce, out[h]);
+    }
+}
+
+// rows' rotated keys k_rows[row] ([rows][n_head_kv * hd]) less the rotated bias(pos[row]): a q4_0 K cache's rows
+// before their pages' offsets and their store. Grid (rows, n_head_kv), 32 threads.
+extern "C" __global__ void kv_key_unbias(float* k_rows, const int* pos, int n_head_kv, int hd, const float* slots,
+                                         const float2* turns, int half, int neox, int ps) {
+    __shared__ float x[256];
+    const KeyBiasRef B = {slots, turns, half, neox, ps};
+    const int row = blockIdx.x, g = blockIdx.y;
+    warp_rotated_bias(B, hd, g, pos[row], x);
+    float* k = k_rows + ((long long)row * n_head_kv + g) * hd;
+    for (int e = threadIdx.x; e < hd; e += WARP) k[e] = __fsub_rn(k[e], x[e]);
+}
+
 // A prompt batch attends with TinyFlash's f16 prompt kernel (attention.cu) over the sequence's keys so far,
 // widened here into a layer's f16 scratch pools at the same cells: K dequantized plus its page's offset, V
-// dequantized, both still in the rotated basis (rotate_rows turns the queries into it and the output back out).
+// dequantized, both still in the rotated basis (rotate_rows turns the queries into it and the output back out);
+// q4_0 keys get back the key bias they were stored without.
 // Keys 0..n_keys of the sequence whose page table is `page_table`; grid (ceil(n_keys / 8), n_head_kv), 8 warps,
 // a warp a key (its K row and V row).
 template <int KT, int VT>
 __device__ void kv_widen(int n_keys, int n_head_kv, int hd, int hdv, const u8* k_codes, const u16* k_scales,
                          const u8* v_codes, const u16* v_scales, const float* k_offsets, const int* page_table,
-                         int page_size, u16* k16, u16* v16) {
+                         int page_size, u16* k16, u16* v16, const KeyBiasRef& B) {
+    __shared__ float rb[8][256];  // a warp's key's rotated bias (q4_0 keys of a layer with one)
     const int key = blockIdx.x * 8 + (threadIdx.x >> 5), g = blockIdx.y, lane = threadIdx.x & 31;
     if (key >= n_keys) return;
+    const bool bias = KT == KVQ_Q4 && B.slots != nullptr;
+    if (bias) warp_rotated_bias(B, hd, g, key, rb[threadIdx.x >> 5]);
     const int page = page_table[key / page_size];
     const long long cell = ((long long)page * n_head_kv + g) * page_size + key % page_size;
     const float* off = k_offsets + (long long)page * n_head_kv * hd + g * hd;
     const u8* kc = k_codes + cell * (KT == KVQ_Q8 ? hd : hd / 2);
     const u8* vc = v_codes + cell * (VT == KVQ_Q8 ? hdv : hdv / 2);
-    for (int e = lane; e < hd; e += WARP)
-        k16[cell * hd + e] = f2h(kvq_elem<KT>(kc, k_scales + cell * (hd / 32), e) + off[e]);
+    for (int e = lane; e < hd; e += WARP) {
+        const float k = kvq_elem<KT>(kc, k_scales + cell * (hd / 32), e) + off[e];
+        k16[cell * hd + e] = f2h(bias ? k + rb[threadIdx.x >> 5][e] : k);
+    }
     for (int e = lane; e < hdv; e += WARP) v16[cell * hdv + e] = f2h(kvq_elem<VT>(vc, v_scales + cell * (hdv / 32), e));
 }
 
@@ -187,9 +259,11 @@ __device__ void kv_widen(int n_keys, int n_head_kv, int hd, int hdv, const u8* k
     extern "C" __global__ void NAME(int n_keys, int n_head_kv, int hd, int hdv, const u8* k_codes,                 \
                                     const u16* k_scales, const u8* v_codes, const u16* v_scales,                  \
                                     const float* k_offsets, const int* page_table, int page_size, u16* k16,       \
-                                    u16* v16) {                                                                   \
+                                    u16* v16, const float* kb_slots, const float2* kb_turns, int kb_half,         \
+                                    int kb_neox) {                                                                \
+        const KeyBiasRef B = {kb_slots, kb_turns, kb_half, kb_neox, page_size};                                  \
         kv_widen<KT, VT>(n_keys, n_head_kv, hd, hdv, k_codes, k_scales, v_codes, v_scales, k_offsets, page_table, \
-                         page_size, k16, v16);                                                                    \
+                         page_size, k16, v16, B);                                                                 \
     }
 KVQ_WIDEN(kv_widen_k8v8, KVQ_Q8, KVQ_Q8)
 KVQ_WIDEN(kv_widen_k8v4, KVQ_Q8, KVQ_Q4)

@@ -13,8 +13,9 @@ __device__ __forceinline__ float tier_elem(const TAttnParams& P, int tier, bool 
 
 // Page `page` of sequence `seq` from (tier src, index si) to (tier DST, index di), every row requantized once:
 // leaving L1, its keys' mean becomes the page's K offset (the CPU's mean_row: f64 sums in row order) and its
-// summary is taken (element-wise min and max of the f16 keys); a quantized page keeps its offset. Grid (n_head_kv),
-// 64 threads (warp 0 keys, warp 1 values), HD floats a warp of dynamic shared memory.
+// summary is taken (element-wise min and max of the f16 keys); a quantized page keeps its offset, unless it goes to
+// L3 and loses the key bias there. Grid (n_head_kv), 64 threads (warp 0 keys, warp 1 values), 3 HD floats of
+// dynamic shared memory (a row a warp, and warp 0's rotated bias).
 template <int DST>
 __device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int seq, int page) {
     constexpr int HD = QATT_HD;
@@ -37,8 +38,14 @@ __device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int s
             P.hot_slot_of[(long long)di * P.n_head_kv + g] = -1;
         }
     }
+    // L3's keys lose the key bias (KeyBiasRef): whole again (plus what the source took out), less their rotated
+    // bias, and less the mean of that, their new offset (rust/core/src/kv/tiers.rs move_block)
+    const bool unbias = DST == 2 && P.kb_slots != nullptr;
+    const KeyBiasRef B = tier_key_bias(P);
+    float* rb = row_buf + 2 * HD;  // (warp 0's) a row's rotated bias
     if (warp == 0) {
         float off[HD / 32];  // this lane's elements e = lane + 32 j of the page's offset (kept here: L3's is in host memory)
+        float base[HD / 32];  // what the source took out of its stored keys
         if (src == 0) {
             u16* summ = P.summary + (((long long)seq * P.table_stride + page) * 2 * P.n_head_kv + g) * HD;
 #pragma unroll
@@ -61,13 +68,32 @@ __device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int s
             for (int j = 0; j < HD / 32; ++j) off[j] = src_off[lane + 32 * j];
         }
 #pragma unroll
+        for (int j = 0; j < HD / 32; ++j) base[j] = src == 0 ? 0.0f : off[j];
+        if (unbias) {
+            double sum[HD / 32];
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j) sum[j] = 0.0;
+            for (int r = 0; r < PS; ++r) {
+                warp_rotated_bias(B, HD, g, page * PS + r, rb);
+#pragma unroll
+                for (int j = 0; j < HD / 32; ++j) {
+                    const int e = lane + 32 * j;
+                    sum[j] += (double)__fsub_rn(__fadd_rn(tier_elem(P, src, true, s0 + r, e), base[j]), rb[e]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j) off[j] = (float)(sum[j] / (double)PS);
+        }
+#pragma unroll
         for (int j = 0; j < HD / 32; ++j) dst_off[lane + 32 * j] = off[j];
         for (int r = 0; r < PS; ++r) {
+            if (unbias) warp_rotated_bias(B, HD, g, page * PS + r, rb);
 #pragma unroll
             for (int j = 0; j < HD / 32; ++j) {
                 const int e = lane + 32 * j;
                 const float x = tier_elem(P, src, true, s0 + r, e);
-                buf[e] = src == 0 ? __fsub_rn(x, off[j]) : x;
+                buf[e] = unbias ? __fsub_rn(__fsub_rn(__fadd_rn(x, base[j]), rb[e]), off[j])
+                                : (src == 0 ? __fsub_rn(x, off[j]) : x);
             }
             __syncwarp();
             warp_store_row<DST == 1 ? KVQ_Q8 : KVQ_Q4>(buf, HD, kc + (d0 + r) * CB, ks + (d0 + r) * (HD / 32));
@@ -98,7 +124,7 @@ extern "C" __global__ void tier_store_rows(const TAttnParams P) {
 
 // Keys key0 .. n_keys of sequence `seq` widened from their tiers into f16 pools k16 / v16 (the page layout of the
 // L1 pools, page i of the sequence at page i: a prompt's scratch, or an L1 slot a truncation brings a page back to):
-// K plus its page's offset, V as stored, both in the rotated basis. Grid (ceil((n_keys - key0) / 8), n_head_kv), 8
+// K plus its page's offset (and an L3 key its key bias), V as stored, both in the rotated basis. Grid (ceil((n_keys - key0) / 8), n_head_kv), 8
 // warps, a warp a key.
 extern "C" __global__ void tier_widen(const TAttnParams P, int seq, int key0, int n_keys, u16* k16, u16* v16) {
     constexpr int HD = QATT_HD;
@@ -110,8 +136,12 @@ extern "C" __global__ void tier_widen(const TAttnParams P, int seq, int key0, in
     const long long cell = ((long long)idx * P.n_head_kv + g) * PS + key % PS;
     const long long out = ((long long)page * P.n_head_kv + g) * PS + key % PS;
     const float* off = tier == 0 ? nullptr : (tier == 1 ? P.l2_off : P.l3_off) + ((long long)idx * P.n_head_kv + g) * HD;
+    __shared__ float rb[8][HD];  // an L3 key's rotated key bias, which it was stored without
+    const bool bias = tier == 2 && P.kb_slots != nullptr;
+    if (bias) warp_rotated_bias(tier_key_bias(P), HD, g, key, rb[threadIdx.x >> 5]);
     for (int e = lane; e < HD; e += WARP) {
-        k16[out * HD + e] = f2h(tier_elem(P, tier, true, cell, e) + (off ? off[e] : 0.0f));
+        const float k = tier_elem(P, tier, true, cell, e) + (off ? off[e] : 0.0f);
+        k16[out * HD + e] = f2h(bias ? k + rb[threadIdx.x >> 5][e] : k);
         v16[out * HD + e] = f2h(tier_elem(P, tier, false, cell, e));
     }
 }

@@ -6,6 +6,7 @@ mod engine;
 mod errors;
 mod gguf;
 mod gsq;
+mod key_bias;
 mod quant;
 mod sampler;
 mod spec;
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sampler::register(m)?;
     quant::register(m)?;
     gsq::register(m)?;
+    key_bias::register(m)?;
     spec::register(m)?;
     Ok(())
 }

@@ -88,19 +88,14 @@ impl KeyBias {
         Some(BiasTerm { slots: &l.slots, turn, kd: self.kd, head_dim: self.head_dim, neox: self.neox })
     }
 
+    /// Positions a block of the tables holds (the cache's block size they were made for).
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     /// Whether `layer` has a bias to take out.
     pub fn has(&self, layer: usize) -> bool {
         self.layers.get(layer).is_some_and(Option::is_some)
-    }
-
-    /// key -= bias(pos) for every KV head of one unrotated key row of `layer` (no-op without a bias).
-    pub fn subtract(&self, layer: usize, pos: usize, key: &mut [f32]) {
-        let Some(term) = self.term(layer, pos / self.block_size) else { return };
-        let mut b = vec![0.0f32; self.head_dim];
-        for (g, head) in key.chunks_exact_mut(self.head_dim).enumerate() {
-            term.bias(pos % self.block_size, g, &mut b);
-            head.iter_mut().zip(&b).for_each(|(x, &y)| *x -= y);
-        }
     }
 }
 

@@ -53,7 +53,8 @@ impl Model {
         use crate::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
         use crate::kv::key_bias::LayerBiasTables;
         let s = &self.spec;
-        let mut turns: Vec<(RopeParams, std::sync::Arc<Vec<(f32, f32)>>)> = Vec::new();
+        type Turns = std::sync::Arc<Vec<(f32, f32)>>;
+        let mut turns: Vec<(RopeParams, Turns)> = Vec::new();
         let mut layers = Vec::with_capacity(s.layers.len());
         for (lw, ls) in self.weights.layers.iter().zip(&s.layers) {
             let Some(b) = lw.bk.as_deref().filter(|_| lw.k_norm.is_none()) else {

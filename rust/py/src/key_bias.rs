@@ -1,0 +1,42 @@
+//! The key bias tables of `ninfer_core::kv::key_bias` for the CUDA backend's quantized caches, computed by the
+//! CPU engine's own RoPE (so both backends take the same bias out of their q4_0 keys).
+
+use ninfer_core::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::spec;
+
+/// A layer's key bias tables: (slots, turns).
+type Tables<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<f32>>);
+
+/// The tables of layer `layer`'s key bias `bias` ([n_head_kv * head_dim] f32) for pages of `page_size` positions and
+/// a context of `n_ctx`: (slots [page_size][n_head_kv * head_dim], the bias roped to each slot of a page starting at
+/// position 0; turns [n_pages][rope_dims] as (cos, sin) pairs of each page start's angles without RoPE's magnitude).
+#[pyfunction]
+fn key_bias_tables<'py>(
+    py: Python<'py>,
+    spec: &Bound<'py, PyAny>,
+    layer: usize,
+    bias: PyReadonlyArray1<'py, f32>,
+    page_size: usize,
+    n_ctx: usize,
+) -> PyResult<Tables<'py>> {
+    let s = spec::extract(spec)?;
+    let ls = s.layers.get(layer).ok_or_else(|| PyValueError::new_err(format!("no layer {layer}")))?;
+    let kd = s.n_head_kv * s.head_dim;
+    let b = bias.as_slice()?;
+    if b.len() != kd || page_size == 0 {
+        return Err(PyValueError::new_err(format!("a key bias of {kd} values and pages of some positions, got {} and {page_size}", b.len())));
+    }
+    let p = RopeParams::new(ls.rope_base, ls.rope_freq_scale, s.rope_dims, &s.rope_yarn);
+    let slots = roped_bias_slots(b, &p, s.head_dim, s.rope_dims, s.rope_neox, page_size);
+    let turns: Vec<f32> = block_start_turns(&p, s.rope_dims, page_size, n_ctx).into_iter().flat_map(|(c, sn)| [c, sn]).collect();
+    let slots = slots.into_pyarray(py).reshape([page_size, kd])?;
+    Ok((slots, turns.into_pyarray(py)))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(key_bias_tables, m)?)
+}
