@@ -33,6 +33,18 @@ fn plain_round_trip(ty: GgmlType, x: &[f32]) -> Vec<f32> {
     y
 }
 
+/// Sequence 0 of `kv` (one layer) holding the rows [n, row] of keys and values: the first `prompt` written as one
+/// prompt batch, the rest one at a time (so blocks get their K offsets both ways).
+fn fill(kv: &mut KvCache, keys: &[f32], vals: &[f32], row: usize, prompt: usize) {
+    kv.extend(0, prompt).unwrap();
+    let rows: Vec<(SeqId, usize)> = (0..prompt).map(|p| (0, p)).collect();
+    kv.write_rows(0, &rows, &keys[..prompt * row], &vals[..prompt * row]).unwrap();
+    for p in prompt..keys.len() / row {
+        kv.extend(0, 1).unwrap();
+        kv.write(0, 0, p, &keys[p * row..(p + 1) * row], &vals[p * row..(p + 1) * row]).unwrap();
+    }
+}
+
 /// A rotated q8_0/q4_0 cache (keys written as one prompt batch and then one at a time, so blocks get their
 /// offsets both ways) gives attention close to the exact one over the unquantized rows: the rotation and the
 /// offsets are undone exactly, and only the quantization error is left, well under a plain cache's (measured:
@@ -68,14 +80,7 @@ fn rotated_quantized_caches_attend_like_the_exact_rows() {
         .unwrap();
         assert!(kv.rotates_k() && kv.rotates_v());
         let row = n_head_kv * hd;
-        let prompt = 100;
-        kv.extend(0, prompt).unwrap();
-        let rows: Vec<(SeqId, usize)> = (0..prompt).map(|p| (0, p)).collect();
-        kv.write_rows(0, &rows, &keys[..prompt * row], &vals[..prompt * row]).unwrap();
-        for p in prompt..n {
-            kv.extend(0, 1).unwrap();
-            kv.write(0, 0, p, &keys[p * row..(p + 1) * row], &vals[p * row..(p + 1) * row]).unwrap();
-        }
+        fill(&mut kv, &keys, &vals, row, 100);
         assert!(kv.block_view(0, 0, 1).k_offset.unwrap().iter().any(|&o| o.abs() > 1.0), "blocks carry offsets");
         let mut out = vec![0.0f32; n_head * hd];
         attention(&kv, 0, &[(0, n - 1)], &q, shape, RowOrder::Batch, &mut out);
@@ -125,14 +130,7 @@ fn q4_0_keys_without_their_roped_bias_attend_like_the_exact_rows() {
         .unwrap();
         let kb = with_bias.then(|| crate::kv::KeyBias::new(vec![Some(tables())], n_head_kv, hd, hd, true, bs)).flatten();
         kv.set_key_bias(kb).unwrap();
-        let prompt = 100;
-        kv.extend(0, prompt).unwrap();
-        let rows: Vec<(SeqId, usize)> = (0..prompt).map(|p| (0, p)).collect();
-        kv.write_rows(0, &rows, &keys[..prompt * row], &vals[..prompt * row]).unwrap();
-        for p in prompt..n {
-            kv.extend(0, 1).unwrap();
-            kv.write(0, 0, p, &keys[p * row..(p + 1) * row], &vals[p * row..(p + 1) * row]).unwrap();
-        }
+        fill(&mut kv, &keys, &vals, row, 100);
         // one decode row and a two-row batch, both at the last positions
         let mut worst = 0.0f64;
         for rows in [vec![(0, n - 1)], vec![(0, n - 2), (0, n - 1)]] {
