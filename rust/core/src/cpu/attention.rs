@@ -232,7 +232,7 @@ fn attend_group(
         for (off, qh) in k_offset.iter_mut().zip(qg.chunks_exact(dk)) {
             *off = view.k_offset.map_or(0.0, |o| dot(qh, &o[g * dk..(g + 1) * dk]));
         }
-        let bias = bias.for_block(view.k_bias);
+        let bias = bias.for_block(view.k_bias, g, bs);
         let (first, last) = ((b * bs).max(lo) - b * bs, ((b + 1) * bs - 1).min(hi) - b * bs);
         for s0 in (first..=last).step_by(KEY_BLOCK) {
             let n = KEY_BLOCK.min(last + 1 - s0);
@@ -240,7 +240,7 @@ fn attend_group(
                 let k = &kb[(s0 + j) * k_rb + g * k_head_bytes..][..k_head_bytes];
                 for h in 0..group {
                     let act = &q_act[h * q_bytes..(h + 1) * q_bytes];
-                    let b = bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + j, g));
+                    let b = bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + j));
                     score[j * group + h] = (vec_dot(k_type, dk, k, act) + k_offset[h] + b) * shape.scale;
                 }
             }
@@ -298,30 +298,31 @@ impl OnlineSoftmax {
 }
 
 /// The key bias' share of the scores of one KV head's query heads (`kv::key_bias`): the heads taken back to the
-/// unrotated basis once, turned by each block's start.
+/// unrotated basis once, turned by each block's start, and their shares for every slot of the block at once.
 pub(crate) struct KeyBiasScores {
     /// The query heads [group][dk] unrotated (made at the first block with a bias) and turned for the current one.
     plain: Option<Vec<f32>>,
     turned: Vec<f32>,
     qg: Vec<f32>,
     dk: usize,
+    /// The current block's shares [group][block_size].
+    shares: Vec<f32>,
 }
 
-/// A block's view of `KeyBiasScores`.
-pub(crate) struct BlockBias<'a, 'b> {
-    term: BiasTerm<'b>,
-    turned: &'a [f32],
-    dk: usize,
+/// A block's shares, from `KeyBiasScores::for_block`.
+pub(crate) struct BlockBias<'a> {
+    shares: &'a [f32],
+    block_size: usize,
 }
 
 impl KeyBiasScores {
     /// For the query heads `qg` [group][dk] in the stored (rotated) basis.
     pub(crate) fn new(qg: &[f32], dk: usize) -> Self {
-        KeyBiasScores { plain: None, turned: vec![0.0; qg.len()], qg: qg.to_vec(), dk }
+        KeyBiasScores { plain: None, turned: vec![0.0; qg.len()], qg: qg.to_vec(), dk, shares: Vec::new() }
     }
 
-    /// The scores' shares for a block whose keys lack `term` (None: nothing to add).
-    pub(crate) fn for_block<'b>(&mut self, term: Option<BiasTerm<'b>>) -> Option<BlockBias<'_, 'b>> {
+    /// The scores' shares for KV head g's keys in a block that lacks `term` (None: nothing to add).
+    pub(crate) fn for_block(&mut self, term: Option<BiasTerm<'_>>, g: usize, block_size: usize) -> Option<BlockBias<'_>> {
         let term = term?;
         let dk = self.dk;
         let plain = self.plain.get_or_insert_with(|| {
@@ -329,18 +330,20 @@ impl KeyBiasScores {
             rotation::rotate(&mut p, dk);
             p
         });
-        for (q, t) in plain.chunks_exact(dk).zip(self.turned.chunks_exact_mut(dk)) {
+        self.shares.resize(self.qg.len() / dk * block_size, 0.0);
+        for ((q, t), out) in plain.chunks_exact(dk).zip(self.turned.chunks_exact_mut(dk)).zip(self.shares.chunks_exact_mut(block_size)) {
             term.turn_query(q, t);
+            term.shares(t, g, out);
         }
-        Some(BlockBias { term, turned: &self.turned, dk })
+        Some(BlockBias { shares: &self.shares, block_size })
     }
 }
 
-impl BlockBias<'_, '_> {
-    /// Query head h's share for the key at `slot` of the block, KV head g.
+impl BlockBias<'_> {
+    /// Query head h's share for the key at `slot` of the block.
     #[inline]
-    pub(crate) fn score(&self, h: usize, slot: usize, g: usize) -> f32 {
-        self.term.dot(&self.turned[h * self.dk..(h + 1) * self.dk], slot, g)
+    pub(crate) fn score(&self, h: usize, slot: usize) -> f32 {
+        self.shares[h * self.block_size + slot]
     }
 }
 

@@ -216,9 +216,9 @@ fn key_scan(kv: &KvCache, layer: usize, seq: SeqId, blocks: &[usize], qg: &[f32]
                 let (a, a_row) = acts.for_keys(view.k_type);
                 let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
                 group_dots(view.k_type, dk, &view.k[g * k_head_bytes..], view.k_row_bytes, bs, a, a_row, group, dots);
-                if let Some(bias) = bias.for_block(view.k_bias) {
+                if let Some(bias) = bias.for_block(view.k_bias, g, bs) {
                     for (t, d) in dots.chunks_exact_mut(group).enumerate() {
-                        d.iter_mut().enumerate().for_each(|(h, x)| *x += bias.score(h, t, g));
+                        d.iter_mut().enumerate().for_each(|(h, x)| *x += bias.score(h, t));
                     }
                 }
                 best.fill(f32::NEG_INFINITY);
@@ -299,7 +299,7 @@ fn attend_group(
         }
         let view = kv.block_view(layer, seq, b);
         let offset = offset_dots(view.k_offset, qg, g, dk);
-        let bias = bias.for_block(view.k_bias);
+        let bias = bias.for_block(view.k_bias, g, bs);
         let (a, a_row) = acts.for_keys(view.k_type);
         let k_head_bytes = view.k_type.row_bytes(dk).unwrap_or(0);
         let v_head_bytes = view.v_type.row_bytes(dv).unwrap_or(0);
@@ -317,7 +317,7 @@ fn attend_group(
                     &v_buf[..]
                 }
             };
-            let b = |h: usize| bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + r, g));
+            let b = |h: usize| bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + r));
             let mut scores = d.iter().zip(&offset).enumerate().map(|(h, (x, o))| (x + o + b(h)) * shape.scale);
             add(&mut scores, v, &mut part.acc);
         }

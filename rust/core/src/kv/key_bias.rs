@@ -27,6 +27,9 @@ pub struct KeyBias {
 struct LayerBias {
     /// c_t = rope(b_k, t) for t in 0..block_size: [block_size][n_head_kv * head_dim], unrotated basis.
     slots: Vec<f32>,
+    /// The same transposed per KV head, [n_head_kv][head_dim][block_size]: a block's shares for all its slots
+    /// come from one `dot_cols` (vectorised across the slots).
+    columns: Vec<f32>,
     /// Per block start p0 = j * block_size: cos and sin of its rotary angles without the magnitude factor,
     /// [n_blocks][rope_dims / 2]; shared by layers of one RoPE setting.
     starts: std::sync::Arc<Vec<(f32, f32)>>,
@@ -36,6 +39,8 @@ struct LayerBias {
 #[derive(Clone, Copy)]
 pub struct BiasTerm<'a> {
     slots: &'a [f32],
+    columns: &'a [f32],
+    block_size: usize,
     turn: &'a [(f32, f32)],
     kd: usize,
     head_dim: usize,
@@ -74,7 +79,13 @@ impl KeyBias {
             .map(|l| {
                 let l = l?;
                 assert_eq!(l.slots.len(), block_size * kd, "a bias row a slot and KV head");
-                Some(LayerBias { slots: l.slots, starts: l.starts })
+                let mut columns = vec![0.0f32; l.slots.len()];
+                for (t, row) in l.slots.chunks_exact(kd).enumerate() {
+                    for (e, &x) in row.iter().enumerate() {
+                        columns[e * block_size + t] = x; // (e = g * head_dim + d)
+                    }
+                }
+                Some(LayerBias { slots: l.slots, columns, starts: l.starts })
             })
             .collect();
         Some(KeyBias { kd, head_dim, neox, block_size, half: rope_dims / 2, layers })
@@ -85,7 +96,15 @@ impl KeyBias {
     pub fn term(&self, layer: usize, block_index: usize) -> Option<BiasTerm<'_>> {
         let l = self.layers.get(layer)?.as_ref()?;
         let turn = l.starts.get(block_index * self.half..(block_index + 1) * self.half)?;
-        Some(BiasTerm { slots: &l.slots, turn, kd: self.kd, head_dim: self.head_dim, neox: self.neox })
+        Some(BiasTerm {
+            slots: &l.slots,
+            columns: &l.columns,
+            block_size: self.block_size,
+            turn,
+            kd: self.kd,
+            head_dim: self.head_dim,
+            neox: self.neox,
+        })
     }
 
     /// Positions a block of the tables holds (the cache's block size they were made for).
@@ -100,7 +119,8 @@ impl KeyBias {
 }
 
 impl BiasTerm<'_> {
-    /// `out` = R(p0)^T q for one unrotated query head: then q·bias(p0 + t) of KV head g is `dot(out, t, g)`.
+    /// `out` = R(p0)^T q for one unrotated query head: then q·bias(p0 + t) of KV head g for every slot t
+    /// of the block is `shares(out, g, ..)`.
     pub fn turn_query(&self, q: &[f32], out: &mut [f32]) {
         out.copy_from_slice(q);
         let half = self.turn.len();
@@ -111,11 +131,10 @@ impl BiasTerm<'_> {
         }
     }
 
-    /// turned·c_t for KV head g: the bias' share of the score of the key at slot t.
-    #[inline]
-    pub fn dot(&self, turned: &[f32], t: usize, g: usize) -> f32 {
-        let c = &self.slots[t * self.kd + g * self.head_dim..][..self.head_dim];
-        crate::quant::math::dot_lanes(turned, c)
+    /// turned·c_t for KV head g and every slot t of the block into `out` [block_size].
+    pub fn shares(&self, turned: &[f32], g: usize, out: &mut [f32]) {
+        let cols = &self.columns[g * self.head_dim * self.block_size..][..self.head_dim * self.block_size];
+        (crate::quant::simd::vec_ops().dot_cols)(turned, cols, out);
     }
 
     /// bias(p0 + t) of KV head g into `out` [head_dim], unrotated: R(p0) c_t.
