@@ -11,9 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-
 import ninfer
+import numpy as np
 
 
 def kl_top1(want: np.ndarray, got: np.ndarray) -> tuple[float, float]:

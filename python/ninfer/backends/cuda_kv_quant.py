@@ -86,13 +86,13 @@ class QuantKv:
         self.v_scales = [cp.zeros((*shape, hdv // 32), cp.uint16) for _ in range(self.n_gpu)]
         self.k_offsets = [cp.zeros((self.n_pages, n_kv * hd), cp.float32) for _ in range(self.n_gpu)]
         self.k_latest = [cp.zeros(n_kv * hd, cp.float32) for _ in range(self.n_gpu)]
-        self._alloc_key_bias(self.page_size)
+        self._alloc_key_bias(self.page_size, q4_keys=kk == 4)
         self._alloc_rotated_rows(T)
         # one layer's keys and values in f16, for prompt batches (the f16 cache's size over the layers)
         self.k16 = cp.zeros((*shape, hd), cp.uint16)
         self.v16 = cp.zeros((*shape, hdv), cp.uint16)
 
-    def _alloc_key_bias(self, page_size: int) -> None:
+    def _alloc_key_bias(self, page_size: int, q4_keys: bool = True) -> None:
         """Every GPU layer's key bias tables (kernels/kv_quant.cu KeyBiasRef; the CPU's kv::key_bias, computed by
         its RoPE): q4_0 keys (a quantized cache's, or the tiered cache's L3) are stored without the model's attn_k
         bias roped to their position, and scores add its share back. None for a layer without a bias (or with a
@@ -102,6 +102,9 @@ class QuantKv:
         cp, s = self.cp, self.spec
         n_kv, hd = s["n_head_kv"], s["head_dim"]
         self.key_bias = []
+        if not q4_keys:  # (q8_0 keys keep the bias)
+            self.key_bias = [None] * len(self.layers)
+            return
         turns_by_rope: dict = {}  # layers of one RoPE setting share the page starts' turns
         for il, lw in enumerate(self.layers):
             if lw.get("bk") is None or lw.get("k_norm") is not None:
