@@ -325,17 +325,39 @@ impl KeyBiasScores {
     pub(crate) fn for_block(&mut self, term: Option<BiasTerm<'_>>, g: usize, block_size: usize) -> Option<BlockBias<'_>> {
         let term = term?;
         let dk = self.dk;
-        let plain = self.plain.get_or_insert_with(|| {
-            let mut p = self.qg.clone();
-            rotation::rotate(&mut p, dk);
-            p
-        });
+        self.plain();
+        let plain = self.plain.as_deref().expect("made above");
         self.shares.resize(self.qg.len() / dk * block_size, 0.0);
         for ((q, t), out) in plain.chunks_exact(dk).zip(self.turned.chunks_exact_mut(dk)).zip(self.shares.chunks_exact_mut(block_size)) {
             term.turn_query(q, t);
             term.shares(t, g, out);
         }
         Some(BlockBias { shares: &self.shares, block_size })
+    }
+}
+
+impl KeyBiasScores {
+    /// Each query head's share of a block's mean bias into `out` [group] (zeros without `term`): what selection adds
+    /// to a block's best stored product, as the K offset adds the rest of its mean (`attention_tiered::key_scan`).
+    pub(crate) fn block_mean(&mut self, term: Option<BiasTerm<'_>>, g: usize, out: &mut [f32]) -> bool {
+        let Some(term) = term else { return false };
+        let dk = self.dk;
+        self.plain();
+        let plain = self.plain.as_deref().expect("made above");
+        for ((q, t), o) in plain.chunks_exact(dk).zip(self.turned.chunks_exact_mut(dk)).zip(out.iter_mut()) {
+            term.turn_query(q, t);
+            *o = term.mean_share(t, g);
+        }
+        true
+    }
+
+    /// Make the unrotated query heads (once).
+    fn plain(&mut self) {
+        if self.plain.is_none() {
+            let mut p = self.qg.clone();
+            rotation::rotate(&mut p, self.dk);
+            self.plain = Some(p);
+        }
     }
 }
 

@@ -30,6 +30,8 @@ struct LayerBias {
     /// The same transposed per KV head, [n_head_kv][head_dim][block_size]: a block's shares for all its slots
     /// come from one `dot_cols` (vectorised across the slots).
     columns: Vec<f32>,
+    /// The mean of c_t over the slots, [n_head_kv * head_dim]: R(p0) of it is a block's mean bias.
+    mean: Vec<f32>,
     /// Per block start p0 = j * block_size: cos and sin of its rotary angles without the magnitude factor,
     /// [n_blocks][rope_dims / 2]; shared by layers of one RoPE setting.
     starts: std::sync::Arc<Vec<(f32, f32)>>,
@@ -40,6 +42,7 @@ struct LayerBias {
 pub struct BiasTerm<'a> {
     slots: &'a [f32],
     columns: &'a [f32],
+    mean: &'a [f32],
     block_size: usize,
     turn: &'a [(f32, f32)],
     kd: usize,
@@ -85,7 +88,11 @@ impl KeyBias {
                         columns[e * block_size + t] = x; // (e = g * head_dim + d)
                     }
                 }
-                Some(LayerBias { slots: l.slots, columns, starts: l.starts })
+                let mut mean = vec![0.0f32; kd];
+                for row in l.slots.chunks_exact(kd) {
+                    mean.iter_mut().zip(row).for_each(|(m, &x)| *m += x / block_size as f32);
+                }
+                Some(LayerBias { slots: l.slots, columns, mean, starts: l.starts })
             })
             .collect();
         Some(KeyBias { kd, head_dim, neox, block_size, half: rope_dims / 2, layers })
@@ -99,6 +106,7 @@ impl KeyBias {
         Some(BiasTerm {
             slots: &l.slots,
             columns: &l.columns,
+            mean: &l.mean,
             block_size: self.block_size,
             turn,
             kd: self.kd,
@@ -135,6 +143,11 @@ impl BiasTerm<'_> {
     pub fn shares(&self, turned: &[f32], g: usize, out: &mut [f32]) {
         let cols = &self.columns[g * self.head_dim * self.block_size..][..self.head_dim * self.block_size];
         (crate::quant::simd::vec_ops().dot_cols)(turned, cols, out);
+    }
+
+    /// turned·(the mean of c_t) for KV head g: the block's mean share, q·(its mean bias).
+    pub fn mean_share(&self, turned: &[f32], g: usize) -> f32 {
+        crate::quant::math::dot_lanes(turned, &self.mean[g * self.head_dim..(g + 1) * self.head_dim])
     }
 
     /// bias(p0 + t) of KV head g into `out` [head_dim], unrotated: R(p0) c_t.
