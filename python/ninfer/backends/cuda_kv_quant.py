@@ -99,12 +99,12 @@ class QuantKv:
         key norm between the bias and RoPE)."""
         from ninfer import _core
 
-        cp, s = self.cp, self.spec
-        n_kv, hd = s["n_head_kv"], s["head_dim"]
-        self.key_bias = []
         if not q4_keys:  # (q8_0 keys keep the bias)
             self.key_bias = [None] * len(self.layers)
             return
+        cp, s = self.cp, self.spec
+        n_kv, hd = s["n_head_kv"], s["head_dim"]
+        self.key_bias = []
         turns_by_rope: dict = {}  # layers of one RoPE setting share the page starts' turns
         for il, lw in enumerate(self.layers):
             if lw.get("bk") is None or lw.get("k_norm") is not None:
@@ -120,19 +120,19 @@ class QuantKv:
             slots_t = cp.asarray(np.ascontiguousarray(slots.reshape(page_size, n_kv, hd).transpose(1, 2, 0)))
             self.key_bias.append((slots_t, turns_by_rope[rope]))
 
-    def _key_bias_fields(self, il: int, page_size: int) -> dict:
+    def _key_bias_fields(self, il: int) -> dict:
         """Layer il's key bias fields of QATTN_PARAMS / TATTN_PARAMS (zeros without a bias)."""
         kb = self.key_bias[il]
         if kb is None:
-            return dict(kb_slots=0, kb_turns=0, kb_half=0, kb_neox=0)
+            return {"kb_slots": 0, "kb_turns": 0, "kb_half": 0, "kb_neox": 0}
         s = self.spec
-        return dict(kb_slots=kb[0].data.ptr, kb_turns=kb[1].data.ptr, kb_half=s["rope_dims"] // 2,
-                    kb_neox=int(bool(s["rope_neox"])))
+        return {"kb_slots": kb[0].data.ptr, "kb_turns": kb[1].data.ptr, "kb_half": s["rope_dims"] // 2,
+                "kb_neox": int(bool(s["rope_neox"]))}
 
     def _key_unbias(self, il: int, rows: int, k_rows: int) -> None:
         """The rotated K rows of a q4_0 K cache less the layer's key bias at their positions (before the offsets
         and the store; no-op without a bias or for q8_0 keys)."""
-        fields = self._key_bias_fields(il, self.page_size)
+        fields = self._key_bias_fields(il)
         if self.quant_kv[0] != 4 or not fields["kb_slots"]:
             return
         s = self.spec
@@ -191,7 +191,7 @@ class QuantKv:
                          tickets=self.quant_tickets.data.ptr,
                          out=self.att.data.ptr, table_stride=self.max_pages, window=ls.get("sliding_window") or 0,
                          n_head=n_head, n_head_kv=n_kv, page_size=self.page_size, scale=s["attn_scale"],
-                         **self._key_bias_fields(il, self.page_size)).items():
+                         **self._key_bias_fields(il)).items():
             params[k] = v
         return [lambda: rope(k_rows, v_rows), lambda: self._key_unbias(il, rows, k_rows),
                 lambda: launch.kernel(attend, (n_split, n_kv, rows), (128,), (params,), dependent=True)]
@@ -232,7 +232,7 @@ class QuantKv:
             i32(n_keys), i32(n_kv), i32(hd), i32(hdv), u64(self.k_pools[il].data.ptr), u64(self.k_scales[il].data.ptr),
             u64(self.v_pools[il].data.ptr), u64(self.v_scales[il].data.ptr), u64(self.k_offsets[il].data.ptr),
             u64(table), i32(self.page_size), u64(self.k16.data.ptr), u64(self.v16.data.ptr),
-            *(t(v) for t, v in zip((u64, u64, i32, i32), self._key_bias_fields(il, self.page_size).values()))))
+            *(t(v) for t, v in zip((u64, u64, i32, i32), self._key_bias_fields(il).values()))))
         rotate = function("rotate_rows")
         launch.kernel(rotate, (T, n_head), (32,), (u64(self.q_rot.data.ptr), i32(n_head), i32(hd)))
         f16_attention(self.k16.data.ptr, self.v16.data.ptr)

@@ -205,7 +205,7 @@ class TieredKv:
             slots=self.t_slots.data.ptr, hot_stats=self.t_hot_stats.data.ptr, table_stride=self.max_pages,
             list_stride=self.max_pages, n_head=n_head, n_head_kv=s["n_head_kv"], page_size=TIERED_BLOCK_SIZE,
             l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"],
-            **self._key_bias_fields(il, TIERED_BLOCK_SIZE))
+            **self._key_bias_fields(il))
         for k, v in fields.items():
             p[k] = v
         return p

@@ -334,9 +334,7 @@ impl KeyBiasScores {
         }
         Some(BlockBias { shares: &self.shares, block_size })
     }
-}
 
-impl KeyBiasScores {
     /// Each query head's share of a block's mean bias into `out` [group] (zeros without `term`): what selection adds
     /// to a block's best stored product, as the K offset adds the rest of its mean (`attention_tiered::key_scan`).
     pub(crate) fn block_mean(&mut self, term: Option<BiasTerm<'_>>, g: usize, out: &mut [f32]) -> bool {
@@ -453,8 +451,7 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
                     k_row.iter_mut().zip(&o[g * dk..(g + 1) * dk]).for_each(|(x, &o)| *x += o);
                 }
                 if let Some(term) = &view.k_bias {
-                    term.bias(slot, g, &mut bias_row);
-                    rotation::rotate(&mut bias_row, dk);
+                    term.rotated_bias(slot, g, &mut bias_row);
                     k_row.iter_mut().zip(&bias_row).for_each(|(x, &b)| *x += b);
                 }
                 for (d, &x) in k_row.iter().enumerate() {

@@ -241,11 +241,6 @@ impl KvCache {
         Ok(())
     }
 
-    /// The key bias q4_0 key rows are stored without (None: they hold whole keys).
-    pub fn key_bias(&self) -> Option<&KeyBias> {
-        self.key_bias.as_ref()
-    }
-
     /// The books: tables, reference counts, free blocks.
     pub fn books(&self) -> &BlockManager {
         &self.books
@@ -439,9 +434,8 @@ impl KvCache {
                 for (t, r) in rows.iter().enumerate().filter(|(_, r)| q4(r)) {
                     let term = kb.term(layer, r.1 / bs).expect("positions below n_ctx are tabled");
                     for (g, head) in b.chunks_exact_mut(hd).enumerate() {
-                        term.bias(r.1 % bs, g, head);
+                        term.rotated_bias(r.1 % bs, g, head);
                     }
-                    rotation::rotate(&mut b, hd);
                     adj[t * k_dim..(t + 1) * k_dim].iter_mut().zip(&b).for_each(|(x, &y)| *x -= y);
                 }
                 adj

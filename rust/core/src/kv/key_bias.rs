@@ -150,6 +150,13 @@ impl BiasTerm<'_> {
         crate::quant::math::dot_lanes(turned, &self.mean[g * self.head_dim..(g + 1) * self.head_dim])
     }
 
+    /// bias(p0 + t) of KV head g into `out` [head_dim] in the basis rotated rows are stored in
+    /// (`rotation::rotate`): what a stored key at slot t lacks.
+    pub fn rotated_bias(&self, t: usize, g: usize, out: &mut [f32]) {
+        self.bias(t, g, out);
+        crate::kv::rotation::rotate(out, self.head_dim);
+    }
+
     /// bias(p0 + t) of KV head g into `out` [head_dim], unrotated: R(p0) c_t.
     pub fn bias(&self, t: usize, g: usize, out: &mut [f32]) {
         let c = &self.slots[t * self.kd + g * self.head_dim..][..self.head_dim];

@@ -125,9 +125,8 @@ impl KvCache {
                     key.iter_mut().zip(&old_offset).for_each(|(x, &o)| *x += o);
                     if let Some(term) = &bias {
                         for (g, head) in row.chunks_exact_mut(hd).enumerate() {
-                            term.bias(t, g, head);
+                            term.rotated_bias(t, g, head);
                         }
-                        crate::kv::rotation::rotate(&mut row, hd);
                         key.iter_mut().zip(&row).for_each(|(x, &y)| *x -= y);
                     }
                 }
