@@ -40,9 +40,9 @@ QUANT_MAX_SPLIT = 128
 QATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "k_rows", "v_rows", "k_latest", "k_codes", "k_scales", "k_offsets", "v_codes",
                           "v_scales", "page_tables", "row_seq", "pos", "part_acc", "part_ml", "tickets", "out")]
-    + [("kb_slots", "<u8"), ("kb_turns", "<u8")]
+    + [("kb_slots", "<u8"), ("kb_turns", "<u8"), ("kb_fast", "<u8"), ("kb_slow", "<u8")]
     + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "kb_half")]
-    + [("scale", "<f4"), ("kb_neox", "<i4")], align=True)
+    + [("scale", "<f4"), ("kb_neox", "<i4"), ("kb_nfast", "<i4")], align=True)
 
 
 def check_cache_types(k: str, v: str, head_dim: int) -> bool:
@@ -94,7 +94,7 @@ class QuantKv:
 
     def _alloc_key_bias(self, page_size: int, q4_keys: bool = True) -> None:
         """Every GPU layer's key bias tables (kernels/kv_quant.cu KeyBiasRef; the CPU's kv::key_bias, computed by
-        its RoPE): q4_0 keys (a quantized cache's, or the tiered cache's L3) are stored without the model's attn_k
+        its RoPE, slow pairs settled to their page mean): q4_0 keys (a quantized cache's, or the tiered cache's L3) are stored without the model's attn_k
         bias roped to their position, and scores add its share back. None for a layer without a bias (or with a
         key norm between the bias and RoPE)."""
         from ninfer import _core
@@ -110,35 +110,43 @@ class QuantKv:
             if lw.get("bk") is None or lw.get("k_norm") is not None:
                 self.key_bias.append(None)
                 continue
-            slots, turns = _core.key_bias_tables(s, il, cp.asnumpy(lw["bk"]).astype(np.float32), page_size,
-                                                 self.n_ctx)
+            slots, turns, fast, slow = _core.key_bias_tables(s, il, cp.asnumpy(lw["bk"]).astype(np.float32),
+                                                             page_size, self.n_ctx)
             ls = s["layers"][il]
             rope = (ls.get("rope_base"), ls.get("rope_freq_scale"))
             if rope not in turns_by_rope:
                 turns_by_rope[rope] = cp.asarray(turns)
             # [page][n_kv * hd] -> [n_kv][hd][page]: a warp's keys (consecutive slots) read one line an element
             slots_t = cp.asarray(np.ascontiguousarray(slots.reshape(page_size, n_kv, hd).transpose(1, 2, 0)))
-            self.key_bias.append((slots_t, turns_by_rope[rope]))
+            # (a layer whose bias never turns within a page has no fast pairs: one -1 stands for the empty list)
+            fast = fast if fast.shape[1] else np.full((n_kv, 1), -1, np.int32)
+            self.key_bias.append((slots_t, turns_by_rope[rope], cp.asarray(fast), cp.asarray(slow), fast.shape[1]))
 
     def _key_bias_fields(self, il: int) -> dict:
         """Layer il's key bias fields of QATTN_PARAMS / TATTN_PARAMS (zeros without a bias)."""
         kb = self.key_bias[il]
         if kb is None:
-            return {"kb_slots": 0, "kb_turns": 0, "kb_half": 0, "kb_neox": 0}
+            return {"kb_slots": 0, "kb_turns": 0, "kb_fast": 0, "kb_slow": 0, "kb_half": 0, "kb_neox": 0,
+                    "kb_nfast": 0}
         s = self.spec
-        return {"kb_slots": kb[0].data.ptr, "kb_turns": kb[1].data.ptr, "kb_half": s["rope_dims"] // 2,
-                "kb_neox": int(bool(s["rope_neox"]))}
+        return {"kb_slots": kb[0].data.ptr, "kb_turns": kb[1].data.ptr, "kb_fast": kb[2].data.ptr,
+                "kb_slow": kb[3].data.ptr, "kb_half": s["rope_dims"] // 2, "kb_neox": int(bool(s["rope_neox"])),
+                "kb_nfast": kb[4]}
+
+    def _key_bias_args(self, il: int) -> tuple:
+        """Layer il's key bias as the kernels that rebuild bias(p) take it (slots, turns, half, neox)."""
+        f = self._key_bias_fields(il)
+        return u64(f["kb_slots"]), u64(f["kb_turns"]), i32(f["kb_half"]), i32(f["kb_neox"])
 
     def _key_unbias(self, il: int, rows: int, k_rows: int) -> None:
         """The rotated K rows of a q4_0 K cache less the layer's key bias at their positions (before the offsets
         and the store; no-op without a bias or for q8_0 keys)."""
-        fields = self._key_bias_fields(il)
-        if self.quant_kv[0] != 4 or not fields["kb_slots"]:
+        if self.quant_kv[0] != 4 or self.key_bias[il] is None:
             return
         s = self.spec
         launch.kernel(function("kv_key_unbias"), (rows, s["n_head_kv"]), (32,), (
-            u64(k_rows), u64(self.pos.data.ptr), i32(s["n_head_kv"]), i32(s["head_dim"]), u64(fields["kb_slots"]),
-            u64(fields["kb_turns"]), i32(fields["kb_half"]), i32(fields["kb_neox"]), i32(self.page_size)))
+            u64(k_rows), u64(self.pos.data.ptr), i32(s["n_head_kv"]), i32(s["head_dim"]), *self._key_bias_args(il),
+            i32(self.page_size)))
 
     def _alloc_rotated_rows(self, T: int) -> None:
         """What attention_quant's decode split (and the tiered cache's, which shares it) needs besides the pools:
@@ -232,7 +240,7 @@ class QuantKv:
             i32(n_keys), i32(n_kv), i32(hd), i32(hdv), u64(self.k_pools[il].data.ptr), u64(self.k_scales[il].data.ptr),
             u64(self.v_pools[il].data.ptr), u64(self.v_scales[il].data.ptr), u64(self.k_offsets[il].data.ptr),
             u64(table), i32(self.page_size), u64(self.k16.data.ptr), u64(self.v16.data.ptr),
-            *(t(v) for t, v in zip((u64, u64, i32, i32), self._key_bias_fields(il).values()))))
+            *self._key_bias_args(il)))
         rotate = function("rotate_rows")
         launch.kernel(rotate, (T, n_head), (32,), (u64(self.q_rot.data.ptr), i32(n_head), i32(hd)))
         f16_attention(self.k16.data.ptr, self.v16.data.ptr)

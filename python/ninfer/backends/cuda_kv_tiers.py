@@ -48,10 +48,10 @@ TATTN_PARAMS = np.dtype(
                           "l3_kc", "l3_ks", "l3_vc", "l3_vs", "l3_off", "summary", "page_tables", "row_seq", "pos",
                           "lists", "counts", "scores", "part_acc", "part_ml", "tickets", "out", "hot_kc", "hot_ks",
                           "hot_vc", "hot_vs", "hot_off", "hot_slot_of", "hot_owner", "hot_hand", "slots", "hot_stats",
-                          "kb_slots", "kb_turns")]
+                          "kb_slots", "kb_turns", "kb_fast", "kb_slow")]
     + [(k, "<i4") for k in ("table_stride", "list_stride", "n_head", "n_head_kv", "page_size", "l1", "select",
                             "hot_slots")]
-    + [("scale", "<f4"), ("kb_half", "<i4"), ("kb_neox", "<i4"), ("pad2", "<i4")], align=True)
+    + [("scale", "<f4"), ("kb_half", "<i4"), ("kb_neox", "<i4"), ("kb_nfast", "<i4")], align=True)
 
 
 @dataclass(frozen=True)

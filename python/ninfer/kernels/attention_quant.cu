@@ -46,10 +46,16 @@ struct QAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_quant.py QAT
     float* out;    // [rows][n_head][HD]
     const float* kb_slots;    // the layer's key bias tables (kv_quant.cu KeyBiasRef), q4_0 keys; null: none
     const float2* kb_turns;
+    const int* kb_fast;
+    const float* kb_slow;
     int table_stride, window, n_head, n_head_kv, page_size, kb_half;
     float scale;
-    int kb_neox;
+    int kb_neox, kb_nfast;
 };
+
+__device__ __forceinline__ KeyBiasRef qatt_key_bias(const QAttnParams& P) {
+    return {P.kb_slots, P.kb_turns, P.kb_half, P.kb_neox, P.page_size, P.kb_fast, P.kb_slow, P.kb_nfast};
+}
 
 // 8 words of a K row's 32-block as signed bytes (4 a word): q8_0 codes as they are, q4_0 codes less 8.
 template <int KT>
@@ -409,6 +415,16 @@ __device__ void attend_quant(const QAttnParams& P) {
                 last_da[h] = warp_sum(da);
                 last_db[h] = warp_sum(db);
             }
+            if (KT == KVQ_Q4 && P.kb_slots) {  // the key bias' share that is one a page (kbias_slow_share)
+                float sa[NG], sb[NG];
+                kbias_slow_share<HD, NG>(qatt_key_bias(P), S.qu, g, t0 / P.page_size, sa);
+                kbias_slow_share<HD, NG>(qatt_key_bias(P), S.qu, g, min(t0 + 31, s1 - 1) / P.page_size, sb);
+#pragma unroll
+                for (int h = 0; h < NG; ++h) {
+                    last_da[h] += sa[h];
+                    last_db[h] += sb[h];
+                }
+            }
             last_pa = pa;
             last_pb = pb;
         }
@@ -419,9 +435,8 @@ __device__ void attend_quant(const QAttnParams& P) {
 #pragma unroll
         for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
         if (KT == KVQ_Q4 && P.kb_slots) {  // what q4_0 keys were stored without: the key bias' share
-            const KeyBiasRef B = {P.kb_slots, P.kb_turns, P.kb_half, P.kb_neox, P.page_size};
             float kb[NG];
-            kbias_dots<HD, NG>(B, S.qu, g, kk, kb);
+            kbias_dots<HD, NG>(qatt_key_bias(P), S.qu, g, kk, kb);
 #pragma unroll
             for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], kb[h]);
         }

@@ -68,13 +68,15 @@ struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TAT
     unsigned long long* hot_stats;  // hits, misses, fills (page-head-layers, summed over layers and steps)
     const float* kb_slots;  // the layer's key bias tables (kv_quant.cu KeyBiasRef): L3's keys lose it; null: none
     const float2* kb_turns;
+    const int* kb_fast;
+    const float* kb_slow;
     int table_stride, list_stride, n_head, n_head_kv, page_size, l1, select, hot_slots;
     float scale;
-    int kb_half, kb_neox, pad2;
+    int kb_half, kb_neox, kb_nfast;
 };
 
 __device__ __forceinline__ KeyBiasRef tier_key_bias(const TAttnParams& P) {
-    return {P.kb_slots, P.kb_turns, P.kb_half, P.kb_neox, P.page_size};
+    return {P.kb_slots, P.kb_turns, P.kb_half, P.kb_neox, P.page_size, P.kb_fast, P.kb_slow, P.kb_nfast};
 }
 
 // An order-preserving unsigned key of a float (larger float, larger key).
@@ -471,10 +473,11 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
 #pragma unroll
             for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
             if (tier == 2 && P.kb_slots) {  // L3's keys were stored without the key bias: its share
-                float kb[NG];
+                float kb[NG], slow[NG];
+                kbias_slow_share<HD, NG>(tier_key_bias(P), S.qu, g, key0 / P.page_size, slow);
                 kbias_dots<HD, NG>(tier_key_bias(P), S.qu, g, key0 + lane, kb);
 #pragma unroll
-                for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], kb[h]);
+                for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], __fadd_rn(kb[h], slow[h]));
             }
         }
         float sc[NG];

@@ -167,10 +167,17 @@ __device__ __forceinline__ float kvq_elem(const u8* codes, const u16* scales, in
 // Tables of a layer (backends/cuda_kv_quant.py key_bias_tables): slots c_t transposed, [n_head_kv][HD][page]
 // (t fastest: a warp's keys read one line an element), turns [page of the context][half] (cos, sin of p0's angles
 // without RoPE's magnitude factor, which c_t carries). slots null: the layer has no bias (nothing taken out).
+// The slots' slow pairs hold their page mean (settle_slow_pairs in key_bias.rs): a score's share of them is one
+// product a page (kbias_slow_share, from slow [n_head_kv][HD]: those values, zero in the fast pairs), and the
+// per-key products (kbias_dots) run over each head's fast pairs (fast [n_head_kv][n_fast], ascending, then -1).
+// The kernels that only rebuild bias(p) (unbias, widen, demote) read the slots alone and leave these null.
 struct KeyBiasRef {
     const float* slots;
     const float2* turns;
     int half, neox, ps;
+    const int* fast;
+    const float* slow;
+    int n_fast;
 };
 
 // Element e of bias(p) of KV head g (unrotated basis; pairs (i, i + half) with neox, else (2i, 2i + 1)).
@@ -194,14 +201,18 @@ __device__ void warp_rotated_bias(const KeyBiasRef& B, int hd, int g, int p, flo
     __syncwarp();
 }
 
-// q·bias(p) for the unrotated queries qu [NG][HD] (shared memory) and this lane's key at p of KV head g.
+// q·bias(p)'s share in the fast pairs (the part that turns within a page) for the unrotated queries qu [NG][HD]
+// (shared memory) and this lane's key at p of KV head g; kbias_slow_share adds the rest once a page.
 template <int HD, int NG>
 __device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu)[HD], int g, int p, float (&out)[NG]) {
     const float* c = B.slots + (long long)g * HD * B.ps + p % B.ps;
     const float2* tr = B.turns + (long long)(p / B.ps) * B.half;
+    const int* fast = B.fast + g * B.n_fast;
 #pragma unroll
     for (int h = 0; h < NG; ++h) out[h] = 0.0f;
-    for (int i = 0; i < B.half; ++i) {
+    for (int k = 0; k < B.n_fast; ++k) {
+        const int i = fast[k];
+        if (i < 0) break;
         const int a = B.neox ? i : 2 * i, b = B.neox ? i + B.half : 2 * i + 1;
         const float ca = c[(long long)a * B.ps], cb = c[(long long)b * B.ps];
         const float2 cs = tr[i];
@@ -209,11 +220,30 @@ __device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu
 #pragma unroll
         for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][a], va, fmaf(qu[h][b], vb, out[h]));
     }
-    for (int e = 2 * B.half; e < HD; ++e) {
-        const float ce = c[(long long)e * B.ps];
+}
+
+// q·bias's share in the slow pairs and the elements past the rotary ones for every key of page j (positions
+// j * ps ..) of KV head g, the same for all of them: the whole warp computes it, every lane gets the sums.
+template <int HD, int NG>
+__device__ __forceinline__ void kbias_slow_share(const KeyBiasRef& B, const float (*qu)[HD], int g, int j, float (&out)[NG]) {
+    const float* c = B.slow + g * HD;
+    const float2* tr = B.turns + (long long)j * B.half;
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-        for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][e], ce, out[h]);
+    for (int h = 0; h < NG; ++h) out[h] = 0.0f;
+    for (int i = lane; i < B.half; i += WARP) {
+        const int a = B.neox ? i : 2 * i, b = B.neox ? i + B.half : 2 * i + 1;
+        const float ca = c[a], cb = c[b];
+        const float2 cs = tr[i];
+        const float va = ca * cs.x - cb * cs.y, vb = ca * cs.y + cb * cs.x;
+#pragma unroll
+        for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][a], va, fmaf(qu[h][b], vb, out[h]));
     }
+    for (int e = 2 * B.half + lane; e < HD; e += WARP)
+#pragma unroll
+        for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][e], c[e], out[h]);
+#pragma unroll
+    for (int h = 0; h < NG; ++h) out[h] = warp_sum(out[h]);
 }
 
 // rows' rotated keys k_rows[row] ([rows][n_head_kv * hd]) less the rotated bias(pos[row]): a q4_0 K cache's rows

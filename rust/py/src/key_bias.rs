@@ -2,18 +2,22 @@
 //! CPU engine's own RoPE (so both backends take the same bias out of their q4_0 keys).
 
 use ninfer_core::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
+use ninfer_core::kv::key_bias::settle_slow_pairs;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::spec;
 
-/// A layer's key bias tables: (slots, turns).
-type Tables<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<f32>>);
+/// A layer's key bias tables: (slots, turns, fast, slow).
+type Tables<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<f32>>, Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<f32>>);
 
 /// The tables of layer `layer`'s key bias `bias` ([n_head_kv * head_dim] f32) for pages of `page_size` positions and
 /// a context of `n_ctx`: (slots [page_size][n_head_kv * head_dim], the bias roped to each slot of a page starting at
-/// position 0; turns [n_pages][rope_dims] as (cos, sin) pairs of each page start's angles without RoPE's magnitude).
+/// position 0, its slow pairs settled to their page mean (`settle_slow_pairs`); turns [n_pages][rope_dims] as (cos,
+/// sin) pairs of each page start's angles without RoPE's magnitude; fast [n_head_kv][most fast pairs of a head],
+/// each head's fast pairs ascending, then -1; slow [n_head_kv * head_dim], the settled part of a slot's row, zero
+/// in the fast pairs).
 #[pyfunction]
 fn key_bias_tables<'py>(
     py: Python<'py>,
@@ -31,10 +35,24 @@ fn key_bias_tables<'py>(
         return Err(PyValueError::new_err(format!("a key bias of {kd} values and pages of some positions, got {} and {page_size}", b.len())));
     }
     let p = RopeParams::new(ls.rope_base, ls.rope_freq_scale, s.rope_dims, &s.rope_yarn);
-    let slots = roped_bias_slots(b, &p, s.head_dim, s.rope_dims, s.rope_neox, page_size);
+    let mut slots = roped_bias_slots(b, &p, s.head_dim, s.rope_dims, s.rope_neox, page_size);
+    let fast = settle_slow_pairs(&mut slots, s.n_head_kv, s.head_dim, s.rope_dims, s.rope_neox, page_size);
+    let half = s.rope_dims / 2;
+    let n_fast = fast.iter().map(Vec::len).max().unwrap_or(0);
+    let mut fast_table = vec![-1i32; s.n_head_kv * n_fast];
+    let mut slow = slots[..kd].to_vec();
+    for (g, pairs) in fast.iter().enumerate() {
+        for (k, &i) in pairs.iter().enumerate() {
+            fast_table[g * n_fast + k] = i as i32;
+            let (a, b) = if s.rope_neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+            slow[g * s.head_dim + a] = 0.0;
+            slow[g * s.head_dim + b] = 0.0;
+        }
+    }
     let turns: Vec<f32> = block_start_turns(&p, s.rope_dims, page_size, n_ctx).into_iter().flat_map(|(c, sn)| [c, sn]).collect();
     let slots = slots.into_pyarray(py).reshape([page_size, kd])?;
-    Ok((slots, turns.into_pyarray(py)))
+    let fast_table = fast_table.into_pyarray(py).reshape([s.n_head_kv, n_fast])?;
+    Ok((slots, turns.into_pyarray(py), fast_table, slow.into_pyarray(py)))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -12,6 +12,59 @@
 //! it; the angles are linear in the position, so this is rope(b_k, pos) up to rounding). A score's share is then
 //! q·R(p0) c_t = (R(p0)^T q)·c_t: the query turned back once per block, then one f32 dot product per key.
 
+/// The share of a KV head's bias variation within a block (about the block's mean) that `settle_slow_pairs` keeps
+/// per position.
+const KEPT_VARIATION: f64 = 0.999;
+
+/// Qwen2's key bias lies almost all in slowly turning rotary pairs, which barely move within a block; only its
+/// fast pairs need a value per position. Per KV head of `slots` ([block_size][n_head_kv * head_dim], c_t), the
+/// rotary pairs outside the smallest set holding KEPT_VARIATION of the slots' variation about their block mean,
+/// and the elements past the rotary ones, take their mean over the block in every slot. bias(pos) then keeps that
+/// part constant within a block: a score's share of it is one product a block, and the per-key products run over
+/// the fast pairs alone (the GPU's `kbias_dots`). A stored key keeps the rest of the slow pairs' turning, under
+/// 0.1% of the variation that was taken out. Returns each KV head's fast pairs, ascending.
+pub fn settle_slow_pairs(slots: &mut [f32], n_head_kv: usize, head_dim: usize, rope_dims: usize, neox: bool,
+                         block_size: usize) -> Vec<Vec<usize>> {
+    let kd = n_head_kv * head_dim;
+    assert_eq!(slots.len(), block_size * kd, "a bias row a slot and KV head");
+    let half = rope_dims / 2;
+    let mean_of = |slots: &[f32], e: usize| slots.chunks_exact(kd).map(|r| r[e] as f64).sum::<f64>() / block_size as f64;
+    let mut fast_pairs = Vec::with_capacity(n_head_kv);
+    for g in 0..n_head_kv {
+        let base = g * head_dim;
+        // each pair's squared distance from its block mean, summed over the slots
+        let mut variation: Vec<(f64, usize)> = (0..half)
+            .map(|i| {
+                let (a, b) = pair(i, half, neox);
+                let v = [a, b].iter().map(|&e| {
+                    let m = mean_of(slots, base + e);
+                    slots.chunks_exact(kd).map(|r| (r[base + e] as f64 - m).powi(2)).sum::<f64>()
+                }).sum::<f64>();
+                (v, i)
+            })
+            .collect();
+        variation.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+        let total: f64 = variation.iter().map(|v| v.0).sum();
+        let mut fast = Vec::new();
+        let mut held = 0.0;
+        for &(v, i) in &variation {
+            if held >= KEPT_VARIATION * total || v == 0.0 {
+                break;
+            }
+            held += v;
+            fast.push(i);
+        }
+        fast.sort_unstable();
+        let is_fast = |e: usize| e < 2 * half && fast.contains(&if neox { e % half } else { e / 2 });
+        for e in (0..head_dim).filter(|&e| !is_fast(e)) {
+            let m = mean_of(slots, base + e) as f32;
+            slots.chunks_exact_mut(kd).for_each(|r| r[base + e] = m);
+        }
+        fast_pairs.push(fast);
+    }
+    fast_pairs
+}
+
 /// The key bias of every layer that has one (and no key norm, which would not let it through unchanged).
 pub struct KeyBias {
     kd: usize,

@@ -51,7 +51,7 @@ impl Model {
     /// forward pass ropes keys.
     pub fn key_bias(&self, block_size: usize, n_ctx: usize) -> Option<crate::kv::KeyBias> {
         use crate::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
-        use crate::kv::key_bias::LayerBiasTables;
+        use crate::kv::key_bias::{settle_slow_pairs, LayerBiasTables};
         let s = &self.spec;
         type Turns = std::sync::Arc<Vec<(f32, f32)>>;
         let mut turns: Vec<(RopeParams, Turns)> = Vec::new();
@@ -70,7 +70,8 @@ impl Model {
                     t
                 }
             };
-            let slots = roped_bias_slots(b, &p, s.head_dim, s.rope_dims, s.rope_neox, block_size);
+            let mut slots = roped_bias_slots(b, &p, s.head_dim, s.rope_dims, s.rope_neox, block_size);
+            settle_slow_pairs(&mut slots, s.n_head_kv, s.head_dim, s.rope_dims, s.rope_neox, block_size);
             layers.push(Some(LayerBiasTables { slots, starts }));
         }
         crate::kv::KeyBias::new(layers, s.n_head_kv, s.head_dim, s.rope_dims, s.rope_neox, block_size)

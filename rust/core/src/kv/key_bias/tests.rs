@@ -83,3 +83,39 @@ fn the_turned_query_scores_the_bias_it_takes_out() {
 fn no_bias_no_table() {
     assert!(key_bias(&[None, None], true, 1024).is_none());
 }
+
+/// Settling keeps the fast pairs' slots as they are and gives every other element its block mean in every slot, the
+/// fast pairs holding at least KEPT_VARIATION of the variation (both pairings); one slot a block turns nothing.
+#[test]
+fn settled_slow_pairs_hold_their_block_mean() {
+    let b = bias();
+    let p = RopeParams::new(1e6, 1.0, 48, &yarn(0.0));
+    for neox in [true, false] {
+        let orig = roped_bias_slots(&b, &p, 64, 48, neox, 32);
+        let mut settled = orig.clone();
+        let fast = settle_slow_pairs(&mut settled, 2, 64, 48, neox, 32);
+        for (g, pairs) in fast.iter().enumerate() {
+            assert!(!pairs.is_empty() && pairs.len() < 24 && pairs.windows(2).all(|w| w[0] < w[1]), "{pairs:?}");
+            let (mut kept, mut total) = (0.0f64, 0.0f64);
+            for e in 0..64 {
+                let column = |v: &[f32]| (0..32).map(|t| v[t * 128 + g * 64 + e]).collect::<Vec<f32>>();
+                let (before, after) = (column(&orig), column(&settled));
+                let mean = before.iter().map(|&x| x as f64).sum::<f64>() / 32.0;
+                let variation: f64 = before.iter().map(|&x| (x as f64 - mean).powi(2)).sum();
+                total += variation;
+                let i = if neox { e % 24 } else { e / 2 };
+                if e < 48 && pairs.contains(&i) {
+                    assert_eq!(before, after);
+                    kept += variation;
+                } else {
+                    assert!(after.iter().all(|&x| (x as f64 - mean).abs() <= 1e-5 * (1.0 + mean.abs())), "element {e}");
+                }
+            }
+            assert!(kept >= 0.999 * total, "{kept} of {total}");
+        }
+        let mut one = roped_bias_slots(&b, &p, 64, 48, neox, 1);
+        let copy = one.clone();
+        assert!(settle_slow_pairs(&mut one, 2, 64, 48, neox, 1).iter().all(Vec::is_empty));
+        assert_eq!(one, copy);
+    }
+}
