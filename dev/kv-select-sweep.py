@@ -4,7 +4,7 @@ agreement with the dense f16 cache (issue 51's accuracy table, BENCHMARKS.md "Ti
 
     python3 dev/kv-select-sweep.py MODEL --tokens 16384 [--depths 0.1,0.3,0.5,0.7,0.9] [--threads 2]
         [--tiers 1024,2048] [--budgets 0,256,512,1024,2048,4096] [--forced 64] [--needles 4 --haystack TEXT]
-    python3 dev/kv-select-sweep.py MODEL --tokens 16384 --quiz 10 --haystack TEXT [--llama-server BIN] [...]
+    python3 dev/kv-select-sweep.py MODEL --tokens 16384 --quiz 10 --haystack TEXT [--llama-server BIN [--llama-cpp-only]] [...]
 
 Per prompt (a passkey prompt, key at each depth, keys from a fixed seed):
 - the dense f16 cache: prefill, then `--forced` greedy decode steps: its answer and its logits at each step;
@@ -88,14 +88,19 @@ def main() -> None:
     ap.add_argument("--haystack", default=None, help="the real text the needles hide in")
     ap.add_argument("--quiz", type=int, default=0, help="needles in one haystack, each asked once (needs --haystack)")
     ap.add_argument("--llama-server", default=None, help="with --quiz: llama.cpp's answers from this llama-server")
+    ap.add_argument("--llama-cpp-only", action="store_true",
+                    help="with --quiz and --llama-server: only llama.cpp's row (ninfer's caches not run)")
     a = ap.parse_args()
     if a.quiz and not a.haystack:
         ap.error("--quiz needs --haystack")
+    if a.llama_cpp_only and not (a.quiz and a.llama_server):
+        ap.error("--llama-cpp-only needs --quiz and --llama-server")
     l1, l2 = (int(x) for x in a.tiers.split(","))
     budgets = [int(b) for b in a.budgets.split(",")]
     n_ctx = a.tokens + a.forced + 256
     dense = LLM(a.model, n_ctx=n_ctx, threads=a.threads)
-    tiered = LLM(a.model, n_ctx=n_ctx, threads=a.threads, kv_l1=l1, kv_l2=l2, kv_select=max(budgets))
+    tiered = None if a.llama_cpp_only else LLM(a.model, n_ctx=n_ctx, threads=a.threads, kv_l1=l1, kv_l2=l2,
+                                               kv_select=max(budgets))
     depths = [float(d) for d in a.depths.split(",")]
     haystack = open(a.haystack, encoding="utf-8").read() if a.haystack else None
     if a.quiz:
@@ -139,7 +144,7 @@ def main() -> None:
               f"(over {len(depths)} prompts x {a.forced} steps)")
 
 
-def quiz(a: argparse.Namespace, dense: LLM, tiered: LLM, budgets: list[int], haystack: str) -> None:
+def quiz(a: argparse.Namespace, dense: LLM, tiered: LLM | None, budgets: list[int], haystack: str) -> None:
     depths = [0.1 + 0.8 * i / max(1, a.quiz - 1) for i in range(a.quiz)]
     q = needle_quiz(dense, haystack, a.tokens, depths)
     prefix = dense.tokenize(q.prefix)
@@ -159,22 +164,23 @@ def quiz(a: argparse.Namespace, dense: LLM, tiered: LLM, budgets: list[int], hay
         return out
 
     found: dict[str | int, list[bool]] = {}
-    t = time.perf_counter()
-    prefill(dense, prefix)
-    print(f"dense prefill {time.perf_counter() - t:.0f} s", flush=True)
-    found["dense f16"] = answers(dense, "dense")
-    prefill(dense, suffixes[0][:-1], keep=len(prefix))
-    ref, ref_logits = steps(dense, suffixes[0][-1], a.forced)
-    ref_lp = log_softmax(ref_logits)
-    t = time.perf_counter()
-    prefill(tiered, prefix)
-    print(f"tiered prefill {time.perf_counter() - t:.0f} s", flush=True)
     forced = {}
-    for b in budgets:
-        tiered.set_kv_select(b)
-        found[b] = answers(tiered, f"select {b}")
-        prefill(tiered, suffixes[0][:-1], keep=len(prefix))
-        forced[b] = agreement(ref, ref_lp, *steps(tiered, suffixes[0][-1], a.forced, forced=ref))
+    if not a.llama_cpp_only:
+        t = time.perf_counter()
+        prefill(dense, prefix)
+        print(f"dense prefill {time.perf_counter() - t:.0f} s", flush=True)
+        found["dense f16"] = answers(dense, "dense")
+        prefill(dense, suffixes[0][:-1], keep=len(prefix))
+        ref, ref_logits = steps(dense, suffixes[0][-1], a.forced)
+        ref_lp = log_softmax(ref_logits)
+        t = time.perf_counter()
+        prefill(tiered, prefix)
+        print(f"tiered prefill {time.perf_counter() - t:.0f} s", flush=True)
+        for b in budgets:
+            tiered.set_kv_select(b)
+            found[b] = answers(tiered, f"select {b}")
+            prefill(tiered, suffixes[0][:-1], keep=len(prefix))
+            forced[b] = agreement(ref, ref_lp, *steps(tiered, suffixes[0][-1], a.forced, forced=ref))
     if a.llama_server:
         t = time.perf_counter()
         texts = llama_server_answers(a.llama_server, a.model, a.threads, len(prefix) + 256,
