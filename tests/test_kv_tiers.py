@@ -105,6 +105,35 @@ def test_l3_keys_lose_qwens_key_bias(qwen05_path: Path) -> None:
         assert kl < 0.0068, (n_batch, kl)
 
 
+def test_gpu_key_bias_tables_settle_the_slow_pairs(qwen05_path: Path) -> None:
+    """_core.key_bias_tables (the CUDA backend's tables, from the CPU's RoPE): every slow pair holds its page mean in
+    every slot, `fast` lists each KV head's turning pairs ascending and then -1, and `slow` is the slots' constant
+    part, zero in the fast pairs."""
+    import numpy as np
+
+    from ninfer import _core
+    from ninfer.model_file import ModelFile
+
+    mf = ModelFile(qwen05_path)
+    s = mf.spec
+    n_kv, hd, half = s["n_head_kv"], s["head_dim"], s["rope_dims"] // 2
+    t = next(t for t in mf.tensors if t.name == s["layers"][0]["bk"])
+    bias = np.ascontiguousarray(mf.dequantized(t).reshape(-1), np.float32)
+    slots, turns, fast, slow = _core.key_bias_tables(s, 0, bias, 32, 1024)
+    assert slots.shape == (32, n_kv * hd) and turns.shape == (1024 // 32 * half * 2,)
+    assert fast.shape[0] == n_kv and 0 < fast.shape[1] < half
+    for g in range(n_kv):
+        pairs = [int(i) for i in fast[g] if i >= 0]
+        assert pairs == sorted(pairs) and all(i < 0 for i in fast[g][len(pairs):])
+        turning = set(pairs) | {i + half for i in pairs}  # (Qwen2 ropes NeoX pairs: i and i + half)
+        for d in range(hd):
+            column = slots[:, g * hd + d]
+            if d in turning:
+                assert slow[g * hd + d] == 0.0 and np.ptp(column) > 0, (g, d)
+            else:
+                assert np.ptp(column) == 0 and slow[g * hd + d] == column[0], (g, d)
+
+
 @pytest.mark.large
 def test_passkey_on_qwen_at_4k_with_most_of_the_context_in_l3(qwen05_path: Path) -> None:
     llm = ninfer.LLM(qwen05_path, n_ctx=4608, threads=2, kv_l1=512, kv_l2=512, kv_select=512)

@@ -2,7 +2,7 @@
 //! CPU engine's own RoPE (so both backends take the same bias out of their q4_0 keys).
 
 use ninfer_core::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
-use ninfer_core::kv::key_bias::settle_slow_pairs;
+use ninfer_core::kv::key_bias::{pair, settle_slow_pairs};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -44,7 +44,7 @@ fn key_bias_tables<'py>(
     for (g, pairs) in fast.iter().enumerate() {
         for (k, &i) in pairs.iter().enumerate() {
             fast_table[g * n_fast + k] = i as i32;
-            let (a, b) = if s.rope_neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+            let (a, b) = pair(i, half, s.rope_neox);
             slow[g * s.head_dim + a] = 0.0;
             slow[g * s.head_dim + b] = 0.0;
         }

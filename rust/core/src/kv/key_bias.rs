@@ -105,7 +105,7 @@ pub struct BiasTerm<'a> {
 
 /// Where rotary pair i's two elements sit in a head.
 #[inline(always)]
-fn pair(i: usize, half: usize, neox: bool) -> (usize, usize) {
+pub fn pair(i: usize, half: usize, neox: bool) -> (usize, usize) {
     if neox {
         (i, i + half)
     } else {
