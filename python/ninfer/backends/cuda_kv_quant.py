@@ -94,9 +94,9 @@ class QuantKv:
 
     def _alloc_key_bias(self, page_size: int, q4_keys: bool = True) -> None:
         """Every GPU layer's key bias tables (kernels/kv_quant.cu KeyBiasRef; the CPU's kv::key_bias, computed by
-        its RoPE, slow pairs settled to their page mean): q4_0 keys (a quantized cache's, or the tiered cache's L3) are stored without the model's attn_k
-        bias roped to their position, and scores add its share back. None for a layer without a bias (or with a
-        key norm between the bias and RoPE)."""
+        its RoPE, slow pairs settled to their page mean): q4_0 keys (a quantized cache's, or the tiered cache's L3)
+        are stored without the model's attn_k bias roped to their position, and scores add its share back. None for
+        a layer without a bias (or with a key norm between the bias and RoPE)."""
         from ninfer import _core
 
         if not q4_keys:  # (q8_0 keys keep the bias)
@@ -118,8 +118,6 @@ class QuantKv:
                 turns_by_rope[rope] = cp.asarray(turns)
             # [page][n_kv * hd] -> [n_kv][hd][page]: a warp's keys (consecutive slots) read one line an element
             slots_t = cp.asarray(np.ascontiguousarray(slots.reshape(page_size, n_kv, hd).transpose(1, 2, 0)))
-            # (a layer whose bias never turns within a page has no fast pairs: one -1 stands for the empty list)
-            fast = fast if fast.shape[1] else np.full((n_kv, 1), -1, np.int32)
             self.key_bias.append((slots_t, turns_by_rope[rope], cp.asarray(fast), cp.asarray(slow), fast.shape[1]))
 
     def _key_bias_fields(self, il: int) -> dict:

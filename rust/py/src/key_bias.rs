@@ -15,8 +15,8 @@ type Tables<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<f32>>, Bound<
 /// The tables of layer `layer`'s key bias `bias` ([n_head_kv * head_dim] f32) for pages of `page_size` positions and
 /// a context of `n_ctx`: (slots [page_size][n_head_kv * head_dim], the bias roped to each slot of a page starting at
 /// position 0, its slow pairs settled to their page mean (`settle_slow_pairs`); turns [n_pages][rope_dims] as (cos,
-/// sin) pairs of each page start's angles without RoPE's magnitude; fast [n_head_kv][most fast pairs of a head],
-/// each head's fast pairs ascending, then -1; slow [n_head_kv * head_dim], the settled part of a slot's row, zero
+/// sin) pairs of each page start's angles without RoPE's magnitude; fast [n_head_kv][most fast pairs of a head, at
+/// least 1], each head's fast pairs ascending, then -1; slow [n_head_kv * head_dim], the settled part of a slot's row, zero
 /// in the fast pairs).
 #[pyfunction]
 fn key_bias_tables<'py>(
@@ -38,7 +38,8 @@ fn key_bias_tables<'py>(
     let mut slots = roped_bias_slots(b, &p, s.head_dim, s.rope_dims, s.rope_neox, page_size);
     let fast = settle_slow_pairs(&mut slots, s.n_head_kv, s.head_dim, s.rope_dims, s.rope_neox, page_size);
     let half = s.rope_dims / 2;
-    let n_fast = fast.iter().map(Vec::len).max().unwrap_or(0);
+    // (at least one column: a layer whose bias never turns within a page lists one -1 a head)
+    let n_fast = fast.iter().map(Vec::len).max().unwrap_or(0).max(1);
     let mut fast_table = vec![-1i32; s.n_head_kv * n_fast];
     let mut slow = slots[..kd].to_vec();
     for (g, pairs) in fast.iter().enumerate() {

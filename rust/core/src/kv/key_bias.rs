@@ -28,19 +28,18 @@ pub fn settle_slow_pairs(slots: &mut [f32], n_head_kv: usize, head_dim: usize, r
     let kd = n_head_kv * head_dim;
     assert_eq!(slots.len(), block_size * kd, "a bias row a slot and KV head");
     let half = rope_dims / 2;
-    let mean_of = |slots: &[f32], e: usize| slots.chunks_exact(kd).map(|r| r[e] as f64).sum::<f64>() / block_size as f64;
     let mut fast_pairs = Vec::with_capacity(n_head_kv);
     for g in 0..n_head_kv {
         let base = g * head_dim;
+        let mean: Vec<f64> = (0..head_dim)
+            .map(|e| slots.chunks_exact(kd).map(|r| r[base + e] as f64).sum::<f64>() / block_size as f64)
+            .collect();
+        let spread = |e: usize| slots.chunks_exact(kd).map(|r| (r[base + e] as f64 - mean[e]).powi(2)).sum::<f64>();
         // each pair's squared distance from its block mean, summed over the slots
         let mut variation: Vec<(f64, usize)> = (0..half)
             .map(|i| {
                 let (a, b) = pair(i, half, neox);
-                let v = [a, b].iter().map(|&e| {
-                    let m = mean_of(slots, base + e);
-                    slots.chunks_exact(kd).map(|r| (r[base + e] as f64 - m).powi(2)).sum::<f64>()
-                }).sum::<f64>();
-                (v, i)
+                (spread(a) + spread(b), i)
             })
             .collect();
         variation.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
@@ -55,10 +54,13 @@ pub fn settle_slow_pairs(slots: &mut [f32], n_head_kv: usize, head_dim: usize, r
             fast.push(i);
         }
         fast.sort_unstable();
-        let is_fast = |e: usize| e < 2 * half && fast.contains(&if neox { e % half } else { e / 2 });
-        for e in (0..head_dim).filter(|&e| !is_fast(e)) {
-            let m = mean_of(slots, base + e) as f32;
-            slots.chunks_exact_mut(kd).for_each(|r| r[base + e] = m);
+        let mut turning = vec![false; head_dim];
+        for &i in &fast {
+            let (a, b) = pair(i, half, neox);
+            (turning[a], turning[b]) = (true, true);
+        }
+        for e in (0..head_dim).filter(|&e| !turning[e]) {
+            slots.chunks_exact_mut(kd).for_each(|r| r[base + e] = mean[e] as f32);
         }
         fast_pairs.push(fast);
     }
