@@ -8,8 +8,10 @@ models are optional: tests that need them are marked `large` and skipped when th
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 MODELS_DIR = Path(os.environ.get("NINFER_MODELS", Path.home() / ".cache" / "ninfer-models"))
@@ -56,6 +58,37 @@ def _optional(key: str) -> Path:
 @pytest.fixture(scope="session")
 def qwen05_path() -> Path:
     return _optional("qwen05")
+
+
+@dataclass(frozen=True)
+class LogitsReference:
+    """A text's tokens, the rows scored and the dense f16 cache's log-probabilities at them."""
+    ids: list[int]
+    rows: list[int]
+    logprobs: np.ndarray  # [len(rows), n_vocab] f64
+
+    def kl_of(self, logits: np.ndarray) -> float:
+        """Mean KL(reference || softmax(logits)) over the rows."""
+        lq = logits.astype(np.float64)
+        lq -= lq.max(1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(1, keepdims=True))
+        return float(np.mean(np.sum(np.exp(self.logprobs) * (self.logprobs - lq), axis=1)))
+
+
+@pytest.fixture(scope="session")
+def qwen05_reference(qwen05_path: Path) -> LogitsReference:
+    """The 0.5B over 2,600 characters of the built-in calibration text, its second half scored (the quantized and
+    tiered caches' tests compare against it)."""
+    import ninfer
+
+    text = (Path(ninfer.__file__).parent / "data" / "calibration.txt").read_text(encoding="utf-8")[200000:202600]
+    ref = ninfer.LLM(qwen05_path, n_ctx=1024, threads=2)
+    ids = ref.tokenize(text)
+    rows = list(range(len(ids) // 2, len(ids)))
+    lp = ref.eval_logits(ids, rows).astype(np.float64)
+    lp -= lp.max(1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(1, keepdims=True))
+    return LogitsReference(ids, rows, lp)
 
 
 @pytest.fixture(scope="session")

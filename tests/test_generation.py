@@ -113,7 +113,8 @@ def test_quantized_kv_cache_stays_close(smollm2_path: Path, llm: ninfer.LLM, cac
     assert rel < (0.08 if cache == "q8_0" else 0.2), rel
 
 
-def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, qwen05_reference,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A q4_0 K cache's blocks are 32 positions (config.Q4_KEY_BLOCK_SIZE): each block's keys are stored less their
     mean and less Qwen2's key bias turned by RoPE to their position (kv::key_bias), which a block mean alone cannot
     take out. On the shared prose text, 8 chunks: +10.2% perplexity with means every 256 positions and no bias taken
@@ -122,20 +123,12 @@ def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, monkeypa
 
     assert config.EngineConfig(cache_type_k="q4_0").block_size == 32
     assert config.EngineConfig(cache_type_k="q8_0").block_size == 256
-    text = (Path(ninfer.__file__).parent / "data" / "calibration.txt").read_text(encoding="utf-8")[200000:202600]
-    ref = ninfer.LLM(qwen05_path, n_ctx=1024, threads=2)
-    ids = ref.tokenize(text)
-    rows = list(range(len(ids) // 2, len(ids)))
-    want = ref.eval_logits(ids, rows).astype(np.float64)
+    ref = qwen05_reference
 
     def kl(block: int) -> float:
         monkeypatch.setattr(config, "Q4_KEY_BLOCK_SIZE", block)
-        got = ninfer.LLM(qwen05_path, n_ctx=1024, threads=2, cache_type_k="q4_0",
-                         cache_type_v="q4_0").eval_logits(ids, rows).astype(np.float64)
-        lp, lq = (x - x.max(1, keepdims=True) for x in (want, got))
-        lp -= np.log(np.exp(lp).sum(1, keepdims=True))
-        lq -= np.log(np.exp(lq).sum(1, keepdims=True))
-        return float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=1)))
+        return ref.kl_of(ninfer.LLM(qwen05_path, n_ctx=1024, threads=2, cache_type_k="q4_0",
+                                    cache_type_v="q4_0").eval_logits(ref.ids, ref.rows))
 
     # measured 0.0178 and 0.0222 (0.058 and 0.068 with the key bias left in the stored keys)
     fine, coarse = kl(32), kl(256)

@@ -18,6 +18,7 @@ from ninfer import _core
 from ninfer.errors import InvalidArgumentError, ModelFileError
 from ninfer.gsq import convert
 from ninfer.gsq_file import inspect_table, tensor_infos, verify
+from ninfer.model_file import ModelFile
 from ninfer.synth import write_synthetic
 
 
@@ -90,8 +91,8 @@ def test_converted_file_is_gguf_with_records_and_metadata(source: Path, converte
     assert mf_version(converted) == 2
     assert qi["err"] < qi["err_rtn"]
     # The records dequantize to the source weights within 3-bit error.
-    src = {t.name: t for t in gguf.GGUFReader(source).tensors}["blk.0.attn_q.weight"]
-    ref = gguf.quants.dequantize(src.data, src.tensor_type).reshape(896, 896)
+    src = ModelFile(source)
+    ref = src.dequantized({t.name: t for t in src.tensors}["blk.0.attn_q.weight"])
     back = _core.gsq_dequantize(np.asarray(q.data).tobytes(), 896, 896, bits=3, slots=6)
     rel = float(((back - ref) ** 2).sum() / (ref**2).sum())
     assert rel == pytest.approx(qi["err"], rel=1e-3)
@@ -103,8 +104,8 @@ def test_verify_ok_then_names_a_flipped_byte_and_a_cut_file(converted: Path, tmp
     assert verify(converted) == (True, "ok")
     flipped = tmp_path / "flipped.gguf"
     data = bytearray(converted.read_bytes())
-    t = {x.name: x for x in gguf.GGUFReader(converted).tensors}["blk.0.ffn_down.weight"]
-    data[t.data_offset + 100] ^= 0x40
+    t = {x.name: x for x in ModelFile(converted).tensors}["blk.0.ffn_down.weight"]
+    data[t.offset + 100] ^= 0x40
     flipped.write_bytes(bytes(data))
     assert verify(flipped) == (False, "checksum mismatch: tensor blk.0.ffn_down.weight (layer 0)")
     cut = tmp_path / "cut.gguf"
@@ -126,7 +127,6 @@ def test_metadata_checksum_is_written_and_checked(converted: Path, tmp_path: Pat
     documents the exit codes."""
     from ninfer import gsq_cli
     from ninfer.gsq_file import metadata_checksum
-    from ninfer.model_file import ModelFile
 
     md = ModelFile(converted).metadata
     assert md["gsq.metadata_checksum"] == metadata_checksum(md)

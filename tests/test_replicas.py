@@ -81,10 +81,10 @@ def test_a_replica_ray_cannot_place_ends_the_wait(smollm2_path, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(ninfer.__file__).parents[1])}
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "ninfer.server.cli", "-m", str(smollm2_path), "--replicas", "1",
-                          "-t", "64", "--ray-startup-timeout", "15", "--port", str(free_port())],
+                          "-t", "64", "--ray-startup-timeout", "3", "--port", str(free_port())],
                          capture_output=True, text=True, timeout=STARTUP_S, env=env, start_new_session=True)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "ninfer: error: the replicas were not running after 15 s (deploying, replicas" in out.stderr
+    assert "ninfer: error: the replicas were not running after 3 s (deploying, replicas" in out.stderr
     assert "removing the application and the local Ray cluster" in out.stderr
     assert time.monotonic() - t0 < STARTUP_S
 

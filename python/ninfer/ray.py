@@ -33,7 +33,7 @@ except ImportError as e:  # (the extra is optional: say which package brings it)
     raise ImportError(f"ninfer.ray needs Ray Serve: pip install 'ninfer[ray]' (the ray[serve] package): {e}") from e
 
 from ninfer.errors import InvalidArgumentError
-from ninfer.server.app import ServerSettings, create_app
+from ninfer.server.app import SHUTDOWN_GRACE_S, ServerSettings, create_app
 
 # Ray Serve sends this logger to the replica's log file and the driver's stderr (a replica's own, per its docs).
 log = logging.getLogger("ray.serve")
@@ -189,7 +189,8 @@ def build_app(model: str | Path | None = None, *, settings: ServerSettings | Non
     deployment = serve.deployment(
         NinferReplica, name="ninfer", ray_actor_options={"num_cpus": threads or 1, "num_gpus": num_gpus},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
-        **scaling.deployment_options(settings.n_parallel))
+        # (Ray's default grace, 20 s, would also hold up removing a replica that never started)
+        graceful_shutdown_timeout_s=SHUTDOWN_GRACE_S, **scaling.deployment_options(settings.n_parallel))
     path = None if model is None else str(Path(model).expanduser().absolute())
     return deployment.bind(path, settings, llm_kwargs)
 

@@ -46,6 +46,8 @@ from ninfer.server.schemas import (
 from ninfer.server.webui import add_chat_page
 
 log = logging.getLogger("ninfer.server")
+# What a stopping server gives the requests in flight before it closes them (uvicorn's, and each Ray replica's).
+SHUTDOWN_GRACE_S = 5.0
 
 
 @dataclass
@@ -513,4 +515,4 @@ def create_app(llm: LLM | None = None, *, load: Callable[[], LLM] | None = None,
     return app
 
 
-__all__ = ["JSONResponse", "ServerSettings", "create_app"]
+__all__ = ["SHUTDOWN_GRACE_S", "JSONResponse", "ServerSettings", "create_app"]

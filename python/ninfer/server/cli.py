@@ -259,6 +259,7 @@ def _serve_here(args: argparse.Namespace, model: Any, settings: ServerSettings, 
 
     from ninfer.llm import LLM
     from ninfer.server import create_app
+    from ninfer.server.app import SHUTDOWN_GRACE_S
     from ninfer.server.guards import header_deadline_protocol
 
     print(f"ninfer serve: listening on http://{args.host}:{args.port} (/health is 503 until the model is loaded)",
@@ -275,7 +276,7 @@ def _serve_here(args: argparse.Namespace, model: Any, settings: ServerSettings, 
 
     app = create_app(load=load, settings=settings, on_load_error=stop_on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
+                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                                            timeout_keep_alive=args.keep_alive_timeout,
                                            http=header_deadline_protocol(args.body_timeout)))
     try:
