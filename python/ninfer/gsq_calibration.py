@@ -2,7 +2,8 @@
 chunks, each matrix's input statistics over them (mean squares, the importances, and X^T X for error feedback,
 collected by the CPU engine in one pass of the source model; gsq_sequential.py takes them pass by pass instead),
 a saved importances file checked against the model, and the GPTQ-style error-feedback quantization of a matrix
-from its inputs' X^T X. gsq.py's converter uses them; docs/gsq-rco.md ("Error feedback") measures the method.
+from its inputs' X^T X. gsq.py's converter uses them; docs/journal/gsq-rco-trials.md ("Error feedback") measures
+the method.
 """
 
 from __future__ import annotations

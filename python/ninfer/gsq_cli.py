@@ -50,7 +50,7 @@ def add_convert_args(p: Any) -> None:
                         f"{GRAM_MAX_COLS} wide; default: on with a calibration text)")
     p.add_argument("--gptq-damp", type=float, default=0.1,
                    help="--gptq: add this fraction of the mean diagonal to X^T X's diagonal (default 0.1, the best "
-                        "measured with 4 and 16 calibration chunks; docs/gsq-rco.md)")
+                        "measured with 4 and 16 calibration chunks; docs/journal/gsq-rco-trials.md)")
     p.add_argument("--gptq-wide", action="store_true",
                    help=f"--gptq also for wider inputs (ffn_down), within diagonal blocks of X^T X at most "
                         f"{GRAM_BLOCK_COLS} columns wide")

@@ -170,8 +170,8 @@ def four_bits_at_least(name: str, n_layer: int) -> bool:
     """Whether a tensor takes no fewer than 4 bits a weight: the down projections of the first eighth of the layers
     and of the last. Their errors cost more than the measured relative error says: on Qwen2.5-Coder-1.5B, holding
     those four at 4 bits (paid by four middle ones going to 3) closed 73.0% of Q3_K_M's code gap over the whole
-    text against 71.0% (docs/gsq-rco.md, "First and last down projections"); llama.cpp's Q3_K_M, likewise, keeps
-    every ffn_down at Q4_K or more and the first sixteenth at Q5_K."""
+    text against 71.0% (docs/journal/gsq-rco-trials.md, "First and last down projections"); llama.cpp's Q3_K_M,
+    likewise, keeps every ffn_down at Q4_K or more and the first sixteenth at Q5_K."""
     m = re.fullmatch(r"blk\.(\d+)\.ffn_down\.weight", name)
     return bool(m) and (int(m.group(1)) < max(1, n_layer // 8) or int(m.group(1)) == n_layer - 1)
 
@@ -190,8 +190,9 @@ def candidates(t: Any, tied: bool, n_layer: int = 0) -> list[Policy]:
 
 
 # A split embedding's hot-row counts to choose among (a quarter of the vocabulary at most). Measured on
-# Qwen2.5-Coder-1.5B (docs/gsq-rco.md "Hot embedding rows"): 32,768 hot rows took back 82% of what the Q2_K
-# embedding cost and 16,384 only 47%, for a byte cost that the measured errors then weigh against the layers'.
+# Qwen2.5-Coder-1.5B (docs/journal/gsq-rco-trials.md "Hot embedding rows"): 32,768 hot rows took back 82% of what
+# the Q2_K embedding cost and 16,384 only 47%, for a byte cost that the measured errors then weigh against the
+# layers'.
 HOT_ROWS = (32768,)
 
 

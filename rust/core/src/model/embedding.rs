@@ -1,6 +1,6 @@
 //! The token embedding: a matrix, or (a GSQ-RCO size preset's choice for an untied embedding) its rows split by how
 //! often text looks them up. The hot rows keep the source's type and the others take a smaller one, so the bytes go
-//! where lookups are (docs/gsq-rco.md "Hot embedding rows").
+//! where lookups are (docs/journal/gsq-rco-trials.md "Hot embedding rows").
 //!
 //! A split embedding is one I8 tensor: the hot token ids (u32 little-endian, strictly increasing), then the hot rows
 //! in that order, then every other token's row in token order.
