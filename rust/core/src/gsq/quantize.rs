@@ -94,10 +94,21 @@ struct Candidate<const NS: usize, const G: usize> {
     err: f64,
 }
 
+/// Weighted squared error of a sub-block's weights w stored as codes on (scale, min).
+#[inline(always)]
+fn sub_error(wt: &[f32; SUB], w: &[f32; SUB], scale: f32, min: f32, codes: &[f32; SUB]) -> f32 {
+    let mut err = 0.0f32;
+    for i in 0..SUB {
+        err += wt[i] * (scale * codes[i] - min - w[i]).powi(2);
+    }
+    err
+}
+
 /// (scale, min) of one sub-block, the level of code l being `scale * l - min` (min >= 0, as k-quants): candidate
 /// inverse scales around nmax / (max - min), each with its codes and a weighted least-squares refit; the best
 /// by weighted error. (Fixed-size arrays and plain loops: this runs 21 times per sub-block and was most of a
 /// conversion's quantization time while it allocated and called through closures.)
+#[inline(always)]
 fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
     let w: &[f32; SUB] = w.try_into().expect("a sub-block");
     let e: &[f32; SUB] = e.try_into().expect("a sub-block");
@@ -107,19 +118,20 @@ fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
         return (0.0, -lo);
     }
     let wt: [f32; SUB] = if e.iter().all(|&v| v <= 0.0) { [1.0; SUB] } else { *e };
-    let err_of = |scale: f32, min: f32, codes: &[f32; SUB]| -> f32 {
-        let mut err = 0.0f32;
-        for i in 0..SUB {
-            err += wt[i] * (scale * codes[i] - min - w[i]).powi(2);
-        }
-        err
-    };
+    // (Plain loops over fixed arrays, no closures: a closure or array::from_fn is compiled on its own, outside
+    // optimise_avx2's target features, and its f32::round is a libm call again.)
     let mut best = ((hi - lo) / nmax, -lo);
-    let first: [f32; SUB] = std::array::from_fn(|i| ((w[i] - lo) / best.0).round().clamp(0.0, nmax));
-    let mut best_err = err_of(best.0, best.1, &first);
+    let mut first = [0.0f32; SUB];
+    for i in 0..SUB {
+        first[i] = ((w[i] - lo) / best.0).round().clamp(0.0, nmax);
+    }
+    let mut best_err = sub_error(&wt, w, best.0, best.1, &first);
+    let mut l = [0.0f32; SUB];
     for is in 0..=20 {
         let iscale = (nmax - 1.0 + 0.1 * is as f32) / (hi - lo);
-        let l: [f32; SUB] = std::array::from_fn(|i| (iscale * (w[i] - lo)).round().clamp(0.0, nmax));
+        for i in 0..SUB {
+            l[i] = (iscale * (w[i] - lo)).round().clamp(0.0, nmax);
+        }
         let (mut s0, mut s1, mut s2, mut t0, mut t1) = (0.0f32, 0.0f32, 0.0f32, 0.0f32, 0.0f32);
         for i in 0..SUB {
             let (wi, li) = (wt[i], l[i]);
@@ -142,7 +154,7 @@ fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
         if scale <= 0.0 {
             continue;
         }
-        let err = err_of(scale, -offset, &l);
+        let err = sub_error(&wt, w, scale, -offset, &l);
         if err < best_err {
             best_err = err;
             best = (scale, -offset);
@@ -152,11 +164,13 @@ fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
 }
 
 /// The 4-bit integer of `v` in units of `unit` (0 when the unit is 0).
+#[inline(always)]
 fn to_nibble(v: f32, unit: f32) -> u8 {
     if unit > 0.0 { (v / unit).round().clamp(0.0, 15.0) as u8 } else { 0 }
 }
 
 /// Codes, slots and weighted error of a record on a given grid.
+#[inline(always)]
 fn evaluate<const NS: usize, const G: usize>(w: &[f32], e: &[f32], g: &Grid<NS>, nmax: u8, n_slots: usize) -> Candidate<NS, G> {
     let mut codes = [0u8; G];
     let mut errs = [0f32; G];
@@ -201,6 +215,7 @@ fn evaluate<const NS: usize, const G: usize>(w: &[f32], e: &[f32], g: &Grid<NS>,
 
 /// Refit a candidate's grid by weighted least squares on the weights not in a slot: each sub-block's (scale,
 /// min) given its codes, rounded to nibbles of the current d and dmin, then (d, dmin) jointly given those.
+#[inline(always)]
 fn refit<const NS: usize, const G: usize>(w: &[f32], e: &[f32], c: &Candidate<NS, G>) -> Option<Grid<NS>> {
     let mut in_slot = [false; G];
     c.slots.iter().for_each(|&(p, _)| in_slot[p as usize] = true);
@@ -262,15 +277,27 @@ fn refit<const NS: usize, const G: usize>(w: &[f32], e: &[f32], c: &Candidate<NS
 /// gives the largest sub-block scale exactly and the small ones coarsely (a scale of 2.4 units stores as 2); a
 /// smaller d (the largest then clips at 15, and its codes refit) often stores the rest better, so a few are tried
 /// on the whole record's error.
+#[inline(always)]
 fn initial<const NS: usize, const G: usize>(w: &[f32], e: &[f32], nmax: u8, n_slots: usize) -> Candidate<NS, G> {
-    let fits: [(f32, f32); NS] = std::array::from_fn(|s| fit_sub(&w[s * SUB..(s + 1) * SUB], &e[s * SUB..(s + 1) * SUB], nmax as f32));
+    // (loops, not array::from_fn: see fit_sub)
+    let mut fits = [(0.0f32, 0.0f32); NS];
+    for s in 0..NS {
+        fits[s] = fit_sub(&w[s * SUB..(s + 1) * SUB], &e[s * SUB..(s + 1) * SUB], nmax as f32);
+    }
     let max_sc = fits.iter().fold(0.0f32, |a, f| a.max(f.0));
     let dmin = round_f16(fits.iter().fold(0.0f32, |a, f| a.max(f.1)) / 15.0);
-    let m = std::array::from_fn(|s| to_nibble(fits[s].1, dmin));
+    let mut m = [0u8; NS];
+    for s in 0..NS {
+        m[s] = to_nibble(fits[s].1, dmin);
+    }
     let mut best: Option<Candidate<NS, G>> = None;
     for div in [15.0f32, 15.5, 16.0, 17.0, 18.0] {
         let d = round_f16(max_sc / div);
-        let g = Grid { d, dmin, sc: std::array::from_fn(|s| to_nibble(fits[s].0, d)), m };
+        let mut sc = [0u8; NS];
+        for s in 0..NS {
+            sc[s] = to_nibble(fits[s].0, d);
+        }
+        let g = Grid { d, dmin, sc, m };
         let c = evaluate(w, e, &g, nmax, n_slots);
         if best.as_ref().is_none_or(|b| c.err < b.err) {
             best = Some(c);
@@ -280,6 +307,7 @@ fn initial<const NS: usize, const G: usize>(w: &[f32], e: &[f32], nmax: u8, n_sl
 }
 
 /// Error of plain round-to-nearest 3-bit on the record's min/max grid (f16 step and min), weighted by h.
+#[inline(always)]
 fn rtn_error(w: &[f32], h: &[f32]) -> f64 {
     let (lo, hi) = w.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
     let min = round_f16(lo);
@@ -305,6 +333,7 @@ const PATIENCE: usize = 3;
 
 /// One record's initial fit, then at most `steps` RCO steps (fewer once it settles, or after PATIENCE steps
 /// without improvement); the best candidate seen.
+#[inline(always)]
 fn optimise<const NS: usize, const G: usize>(w: &[f32], e: &[f32], nmax: u8, n_slots: usize, steps: usize) -> Candidate<NS, G> {
     let mut last = initial::<NS, G>(w, e, nmax, n_slots);
     let mut best = last.clone();
@@ -333,6 +362,33 @@ fn optimise<const NS: usize, const G: usize>(w: &[f32], e: &[f32], nmax: u8, n_s
 /// # Panics
 /// If the lengths do not match the layout (the caller checks them).
 pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { quantize_row_avx2(layout, w, h, opts, out) };
+    }
+    quantize_row_here(layout, w, h, opts, out)
+}
+
+/// The quantizer compiled for AVX2. Baseline x86-64 has no rounding instruction, so there every `f32::round` is a
+/// call into libm (most of a conversion's quantization time); with AVX2 it is a few instructions and the
+/// sub-block loops vectorize. The results are bit-identical: Rust neither contracts a multiply and add into an
+/// FMA nor reorders float sums, so only the instructions differ. (What runs inside must be inlined here to get
+/// the features: hence `#[inline(always)]` on the optimiser's functions and no closures that do arithmetic.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_avx2(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
+    quantize_row_here(layout, w, h, opts, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_q2_k_avx2(w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
+    quantize_row_q2_k_here(w, h, opts, out)
+}
+
+#[inline(always)]
+fn quantize_row_here(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
     assert_eq!(w.len(), h.len(), "weights and importances differ in length");
     assert_eq!(Some(out.len()), layout.row_bytes(w.len()).ok(), "output is not the row's size");
     let nmax = ((1usize << layout.bits) - 1) as u8;
@@ -361,6 +417,16 @@ pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &
 /// # Panics
 /// If `out` is not the row's size or the lengths differ (the caller checks them).
 pub fn quantize_row_q2_k(w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { quantize_row_q2_k_avx2(w, h, opts, out) };
+    }
+    quantize_row_q2_k_here(w, h, opts, out)
+}
+
+#[inline(always)]
+fn quantize_row_q2_k_here(w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -> RowStats {
     assert_eq!(w.len(), h.len(), "weights and importances differ in length");
     let block_bytes = GgmlType::Q2_K.type_size();
     assert_eq!(Some(out.len()), GgmlType::Q2_K.row_bytes(w.len()).ok(), "output is not the row's size");
@@ -382,11 +448,13 @@ pub fn quantize_row_q2_k(w: &[f32], h: &[f32], opts: &Options, out: &mut [u8]) -
 }
 
 /// sum_i h_i w_i^2.
+#[inline(always)]
 fn weight_of(w: &[f32], h: &[f32]) -> f64 {
     w.iter().zip(h).map(|(&x, &hj)| hj as f64 * (x as f64).powi(2)).sum()
 }
 
 /// sum_i h_i (w_i - stored_i)^2 of a candidate.
+#[inline(always)]
 fn stored_error<const NS: usize, const G: usize>(w: &[f32], h: &[f32], c: &Candidate<NS, G>) -> f64 {
     let g = &c.grid;
     let mut d: Vec<f32> = (0..G).map(|i| w[i] - (g.step(i / SUB) * c.codes[i] as f32 - g.offset(i / SUB))).collect();
