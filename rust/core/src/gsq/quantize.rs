@@ -119,7 +119,7 @@ fn fit_sub(w: &[f32], e: &[f32], nmax: f32) -> (f32, f32) {
     }
     let wt: [f32; SUB] = if e.iter().all(|&v| v <= 0.0) { [1.0; SUB] } else { *e };
     // (Plain loops over fixed arrays, no closures: a closure or array::from_fn is compiled on its own, outside
-    // optimise_avx2's target features, and its f32::round is a libm call again.)
+    // quantize_row_avx2's target features, and its f32::round is a libm call again.)
     let mut best = ((hi - lo) / nmax, -lo);
     let mut first = [0.0f32; SUB];
     for i in 0..SUB {
@@ -371,9 +371,9 @@ pub fn quantize_row(layout: Layout, w: &[f32], h: &[f32], opts: &Options, out: &
 }
 
 /// The quantizer compiled for AVX2. Baseline x86-64 has no rounding instruction, so there every `f32::round` is a
-/// call into libm (most of a conversion's quantization time); with AVX2 it is a few instructions and the
-/// sub-block loops vectorize. The results are bit-identical: Rust neither contracts a multiply and add into an
-/// FMA nor reorders float sums, so only the instructions differ. (What runs inside must be inlined here to get
+/// call into libm (a sixth of the quantizer's time, with as much again in the closures around it); with AVX2 it
+/// is a few inlined instructions. The results are bit-identical: Rust neither contracts a multiply and add into
+/// an FMA nor reorders float sums, so only the instructions differ. (What runs inside must be inlined here to get
 /// the features: hence `#[inline(always)]` on the optimiser's functions and no closures that do arithmetic.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
