@@ -107,12 +107,24 @@ def test_statistics_come_from_the_weights_handed_back(source: Path) -> None:
         seq.stats("blk.0.attn_norm.weight")
 
 
-def test_sequential_conversion_writes_a_valid_file_in_forward_order(source: Path, tmp_path: Path) -> None:
-    calib = tmp_path / "calib.txt"
+@pytest.fixture(scope="module")
+def sequential_file(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The source converted with GPTQ on sequential statistics over two chunks of TEXT, once for the tests that
+    read it (a conversion is most of their time)."""
+    d = tmp_path_factory.mktemp("seqconv")
+    calib = d / "calib.txt"
     calib.write_text(TEXT)
-    out = tmp_path / "seq.gguf"
+    out = d / "seq.gguf"
     convert(source, out, steps=2, threads=2, calib_file=calib, calib_chunks=2, feedback=True, sequential=True,
             size=None)
+    return out
+
+
+def test_sequential_conversion_writes_a_valid_file_in_forward_order(source: Path, sequential_file: Path,
+                                                                    tmp_path: Path) -> None:
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    out = sequential_file
     assert verify(out) == (True, "ok")
     mf, infos = tensor_infos(out)
     assert mf.metadata["gsq.calibration"] == "calib.txt, 1024 tokens"
@@ -134,15 +146,15 @@ def test_sequential_conversion_writes_a_valid_file_in_forward_order(source: Path
     assert not (tmp_path / "y.gguf").exists()
 
 
-def test_sequential_pass_reads_q2_k_tensors_back(source: Path, tmp_path: Path) -> None:
+def test_sequential_pass_reads_q2_k_tensors_back(source: Path, sequential_file: Path, tmp_path: Path) -> None:
     """A Q2_K tensor (`--tensor-type REGEX=q2_k`) is handed to the forward pass as the engine will read it, so the
-    layers after it are fitted to its outputs: layer 1 differs from the all-GSQ-RCO file's."""
+    layers after it are fitted to its outputs: layer 1 differs from the all-GSQ-RCO file's (sequential_file, made
+    with the same settings)."""
     calib = tmp_path / "calib.txt"
     calib.write_text(TEXT)
-    out, ref = tmp_path / "q2k.gguf", tmp_path / "ref.gguf"
-    kw = dict(steps=2, threads=2, calib_file=calib, calib_chunks=1, feedback=True, sequential=True)
-    convert(source, out, tensor_types=[r"blk\.0\.ffn_down=q2_k"], **kw, size=None)
-    convert(source, ref, **kw, size=None)
+    out, ref = tmp_path / "q2k.gguf", sequential_file
+    convert(source, out, tensor_types=[r"blk\.0\.ffn_down=q2_k"], steps=2, threads=2, calib_file=calib,
+            calib_chunks=2, feedback=True, sequential=True, size=None)
     assert verify(out) == (True, "ok")
     infos, other = tensor_infos(out)[1], tensor_infos(ref)[1]
     assert infos["blk.0.ffn_down.weight"]["type"] == "Q2_K"
