@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ninfer
+from conftest import LogitsReference
 
 PROMPT = "The capital of France is"
 
@@ -113,7 +114,7 @@ def test_quantized_kv_cache_stays_close(smollm2_path: Path, llm: ninfer.LLM, cac
     assert rel < (0.08 if cache == "q8_0" else 0.2), rel
 
 
-def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, qwen05_reference,
+def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, qwen05_reference: LogitsReference,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A q4_0 K cache's blocks are 32 positions (config.Q4_KEY_BLOCK_SIZE): each block's keys are stored less their
     mean and less Qwen2's key bias turned by RoPE to their position (kv::key_bias), which a block mean alone cannot

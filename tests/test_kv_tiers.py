@@ -10,6 +10,7 @@ import pytest
 import ninfer
 from ninfer.errors import InvalidArgumentError
 from ninfer.passkey import run_passkey
+from conftest import LogitsReference
 
 
 def test_tier_settings_are_checked(smollm2_path: Path) -> None:
@@ -92,7 +93,7 @@ def test_selection_budget_changes_after_the_prefill(smollm2_path: Path) -> None:
         ninfer.LLM(smollm2_path, n_ctx=256).set_kv_select(64)
 
 
-def test_l3_keys_lose_qwens_key_bias(qwen05_path: Path, qwen05_reference) -> None:
+def test_l3_keys_lose_qwens_key_bias(qwen05_path: Path, qwen05_reference: LogitsReference) -> None:
     """L3's q4_0 keys are stored less the model's key bias turned to their position (kv::key_bias), and scored with
     its share added back, through the tiled prompt path (64-row batches) and the per-group one (16): the 0.5B's
     logits over a text with everything but the sink and the newest 64 tokens in L3 stay close to the dense f16
