@@ -60,6 +60,13 @@ def qwen05_path() -> Path:
     return _optional("qwen05")
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Each row's log-probabilities, in f64."""
+    x = logits.astype(np.float64)
+    x -= x.max(1, keepdims=True)
+    return x - np.log(np.exp(x).sum(1, keepdims=True))
+
+
 @dataclass(frozen=True)
 class LogitsReference:
     """A text's tokens, the rows scored and the dense f16 cache's log-probabilities at them."""
@@ -69,9 +76,7 @@ class LogitsReference:
 
     def kl_of(self, logits: np.ndarray) -> float:
         """Mean KL(reference || softmax(logits)) over the rows."""
-        lq = logits.astype(np.float64)
-        lq -= lq.max(1, keepdims=True)
-        lq -= np.log(np.exp(lq).sum(1, keepdims=True))
+        lq = log_softmax(logits)
         return float(np.mean(np.sum(np.exp(self.logprobs) * (self.logprobs - lq), axis=1)))
 
 
@@ -85,10 +90,7 @@ def qwen05_reference(qwen05_path: Path) -> LogitsReference:
     ref = ninfer.LLM(qwen05_path, n_ctx=1024, threads=2)
     ids = ref.tokenize(text)
     rows = list(range(len(ids) // 2, len(ids)))
-    lp = ref.eval_logits(ids, rows).astype(np.float64)
-    lp -= lp.max(1, keepdims=True)
-    lp -= np.log(np.exp(lp).sum(1, keepdims=True))
-    return LogitsReference(ids, rows, lp)
+    return LogitsReference(ids, rows, log_softmax(ref.eval_logits(ids, rows)))
 
 
 @pytest.fixture(scope="session")

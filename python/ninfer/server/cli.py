@@ -276,7 +276,8 @@ def _serve_here(args: argparse.Namespace, model: Any, settings: ServerSettings, 
 
     app = create_app(load=load, settings=settings, on_load_error=stop_on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                                           access_log=args.log_level == "debug",
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                                            timeout_keep_alive=args.keep_alive_timeout,
                                            http=header_deadline_protocol(args.body_timeout)))
     try:

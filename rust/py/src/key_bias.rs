@@ -16,8 +16,8 @@ type Tables<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<f32>>, Bound<
 /// a context of `n_ctx`: (slots [page_size][n_head_kv * head_dim], the bias roped to each slot of a page starting at
 /// position 0, its slow pairs settled to their page mean (`settle_slow_pairs`); turns [n_pages][rope_dims] as (cos,
 /// sin) pairs of each page start's angles without RoPE's magnitude; fast [n_head_kv][most fast pairs of a head, at
-/// least 1], each head's fast pairs ascending, then -1; slow [n_head_kv * head_dim], the settled part of a slot's row, zero
-/// in the fast pairs).
+/// least 1], each head's fast pairs ascending, then -1; slow [n_head_kv * head_dim], the settled part of a slot's
+/// row, zero in the fast pairs).
 #[pyfunction]
 fn key_bias_tables<'py>(
     py: Python<'py>,
