@@ -180,12 +180,27 @@ struct KeyBiasRef {
     int n_fast;
 };
 
-// Element e of bias(p) of KV head g (unrotated basis; pairs (i, i + half) with neox, else (2i, 2i + 1)).
+// The elements of rotary pair i: (i, i + half) with neox, else (2i, 2i + 1) (key_bias.rs pair()).
+__device__ __forceinline__ int2 kbias_pair(const KeyBiasRef& B, int i) {
+    return B.neox ? make_int2(i, i + B.half) : make_int2(2 * i, 2 * i + 1);
+}
+
+// Pair i's turns applied to q·(its two bias values ca, cb), for each of the NG queries qu [NG][HD].
+template <int HD, int NG>
+__device__ __forceinline__ void kbias_pair_dots(const float (*qu)[HD], int2 ab, float ca, float cb, float2 cs,
+                                                float (&out)[NG]) {
+    const float va = ca * cs.x - cb * cs.y, vb = ca * cs.y + cb * cs.x;
+#pragma unroll
+    for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][ab.x], va, fmaf(qu[h][ab.y], vb, out[h]));
+}
+
+// Element e of bias(p) of KV head g (unrotated basis), rounded exactly as the CPU's (no contractions).
 __device__ __forceinline__ float kbias_elem(const KeyBiasRef& B, int hd, int g, int p, int e) {
     const float* c = B.slots + (long long)g * hd * B.ps + p % B.ps;
     if (e >= 2 * B.half) return c[(long long)e * B.ps];
     const int i = B.neox ? (e < B.half ? e : e - B.half) : e >> 1;
-    const int a = B.neox ? i : 2 * i, b = B.neox ? i + B.half : 2 * i + 1;
+    const int2 ab = kbias_pair(B, i);
+    const int a = ab.x, b = ab.y;
     const float2 cs = B.turns[(long long)(p / B.ps) * B.half + i];
     const float ca = c[(long long)a * B.ps], cb = c[(long long)b * B.ps];
     return e == a ? __fsub_rn(__fmul_rn(ca, cs.x), __fmul_rn(cb, cs.y)) : __fadd_rn(__fmul_rn(ca, cs.y), __fmul_rn(cb, cs.x));
@@ -213,12 +228,8 @@ __device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu
     for (int k = 0; k < B.n_fast; ++k) {
         const int i = fast[k];
         if (i < 0) break;
-        const int a = B.neox ? i : 2 * i, b = B.neox ? i + B.half : 2 * i + 1;
-        const float ca = c[(long long)a * B.ps], cb = c[(long long)b * B.ps];
-        const float2 cs = tr[i];
-        const float va = ca * cs.x - cb * cs.y, vb = ca * cs.y + cb * cs.x;
-#pragma unroll
-        for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][a], va, fmaf(qu[h][b], vb, out[h]));
+        const int2 ab = kbias_pair(B, i);
+        kbias_pair_dots<HD, NG>(qu, ab, c[(long long)ab.x * B.ps], c[(long long)ab.y * B.ps], tr[i], out);
     }
 }
 
@@ -232,12 +243,8 @@ __device__ __forceinline__ void kbias_slow_share(const KeyBiasRef& B, const floa
 #pragma unroll
     for (int h = 0; h < NG; ++h) out[h] = 0.0f;
     for (int i = lane; i < B.half; i += WARP) {
-        const int a = B.neox ? i : 2 * i, b = B.neox ? i + B.half : 2 * i + 1;
-        const float ca = c[a], cb = c[b];
-        const float2 cs = tr[i];
-        const float va = ca * cs.x - cb * cs.y, vb = ca * cs.y + cb * cs.x;
-#pragma unroll
-        for (int h = 0; h < NG; ++h) out[h] = fmaf(qu[h][a], va, fmaf(qu[h][b], vb, out[h]));
+        const int2 ab = kbias_pair(B, i);
+        kbias_pair_dots<HD, NG>(qu, ab, c[ab.x], c[ab.y], tr[i], out);
     }
     for (int e = 2 * B.half + lane; e < HD; e += WARP)
 #pragma unroll
