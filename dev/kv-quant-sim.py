@@ -66,18 +66,35 @@ def quant_rows(x: np.ndarray) -> np.ndarray:
     return q4_fitted(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
 
 
+MIDRANGE = [False]  # offsets at each channel's mid-range instead of its mean
+SIGNS = [None]  # random signs before the Hadamard rotation (a randomized Hadamard), per head size
+SINK_OFFSET = [False]  # the first block's offset is position 0's key itself (the sink stored exactly)
+
+
 def block_means(k: np.ndarray) -> np.ndarray:
     """Each cache block's mean key (position 0 left out of the first), per position: [n, H, d]."""
     out, B = np.empty_like(k), OFFSET_BLOCK[0]
     for b0 in range(0, k.shape[0], B):
         a = 1 if b0 == 0 and k.shape[0] > 1 else b0
         out[b0 : b0 + B] = k[a : b0 + B].mean(axis=0, keepdims=True)
+        if MIDRANGE[0]:
+            blk = k[a : b0 + B]
+            out[b0 : b0 + B] = (blk.max(axis=0, keepdims=True) + blk.min(axis=0, keepdims=True)) / 2
+    if SINK_OFFSET[0]:
+        out[0:B] = k[0:1]
     return out
+
+
+def rotation(hd: int) -> np.ndarray:
+    h = hadamard(hd)
+    if SIGNS[0] is not None:
+        h = h * np.random.default_rng(hd).choice([-1.0, 1.0], hd).astype(np.float32)[None, :]
+    return h
 
 
 def quant_keys(k: np.ndarray, per_channel: bool) -> np.ndarray:
     hd = k.shape[-1]
-    h = hadamard(hd)
+    h = rotation(hd)
     r = k @ h.T
     off = block_means(r)
     x = r - off
@@ -93,7 +110,7 @@ def quant_keys(k: np.ndarray, per_channel: bool) -> np.ndarray:
 
 
 def quant_values(v: np.ndarray) -> np.ndarray:
-    h = hadamard(v.shape[-1])
+    h = rotation(v.shape[-1])
     r = v @ h.T
     off = block_means(r) if VALUE_OFFSETS[0] else 0.0
     return (quant_rows(r - off) + off) @ h
@@ -108,6 +125,21 @@ class SimCalibration(SequentialCalibration):
 
     def _causal_attention(self, q, k, v, window):
         var = self.variant
+        if var.endswith("+s"):  # the variant with position 0's key kept exact (an f16 sink row)
+            self.variant = var[:-2]
+            try:
+                out_k = []
+                orig = quant_keys.__globals__["quant_keys"]
+
+                def keep_sink(kk, per_channel, _orig=orig):
+                    y = _orig(kk, per_channel)
+                    y[:1] = kk[:1]
+                    return y
+                quant_keys.__globals__["quant_keys"] = keep_sink
+                return self._causal_attention(q, k, v, window)
+            finally:
+                quant_keys.__globals__["quant_keys"] = orig
+                self.variant = var
         k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
         if var == "f16":
             return super()._causal_attention(q, k16, v16, window)
@@ -125,6 +157,20 @@ class SimCalibration(SequentialCalibration):
             else:
                 kq = quant_keys(k16, False)
             return super()._causal_attention(q, kq, quant_values(v16), window)
+        MIDRANGE[0] = "mid" in var
+        SIGNS[0] = True if "signs" in var else None
+        var = var.replace("mid", "").replace("signs", "")
+        SINK_OFFSET[0] = var.startswith("off0")
+        if SINK_OFFSET[0]:
+            var = var[5:] or "cache"  # off0 / off0-konly / off0-vonly
+        if var.startswith("sink"):  # the first N positions (the attention sink) kept f16, the rest as the cache
+            n = int(var[4:].rstrip("kv"))
+            kq, vq = quant_keys(k16, False), quant_values(v16)
+            if not var.endswith("v"):
+                kq[:n] = k16[:n]
+            if not var.endswith("k"):
+                vq[:n] = v16[:n]
+            return super()._causal_attention(q, kq, vq, window)
         kq = quant_keys(k16, var == "kchan") if var != "vonly" else k16  # (l0bias past layer 0: the cache)
         vq = quant_values(v16) if var != "konly" else v16
         return super()._causal_attention(q, kq, vq, window)
@@ -145,21 +191,21 @@ def main() -> None:
     mf = ModelFile(a.model)
     tokens = Tokenizer.from_metadata(mf.metadata).encode(open(a.text, encoding="utf-8").read())
     chunks = [tokens[i * a.ctx : (i + 1) * a.ctx] for i in range(a.chunks)]
-    ref = None
+    ref, ref_logp = None, None
     for var in a.variants.split(","):
         SimCalibration.variant = var
         cal = SimCalibration(mf, chunks, gram_max_cols=0)
         logits = cal.logits().astype(np.float64)
-        nll = []
-        for c, ids in enumerate(chunks):
-            lg = logits[c * a.ctx : (c + 1) * a.ctx]
-            for t in range(a.ctx // 2 - 1, a.ctx - 1):  # (llama-perplexity scores the second half)
-                row = lg[t]
-                m = row.max()
-                nll.append(m + math.log(np.exp(row - m).sum()) - row[ids[t + 1]])
-        ppl = math.exp(float(np.mean(nll)))
-        ref = ref or ppl
-        print(f"{var:6s} PPL {ppl:.4f} ({100 * (ppl / ref - 1):+.2f}%)", flush=True)
+        rows = np.concatenate([logits[c * a.ctx + a.ctx // 2 - 1 : (c + 1) * a.ctx - 1] for c in range(len(chunks))])
+        nxt = np.concatenate([chunks[c][a.ctx // 2 : a.ctx] for c in range(len(chunks))])
+        logp = rows - rows.max(axis=1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+        ppl = math.exp(-float(np.mean(logp[np.arange(len(nxt)), nxt])))
+        if ref is None:  # (llama-perplexity scores the second half; KL and top-1 against the first variant)
+            ref, ref_logp = ppl, logp
+        kl = float(np.mean(np.sum(np.exp(ref_logp) * (ref_logp - logp), axis=1)))
+        top1 = float(np.mean(ref_logp.argmax(axis=1) == logp.argmax(axis=1)))
+        print(f"{var:6s} PPL {ppl:.4f} ({100 * (ppl / ref - 1):+.2f}%)  KL {kl:.5f}  top-1 {100 * top1:.1f}%", flush=True)
 
 
 if __name__ == "__main__":

@@ -82,12 +82,37 @@ def test_quantized_pools_take_their_share_of_f16s_bytes(model: Path) -> None:
         sizes[k] = llm.backend.kv_usage()[1]
     # q8_0 34 bytes and q4_0 18 bytes a 32-value block against f16's 64, plus an f32 key offset a page: 4 bytes a key
     # dimension against f16's 4 a position (K and V), so 1/256 of f16's bytes in q8_0's 256-position pages and 1/32
-    # in q4_0's 32-position ones (config.Q4_KEY_BLOCK_SIZE)
-    assert sizes["q8_0"] == pytest.approx(sizes["f16"] * 34 / 64, rel=0.01)
-    assert sizes["q4_0"] == pytest.approx(sizes["f16"] * (18 / 64 + 1 / 32), rel=0.02)
+    # in q4_0's 32-position ones (config.Q4_KEY_BLOCK_SIZE); and the sink key's loss, an f32 key a sequence: f16's
+    # bytes of one position (of n_ctx)
+    f16 = sizes["f16"]
+    assert sizes["q8_0"] == f16 * 34 // 64 + f16 // 256 + f16 // 512
+    assert sizes["q4_0"] == f16 * 18 // 64 + f16 // 32 + f16 // 512
 
 
 @needs_cuda
 def test_a_cache_quantized_on_one_side_only_is_refused_by_name(model: Path) -> None:
     with pytest.raises(ninfer.errors.InvalidArgumentError, match="f16/f16 or quantized on both sides .* not f16/q8_0"):
         ninfer.LLM(model, n_ctx=256, device="cuda", cache_type_k="f16", cache_type_v="q8_0")
+
+
+@needs_cuda
+def test_the_sink_keys_quantization_loss_is_kept_and_forked(model: Path) -> None:
+    """What the key at position 0 lost to quantization (k_sink, added back to its scores as the CPU's cache does) is
+    written with the prompt and copied by a fork: the forked sequence's next logits equal its source's, bit for
+    bit, where a fork without it would read that key as its codes alone."""
+    llm = ninfer.LLM(model, n_ctx=512, n_batch=128, device="cuda", cache_type_k="q4_0", cache_type_v="q4_0",
+                     n_seq_max=3)
+    be = llm.backend
+    be.forward([(0, PROMPT[:40])], [39])
+    lost = be.k_sink[0].get()
+    assert np.abs(lost[0]).max() > 0 and not lost[1:].any(), "position 0's loss is written for its sequence only"
+    be.fork(0, 1, 40)
+    assert all((s.get()[1] == s.get()[0]).all() for s in be.k_sink)
+    src, forked = (be.forward([(seq, [PROMPT[40]])], [0]) for seq in (0, 1))
+    np.testing.assert_array_equal(forked, src)
+    import cupy
+
+    be.k_sink[0][1] = 0  # (as if the fork had not copied it)
+    cupy.cuda.runtime.deviceSynchronize()
+    be.truncate(1, 40)
+    assert not np.array_equal(be.forward([(1, [PROMPT[40]])], [0]), src)

@@ -106,8 +106,8 @@ def test_quantized_kv_cache_stays_close(smollm2_path: Path, llm: ninfer.LLM, cac
     ref = llm.eval_logits(ids, rows)
     got = q.eval_logits(ids, rows)
     # Same argmax almost everywhere. For scale: an f32 cache differs from the f16 one by ~0.03 here (this small
-    # model amplifies last-bit changes); q8_0 measured 0.042, q4_0 0.13 (0.33 before the cache's Hadamard rotation,
-    # K offsets and fitted q4_0 scales).
+    # model amplifies last-bit changes); q8_0 measured 0.043, q4_0 0.108 (0.121 before the sink key kept what
+    # quantization lost of it, 0.33 before the cache's Hadamard rotation, K offsets and fitted q4_0 scales).
     agree = float(np.mean(ref.argmax(1) == got.argmax(1)))
     assert agree >= 0.97, agree
     rel = float(np.linalg.norm(ref - got) / np.linalg.norm(ref))
@@ -131,6 +131,6 @@ def test_q4_0_keys_take_an_offset_every_32_positions(qwen05_path: Path, qwen05_r
         return ref.kl_of(ninfer.LLM(qwen05_path, n_ctx=1024, threads=2, cache_type_k="q4_0",
                                     cache_type_v="q4_0").eval_logits(ref.ids, ref.rows))
 
-    # measured 0.0178 and 0.0222 (0.058 and 0.068 with the key bias left in the stored keys)
+    # measured 0.0162 and 0.0195 (0.058 and 0.068 with the key bias left in the stored keys)
     fine, coarse = kl(32), kl(256)
     assert fine < 0.92 * coarse and fine < 0.025, (fine, coarse)

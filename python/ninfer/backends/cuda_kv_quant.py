@@ -40,7 +40,7 @@ QUANT_MAX_SPLIT = 128
 QATTN_PARAMS = np.dtype(
     [(k, "<u8") for k in ("q", "k_rows", "v_rows", "k_latest", "k_codes", "k_scales", "k_offsets", "v_codes",
                           "v_scales", "page_tables", "row_seq", "pos", "part_acc", "part_ml", "tickets", "out")]
-    + [("kb_slots", "<u8"), ("kb_turns", "<u8"), ("kb_fast", "<u8"), ("kb_slow", "<u8")]
+    + [("kb_slots", "<u8"), ("kb_turns", "<u8"), ("kb_fast", "<u8"), ("kb_slow", "<u8"), ("k_sink", "<u8")]
     + [(k, "<i4") for k in ("table_stride", "window", "n_head", "n_head_kv", "page_size", "kb_half")]
     + [("scale", "<f4"), ("kb_neox", "<i4"), ("kb_nfast", "<i4")], align=True)
 
@@ -86,6 +86,9 @@ class QuantKv:
         self.v_scales = [cp.zeros((*shape, hdv // 32), cp.uint16) for _ in range(self.n_gpu)]
         self.k_offsets = [cp.zeros((self.n_pages, n_kv * hd), cp.float32) for _ in range(self.n_gpu)]
         self.k_latest = [cp.zeros(n_kv * hd, cp.float32) for _ in range(self.n_gpu)]
+        # what each sequence's key at position 0 (its attention sink) lost to quantization, added back to its
+        # scores (the CPU's per-block k_sink; a fork copies its source's)
+        self.k_sink = [cp.zeros((self.n_seq_max, n_kv * hd), cp.float32) for _ in range(self.n_gpu)]
         self._alloc_key_bias(self.page_size, q4_keys=kk == 4)
         self._alloc_rotated_rows(T)
         # one layer's keys and values in f16, for prompt batches (the f16 cache's size over the layers)
@@ -163,11 +166,11 @@ class QuantKv:
         return [*self.k_pools, *self.v_pools, *self.k_scales, *self.v_scales]
 
     def _quant_attention(self, il: int, rows: int, table: int, n_split: int, rope: Callable[[int, int], None],
-                         offsets: Callable[[], None] | None = None) -> list[Callable[[], None]]:
+                         offsets: Callable[[], None] | None = None, seq: int = 0) -> list[Callable[[], None]]:
         """The launches of one layer's attention over the quantized cache for `rows` query rows at self.pos:
         `rope(k_rows, v_rows)` (rope_kv writing q to self.q_rot and the rotated K/V rows), then for a decode row
         (rows == 1, no `offsets`) attention_quant, which stores the row too (output in self.att); for a prompt
-        batch its pages' `offsets` and the store."""
+        batch of sequence `seq` its pages' `offsets` and the store."""
         s = self.spec
         kk, vk = self.quant_kv
         hd, n_kv, n_head = s["head_dim"], s["n_head_kv"], s["n_head"]
@@ -179,7 +182,7 @@ class QuantKv:
                           u64(self.k_pools[il].data.ptr), u64(self.k_scales[il].data.ptr),
                           u64(self.v_pools[il].data.ptr), u64(self.v_scales[il].data.ptr),
                           u64(self.k_offsets[il].data.ptr), u64(self.k_latest[il].data.ptr), i32(0), u64(table),
-                          i32(self.page_size))
+                          i32(self.page_size), u64(self.k_sink[il][seq].data.ptr))
             smem = 4 * 2 * max(hd, s["head_dim_v"])
             return [lambda: rope(k_rows, v_rows), lambda: self._key_unbias(il, rows, k_rows), offsets,
                     lambda: launch.kernel(store, (rows, n_kv), (64,), store_args, shared_mem=smem)]
@@ -195,7 +198,8 @@ class QuantKv:
                          pos=self.pos.data.ptr, part_acc=self.quant_part.data.ptr,
                          part_ml=self.quant_part.data.ptr + 4 * self.quant_split * n_head * s["head_dim_v"],
                          tickets=self.quant_tickets.data.ptr,
-                         out=self.att.data.ptr, table_stride=self.max_pages, window=ls.get("sliding_window") or 0,
+                         out=self.att.data.ptr, k_sink=self.k_sink[il].data.ptr, table_stride=self.max_pages,
+                         window=ls.get("sliding_window") or 0,
                          n_head=n_head, n_head_kv=n_kv, page_size=self.page_size, scale=s["attn_scale"],
                          **self._key_bias_fields(il)).items():
             params[k] = v
@@ -231,14 +235,14 @@ class QuantKv:
         hd, hdv, n_kv, n_head = s["head_dim"], s["head_dim_v"], s["n_head_kv"], s["n_head"]
         start = self.seq_len(seq)
         for fn in self._quant_attention(il, T, table, 1, rope,
-                                        offsets=lambda: self._quant_prompt_offsets(il, seq, start, T)):
+                                        offsets=lambda: self._quant_prompt_offsets(il, seq, start, T), seq=seq):
             fn()
         n_keys = start + T
         launch.kernel(function(f"kv_widen_k{kk}v{vk}"), (-(-n_keys // 8), n_kv), (256,), (
             i32(n_keys), i32(n_kv), i32(hd), i32(hdv), u64(self.k_pools[il].data.ptr), u64(self.k_scales[il].data.ptr),
             u64(self.v_pools[il].data.ptr), u64(self.v_scales[il].data.ptr), u64(self.k_offsets[il].data.ptr),
             u64(table), i32(self.page_size), u64(self.k16.data.ptr), u64(self.v16.data.ptr),
-            *self._key_bias_args(il)))
+            *self._key_bias_args(il), u64(self.k_sink[il][seq].data.ptr)))
         rotate = function("rotate_rows")
         launch.kernel(rotate, (T, n_head), (32,), (u64(self.q_rot.data.ptr), i32(n_head), i32(hd)))
         f16_attention(self.k16.data.ptr, self.v16.data.ptr)

@@ -70,6 +70,8 @@ class KvPages:
             return self._tier_fork(src, dst, n)
         self.remove(dst)
         self._copy_pages(self.blocks.fork(src, dst, n))
+        if n:
+            self._copy_sink(src, dst)
         self.seq_len_[dst] = n
         self._sync_table(dst)
         if self.tail is not None:
@@ -79,7 +81,7 @@ class KvPages:
         """(pages in use, the pools' bytes): the books as they are, without waiting for a queued step."""
         if self.kv_tiers is not None:
             return sum(len(p) for p in self.t_pages.values()), self.kv_tiers.device_bytes
-        pools = self._quant_pools() + self.k_offsets if self.quant_kv else self.k_pools + self.v_pools
+        pools = self._quant_pools() + self.k_offsets + self.k_sink if self.quant_kv else self.k_pools + self.v_pools
         return self.blocks.blocks_in_use(), sum(p.nbytes for p in pools)
 
     def _reserve(self, seq: int, n_new: int) -> int:
@@ -123,3 +125,9 @@ class KvPages:
                     pool[dst, :, :n] = pool[src, :, :n]
                 for offsets in self.k_offsets if self.quant_kv else []:
                     offsets[dst] = offsets[src]
+
+    def _copy_sink(self, src: int, dst: int) -> None:
+        """A quantized cache: what src's key at position 0 lost (cuda_kv_quant.py k_sink), for dst forked from it."""
+        with self.stream:
+            for sink in self.k_sink if self.quant_kv else []:
+                sink[dst] = sink[src]

@@ -48,6 +48,7 @@ struct QAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_quant.py QAT
     const float2* kb_turns;
     const int* kb_fast;
     const float* kb_slow;
+    float* k_sink;  // [n_seq][n_head_kv][HD]: what each sequence's key at position 0 lost to quantization
     int table_stride, window, n_head, n_head_kv, page_size, kb_half;
     float scale;
     int kb_neox, kb_nfast;
@@ -116,7 +117,9 @@ __device__ void store_new_row(const QAttnParams& P, int row, int g, int p, const
             v[i] = __fsub_rn(src[i], po[i]);  // (each lane reads back only what it wrote)
         }
         __syncwarp();
-        warp_store_row<KT>(v, HD, P.k_codes + cell * (KT == KVQ_Q8 ? HD : HD / 2), P.k_scales + cell * (HD / 32));
+        float* lost = p == 0 ? P.k_sink + (long long)P.row_seq[row] * kd + g * HD : nullptr;
+        warp_store_row<KT>(v, HD, P.k_codes + cell * (KT == KVQ_Q8 ? HD : HD / 2), P.k_scales + cell * (HD / 32),
+                           lost);
     } else if (warp == 1) {
         const float* src = P.v_rows + (long long)row * kd + g * HD;
         for (int i = lane; i < HD; i += WARP) v[i] = src[i];
@@ -136,6 +139,7 @@ struct QattSmem {
     float qu[QATT_NG][QATT_HD];               // the query unrotated (for q·bias of q4_0 keys, KeyBiasRef)
     int qc[QATT_NG][QATT_HD / 4];             // its q8_0 codes, 4 a word
     float qd[QATT_NG][QATT_NB];               // and their scales (f16-rounded)
+    float sink[QATT_NG];                      // q·(what quantization lost) of the key at position 0
     float pt[QATT_WARPS][QATT_NG][32];        // a tile's probabilities
     float wml[QATT_WARPS][QATT_NG][2];
     __align__(16) float wacc[QATT_WARPS][QATT_NG][QATT_HD];  // (first the stored rows' scratch)
@@ -386,7 +390,27 @@ __device__ void attend_quant(const QAttnParams& P) {
     if (split >= n_used) return;
     const int s0 = kbeg + split * per, s1 = min(kend, s0 + per);
     if (split == n_used - 1) store_new_row<KT, VT>(P, row, g, p, table, &S.wacc[0][0][0]);
+    // q·(what the key at position 0 lost to quantization: warp_store_row) for split 0's first tile; its loads
+    // issued before the query's so their latencies overlap
+    const bool sink = s0 == 0 && warp == 0;
+    float lost[HD / WARP];
+    if (sink) {
+        const float* src = P.k_sink + ((long long)P.row_seq[row] * P.n_head_kv + g) * HD;
+#pragma unroll
+        for (int j = 0; j < HD / WARP; ++j) lost[j] = src[lane + j * WARP];
+    }
     qatt_query(S, P.q, row, P.n_head, g);
+    if (sink) {
+#pragma unroll
+        for (int h = 0; h < NG; ++h) {
+            float d = 0.0f;
+#pragma unroll
+            for (int j = 0; j < HD / WARP; ++j) d = fmaf(S.qf[h][lane + j * WARP], lost[j], d);
+            d = warp_sum(d);
+            if (lane == 0) S.sink[h] = d;
+        }
+        __syncwarp();
+    }
 
     float m[NG], s[NG], acc[NG][DPL];
     qatt_start(m, s, acc);
@@ -430,6 +454,9 @@ __device__ void attend_quant(const QAttnParams& P) {
         }
 #pragma unroll
         for (int h = 0; h < NG; ++h) off[h] = page == pa ? last_da[h] : last_db[h];
+        if (t0 == 0)  // (warp 0's first tile of split 0) the sink key: what it lost to quantization
+#pragma unroll
+            for (int h = 0; h < NG; ++h) off[h] += lane == 0 ? S.sink[h] : 0.0f;
         float dot[NG];
         qatt_dots<KT>(S, P.k_codes + cell * KCB, P.k_scales + cell * NB, dot);
 #pragma unroll

@@ -65,24 +65,29 @@ __device__ __forceinline__ int quant_q4_lane(float v, u16* d_out) {
     return best_q;
 }
 
-// Quantize `n` floats (shared memory, this warp's) into a row's codes and scales.
+// Quantize `n` floats (shared memory, this warp's) into a row's codes and scales; with `lost` (a key at position
+// 0: the sink the CPU's KvCache keeps k_sink for) also what each element lost, x less its code read back.
 template <int TYPE>
-__device__ __forceinline__ void warp_store_row(const float* x, int n, u8* codes, u16* scales) {
+__device__ __forceinline__ void warp_store_row(const float* x, int n, u8* codes, u16* scales, float* lost = nullptr) {
     const int lane = threadIdx.x & 31;
     for (int b = 0; b < n / 32; ++b) {
         const float v = x[b * 32 + lane];
+        float back;
         if (TYPE == KVQ_Q8) {
             float d;
             const int q = quant_q8_lane(v, &d);
             codes[b * 32 + lane] = (u8)(i8)q;
             if (lane == 0) scales[b] = f2h(d);
+            back = h2f(f2h(d)) * (float)q;
         } else {
             u16 d;
             const int q = quant_q4_lane(v, &d);
             const int hi = __shfl_down_sync(0xffffffffu, q, 16);
             if (lane < 16) codes[b * 16 + lane] = (u8)(q | (hi << 4));
             if (lane == 0) scales[b] = d;
+            back = h2f(d) * (float)(q - 8);
         }
+        if (lost) lost[b * 32 + lane] = __fsub_rn(v, back);
     }
 }
 
@@ -93,7 +98,8 @@ __device__ __forceinline__ void warp_store_row(const float* x, int n, u8* codes,
 template <int KT, int VT>
 __device__ void kv_quant_store(const float* k_rows, const float* v_rows, const int* pos, int n_head_kv, int hd,
                                int hdv, u8* k_codes, u16* k_scales, u8* v_codes, u16* v_scales, float* k_offsets,
-                               const float* latest, int begin_pages, const int* page_table, int page_size) {
+                               const float* latest, int begin_pages, const int* page_table, int page_size,
+                               float* k_sink) {
     extern __shared__ float kvq_sm[];
     const int row = blockIdx.x, g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int p = pos[row];
@@ -110,7 +116,7 @@ __device__ void kv_quant_store(const float* k_rows, const float* v_rows, const i
         }
         __syncwarp();
         const int cb = KT == KVQ_Q8 ? hd : hd / 2;
-        warp_store_row<KT>(v, hd, k_codes + cell * cb, k_scales + cell * (hd / 32));
+        warp_store_row<KT>(v, hd, k_codes + cell * cb, k_scales + cell * (hd / 32), p == 0 ? k_sink + g * hd : nullptr);
     } else {
         const float* src = v_rows + (long long)row * n_head_kv * hdv + g * hdv;
         for (int i = lane; i < hdv; i += WARP) v[i] = src[i];
@@ -124,9 +130,9 @@ __device__ void kv_quant_store(const float* k_rows, const float* v_rows, const i
     extern "C" __global__ void NAME(const float* k_rows, const float* v_rows, const int* pos, int n_head_kv,       \
                                     int hd, int hdv, u8* k_codes, u16* k_scales, u8* v_codes, u16* v_scales,      \
                                     float* k_offsets, const float* latest, int begin_pages, const int* page_table, \
-                                    int page_size) {                                                              \
+                                    int page_size, float* k_sink) {                                               \
         kv_quant_store<KT, VT>(k_rows, v_rows, pos, n_head_kv, hd, hdv, k_codes, k_scales, v_codes, v_scales,     \
-                               k_offsets, latest, begin_pages, page_table, page_size);                            \
+                               k_offsets, latest, begin_pages, page_table, page_size, k_sink);                    \
     }
 KVQ_STORE(kv_quant_store_k8v8, KVQ_Q8, KVQ_Q8)
 KVQ_STORE(kv_quant_store_k8v4, KVQ_Q8, KVQ_Q4)
@@ -274,7 +280,7 @@ extern "C" __global__ void kv_key_unbias(float* k_rows, const int* pos, int n_he
 template <int KT, int VT>
 __device__ void kv_widen(int n_keys, int n_head_kv, int hd, int hdv, const u8* k_codes, const u16* k_scales,
                          const u8* v_codes, const u16* v_scales, const float* k_offsets, const int* page_table,
-                         int page_size, u16* k16, u16* v16, const KeyBiasRef& B) {
+                         int page_size, u16* k16, u16* v16, const KeyBiasRef& B, const float* k_sink) {
     __shared__ float rb[8][256];  // a warp's key's rotated bias (q4_0 keys of a layer with one)
     const int key = blockIdx.x * 8 + (threadIdx.x >> 5), g = blockIdx.y, lane = threadIdx.x & 31;
     if (key >= n_keys) return;
@@ -286,7 +292,8 @@ __device__ void kv_widen(int n_keys, int n_head_kv, int hd, int hdv, const u8* k
     const u8* kc = k_codes + cell * (KT == KVQ_Q8 ? hd : hd / 2);
     const u8* vc = v_codes + cell * (VT == KVQ_Q8 ? hdv : hdv / 2);
     for (int e = lane; e < hd; e += WARP) {
-        const float k = kvq_elem<KT>(kc, k_scales + cell * (hd / 32), e) + off[e];
+        float k = kvq_elem<KT>(kc, k_scales + cell * (hd / 32), e) + off[e];
+        if (key == 0) k += k_sink[g * hd + e];  // (what the sink key lost: kv_quant_store)
         k16[cell * hd + e] = f2h(bias ? k + rb[threadIdx.x >> 5][e] : k);
     }
     for (int e = lane; e < hdv; e += WARP) v16[cell * hdv + e] = f2h(kvq_elem<VT>(vc, v_scales + cell * (hdv / 32), e));
@@ -297,10 +304,10 @@ __device__ void kv_widen(int n_keys, int n_head_kv, int hd, int hdv, const u8* k
                                     const u16* k_scales, const u8* v_codes, const u16* v_scales,                  \
                                     const float* k_offsets, const int* page_table, int page_size, u16* k16,       \
                                     u16* v16, const float* kb_slots, const float2* kb_turns, int kb_half,         \
-                                    int kb_neox) {                                                                \
+                                    int kb_neox, const float* k_sink) {                                           \
         const KeyBiasRef B = {kb_slots, kb_turns, kb_half, kb_neox, page_size};                                  \
         kv_widen<KT, VT>(n_keys, n_head_kv, hd, hdv, k_codes, k_scales, v_codes, v_scales, k_offsets, page_table, \
-                         page_size, k16, v16, B);                                                                 \
+                         page_size, k16, v16, B, k_sink);                                                         \
     }
 KVQ_WIDEN(kv_widen_k8v8, KVQ_Q8, KVQ_Q8)
 KVQ_WIDEN(kv_widen_k8v4, KVQ_Q8, KVQ_Q4)

@@ -221,7 +221,7 @@ fn attend_group(
     // Per key of a block and head: [key][head].
     let mut score = vec![0.0f32; KEY_BLOCK * group];
     let (mut ms, mut vs) = (vec![0.0f32; KEY_BLOCK * group], vec![0.0f32; KEY_BLOCK * group]);
-    let mut k_offset = vec![0.0f32; group];
+    let (mut k_offset, mut sink_share) = (vec![0.0f32; group], vec![0.0f32; group]);
     let mut bias = KeyBiasScores::new(qg, dk);
 
     let bs = kv.cfg.block_size;
@@ -229,8 +229,9 @@ fn attend_group(
         let view = kv.block_view(layer, seq, b);
         let (kb, vb, k_rb, v_rb) = (view.k, view.v, view.k_row_bytes, view.v_row_bytes);
         // What the block's stored keys lack (a rotated cache's offset): the same q·offset for each of its keys.
-        for (off, qh) in k_offset.iter_mut().zip(qg.chunks_exact(dk)) {
+        for ((off, sink), qh) in k_offset.iter_mut().zip(&mut sink_share).zip(qg.chunks_exact(dk)) {
             *off = view.k_offset.map_or(0.0, |o| dot(qh, &o[g * dk..(g + 1) * dk]));
+            *sink = view.k_sink.map_or(0.0, |r| dot(qh, &r[g * dk..(g + 1) * dk]));
         }
         let bias = bias.for_block(view.k_bias, g, bs);
         let (first, last) = ((b * bs).max(lo) - b * bs, ((b + 1) * bs - 1).min(hi) - b * bs);
@@ -241,7 +242,8 @@ fn attend_group(
                 for h in 0..group {
                     let act = &q_act[h * q_bytes..(h + 1) * q_bytes];
                     let b = bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + j));
-                    score[j * group + h] = (vec_dot(k_type, dk, k, act) + k_offset[h] + b) * shape.scale;
+                    let sink = if s0 + j == 0 { sink_share[h] } else { 0.0 };
+                    score[j * group + h] = (vec_dot(k_type, dk, k, act) + k_offset[h] + b + sink) * shape.scale;
                 }
             }
             for (h, sm) in softmax.iter_mut().enumerate() {
@@ -449,6 +451,9 @@ fn attend_block_tiled(kv: &KvCache, layer: usize, rows: &[(SeqId, usize)], q: &[
                 let _ = dequantize_row(k_type, &kb[slot * k_rb + g * k_head_bytes..][..k_head_bytes], &mut k_row);
                 if let Some(o) = view.k_offset {
                     k_row.iter_mut().zip(&o[g * dk..(g + 1) * dk]).for_each(|(x, &o)| *x += o);
+                }
+                if let Some(r) = view.k_sink.filter(|_| slot == 0) {
+                    k_row.iter_mut().zip(&r[g * dk..(g + 1) * dk]).for_each(|(x, &r)| *x += r);
                 }
                 if let Some(term) = &view.k_bias {
                     term.rotated_bias(slot, g, &mut bias_row);

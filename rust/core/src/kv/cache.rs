@@ -15,7 +15,7 @@ use crate::kv::blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision
 use crate::kv::tier_config::Tiers;
 use crate::kv::key_bias::{BiasTerm, KeyBias};
 use crate::kv::{fitted_q4, rotation};
-use crate::quant::{quantize_row, GgmlType};
+use crate::quant::{dequantize_row, quantize_row, GgmlType};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvConfig {
@@ -43,6 +43,11 @@ pub(super) struct Block {
     /// A rotated K cache: k_offset[layer] [n_head_kv * head_dim_k] was subtracted from every key stored in the
     /// block (set when its first slot is written, or when a tiered cache first quantizes it). Empty otherwise.
     pub(super) k_offset: Vec<Vec<f32>>,
+    /// Per layer, what the quantized key at position 0 lost: the key as stored (rotated, less the offset and any
+    /// key bias) less its row read back, [n_head_kv * head_dim_k]; empty unless the block holds a quantized key
+    /// at position 0. That key is most sequences' attention sink: most of each query's weight goes to it, so its
+    /// 4-bit error moves every output (about a third of a q4_0 cache's KL to f16; docs/journal/kv-q4-keys.md).
+    pub(super) k_sink: Vec<Vec<f32>>,
     /// A tiered cache: per layer, the element-wise min and max [n_head_kv * head_dim_k] of the keys written
     /// (stored basis, offset included), the block's summary for selection. Empty otherwise.
     pub(super) k_min: Vec<Vec<f32>>,
@@ -61,6 +66,9 @@ pub struct BlockView<'a> {
     /// What was subtracted from every stored key ([n_head_kv * head_dim_k], rotated basis): q·k is the stored
     /// key's dot product plus q·offset. None for an unrotated cache.
     pub k_offset: Option<&'a [f32]>,
+    /// The block holding position 0: what its key at slot 0 lost to quantization ([n_head_kv * head_dim_k], the
+    /// stored basis): q·k at slot 0 adds q·k_sink.
+    pub k_sink: Option<&'a [f32]>,
     /// What else was taken out of every stored key (q4_0 keys of a layer with a key bias): q·k adds the bias'
     /// share (`BiasTerm`, in the unrotated basis). Set by `block_view`, which knows the block's positions.
     pub k_bias: Option<BiasTerm<'a>>,
@@ -341,6 +349,8 @@ impl KvCache {
         let offset_len = if self.rotate_k { kd } else { 0 };
         block.k_offset.resize_with(n_layer, Vec::new);
         block.k_offset.iter_mut().for_each(|o| o.resize(offset_len, 0.0));
+        block.k_sink.resize_with(n_layer, Vec::new);
+        block.k_sink.iter_mut().for_each(Vec::clear);
         // (A block's first write resets its summary.)
         let summary_len = if self.tiers.is_some() { kd } else { 0 };
         for (m, init) in [(&mut block.k_min, f32::INFINITY), (&mut block.k_max, f32::NEG_INFINITY)] {
@@ -368,10 +378,11 @@ impl KvCache {
                 dk[..k.len()].copy_from_slice(&k);
                 dv[..v.len()].copy_from_slice(&v);
                 let (src, dst) = (c.src as usize, c.dst as usize);
-                let (o, lo, hi) =
-                    (self.blocks[src].k_offset[layer].clone(), self.blocks[src].k_min[layer].clone(), self.blocks[src].k_max[layer].clone());
+                let s = &self.blocks[src];
+                let (o, sink, lo, hi) =
+                    (s.k_offset[layer].clone(), s.k_sink[layer].clone(), s.k_min[layer].clone(), s.k_max[layer].clone());
                 let d = &mut self.blocks[dst];
-                (d.k_offset[layer], d.k_min[layer], d.k_max[layer]) = (o, lo, hi);
+                (d.k_offset[layer], d.k_sink[layer], d.k_min[layer], d.k_max[layer]) = (o, sink, lo, hi);
             }
         }
         Ok(())
@@ -472,8 +483,18 @@ impl KvCache {
             }
             k_row.copy_from_slice(&k_stored[t * k_dim..(t + 1) * k_dim]);
             k_row.iter_mut().zip(&block.k_offset[layer]).for_each(|(x, &o)| *x -= o);
-            let (k_dst, v_dst) = self.rows_mut(b, layer);
+            let (k_dst, _) = self.rows_mut(b, layer);
             store_row(k_type, &k_row, &mut k_dst[slot * kb..(slot + 1) * kb])?;
+            if pos == 0 {
+                let mut sink = Vec::new();
+                if matches!(k_type, GgmlType::Q8_0 | GgmlType::Q4_0) {
+                    sink.resize(k_dim, 0.0);
+                    dequantize_row(k_type, &k_dst[..kb], &mut sink)?;
+                    sink.iter_mut().zip(&k_row).for_each(|(r, &x)| *r = x - *r);
+                }
+                self.blocks[b].k_sink[layer] = sink;
+            }
+            let (_, v_dst) = self.rows_mut(b, layer);
             store_row(v_type, &v[t * v_dim..(t + 1) * v_dim], &mut v_dst[slot * vb..(slot + 1) * vb])?;
         }
         Ok(())
@@ -515,7 +536,14 @@ impl KvCache {
             None => (&block.k[layer][..], &block.v[layer][..]),
         };
         let k_offset = self.rotate_k.then(|| &block.k_offset[layer][..]);
-        BlockView { k, v, k_type, v_type, k_row_bytes, v_row_bytes, k_offset, k_bias: None }
+        let k_sink = block.k_sink.get(layer).filter(|r| !r.is_empty()).map(|r| &r[..]);
+        BlockView { k, v, k_type, v_type, k_row_bytes, v_row_bytes, k_offset, k_sink, k_bias: None }
+    }
+
+    /// Drop every block's k_sink (a test's cache reading only its codes).
+    #[cfg(test)]
+    pub(crate) fn forget_sinks(&mut self) {
+        self.blocks.iter_mut().for_each(|b| b.k_sink.iter_mut().for_each(Vec::clear));
     }
 
     /// `layer` of the `block_index`-th block of `seq`'s table (slots valid below `seq_len`).
