@@ -45,6 +45,31 @@ fn fill(kv: &mut KvCache, keys: &[f32], vals: &[f32], row: usize, prompt: usize)
     }
 }
 
+/// The largest relative error, over heads, of attention from one decode row and from a two-row batch at the last
+/// positions of `kv` (sequence 0, one layer, holding the rows `keys` / `vals`) against the exact rows; `q` holds two
+/// rows of queries.
+fn worst_error_at_the_end(kv: &KvCache, keys: &[f32], vals: &[f32], q: &[f32], shape: AttnShape) -> f64 {
+    let (n_head, n_head_kv, hd) = (shape.n_head, shape.n_head_kv, shape.head_dim);
+    let row = n_head_kv * hd;
+    let n = keys.len() / row;
+    let mut worst = 0.0f64;
+    for rows in [vec![(0, n - 1)], vec![(0, n - 2), (0, n - 1)]] {
+        let mut out = vec![0.0f32; rows.len() * n_head * hd];
+        attention(kv, 0, &rows, &q[..rows.len() * n_head * hd], shape, RowOrder::Batch, &mut out);
+        for (t, &(_, pos)) in rows.iter().enumerate() {
+            for h in 0..n_head {
+                let qh = &q[(t * n_head + h) * hd..][..hd];
+                let g = h / (n_head / n_head_kv);
+                let exact = direct(&keys[..(pos + 1) * row], &vals[..(pos + 1) * row], qh, g, hd, n_head_kv, shape.scale);
+                let got = &out[(t * n_head + h) * hd..][..hd];
+                let err: f64 = got.iter().zip(&exact).map(|(&a, b)| (a as f64 - b).powi(2)).sum::<f64>().sqrt();
+                worst = worst.max(err / exact.iter().map(|b| b * b).sum::<f64>().sqrt());
+            }
+        }
+    }
+    worst
+}
+
 /// A rotated q8_0/q4_0 cache (keys written as one prompt batch and then one at a time, so blocks get their
 /// offsets both ways) gives attention close to the exact one over the unquantized rows: the rotation and the
 /// offsets are undone exactly, and only the quantization error is left, well under a plain cache's (measured:
@@ -131,23 +156,7 @@ fn q4_0_keys_without_their_roped_bias_attend_like_the_exact_rows() {
         let kb = with_bias.then(|| crate::kv::KeyBias::new(vec![Some(tables())], n_head_kv, hd, hd, true, bs)).flatten();
         kv.set_key_bias(kb).unwrap();
         fill(&mut kv, &keys, &vals, row, 100);
-        // one decode row and a two-row batch, both at the last positions
-        let mut worst = 0.0f64;
-        for rows in [vec![(0, n - 1)], vec![(0, n - 2), (0, n - 1)]] {
-            let mut out = vec![0.0f32; rows.len() * n_head * hd];
-            attention(&kv, 0, &rows, &q[..rows.len() * n_head * hd], shape, RowOrder::Batch, &mut out);
-            for (t, &(_, pos)) in rows.iter().enumerate() {
-                for h in 0..n_head {
-                    let qh = &q[(t * n_head + h) * hd..][..hd];
-                    let exact = direct(&keys[..(pos + 1) * row], &vals[..(pos + 1) * row], qh, h / 2, hd, n_head_kv,
-                                       shape.scale);
-                    let got = &out[(t * n_head + h) * hd..][..hd];
-                    let err: f64 = got.iter().zip(&exact).map(|(&a, b)| (a as f64 - b).powi(2)).sum::<f64>().sqrt();
-                    worst = worst.max(err / exact.iter().map(|b| b * b).sum::<f64>().sqrt());
-                }
-            }
-        }
-        errs.push(worst);
+        errs.push(worst_error_at_the_end(&kv, &keys, &vals, &q, shape));
     }
     let (with, without) = (errs[0], errs[1]);
     assert!(with < 0.02 && with < 0.15 * without, "relative error {with} with the bias out, {without} without");
@@ -181,22 +190,7 @@ fn the_sink_key_loses_nothing_to_quantization() {
         if !keep_sink {
             kv.forget_sinks();
         }
-        let mut worst = 0.0f64;
-        for rows in [vec![(0, n - 1)], vec![(0, n - 2), (0, n - 1)]] {
-            let mut out = vec![0.0f32; rows.len() * n_head * hd];
-            attention(&kv, 0, &rows, &q[..rows.len() * n_head * hd], shape, RowOrder::Batch, &mut out);
-            for (t, &(_, pos)) in rows.iter().enumerate() {
-                for h in 0..n_head {
-                    let qh = &q[(t * n_head + h) * hd..][..hd];
-                    let exact = direct(&keys[..(pos + 1) * row], &vals[..(pos + 1) * row], qh, h / 2, hd, n_head_kv,
-                                       shape.scale);
-                    let got = &out[(t * n_head + h) * hd..][..hd];
-                    let err: f64 = got.iter().zip(&exact).map(|(&a, b)| (a as f64 - b).powi(2)).sum::<f64>().sqrt();
-                    worst = worst.max(err / exact.iter().map(|b| b * b).sum::<f64>().sqrt());
-                }
-            }
-        }
-        errs.push(worst);
+        errs.push(worst_error_at_the_end(&kv, &keys, &vals, &q, shape));
     }
     let (with, without) = (errs[0], errs[1]);
     assert!(with < 0.005 && with < 0.2 * without, "relative error {with} with the sink kept, {without} without");
