@@ -140,8 +140,8 @@ class QuantKv:
         return u64(f["kb_slots"]), u64(f["kb_turns"]), i32(f["kb_half"]), i32(f["kb_neox"])
 
     def _key_unbias(self, il: int, rows: int, k_rows: int) -> None:
-        """The rotated K rows of a q4_0 K cache less the layer's key bias at their positions (before the offsets
-        and the store; no-op without a bias or for q8_0 keys)."""
+        """The rotated K rows of a q4_0 K cache less the layer's key bias at their positions (a prompt batch's,
+        before its pages' offsets and the store; no-op without a bias or for q8_0 keys)."""
         if self.quant_kv[0] != 4 or self.key_bias[il] is None:
             return
         s = self.spec
@@ -203,7 +203,8 @@ class QuantKv:
                          n_head=n_head, n_head_kv=n_kv, page_size=self.page_size, scale=s["attn_scale"],
                          **self._key_bias_fields(il)).items():
             params[k] = v
-        return [lambda: rope(k_rows, v_rows), lambda: self._key_unbias(il, rows, k_rows),
+        # (attention_quant's store takes the key bias out of the new row itself)
+        return [lambda: rope(k_rows, v_rows),
                 lambda: launch.kernel(attend, (n_split, n_kv, rows), (128,), (params,), dependent=True)]
 
     def _quant_prompt_offsets(self, il: int, seq: int, start: int, T: int) -> None:

@@ -99,8 +99,9 @@ __device__ __forceinline__ void load_v(const u8* codes, const u16* scales, int e
 }
 
 // The new token's rotated K and V rows into the pools at position p, as kv_quant_store does a decode row: warp 0 the
-// key less its page's offset (a row at a page's first slot gives the page the layer's latest offset), warp 1 the
-// value. `buf`: 2 * HD floats of shared memory.
+// key less the key bias at p (q4_0 keys of a layer with one: kv_key_unbias's work) and its page's offset (a row at a
+// page's first slot gives the page the layer's latest offset), warp 1 the value. `buf`: 3 * HD floats of shared
+// memory.
 template <int KT, int VT>
 __device__ void store_new_row(const QAttnParams& P, int row, int g, int p, const int* table, float* buf) {
     constexpr int HD = QATT_HD;
@@ -112,9 +113,13 @@ __device__ void store_new_row(const QAttnParams& P, int row, int g, int p, const
     if (warp == 0) {
         float* po = P.k_offsets + (long long)page * kd + g * HD;
         const float* src = P.k_rows + (long long)row * kd + g * HD;
+        const bool unbias = KT == KVQ_Q4 && P.kb_slots;
+        float* bias = buf + 2 * HD;
+        if (unbias) warp_rotated_bias(qatt_key_bias(P), HD, g, p, bias);
         for (int i = lane; i < HD; i += WARP) {
             if (off == 0) po[i] = P.k_latest[g * HD + i];
-            v[i] = __fsub_rn(src[i], po[i]);  // (each lane reads back only what it wrote)
+            const float k = unbias ? __fsub_rn(src[i], bias[i]) : src[i];
+            v[i] = __fsub_rn(k, po[i]);  // (each lane reads back only what it wrote)
         }
         __syncwarp();
         float* lost = p == 0 ? P.k_sink + (long long)P.row_seq[row] * kd + g * HD : nullptr;
