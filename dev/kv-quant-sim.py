@@ -14,6 +14,10 @@ Variants (keys and values of every position, the chunk's own included, as a pref
   per q4_0 block
 - konly / vonly: the cache's keys / values alone quantized
 - l0k16: as cache, the first layer's keys unquantized; l0bias: as cache, kbias in the first layer only
+- sinkN, sinkNk, sinkNv: as cache, the first N positions' keys and values (k: keys only, v: values only) kept
+- off0 (also off0-konly, off0-vonly): as cache (konly, vonly), the first block's offset being position 0's key
+- any variant with "mid" in its name: offsets at each channel's mid-range; with "signs": random signs before the
+  rotation; ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the engine's k_sink)
 """
 
 from __future__ import annotations
@@ -67,8 +71,9 @@ def quant_rows(x: np.ndarray) -> np.ndarray:
 
 
 MIDRANGE = [False]  # offsets at each channel's mid-range instead of its mean
-SIGNS = [None]  # random signs before the Hadamard rotation (a randomized Hadamard), per head size
+SIGNS = [False]  # random signs before the Hadamard rotation (a randomized Hadamard), per head size
 SINK_OFFSET = [False]  # the first block's offset is position 0's key itself (the sink stored exactly)
+SINK_KEY = [False]  # position 0's key read back exactly (the engine's k_sink: what quantization lost, added back)
 
 
 def block_means(k: np.ndarray) -> np.ndarray:
@@ -76,10 +81,9 @@ def block_means(k: np.ndarray) -> np.ndarray:
     out, B = np.empty_like(k), OFFSET_BLOCK[0]
     for b0 in range(0, k.shape[0], B):
         a = 1 if b0 == 0 and k.shape[0] > 1 else b0
-        out[b0 : b0 + B] = k[a : b0 + B].mean(axis=0, keepdims=True)
-        if MIDRANGE[0]:
-            blk = k[a : b0 + B]
-            out[b0 : b0 + B] = (blk.max(axis=0, keepdims=True) + blk.min(axis=0, keepdims=True)) / 2
+        blk = k[a : b0 + B]
+        mid = (blk.max(axis=0, keepdims=True) + blk.min(axis=0, keepdims=True)) / 2 if MIDRANGE[0] else None
+        out[b0 : b0 + B] = blk.mean(axis=0, keepdims=True) if mid is None else mid
     if SINK_OFFSET[0]:
         out[0:B] = k[0:1]
     return out
@@ -87,7 +91,7 @@ def block_means(k: np.ndarray) -> np.ndarray:
 
 def rotation(hd: int) -> np.ndarray:
     h = hadamard(hd)
-    if SIGNS[0] is not None:
+    if SIGNS[0]:
         h = h * np.random.default_rng(hd).choice([-1.0, 1.0], hd).astype(np.float32)[None, :]
     return h
 
@@ -106,7 +110,10 @@ def quant_keys(k: np.ndarray, per_channel: bool) -> np.ndarray:
         y = q4_fitted(cols).transpose(0, 3, 1, 2).reshape(-1, *x.shape[1:])[:n]
     else:
         y = quant_rows(x)
-    return (y + off) @ h
+    out = (y + off) @ h
+    if SINK_KEY[0]:
+        out[:1] = k[:1]
+    return out
 
 
 def quant_values(v: np.ndarray) -> np.ndarray:
@@ -125,21 +132,12 @@ class SimCalibration(SequentialCalibration):
 
     def _causal_attention(self, q, k, v, window):
         var = self.variant
-        if var.endswith("+s"):  # the variant with position 0's key kept exact (an f16 sink row)
-            self.variant = var[:-2]
-            try:
-                out_k = []
-                orig = quant_keys.__globals__["quant_keys"]
-
-                def keep_sink(kk, per_channel, _orig=orig):
-                    y = _orig(kk, per_channel)
-                    y[:1] = kk[:1]
-                    return y
-                quant_keys.__globals__["quant_keys"] = keep_sink
-                return self._causal_attention(q, k, v, window)
-            finally:
-                quant_keys.__globals__["quant_keys"] = orig
-                self.variant = var
+        SINK_KEY[0] = var.endswith("+s")
+        MIDRANGE[0], SIGNS[0] = "mid" in var, "signs" in var
+        var = var.removesuffix("+s").replace("mid", "").replace("signs", "")
+        SINK_OFFSET[0] = var.startswith("off0")
+        if SINK_OFFSET[0]:
+            var = var[5:] or "cache"  # off0 / off0-konly / off0-vonly
         k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
         if var == "f16":
             return super()._causal_attention(q, k16, v16, window)
@@ -157,12 +155,6 @@ class SimCalibration(SequentialCalibration):
             else:
                 kq = quant_keys(k16, False)
             return super()._causal_attention(q, kq, quant_values(v16), window)
-        MIDRANGE[0] = "mid" in var
-        SIGNS[0] = True if "signs" in var else None
-        var = var.replace("mid", "").replace("signs", "")
-        SINK_OFFSET[0] = var.startswith("off0")
-        if SINK_OFFSET[0]:
-            var = var[5:] or "cache"  # off0 / off0-konly / off0-vonly
         if var.startswith("sink"):  # the first N positions (the attention sink) kept f16, the rest as the cache
             n = int(var[4:].rstrip("kv"))
             kq, vq = quant_keys(k16, False), quant_values(v16)

@@ -487,7 +487,7 @@ impl KvCache {
             store_row(k_type, &k_row, &mut k_dst[slot * kb..(slot + 1) * kb])?;
             if pos == 0 {
                 let mut sink = Vec::new();
-                if matches!(k_type, GgmlType::Q8_0 | GgmlType::Q4_0) {
+                if rotated(k_type) {  // (the quantized types)
                     sink.resize(k_dim, 0.0);
                     dequantize_row(k_type, &k_dst[..kb], &mut sink)?;
                     sink.iter_mut().zip(&k_row).for_each(|(r, &x)| *r = x - *r);

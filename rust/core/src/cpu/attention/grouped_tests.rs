@@ -30,7 +30,8 @@ fn one_chunk(
         let slot = ic % bs;
         let off = view.k_offset.map_or(0.0, |o| dot(q, &o[g * dk..(g + 1) * dk]));
         let k = &view.k[slot * view.k_row_bytes + g * kb_head..][..kb_head];
-        let sink = view.k_sink.filter(|_| slot == 0).map_or(0.0, |r| dot(q, &r[g * dk..(g + 1) * dk])); // (our sink share)
+        // (not llama.cpp's: what our cache's sink key lost to quantization)
+        let sink = view.k_sink.filter(|_| slot == 0).map_or(0.0, |r| dot(q, &r[g * dk..(g + 1) * dk]));
         let sc = (vec_dot(k_type, dk, k, &q_act) + off + sink) * shape.scale;
         let v = &view.v[slot * view.v_row_bytes + g * vb_head..][..vb_head];
         let (mut ms, mut vs) = (1.0f32, 1.0f32);
