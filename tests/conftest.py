@@ -109,3 +109,16 @@ def gsq_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from ninfer.synth import write_synthetic
 
     return write_synthetic(tmp_path_factory.mktemp("gsq") / "src.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=1, seed=4)
+
+
+@pytest.fixture(scope="session")
+def cubin():
+    """dev/cubin as a module (a script without the .py suffix): NVRTC compiles of the CUDA kernels, no GPU needed."""
+    import importlib.machinery
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "dev" / "cubin"
+    loader = importlib.machinery.SourceFileLoader("cubin_script", str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("cubin_script", loader))
+    loader.exec_module(module)
+    return module

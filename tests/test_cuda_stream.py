@@ -94,20 +94,7 @@ def test_streamed_launch_passes_the_kernels_parameters_in_order(monkeypatch: pyt
     assert launch() == (base, [0, 0, 0])
 
 
-def _cubin_script():
-    """dev/cubin as a module (a script without the .py suffix)."""
-    import importlib.machinery
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "dev" / "cubin"
-    loader = importlib.machinery.SourceFileLoader("cubin_script", str(path))
-    spec = importlib.util.spec_from_loader("cubin_script", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-def test_cubin_script_reads_registers_and_spills_from_ptxas() -> None:
+def test_cubin_script_reads_registers_and_spills_from_ptxas(cubin) -> None:
     """dev/cubin's reading of NVRTC's ptxas -v lines: each entry function's registers and spilled bytes (stores
     and loads together), whatever else the log says between them."""
     log = """ptxas info    : Compiling entry function 'gemv_gsq8_stream' for 'sm_90'
@@ -118,13 +105,12 @@ ptxas info    : Compiling entry function 'attention_step_hd128_g5' for 'sm_90'
 ptxas info    : Function properties for attention_step_hd128_g5
 ptxas         .     32 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers, 32 bytes cumulative stack size, 16 bytes smem"""
-    assert _cubin_script().kernel_resources(log) == {"gemv_gsq8_stream": (64, 0), "attention_step_hd128_g5": (255, 20)}
+    assert cubin.kernel_resources(log) == {"gemv_gsq8_stream": (64, 0), "attention_step_hd128_g5": (255, 20)}
 
 
-def test_streamed_kernel_builds_in_64_registers_without_spills() -> None:
+def test_streamed_kernel_builds_in_64_registers_without_spills(cubin) -> None:
     """The streamed GEMV's launch bounds (32 warps) allow 64 registers a thread: a change that makes ptxas spill to
     stay within them slows every product (NVRTC for sm_90, no GPU needed; skipped without libnvrtc)."""
-    cubin = _cubin_script()
     try:
         cubin.find_nvrtc()
     except SystemExit:

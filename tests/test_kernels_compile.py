@@ -6,24 +6,12 @@ kernel but attention's, is tests/test_cuda_stream.py's register check.)"""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 import ninfer  # noqa: F401  (dev/cubin reads the sources of the package the tests import)
-
-
-def _cubin_script():
-    path = Path(__file__).resolve().parent.parent / "dev" / "cubin"
-    loader = importlib.machinery.SourceFileLoader("cubin_script_compile", str(path))
-    spec = importlib.util.spec_from_loader("cubin_script_compile", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 # (module kind, (head size, query heads a KV head), kernels it must hold): the 32B and 0.5B shapes' tiered caches,
@@ -37,8 +25,7 @@ MODULES = [
 
 
 @pytest.mark.parametrize("kind, shape, kernels", MODULES, ids=[f"{k}-{h}:{g}" for k, (h, g), _ in MODULES])
-def test_module_compiles_for_sm90_without_spills(kind: str, shape: tuple[int, int], kernels: set[str]) -> None:
-    cubin = _cubin_script()
+def test_module_compiles_for_sm90_without_spills(cubin, kind: str, shape: tuple[int, int], kernels: set[str]) -> None:
     try:
         cubin.find_nvrtc()
     except SystemExit:
