@@ -122,3 +122,13 @@ def cubin():
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader("cubin_script", loader))
     loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def nvrtc_cubin(cubin):
+    """dev/cubin where NVRTC is at hand to compile with; the test skips where it is not."""
+    try:
+        cubin.find_nvrtc()
+    except SystemExit:
+        pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc-cu12)")
+    return cubin

@@ -108,13 +108,10 @@ ptxas info    : Used 255 registers, used 1 barriers, 32 bytes cumulative stack s
     assert cubin.kernel_resources(log) == {"gemv_gsq8_stream": (64, 0), "attention_step_hd128_g5": (255, 20)}
 
 
-def test_streamed_kernel_builds_in_64_registers_without_spills(cubin) -> None:
+def test_streamed_kernel_builds_in_64_registers_without_spills(nvrtc_cubin) -> None:
     """The streamed GEMV's launch bounds (32 warps) allow 64 registers a thread: a change that makes ptxas spill to
     stay within them slows every product (NVRTC for sm_90, no GPU needed; skipped without libnvrtc)."""
-    try:
-        cubin.find_nvrtc()
-    except SystemExit:
-        pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc-cu12)")
+    cubin = nvrtc_cubin
     # On the GPU host (NVRTC 13) the log had no ptxas lines in every pytest process after a machine's first, also
     # when compiled by dev/cubin in a process of its own (2026-12-03, three calls): as if a compile of the same
     # source and options were served from a cache without ptxas running. A define of no use, new each run, and

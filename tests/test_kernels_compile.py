@@ -25,11 +25,9 @@ MODULES = [
 
 
 @pytest.mark.parametrize("kind, shape, kernels", MODULES, ids=[f"{k}-{h}:{g}" for k, (h, g), _ in MODULES])
-def test_module_compiles_for_sm90_without_spills(cubin, kind: str, shape: tuple[int, int], kernels: set[str]) -> None:
-    try:
-        cubin.find_nvrtc()
-    except SystemExit:
-        pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc-cu12)")
+def test_module_compiles_for_sm90_without_spills(nvrtc_cubin, kind: str, shape: tuple[int, int],
+                                                 kernels: set[str]) -> None:
+    cubin = nvrtc_cubin
     # (a define of no use, new each run: the compile is a new one, its ptxas lines in the log; see test_cuda_stream)
     nonce = f"-DNINFER_COMPILE_CHECK={os.getpid()}{time.time_ns()}"
     try:
