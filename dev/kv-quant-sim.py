@@ -82,8 +82,10 @@ def block_means(k: np.ndarray) -> np.ndarray:
     for b0 in range(0, k.shape[0], B):
         a = 1 if b0 == 0 and k.shape[0] > 1 else b0
         blk = k[a : b0 + B]
-        mid = (blk.max(axis=0, keepdims=True) + blk.min(axis=0, keepdims=True)) / 2 if MIDRANGE[0] else None
-        out[b0 : b0 + B] = blk.mean(axis=0, keepdims=True) if mid is None else mid
+        if MIDRANGE[0]:
+            out[b0 : b0 + B] = (blk.max(axis=0, keepdims=True) + blk.min(axis=0, keepdims=True)) / 2
+        else:
+            out[b0 : b0 + B] = blk.mean(axis=0, keepdims=True)
     if SINK_OFFSET[0]:
         out[0:B] = k[0:1]
     return out
