@@ -225,9 +225,8 @@ class DecodeGraphs:
             rotated_rope = (lambda k_rows, v_rows, il=il, layer=layer: att_ops.rope_kv(
                 1, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr, 0, 0, table, self.page_size,
                 self.theta_scale[il], k_rows, v_rows))
-            if self.kv_tiers is not None:  # (cuda_kv_tiers.py) RoPE, the selection, attention over the tiers
-                rope, score, select, attend = self._tier_attention(il, seq, rotated_rope)
-                add("attention", il, [rope])
+            if self.kv_tiers is not None:  # (cuda_kv_tiers.py) RoPE with the scores, the selection, attention
+                score, select, attend = self._tier_attention(il, seq)
                 add("select", il, [score, select])
                 add("attention", il, [attend])
             elif self.quant_kv:  # (cuda_kv_quant.py) RoPE, the store, attention split over the keys, the merge

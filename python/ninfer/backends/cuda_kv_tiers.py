@@ -4,10 +4,10 @@ attention sinks, and the pages holding its newest kv_l1 tokens), L2 (q8_0 in dev
 tokens) or L3 (q4_0 in mapped pinned host memory, read by the kernels over the bus; the rest of the context), rows
 Hadamard-rotated in every tier and keys less their page's mean once quantized, as on the CPU. Pages move down once,
 after the step that aged them (`_settle`, at the next reservation); a page leaving L1 gets its key summary
-(element-wise min and max) for selection. A decode step per layer runs rope_kv, tier_select (the pages to read:
-all, or with kv_select > 0 the sink, the best old pages by their summaries' bound on q·k, and L1) and
-attention_tiered (kernels/attention_tiered.cu); a prompt batch stores its rows into L1 and widens every tier into
-f16 scratch for TinyFlash's prompt kernel, as the quantized cache does.
+(element-wise min and max) for selection. A decode step per layer runs tier_score (RoPE, as rope_kv would, and
+the old pages' bounds), tier_select (the pages to read: all, or with kv_select > 0 the sink, the best old pages by
+their summaries' bound on q·k, and L1) and attention_tiered (kernels/attention_tiered.cu); a prompt batch stores
+its rows into L1 and widens every tier into f16 scratch for TinyFlash's prompt kernel, as the quantized cache does.
 
 The books are kept here (not in the Rust BlockManager): per sequence its pages' (tier, index), a free list per
 tier. A page table entry on the device is (tier << TIER_SHIFT) | index."""
@@ -34,13 +34,15 @@ HOT_MAX_SLOTS = 1024  # kernels/attention_tiered.cu: the most hot-cache slots a 
 
 
 def hot_slots(select: int) -> int:
-    """The hot cache's slots a KV head and layer for a selection budget of `select` tokens: four times the pages the
-    budget picks (selection moves slowly from step to step, so a page read once is likely read again soon), in
-    whole warps of 32; none without selection (every page is read every step: a cache would only churn)."""
+    """The hot cache's slots a KV head and layer for a selection budget of `select` tokens: sixteen times the pages
+    the budget picks (selection moves slowly from step to step, so a page read once is likely read again soon), in
+    whole warps of 32; none without selection (every page is read every step: a cache would only churn). The slots
+    come out of L2's share of a GPU budget: on the 32B shape at 160K (H200) 4x hit 22% of L3 reads, 16x 45% for
+    2.7% more tokens/s, 32x 52% for 0.7% more again with 9K tokens fewer in 8 bits (docs/journal/kv-selection-scorers.md)."""
     if select <= 0:
         return 0
     pages = -(-select // TIERED_BLOCK_SIZE)
-    return min(HOT_MAX_SLOTS, -(-4 * pages // 32) * 32)
+    return min(HOT_MAX_SLOTS, -(-16 * pages // 32) * 32)
 
 # struct TAttnParams in kernels/attention_tiered.cu (C layout: align=True).
 TATTN_PARAMS = np.dtype(
@@ -51,7 +53,11 @@ TATTN_PARAMS = np.dtype(
                           "kb_slots", "kb_turns", "kb_fast", "kb_slow")]
     + [(k, "<i4") for k in ("table_stride", "list_stride", "n_head", "n_head_kv", "page_size", "l1", "select",
                             "hot_slots")]
-    + [("scale", "<f4"), ("kb_half", "<i4"), ("kb_neox", "<i4"), ("kb_nfast", "<i4")], align=True)
+    + [("scale", "<f4"), ("kb_half", "<i4"), ("kb_neox", "<i4"), ("kb_nfast", "<i4")]
+    + [(k, "<u8") for k in ("qkv", "bias_q", "bias_k", "bias_v", "q_norm", "k_norm")]
+    + [(k, "<i4") for k in ("qkv_stride", "rope_dims", "neox")]
+    + [(k, "<f4") for k in ("eps", "theta_scale", "freq_scale", "ext_factor", "corr_lo", "corr_hi", "mscale",
+                            "q_scale")], align=True)
 
 
 @dataclass(frozen=True)
@@ -205,10 +211,19 @@ class TieredKv:
             slots=self.t_slots.data.ptr, hot_stats=self.t_hot_stats.data.ptr, table_stride=self.max_pages,
             list_stride=self.max_pages, n_head=n_head, n_head_kv=s["n_head_kv"], page_size=TIERED_BLOCK_SIZE,
             l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"],
-            **self._key_bias_fields(il))
+            **self._key_bias_fields(il), **self._tier_rope_fields(il))
         for k, v in fields.items():
             p[k] = v
         return p
+
+    def _tier_rope_fields(self, il: int) -> dict:
+        """Layer il's RoPE as tier_score does it for a decode step (rope_kv's arguments for a rotated cache)."""
+        s, lw = self.spec, self.layers[il]["ptr"] | self.rope_layers[il]
+        return dict(qkv=self.qkv.data.ptr, bias_q=lw["bq"], bias_k=lw["bk"], bias_v=lw["bv"], q_norm=lw["q_norm"],
+                    k_norm=lw["k_norm"], qkv_stride=self.qkv_dim, rope_dims=s["rope_dims"], neox=int(s["rope_neox"]),
+                    eps=s["rms_eps"], theta_scale=self.theta_scale[il], freq_scale=lw["rope_freq_scale"],
+                    ext_factor=lw.get("rope_ext_factor", 0.0), corr_lo=lw.get("rope_corr_lo", 0.0),
+                    corr_hi=lw.get("rope_corr_hi", 0.0), mscale=lw.get("rope_mscale", 1.0), q_scale=s["q_scale"])
 
     def _seq_params(self, il: int, seq: int) -> np.void:
         """Layer il's parameters for the launches that find their sequence through row_seq (zeros): seq's page
@@ -404,19 +419,18 @@ class TieredKv:
         self._op_lists.clear()
 
     # ---- attention ---------------------------------------------------------------------------------------
-    def _tier_attention(self, il: int, seq: int, rope: Callable[[int, int], None]) -> list[Callable[[], None]]:
-        """The launches of one layer's decode attention: rope_kv (query, rotated K/V rows), the scores and selection, and
-        attention over the chosen pages (which stores the new rows into L1 first). Output in self.att."""
+    def _tier_attention(self, il: int, seq: int) -> list[Callable[[], None]]:
+        """The launches of one layer's decode attention: RoPE and the scores (tier_score: the query, the rotated K/V
+        rows), the selection, and attention over the chosen pages (which stores the new rows into L1 first). Output
+        in self.att."""
         s = self.spec
         n_kv = s["n_head_kv"]
         params = self._seq_params(il, seq)
         score, select = self._tier_fn("tier_score"), self._tier_fn("tier_select")
         attend = self._tier_fn("attention_tiered")
         smem = 4 * min(self.max_pages, TIER_MAX_LIST)
-        k_rows, v_rows = self.k_rows.data.ptr, self.v_rows.data.ptr
         chunks = self.t_score_chunks
-        return [lambda: rope(k_rows, v_rows),
-                lambda: launch.kernel(score, (n_kv, chunks, 1), (256,), (params,), dependent=True),
+        return [lambda: launch.kernel(score, (n_kv, chunks, 1), (256,), (params,), dependent=True),
                 lambda: launch.kernel(select, (n_kv, 1), (1024,), (params,), shared_mem=smem, dependent=True),
                 lambda: launch.kernel(attend, (self.quant_split, n_kv, 1), (128,), (params,), dependent=True)]
 

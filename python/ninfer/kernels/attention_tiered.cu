@@ -10,8 +10,9 @@
 // K offsets [n][n_kv * HD] f32 (kv_quant.cu's layout). Per sequence and page the key summary (Quest): element-wise
 // min and max of its rotated keys [2][n_kv][HD] f16, taken when the page leaves L1.
 //
-// A decode step per layer after rope_kv (query roped, the new rows rotated in k_rows / v_rows):
-// - tier_score and tier_select: per KV head the pages to read, ascending: every page, or (select > 0 and more old
+// A decode step per layer after the q/k/v projections:
+// - tier_score: RoPE (rope_kv's for a rotated cache: the roped query, the new rows rotated in k_rows / v_rows), and
+//   with tier_select per KV head the pages to read, ascending: every page, or (select > 0 and more old
 //   pages than the budget) the sink, the budget's best old pages by the bound sum_d max(q_d min_d, q_d max_d)
 //   taken over the group's query heads, and the L1 pages (plan_blocks in cpu/attention_tiered.rs);
 // - attention_tiered: attention_quant's split decode over those pages, each 32-key tile read in its page's tier
@@ -29,9 +30,9 @@
 #define HOT_FILL (1 << 30)  // a list entry's slot flag: attention copies the page's tile into the slot as it reads
 
 struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TATTN_PARAMS
-    const float* q;       // roped queries [rows][n_head][HD]
-    const float* k_rows;  // the new tokens' rotated K rows [rows][n_head_kv][HD]
-    const float* v_rows;
+    float* q;       // roped queries [rows][n_head][HD] (a decode step's: tier_score writes them)
+    float* k_rows;  // the new tokens' rotated K rows [rows][n_head_kv][HD] (likewise)
+    float* v_rows;
     u16* l1_k;
     u16* l1_v;
     u8* l2_kc;
@@ -73,6 +74,16 @@ struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TAT
     int table_stride, list_stride, n_head, n_head_kv, page_size, l1, select, hot_slots;
     float scale;
     int kb_half, kb_neox, kb_nfast;
+    // a decode step's RoPE, done by tier_score (rope_kv's for a rotated cache: q roped into q, the new K and V
+    // rows rotated into k_rows / v_rows): the raw projections, the layer's biases, norms and RoPE factors
+    const float* qkv;
+    const float* bias_q;
+    const float* bias_k;
+    const float* bias_v;
+    const float* q_norm;
+    const float* k_norm;
+    int qkv_stride, rope_dims, neox;
+    float eps, theta_scale, freq_scale, ext_factor, corr_lo, corr_hi, mscale, q_scale;
 };
 
 __device__ __forceinline__ KeyBiasRef tier_key_bias(const TAttnParams& P) {
@@ -124,43 +135,92 @@ __device__ __forceinline__ TierWindow tier_window(const TAttnParams& P, int p) {
     return w;
 }
 
-// Each old page's bound on q·k for (row, KV head g) into scores[row][g][page - 1]: grid (n_head_kv, chunks, rows),
-// 256 threads, a warp a page, each block a chunk of the pages (many blocks: each page is a short dependent chain
-// of loads and reductions).
+// A decode step's RoPE and each old page's bound on q·k for (row, KV head g) into scores[row][g][page - 1]: grid
+// (n_head_kv, chunks, rows), 256 threads. Every block ropes its group's queries from the raw projections (as rope_kv
+// does: one launch a layer fewer than a separate RoPE) and rotates them into the cache's basis; the first chunk's
+// block also writes them roped to q and the new token's rotated K and V rows to k_rows / v_rows for attention. Each
+// block scores a chunk of the pages, four lanes a page (so a warp has eight pages' loads in flight at once and a
+// page's sum needs two shuffles a query head): lane j of a quad reads the summary's 8-element pieces j, j + 4, ...
+// with 16-byte loads (its query elements then sit in other banks than its quad's).
 extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P) {
-    constexpr int HD = QATT_HD, NG = QATT_NG;
+    constexpr int HD = QATT_HD, NG = QATT_NG, PIECES = HD / 8 / 4, RK = (HD + 63) / 64;
+    static_assert(HD % 32 == 0, "a quad's lanes take whole 8-element pieces");
     __shared__ float qs[NG][HD];
+    __shared__ float rows[2][HD];  // the new K and V rows (the writer block)
     const int g = blockIdx.x, row = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int p = P.pos[row];
+    // (the angles depend on the position alone: computed before the wait, as attention.cu's step does)
+    const RopeCS cs = rope_cs<RK>(p, P.rope_dims, P.theta_scale, P.freq_scale,
+                                  {P.ext_factor, P.corr_lo, P.corr_hi, P.mscale});
     grid_dep_launch();
-    grid_dep_wait();
-    const TierWindow w = tier_window(P, P.pos[row]);
+    const TierWindow w = tier_window(P, p);
     const int per = (w.n_old + gridDim.y - 1) / gridDim.y, a = blockIdx.y * per, b = min(w.n_old, a + per);
-    if (w.all || a >= b) return;
-    for (int h = warp; h < NG; h += 8) {
-        const float* src = P.q + ((long long)row * P.n_head + g * NG + h) * HD;
-        for (int i = lane; i < HD; i += WARP) qs[h][i] = src[i];
-        __syncwarp();
-        warp_hadamard(qs[h], HD, HD & -HD);
+    const bool scoring = !w.all && a < b, writer = blockIdx.y == 0;
+    if (!scoring && !writer) return;
+    grid_dep_wait();
+    const float* src = P.qkv + (long long)row * P.qkv_stride;
+    for (int h = warp; h < NG + (writer ? 2 : 0); h += 8) {
+        float* v = h < NG ? qs[h] : rows[h - NG];
+        if (h < NG) {
+            const int head = g * NG + h;
+            rope_load_head<RK>(v, src + head * HD, P.bias_q ? P.bias_q + head * HD : nullptr, P.q_norm, P.eps, HD,
+                               cs, P.rope_dims, P.neox);
+            float* dst = P.q + ((long long)row * P.n_head + head) * HD;
+            for (int i = lane; i < HD; i += WARP) {
+                v[i] = P.q_scale != 1.0f ? v[i] * P.q_scale : v[i];
+                if (writer) dst[i] = v[i];
+            }
+            __syncwarp();
+            if (scoring) warp_hadamard(v, HD, HD & -HD);
+        } else if (h == NG) {
+            rope_load_head<RK>(v, src + P.n_head * HD + g * HD, P.bias_k ? P.bias_k + g * HD : nullptr, P.k_norm,
+                               P.eps, HD, cs, P.rope_dims, P.neox);
+            store_rotated(v, HD, P.k_rows + ((long long)row * P.n_head_kv + g) * HD);
+        } else {
+            load_head(v, src + (P.n_head + P.n_head_kv) * HD + g * HD, P.bias_v ? P.bias_v + g * HD : nullptr, HD);
+            store_rotated(v, HD, P.v_rows + ((long long)row * P.n_head_kv + g) * HD);
+        }
     }
+    if (!scoring) return;
     __syncthreads();
     const long long sstride = 2LL * P.n_head_kv * HD;  // a page's summary
     const u16* summ = P.summary + (long long)P.row_seq[row] * P.table_stride * sstride;
     float* scores = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    for (int i = a + warp; i < b; i += 8) {
-        const u16* lo = summ + (i + 1) * sstride + (long long)g * HD;
-        const u16* hi = lo + (long long)P.n_head_kv * HD;
+    const int quad = threadIdx.x >> 2, j = threadIdx.x & 3;
+    for (int i0 = a; i0 < b; i0 += 64) {
+        const int i = i0 + quad;
+        const bool on = i < b;
+        const uint4* lo = (const uint4*)(summ + (on ? i + 1 : 1) * sstride + (long long)g * HD);
+        const uint4* hi = (const uint4*)((const u16*)lo + (long long)P.n_head_kv * HD);
+        uint4 x[PIECES], y[PIECES];
+#pragma unroll
+        for (int c = 0; c < PIECES; ++c) {
+            x[c] = lo[4 * c + j];
+            y[c] = hi[4 * c + j];
+        }
         float part[NG];
 #pragma unroll
         for (int h = 0; h < NG; ++h) part[h] = 0.0f;
-        for (int d = lane; d < HD; d += WARP) {
-            const float x = h2f(lo[d]), y = h2f(hi[d]);
 #pragma unroll
-            for (int h = 0; h < NG; ++h) part[h] += fmaxf(qs[h][d] * x, qs[h][d] * y);
+        for (int c = 0; c < PIECES; ++c) {
+            const u32 xs[4] = {x[c].x, x[c].y, x[c].z, x[c].w}, ys[4] = {y[c].x, y[c].y, y[c].z, y[c].w};
+            const int d0 = 8 * (4 * c + j);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float lo_e = h2f((u16)(xs[e / 2] >> (16 * (e % 2)))), hi_e = h2f((u16)(ys[e / 2] >> (16 * (e % 2))));
+#pragma unroll
+                for (int h = 0; h < NG; ++h) part[h] += fmaxf(qs[h][d0 + e] * lo_e, qs[h][d0 + e] * hi_e);
+            }
         }
         float best = -INFINITY;
 #pragma unroll
-        for (int h = 0; h < NG; ++h) best = fmaxf(best, warp_sum(part[h]));
-        if (lane == 0) scores[i] = best;
+        for (int h = 0; h < NG; ++h) {
+            float v = part[h];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            best = fmaxf(best, v);
+        }
+        if (on && j == 0) scores[i] = best;
     }
 }
 
@@ -349,8 +409,8 @@ __device__ __forceinline__ void load_v_f16(const u16* row, int e0, float v[N]) {
 }
 
 // A warp copies a 32-key tile of an L3 page (its first cell c0) from host memory into a hot slot (first cell h0),
-// K and V codes and scales, 16 bytes a lane at a time so that every bus read is whole (the first tile of a page
-// also its K offset, from offs into hot_offs); read back by the same warp after __syncwarp.
+// K and V codes and scales, 16 bytes a lane at a time so that every bus read is whole, and the page's K offset
+// (from offs into hot_offs); read back by the same warp after __syncwarp.
 __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0, long long h0, const float* offs,
                                               float* hot_offs) {
     constexpr int HD = QATT_HD, CODE_V = 32 * (HD / 2) / 16, SCALE_V = 32 * (HD / 32) * 2 / 16;
@@ -373,10 +433,8 @@ __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0
         va = src_vs[lane];
     }
     float o[HD / 32];
-    if (offs) {
 #pragma unroll
-        for (int j = 0; j < HD / 32; ++j) o[j] = offs[lane + 32 * j];
-    }
+    for (int j = 0; j < HD / 32; ++j) o[j] = offs[lane + 32 * j];
 #pragma unroll
     for (int i = 0; i < CODE_V / 32; ++i) {
         dst_kc[lane + 32 * i] = a[i];
@@ -386,10 +444,8 @@ __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0
         ((uint4*)(P.hot_ks + h0 * (HD / 32)))[lane] = ka;
         ((uint4*)(P.hot_vs + h0 * (HD / 32)))[lane] = va;
     }
-    if (offs) {
 #pragma unroll
-        for (int j = 0; j < HD / 32; ++j) hot_offs[lane + 32 * j] = o[j];
-    }
+    for (int j = 0; j < HD / 32; ++j) hot_offs[lane + 32 * j] = o[j];
     __syncwarp();
 }
 
@@ -435,8 +491,10 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
             if (slot >= 0) {
                 const long long hot0 = ((long long)g * P.hot_slots + (slot & ~HOT_FILL)) * PS + within;
                 float* hot_offs = P.hot_off + ((long long)g * P.hot_slots + (slot & ~HOT_FILL)) * HD;
-                if (slot & HOT_FILL) tier_hot_fill(P, cell - lane, hot0, within == 0 ? offs : nullptr, hot_offs);
-                if (!(slot & HOT_FILL) || within == 0) offs = hot_offs;
+                // (both tiles of a page write its K offset, the same bytes: the second then reads it with its
+                // codes, not after them in a second trip over the bus)
+                if (slot & HOT_FILL) tier_hot_fill(P, cell - lane, hot0, offs, hot_offs);
+                offs = hot_offs;
                 kc = P.hot_kc, vc = P.hot_vc, ks = P.hot_ks, vs = P.hot_vs;
                 cell = hot0 + lane;
             }

@@ -84,9 +84,29 @@ __device__ __forceinline__ void warp_hadamard(float* x, int n, int bw) {
     __syncwarp();
 }
 
-__device__ __forceinline__ void rope_head(float* v, int pos, int rope_dims, float theta_scale, float freq_scale,
-                                          RopeYarn yarn, int neox) {
-    rope_apply(v, rope_cs(pos, rope_dims, theta_scale, freq_scale, yarn), rope_dims, neox);
+// A head of the step's raw q, k or v projection plus its bias (null: none) into this warp's shared row v.
+__device__ __forceinline__ void load_head(float* v, const float* src, const float* bias, int n) {
+    const int lane = threadIdx.x & 31;
+    for (int i = lane; i < n; i += WARP) v[i] = src[i] + (bias ? bias[i] : 0.0f);
+    __syncwarp();
+}
+
+// A query or key head as attention reads it (rope_kv's and tier_score's, one way): loaded with its bias, the
+// per-head RMSNorm (null: none), then RoPE at the angles cs.
+template <int K = 4>
+__device__ __forceinline__ void rope_load_head(float* v, const float* src, const float* bias, const float* norm,
+                                               float eps, int n, const RopeCS& cs, int rope_dims, int neox) {
+    load_head(v, src, bias, n);
+    if (norm) head_rms_norm(v, norm, n, eps);
+    rope_apply<K>(v, cs, rope_dims, neox);
+}
+
+// A quantized cache's new K or V row: v Hadamard-rotated in place, then written to dst.
+__device__ __forceinline__ void store_rotated(float* v, int n, float* dst) {
+    const int lane = threadIdx.x & 31;
+    warp_hadamard(v, n, n & -n);
+    for (int i = lane; i < n; i += WARP) dst[i] = v[i];
+    __syncwarp();
 }
 
 extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* pos, int n_head, int n_head_kv,
@@ -107,33 +127,21 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
     const int p = pos[row];
     const float* src = qkv + (long long)row * qkv_stride;
     const int page = page_table[p / page_size], off = p % page_size;
-    const RopeYarn yarn = {ext_factor, corr_lo, corr_hi, mscale};
+    const RopeCS cs = rope_cs(p, rope_dims, theta_scale, freq_scale, {ext_factor, corr_lo, corr_hi, mscale});
     if (head < n_head) {
-        for (int i = lane; i < hd; i += WARP) v[i] = src[head * hd + i] + (bias_q ? bias_q[head * hd + i] : 0.0f);
-        __syncwarp();
-        if (q_norm) head_rms_norm(v, q_norm, hd, eps);
-        rope_head(v, p, rope_dims, theta_scale, freq_scale, yarn, neox);
+        rope_load_head(v, src + head * hd, bias_q ? bias_q + head * hd : nullptr, q_norm, eps, hd, cs, rope_dims, neox);
         float* dst = q_out + ((long long)row * n_head + head) * hd;
         for (int i = lane; i < hd; i += WARP) dst[i] = q_scale != 1.0f ? v[i] * q_scale : v[i];
         return;
     }
     const int g = head - n_head;
-    const float* ks = src + n_head * hd + g * hd;
-    for (int i = lane; i < hd; i += WARP) v[i] = ks[i] + (bias_k ? bias_k[g * hd + i] : 0.0f);
-    __syncwarp();
-    if (k_norm) head_rms_norm(v, k_norm, hd, eps);
-    rope_head(v, p, rope_dims, theta_scale, freq_scale, yarn, neox);
+    rope_load_head(v, src + n_head * hd + g * hd, bias_k ? bias_k + g * hd : nullptr, k_norm, eps, hd, cs, rope_dims,
+                   neox);
     const float* vs = src + (n_head + n_head_kv) * hd + g * hdv;
     if (k_rows) {  // a quantized cache: rotated rows for kv_quant_store
-        warp_hadamard(v, hd, hd & -hd);
-        float* kr = k_rows + ((long long)row * n_head_kv + g) * hd;
-        for (int i = lane; i < hd; i += WARP) kr[i] = v[i];
-        __syncwarp();
-        for (int i = lane; i < hdv; i += WARP) v[i] = vs[i] + (bias_v ? bias_v[g * hdv + i] : 0.0f);
-        __syncwarp();
-        warp_hadamard(v, hdv, hdv & -hdv);
-        float* vr = v_rows + ((long long)row * n_head_kv + g) * hdv;
-        for (int i = lane; i < hdv; i += WARP) vr[i] = v[i];
+        store_rotated(v, hd, k_rows + ((long long)row * n_head_kv + g) * hd);
+        load_head(v, vs, bias_v ? bias_v + g * hdv : nullptr, hdv);
+        store_rotated(v, hdv, v_rows + ((long long)row * n_head_kv + g) * hdv);
         return;
     }
     u16* kd = k_pool + (((long long)page * n_head_kv + g) * page_size + off) * hd;
