@@ -17,7 +17,7 @@ Variants (keys and values of every position, the chunk's own included, as a pref
 - sinkN, sinkNk, sinkNv: as cache, the first N positions' keys and values (k: keys only, v: values only) kept
 - off0 (also off0-konly, off0-vonly): as cache (konly, vonly), the first block's offset being position 0's key
 - any variant with "mid" in its name: offsets at each channel's mid-range; with "signs": random signs before the
-  rotation; ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the engine's k_sink)
+  rotation; with "iq4": IQ4_NL's 16 non-uniform levels (same 4.5 bits) instead of q4_0's uniform ones; ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the engine's k_sink)
 """
 
 from __future__ import annotations
@@ -64,10 +64,41 @@ def q4_fitted(x: np.ndarray) -> np.ndarray:
     return best
 
 
+# ggml's IQ4_NL levels: 16 non-uniform steps, denser near zero (a Gaussian's shape, as rotated rows are)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def iq4_fitted(x: np.ndarray) -> np.ndarray:
+    """x [..., 32] through IQ4_NL's levels with an f16 scale: for each trial inverse scale (ggml's search around
+    -127 / amax), every element to its nearest level, then the least-squares scale for those levels; the best kept."""
+    i = np.argmax(np.abs(x), axis=-1)[..., None]
+    amax = np.take_along_axis(x, i, axis=-1)  # signed
+    safe = np.where(amax != 0, amax, 1)
+    mid = (IQ4_LEVELS[1:] + IQ4_LEVELS[:-1]) / 2
+    best, best_err = None, None
+    for t in range(-7, 8):
+        inv = (IQ4_LEVELS[0] + t) / safe
+        lv = IQ4_LEVELS[np.searchsorted(mid, x * inv)]
+        d = (np.sum(x * lv, axis=-1, keepdims=True) / np.sum(lv * lv, axis=-1, keepdims=True))
+        d = d.astype(np.float16).astype(np.float32)
+        y = d * lv
+        err = np.sum((x - y) ** 2, axis=-1, keepdims=True)
+        if best is None:
+            best, best_err = y, err
+        else:
+            take = err < best_err
+            best = np.where(take, y, best)
+            best_err = np.where(take, err, best_err)
+    return np.where(amax != 0, best, 0)
+
+
+IQ4 = [False]  # IQ4_NL's levels instead of q4_0's
+
+
 def quant_rows(x: np.ndarray) -> np.ndarray:
-    """[n, H, d] rows in q4_0 blocks along d."""
+    """[n, H, d] rows in q4_0 (or IQ4_NL) blocks along d."""
     n, h, d = x.shape
-    return q4_fitted(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
+    return (iq4_fitted if IQ4[0] else q4_fitted)(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
 
 
 MIDRANGE = [False]  # offsets at each channel's mid-range instead of its mean
@@ -135,8 +166,8 @@ class SimCalibration(SequentialCalibration):
     def _causal_attention(self, q, k, v, window):
         var = self.variant
         SINK_KEY[0] = var.endswith("+s")
-        MIDRANGE[0], SIGNS[0] = "mid" in var, "signs" in var
-        var = var.removesuffix("+s").replace("mid", "").replace("signs", "")
+        MIDRANGE[0], SIGNS[0], IQ4[0] = "mid" in var, "signs" in var, "iq4" in var
+        var = var.removesuffix("+s").replace("mid", "").replace("signs", "").replace("iq4", "") or "cache"
         SINK_OFFSET[0] = var.startswith("off0")
         if SINK_OFFSET[0]:
             var = var[5:] or "cache"  # off0 / off0-konly / off0-vonly
