@@ -44,16 +44,10 @@ def hadamard(n: int) -> np.ndarray:
     return h / np.float32(math.sqrt(n))
 
 
-def q4_fitted(x: np.ndarray) -> np.ndarray:
-    """x [..., 32] through q4_0 with the least-squares scale among DIVISORS (f16 scales), read back."""
-    i = np.argmax(np.abs(x), axis=-1)[..., None]
-    amax = np.take_along_axis(x, i, axis=-1)  # signed
+def least_error(x: np.ndarray, trials) -> np.ndarray:
+    """Of the read-back blocks `trials` yields (each [..., 32], as x), each block's closest to x."""
     best, best_err = None, None
-    for div in DIVISORS:
-        d = (amax / div).astype(np.float16).astype(np.float32)
-        inv = np.where(d != 0, 1.0 / np.where(d != 0, d, 1), 0)
-        q = np.clip(np.round(x * inv + 8), 0, 15)
-        y = d * (q - 8)
+    for y in trials:
         err = np.sum((x - y) ** 2, axis=-1, keepdims=True)
         if best is None:
             best, best_err = y, err
@@ -64,6 +58,24 @@ def q4_fitted(x: np.ndarray) -> np.ndarray:
     return best
 
 
+def signed_amax(x: np.ndarray) -> np.ndarray:
+    i = np.argmax(np.abs(x), axis=-1)[..., None]
+    return np.take_along_axis(x, i, axis=-1)
+
+
+def q4_fitted(x: np.ndarray) -> np.ndarray:
+    """x [..., 32] through q4_0 with the least-squares scale among DIVISORS (f16 scales), read back."""
+    amax = signed_amax(x)
+
+    def trials():
+        for div in DIVISORS:
+            d = (amax / div).astype(np.float16).astype(np.float32)
+            inv = np.where(d != 0, 1.0 / np.where(d != 0, d, 1), 0)
+            yield d * (np.clip(np.round(x * inv + 8), 0, 15) - 8)
+
+    return least_error(x, trials())
+
+
 # ggml's IQ4_NL levels: 16 non-uniform steps, denser near zero (a Gaussian's shape, as rotated rows are)
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 
@@ -71,25 +83,17 @@ IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 def iq4_fitted(x: np.ndarray) -> np.ndarray:
     """x [..., 32] through IQ4_NL's levels with an f16 scale: for each trial inverse scale (ggml's search around
     -127 / amax), every element to its nearest level, then the least-squares scale for those levels; the best kept."""
-    i = np.argmax(np.abs(x), axis=-1)[..., None]
-    amax = np.take_along_axis(x, i, axis=-1)  # signed
+    amax = signed_amax(x)
     safe = np.where(amax != 0, amax, 1)
     mid = (IQ4_LEVELS[1:] + IQ4_LEVELS[:-1]) / 2
-    best, best_err = None, None
-    for t in range(-7, 8):
-        inv = (IQ4_LEVELS[0] + t) / safe
-        lv = IQ4_LEVELS[np.searchsorted(mid, x * inv)]
-        d = (np.sum(x * lv, axis=-1, keepdims=True) / np.sum(lv * lv, axis=-1, keepdims=True))
-        d = d.astype(np.float16).astype(np.float32)
-        y = d * lv
-        err = np.sum((x - y) ** 2, axis=-1, keepdims=True)
-        if best is None:
-            best, best_err = y, err
-        else:
-            take = err < best_err
-            best = np.where(take, y, best)
-            best_err = np.where(take, err, best_err)
-    return np.where(amax != 0, best, 0)
+
+    def trials():
+        for t in range(-7, 8):
+            lv = IQ4_LEVELS[np.searchsorted(mid, x * (IQ4_LEVELS[0] + t) / safe)]
+            d = np.sum(x * lv, axis=-1, keepdims=True) / np.sum(lv * lv, axis=-1, keepdims=True)
+            yield d.astype(np.float16).astype(np.float32) * lv
+
+    return np.where(amax != 0, least_error(x, trials()), 0)
 
 
 IQ4 = [False]  # IQ4_NL's levels instead of q4_0's
