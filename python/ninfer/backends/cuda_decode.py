@@ -220,16 +220,16 @@ class DecodeGraphs:
                 window=ls.get("sliding_window") or 0, page_size=self.page_size, part_ml=self.part_ml.data.ptr,
                 part_acc=self.part_acc.data.ptr, tickets=self.tickets.data.ptr, out=att,
                 **({"out_q": self.act_codes.data.ptr, "out_d": self.act_scales.data.ptr} if att_quant else {}))
-            # (the rotated caches: rope_kv leaves the query and the new token's rotated K/V rows in k_rows/v_rows)
-            layer = lw["ptr"] | self.rope_layers[il]
-            rotated_rope = (lambda k_rows, v_rows, il=il, layer=layer: att_ops.rope_kv(
-                1, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr, 0, 0, table, self.page_size,
-                self.theta_scale[il], k_rows, v_rows))
             if self.kv_tiers is not None:  # (cuda_kv_tiers.py) RoPE with the scores, the selection, attention
                 score, select, attend = self._tier_attention(il, seq)
                 add("select", il, [score, select])
                 add("attention", il, [attend])
             elif self.quant_kv:  # (cuda_kv_quant.py) RoPE, the store, attention split over the keys, the merge
+                # (rope_kv leaves the query and the new token's rotated K/V rows in k_rows/v_rows)
+                layer = lw["ptr"] | self.rope_layers[il]
+                rotated_rope = (lambda k_rows, v_rows, il=il, layer=layer: att_ops.rope_kv(
+                    1, qkv, self.qkv_dim, self.pos.data.ptr, s, layer, self.q_rot.data.ptr, 0, 0, table,
+                    self.page_size, self.theta_scale[il], k_rows, v_rows))
                 add("attention", il, self._quant_attention(il, 1, table, self.quant_split, rotated_rope))
             else:
                 add("attention", il, [lambda params=params: att_ops.attention(params, 1, self.n_split, s["n_head_kv"],
