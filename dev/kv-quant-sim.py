@@ -160,6 +160,19 @@ def quant_values(v: np.ndarray) -> np.ndarray:
     return (quant_rows(r - off) + off) @ h
 
 
+def query_aware_scales(q: np.ndarray, k: np.ndarray, power: float) -> np.ndarray:
+    """Per KV head and channel (after RoPE), (rms(q) / rms(k)) ** power, geometric mean 1:
+    the weighted error sum(q_i^2 dk_i^2) is least for isotropic noise on k * s with s^2 ~ |q_i| / |k_i| (power
+    0.5)."""
+    n_kv, hd = k.shape[1], k.shape[2]
+    qg = q.reshape(q.shape[0], n_kv, -1, hd)
+    wq = np.sqrt(np.mean(qg.astype(np.float64) ** 2, axis=(0, 2)))  # [n_kv, hd]
+    wk = np.sqrt(np.mean(k.astype(np.float64) ** 2, axis=0)) + 1e-6
+    s = (wq / wk) ** power
+    s /= np.exp(np.mean(np.log(s), axis=1, keepdims=True))
+    return s[None].astype(np.float32)
+
+
 class SimCalibration(SequentialCalibration):
     variant = "f16"
 
@@ -176,6 +189,13 @@ class SimCalibration(SequentialCalibration):
         if SINK_OFFSET[0]:
             var = var[5:] or "cache"  # off0 / off0-konly / off0-vonly
         k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+        if var.startswith("qaw"):  # keys scaled per channel by the queries' and keys' RMS before quantizing
+            power = float(var[3:] or "0.5")
+            s = query_aware_scales(q, k16, power)
+            kq = quant_keys(k16 * s, False) / s
+            if SINK_KEY[0]:
+                kq[:1] = k16[:1]
+            return super()._causal_attention(q, kq, quant_values(v16), window)
         if var == "f16":
             return super()._causal_attention(q, k16, v16, window)
         if var == "l0k16":  # the first layer's keys kept, the rest as the cache
