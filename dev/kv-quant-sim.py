@@ -15,6 +15,8 @@ Variants (keys and values of every position, the chunk's own included, as a pref
 - konly / vonly: the cache's keys / values alone quantized
 - l0k16: as cache, the first layer's keys unquantized; l0bias: as cache, kbias in the first layer only
 - sinkN, sinkNk, sinkNv: as cache, the first N positions' keys and values (k: keys only, v: values only) kept
+- qawP (e.g. qaw, qaw0.25): as cache, each key channel scaled by (rms q / rms k)^P (default 0.5) before quantizing and
+  back after (the queries' view: q/s . k*s), the scales from the chunk's own queries and keys (an oracle)
 - off0 (also off0-konly, off0-vonly): as cache (konly, vonly), the first block's offset being position 0's key
 - any variant with "mid" in its name: offsets at each channel's mid-range; with "signs": random signs before the
   rotation; with "iq4": IQ4_NL's 16 non-uniform levels (same 4.5 bits) instead of q4_0's uniform ones; ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the engine's k_sink)
