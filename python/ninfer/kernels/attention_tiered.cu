@@ -533,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
             if (tier == 2 && P.kb_slots) {  // L3's keys were stored without the key bias: its share
                 float kb[NG], slow[NG];
                 kbias_slow_share<HD, NG>(tier_key_bias(P), S.qu, g, key0 / P.page_size, slow);
-                kbias_dots<HD, NG>(tier_key_bias(P), S.qu, g, key0 + lane, kb);
+                kbias_dots<HD, NG, 4>(tier_key_bias(P), S.qu, g, key0 + lane, kb);
 #pragma unroll
                 for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], __fadd_rn(kb[h], slow[h]));
             }
