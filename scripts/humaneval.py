@@ -12,6 +12,11 @@ per problem in --out (in problem order), and the pass count on stdout.
 
 Usage: scripts/humaneval.py --model M.gguf [--threads 2] [--parallel 4] [--limit N] [--out results.jsonl]
        scripts/humaneval.py --url http://127.0.0.1:8080 ...
+       scripts/humaneval.py --write-text humaneval.txt
+
+--write-text writes every problem's prompt and canonical solution, in order, a blank line between problems, and
+exits: a text for `ninfer perplexity --kl-divergence`, which compares two models on the benchmark's own code token
+by token (tens of thousands of tokens, where pass@1 moves by several problems with any small change to a model).
 """
 
 from __future__ import annotations
@@ -83,7 +88,11 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N problems")
     ap.add_argument("--n-predict", type=int, default=384)
     ap.add_argument("--out", default="humaneval.jsonl")
+    ap.add_argument("--write-text", metavar="PATH", help="write the prompts with their canonical solutions and exit")
     args = ap.parse_args()
+    if args.write_text:
+        Path(args.write_text).write_text("\n\n".join(p["prompt"] + p["canonical_solution"] for p in problems()))
+        return 0
     if bool(args.model) == bool(args.url):
         ap.error("give --model or --url")
     proc = None
