@@ -19,7 +19,10 @@ Variants (keys and values of every position, the chunk's own included, as a pref
   back after (the queries' view: q/s . k*s), the scales from the chunk's own queries and keys (an oracle)
 - off0 (also off0-konly, off0-vonly): as cache (konly, vonly), the first block's offset being position 0's key
 - any variant with "mid" in its name: offsets at each channel's mid-range; with "signs": random signs before the
-  rotation; with "iq4": IQ4_NL's 16 non-uniform levels (same 4.5 bits) instead of q4_0's uniform ones; ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the engine's k_sink)
+  rotation; with "iq4": IQ4_NL's 16 non-uniform levels (same 4.5 bits) instead of q4_0's uniform ones; with "c8":
+  q8_0 rows (the q8_0 cache, e.g. c8+s); ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the
+  engine's k_sink); then "+q8q" (cache+s+q8q): the queries rotated and through q8_0, as the CPU engine's integer dots
+  with a quantized cache read them (f16 is the reference for every variant, its queries f32)
 """
 
 from __future__ import annotations
@@ -99,12 +102,32 @@ def iq4_fitted(x: np.ndarray) -> np.ndarray:
 
 
 IQ4 = [False]  # IQ4_NL's levels instead of q4_0's
+Q8 = [False]  # q8_0 rows instead of 4-bit ones (the q8_0 cache)
+
+
+def q8(x: np.ndarray) -> np.ndarray:
+    """x [..., 32] through q8_0 (ggml's quantize_row_q8_0: d = amax / 127 in f16, codes rounded), read back."""
+    d = (np.abs(x).max(axis=-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    inv = np.where(d != 0, 1.0 / np.where(d != 0, d, 1), 0)
+    return d * np.round(x * inv)
 
 
 def quant_rows(x: np.ndarray) -> np.ndarray:
-    """[n, H, d] rows in q4_0 (or IQ4_NL) blocks along d."""
+    """[n, H, d] rows in q4_0 (or IQ4_NL, or q8_0) blocks along d."""
     n, h, d = x.shape
-    return (iq4_fitted if IQ4[0] else q4_fitted)(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
+    fn = q8 if Q8[0] else iq4_fitted if IQ4[0] else q4_fitted
+    return fn(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
+
+
+def quant_queries(q: np.ndarray) -> np.ndarray:
+    """[n, H, d] queries as the CPU engine's quantized-cache dots read them: rotated, q8_0 rows, rotated back."""
+    h = rotation(q.shape[-1])
+    return quant_rows_q8(q @ h.T) @ h
+
+
+def quant_rows_q8(x: np.ndarray) -> np.ndarray:
+    n, h, d = x.shape
+    return q8(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
 
 
 MIDRANGE = [False]  # offsets at each channel's mid-range instead of its mean
@@ -184,9 +207,13 @@ class SimCalibration(SequentialCalibration):
 
     def _causal_attention(self, q, k, v, window):
         var = self.variant
+        if var.endswith("+q8q"):  # the queries as the CPU engine's integer dots read them
+            var = var.removesuffix("+q8q")
+            q = quant_queries(q.astype(np.float32))
         SINK_KEY[0] = var.endswith("+s")
-        MIDRANGE[0], SIGNS[0], IQ4[0] = "mid" in var, "signs" in var, "iq4" in var
-        var = var.removesuffix("+s").replace("mid", "").replace("signs", "").replace("iq4", "") or "cache"
+        MIDRANGE[0], SIGNS[0], IQ4[0], Q8[0] = "mid" in var, "signs" in var, "iq4" in var, "c8" in var
+        var = var.removesuffix("+s").replace("mid", "").replace("signs", "").replace("iq4", "").replace("c8", "")
+        var = var or "cache"
         SINK_OFFSET[0] = var.startswith("off0")
         if SINK_OFFSET[0]:
             var = var[5:] or "cache"  # off0 / off0-konly / off0-vonly
