@@ -16,7 +16,8 @@ Variants (keys and values of every position, the chunk's own included, as a pref
 - l0k16: as cache, the first layer's keys unquantized; l0bias: as cache, kbias in the first layer only
 - sinkN, sinkNk, sinkNv: as cache, the first N positions' keys and values (k: keys only, v: values only) kept
 - qawP (e.g. qaw, qaw0.25): as cache, each key channel scaled by (rms q / rms k)^P (default 0.5) before quantizing and
-  back after (the queries' view: q/s . k*s), the scales from the chunk's own queries and keys (an oracle)
+  back after (the queries' view: q/s . k*s), the scales from the chunk's own queries and keys (an oracle); qawkbias
+  (qawPkbias): the same after the key bias is taken out as kbias does
 - off0 (also off0-konly, off0-vonly): as cache (konly, vonly), the first block's offset being position 0's key
 - any variant with "mid" in its name: offsets at each channel's mid-range; with "signs": random signs before the
   rotation; with "iq4": IQ4_NL's 16 non-uniform levels (same 4.5 bits) instead of q4_0's uniform ones; with "c8":
@@ -205,6 +206,42 @@ class SimCalibration(SequentialCalibration):
         self._il = il
         return super()._attention(st, il)
 
+    def _weight_scales(self, power: float, unbiased: bool) -> np.ndarray:
+        """query_aware_scales from the weights alone, as an engine could make them at load: each q and k channel's
+        RMS for an isotropic normed input (the row norms of W * attn_norm, with the bias), the query heads of a
+        group pooled and each RoPE pair's two channels pooled (RoPE turns their energy between them)."""
+        s, ly = self.spec, self.spec["layers"][self._il]
+        n_kv, hd = s["n_head_kv"], s["head_dim"]
+        g = self._w(ly["attn_norm"])
+
+        def energy(wn: str, bn: str | None, heads: int) -> np.ndarray:
+            w = self._w(ly[wn]).astype(np.float64) * g[None, :]
+            e = np.sum(w * w, axis=1)
+            if bn and ly.get(bn):
+                e = e + self._w(ly[bn]).astype(np.float64) ** 2
+            e = e.reshape(n_kv, heads // n_kv, hd).mean(axis=1)
+            rd = s["rope_dims"]
+            if s["rope_neox"]:
+                a, b = e[:, : rd // 2], e[:, rd // 2 : rd]
+                e[:, : rd // 2] = e[:, rd // 2 : rd] = (a + b) / 2
+            else:
+                e[:, 0:rd:2] = e[:, 1:rd:2] = (e[:, 0:rd:2] + e[:, 1:rd:2]) / 2
+            return np.sqrt(e)
+
+        sc = (energy("wq", "bq", s["n_head"]) / (energy("wk", None if unbiased else "bk", n_kv) + 1e-12)) ** power
+        sc /= np.exp(np.mean(np.log(sc), axis=1, keepdims=True))
+        return sc[None].astype(np.float32)
+
+    def _roped_key_bias(self, k: np.ndarray) -> np.ndarray | float:
+        """The layer's key bias roped to each position (as k [n, Hkv, d]), or 0.0 for a layer without one."""
+        ly = self.spec["layers"][self._il]
+        if not ly.get("bk"):
+            return 0.0
+        b = self._w(ly["bk"]).reshape(1, k.shape[1], k.shape[2])
+        pos = np.arange(k.shape[0], dtype=np.float64)
+        return rope(np.broadcast_to(b, k.shape).copy(), pos, base=ly["rope_base"], freq_scale=ly["rope_freq_scale"],
+                    dims=self.spec["rope_dims"], neox=self.spec["rope_neox"])
+
     def _causal_attention(self, q, k, v, window):
         var = self.variant
         if var.endswith("+q8q"):  # the queries as the CPU engine's integer dots read them
@@ -219,9 +256,12 @@ class SimCalibration(SequentialCalibration):
             var = var[5:] or "cache"  # off0 / off0-konly / off0-vonly
         k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
         if var.startswith("qaw"):  # keys scaled per channel by the queries' and keys' RMS before quantizing
-            power = float(var[3:] or "0.5")
-            s = query_aware_scales(q, k16, power)
-            kq = quant_keys(k16 * s, False) / s
+            unbias = var.endswith("kbias")  # (qawkbias: the key bias out first, as kbias)
+            rb = self._roped_key_bias(k16) if unbias else 0.0
+            weights = var[3:].startswith("W")  # (qawW...: the scales from the weights alone)
+            power = float(var[3:].removesuffix("kbias").lstrip("W") or "0.5")
+            s = self._weight_scales(power, unbias) if weights else query_aware_scales(q, k16 - rb, power)
+            kq = quant_keys((k16 - rb) * s, False) / s + rb
             if SINK_KEY[0]:
                 kq[:1] = k16[:1]
             return super()._causal_attention(q, kq, quant_values(v16), window)
@@ -231,15 +271,8 @@ class SimCalibration(SequentialCalibration):
             kq = k16 if self._il == 0 else quant_keys(k16, False)
             return super()._causal_attention(q, kq, quant_values(v16), window)
         if var == "kbias" or (var == "l0bias" and self._il == 0):
-            ly = self.spec["layers"][self._il]
-            b = self._w(ly["bk"]).reshape(1, k.shape[1], k.shape[2]) if ly.get("bk") else None
-            if b is not None:
-                pos = np.arange(k.shape[0], dtype=np.float64)
-                rb = rope(np.broadcast_to(b, k.shape).copy(), pos, base=ly["rope_base"],
-                          freq_scale=ly["rope_freq_scale"], dims=self.spec["rope_dims"], neox=self.spec["rope_neox"])
-                kq = quant_keys(k16 - rb, False) + rb
-            else:
-                kq = quant_keys(k16, False)
+            rb = self._roped_key_bias(k16)
+            kq = quant_keys(k16 - rb, False) + rb
             return super()._causal_attention(q, kq, quant_values(v16), window)
         if var.startswith("sink"):  # the first N positions (the attention sink) kept f16, the rest as the cache
             n = int(var[4:].rstrip("kv"))
