@@ -113,22 +113,17 @@ def q8(x: np.ndarray) -> np.ndarray:
     return d * np.round(x * inv)
 
 
-def quant_rows(x: np.ndarray) -> np.ndarray:
-    """[n, H, d] rows in q4_0 (or IQ4_NL, or q8_0) blocks along d."""
+def quant_rows(x: np.ndarray, fn=None) -> np.ndarray:
+    """[n, H, d] rows through `fn`'s blocks along d: by default q4_0 (or IQ4_NL, or q8_0, as the variant says)."""
     n, h, d = x.shape
-    fn = q8 if Q8[0] else iq4_fitted if IQ4[0] else q4_fitted
+    fn = fn or (q8 if Q8[0] else iq4_fitted if IQ4[0] else q4_fitted)
     return fn(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
 
 
 def quant_queries(q: np.ndarray) -> np.ndarray:
     """[n, H, d] queries as the CPU engine's quantized-cache dots read them: rotated, q8_0 rows, rotated back."""
     h = rotation(q.shape[-1])
-    return quant_rows_q8(q @ h.T) @ h
-
-
-def quant_rows_q8(x: np.ndarray) -> np.ndarray:
-    n, h, d = x.shape
-    return q8(x.reshape(n, h, d // BLOCK, BLOCK)).reshape(n, h, d)
+    return quant_rows(q @ h.T, q8) @ h
 
 
 MIDRANGE = [False]  # offsets at each channel's mid-range instead of its mean
@@ -194,9 +189,12 @@ def query_aware_scales(q: np.ndarray, k: np.ndarray, power: float) -> np.ndarray
     qg = q.reshape(q.shape[0], n_kv, -1, hd)
     wq = np.sqrt(np.mean(qg.astype(np.float64) ** 2, axis=(0, 2)))  # [n_kv, hd]
     wk = np.sqrt(np.mean(k.astype(np.float64) ** 2, axis=0)) + 1e-6
-    s = (wq / wk) ** power
-    s /= np.exp(np.mean(np.log(s), axis=1, keepdims=True))
-    return s[None].astype(np.float32)
+    return unit_geomean((wq / wk) ** power)
+
+
+def unit_geomean(s: np.ndarray) -> np.ndarray:
+    """Scales [n_kv, hd] divided by each KV head's geometric mean, as [1, n_kv, hd] f32."""
+    return (s / np.exp(np.mean(np.log(s), axis=1, keepdims=True)))[None].astype(np.float32)
 
 
 class SimCalibration(SequentialCalibration):
@@ -228,9 +226,8 @@ class SimCalibration(SequentialCalibration):
                 e[:, 0:rd:2] = e[:, 1:rd:2] = (e[:, 0:rd:2] + e[:, 1:rd:2]) / 2
             return np.sqrt(e)
 
-        sc = (energy("wq", "bq", s["n_head"]) / (energy("wk", None if unbiased else "bk", n_kv) + 1e-12)) ** power
-        sc /= np.exp(np.mean(np.log(sc), axis=1, keepdims=True))
-        return sc[None].astype(np.float32)
+        return unit_geomean((energy("wq", "bq", s["n_head"]) / (energy("wk", None if unbiased else "bk", n_kv) + 1e-12))
+                            ** power)
 
     def _roped_key_bias(self, k: np.ndarray) -> np.ndarray | float:
         """The layer's key bias roped to each position (as k [n, Hkv, d]), or 0.0 for a layer without one."""

@@ -264,6 +264,12 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
             r.tg(tokens(1, True), 2, False)
         for test in tests:
             rows = {r.name: Result(r.name, test, th) for r in runners}
+
+            def tg_once(r: Any, context: list[int], prof: bool) -> tuple[float, dict[str, float] | None]:
+                if test.kv_fill and test.depth:
+                    return r.tg_filled(test.depth, test.n, rng.randrange(2**32), prof)
+                return r.tg(context or tokens(1, True), test.n, prof)
+
             for _ in range(reps):
                 context = tokens(test.depth, True) if test.depth else []
                 for r in runners:
@@ -271,19 +277,13 @@ def run_bench(model: str, *, prompts: list[int], gens: list[int], depths: list[i
                     time.sleep(_SETTLE_S)
                     if test.kind == "pp":
                         dt = r.pp(context, tokens(test.n, not context))
-                    elif test.kv_fill and test.depth:
-                        dt, _ = r.tg_filled(test.depth, test.n, rng.randrange(2**32), False)
                     else:
-                        dt, _ = r.tg(context or tokens(1, True), test.n, False)
+                        dt, _ = tg_once(r, context, False)
                     rows[r.name].samples_ts.append(test.n / dt)
             if profile and test.kind == "tg":  # (one more pass, profiled, not timed: runners[0] is ninfer's)
                 gc.collect()
                 time.sleep(_SETTLE_S)
-                if test.kv_fill and test.depth:
-                    _, rows["ninfer"].profile = runners[0].tg_filled(test.depth, test.n, rng.randrange(2**32), True)
-                else:
-                    _, rows["ninfer"].profile = runners[0].tg(tokens(test.depth, True) if test.depth else
-                                                              tokens(1, True), test.n, True)
+                _, rows["ninfer"].profile = tg_once(runners[0], tokens(test.depth, True) if test.depth else [], True)
             for r in rows.values():
                 r.backend = runners[0].backend if r.engine == "ninfer" else "CPU"
             results.extend(rows.values())
