@@ -21,7 +21,7 @@ Variants (keys and values of every position, the chunk's own included, as a pref
 - off0 (also off0-konly, off0-vonly): as cache (konly, vonly), the first block's offset being position 0's key
 - any variant with "mid" in its name: offsets at each channel's mid-range; with "signs": random signs before the
   rotation; with "iq4": IQ4_NL's 16 non-uniform levels (same 4.5 bits) instead of q4_0's uniform ones; with "c8":
-  q8_0 rows (the q8_0 cache, e.g. c8+s); ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the
+  q8_0 rows (the q8_0 cache, e.g. c8+s); with "p2": the query-aware scales rounded to powers of two; ending in "+s" (cache+s, kbias+s): position 0's key kept exact (the
   engine's k_sink); then "+q8q" (cache+s+q8q): the queries rotated and through q8_0, as the CPU engine's integer dots
   with a quantized cache read them (f16 is the reference for every variant, its queries f32)
 """
@@ -39,7 +39,8 @@ from ninfer.tokenizer import Tokenizer
 
 BLOCK = 32
 VALUE_OFFSETS = [False]  # values less their block's mean too (attention adds the block's probability mass x mean)
-OFFSET_BLOCK = [256]  # positions a key offset covers (the plain cache's block: kv_block_size; a tiered cache: 64)
+OFFSET_BLOCK = [256]
+POW2 = [False]  # query-aware scales rounded to powers of two  # positions a key offset covers (the plain cache's block: kv_block_size; a tiered cache: 64)
 DIVISORS = np.array([-8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, -6.25, -6.0], np.float32)
 
 
@@ -246,7 +247,10 @@ class SimCalibration(SequentialCalibration):
             q = quant_queries(q.astype(np.float32))
         SINK_KEY[0] = var.endswith("+s")
         MIDRANGE[0], SIGNS[0], IQ4[0], Q8[0] = "mid" in var, "signs" in var, "iq4" in var, "c8" in var
-        var = var.removesuffix("+s").replace("mid", "").replace("signs", "").replace("iq4", "").replace("c8", "")
+        POW2[0] = "p2" in var
+        var = var.removesuffix("+s")
+        for mod in ("mid", "signs", "iq4", "c8", "p2"):
+            var = var.replace(mod, "")
         var = var or "cache"
         SINK_OFFSET[0] = var.startswith("off0")
         if SINK_OFFSET[0]:
@@ -258,6 +262,8 @@ class SimCalibration(SequentialCalibration):
             weights = var[3:].startswith("W")  # (qawW...: the scales from the weights alone)
             power = float(var[3:].removesuffix("kbias").lstrip("W") or "0.5")
             s = self._weight_scales(power, unbias) if weights else query_aware_scales(q, k16 - rb, power)
+            if POW2[0]:  # (scales a power of two: exact when folded into the weights' block scales)
+                s = np.exp2(np.round(np.log2(s))).astype(np.float32)
             kq = quant_keys((k16 - rb) * s, False) / s + rb
             if SINK_KEY[0]:
                 kq[:1] = k16[:1]

@@ -10,6 +10,8 @@ import ninfer
 import numpy as np
 import pytest
 from cuda_helpers import decode_logits, needs_cuda, nmse, teacher_forced
+from ninfer import _core
+from ninfer.model_file import ModelFile
 from ninfer.synth import write_synthetic
 
 TYPES = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")]
@@ -116,3 +118,29 @@ def test_the_sink_keys_quantization_loss_is_kept_and_forked(model: Path) -> None
     cupy.cuda.runtime.deviceSynchronize()
     be.truncate(1, 40)
     assert not np.array_equal(be.forward([(1, [PROMPT[40]])], [0]), src)
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose keys' channels differ in scale, so the rotated cache's key scales are not all 1."""
+    return write_synthetic(tmp_path_factory.mktemp("kvs") / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=2, seed=5,
+                           uneven_keys=True)
+
+
+@needs_cuda
+def test_key_scales_keep_the_gpu_on_the_cpus_cache(uneven: Path) -> None:
+    """Keys stored times the key scales and queries divided by them, on both backends (a GPU that left them out, or
+    scaled a query by another head's, would err as far as the cache itself or further)."""
+    mf = ModelFile(uneven)
+    assert all(s is not None for s in _core.key_scales(mf.gguf, mf.spec, threads=2)), "every layer scaled"
+    cpu_f16 = logits(uneven, "cpu", "f16", "f16")
+    cpu = logits(uneven, "cpu", "q4_0", "q4_0")
+    gpu = logits(uneven, "cuda", "q4_0", "q4_0")
+    cache_err = nmse(cpu, cpu_f16)
+    assert nmse(gpu, cpu) < 0.25 * cache_err + 2e-5, (nmse(gpu, cpu), cache_err)
+    kw = {"cache_type_k": "q4_0", "cache_type_v": "q4_0"}
+    tokens = [(11 * i + 5) % 150000 for i in range(32)]
+    cpu = decode_logits(uneven, PROMPT[:250], tokens, "cpu", **kw)
+    gpu = decode_logits(uneven, PROMPT[:250], tokens, "cuda", **kw)
+    cache_err = nmse(cpu, decode_logits(uneven, PROMPT[:250], tokens, "cpu"))
+    assert nmse(gpu, cpu) < 0.25 * cache_err + 2e-5, (nmse(gpu, cpu), cache_err)

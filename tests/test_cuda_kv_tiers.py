@@ -137,3 +137,19 @@ def test_the_hot_cache_reads_what_host_memory_holds(model: Path, monkeypatch: py
     np.testing.assert_array_equal(hot, direct)
     # 4 pages picked a step among 41 old ones (33 in L3), 32 slots a KV head and layer: most L3 picks are hits
     assert stats["hits"] > stats["misses"] > 0 and stats["staged"] <= stats["misses"], stats
+
+
+@needs_cuda
+def test_key_scales_keep_the_gpus_tiers_on_the_cpus(tmp_path: Path) -> None:
+    """A model whose key channels differ in scale (its rotated cache's key scales not all 1): tier_score scales the
+    query and the new key as the CPU does, the prompt's keys too (rope_kv)."""
+    uneven = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=2, seed=5, uneven_keys=True)
+    cpu_f16 = logits(uneven, "cpu")
+    cpu = logits(uneven, "cpu", **TIERS)
+    gpu = logits(uneven, "cuda", **TIERS)
+    cache_err = nmse(cpu, cpu_f16)
+    assert nmse(gpu, cpu) < 0.25 * cache_err + 2e-5, (nmse(gpu, cpu), cache_err)
+    kw = dict(TIERS, kv_select=128)
+    cpu_t, gpu_t, margins = teacher_forced(uneven, PROMPT[:400], 32, cpu_kw=dict(kw, kv_scorer="bound"), **kw)
+    differ = [i for i in range(32) if gpu_t[i] != cpu_t[i]]
+    assert all(margins[i] < 0.5 for i in differ) and len(differ) <= 3, [(i, float(margins[i])) for i in differ]

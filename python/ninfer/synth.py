@@ -156,9 +156,10 @@ def tensor_type(ty: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
 
 
 def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | GGMLQuantizationType, *,
-                    seed: int = 0, n_layer: int | None = None, n_ctx: int = 32768) -> Path:
+                    seed: int = 0, n_layer: int | None = None, n_ctx: int = 32768, uneven_keys: bool = False) -> Path:
     """Write a GGUF of `shape` (its architecture: qwen2 or gemma3) with every matrix in `ty` (norms F32); returns
-    the path.
+    the path. uneven_keys (F32 only): attn_k's rows of head channel c times 4^(c % 3 - 1), so that a rotated KV
+    cache's key scales (rust kv/key_scales.rs) are not all 1 as random rows give them.
     Written to a temporary name and renamed, so an interrupted run leaves no partial file."""
     if isinstance(shape, str):
         if shape not in SHAPES:
@@ -176,6 +177,8 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
         else:
             ty = TYPES[ty.upper()]
     layers = shape.n_layer if n_layer is None else n_layer
+    if uneven_keys and ty != Q.F32:
+        raise InvalidArgumentError("uneven_keys takes F32 matrices")
     if layers < 1:
         raise InvalidArgumentError(f"n_layer must be >= 1, got {layers}")
     rng = np.random.default_rng(seed)
@@ -272,6 +275,9 @@ def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | 
             else:
                 t = type_of(name, cols)
                 data = random_blocks(t, rows, cols, cols ** -0.5, rng)
+                if uneven_keys and name.endswith("attn_k.weight"):
+                    m = data.view(np.float32).reshape(rows, cols)
+                    m *= (4.0 ** (np.arange(rows) % hd % 3 - 1)).astype(np.float32)[:, None]
                 info = {"shape": dims, "type": t.name, "bpw": round(8 * data.size / (rows * cols), 4)}
             if gsq_bits:
                 infos.append(gsq_file.tensor_info(data, **info))

@@ -46,7 +46,8 @@ def rope_kv(rows: int, qkv: int, qkv_stride: int, pos: int, s: dict, layer: dict
         f32(s["rms_eps"]),
         i32(s["rope_dims"]), f32(theta_scale), f32(layer["rope_freq_scale"]), *_yarn_args(layer),
         i32(int(s["rope_neox"])), f32(s["q_scale"]),
-        u64(q_out), u64(k_pool), u64(v_pool), u64(page_table), i32(page_size), u64(k_rows), u64(v_rows)),
+        u64(q_out), u64(k_pool), u64(v_pool), u64(page_table), i32(page_size), u64(k_rows), u64(v_rows),
+        u64(layer.get("k_scales", 0)), u64(layer.get("q_unscales", 0))),
         shared_mem=4 * warps * hd, dependent=True)
 
 

@@ -117,6 +117,7 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv
         self.L = len(s["layers"])
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._map = model_file.map
+        self.threads = threads
         with self.stream:
             self._upload()
             self._alloc()

@@ -113,7 +113,8 @@ class QuantKv:
             if lw.get("bk") is None or lw.get("k_norm") is not None:
                 self.key_bias.append(None)
                 continue
-            slots, turns, fast, slow = _core.key_bias_tables(s, il, cp.asnumpy(lw["bk"]).astype(np.float32),
+            bias = cp.asnumpy(lw["bk"] if lw["k_scales"] is None else lw["bk"] * lw["k_scales"]).astype(np.float32)
+            slots, turns, fast, slow = _core.key_bias_tables(s, il, bias,
                                                              page_size, self.n_ctx)
             ls = s["layers"][il]
             rope = (ls.get("rope_base"), ls.get("rope_freq_scale"))

@@ -57,7 +57,8 @@ TATTN_PARAMS = np.dtype(
     + [(k, "<u8") for k in ("qkv", "bias_q", "bias_k", "bias_v", "q_norm", "k_norm")]
     + [(k, "<i4") for k in ("qkv_stride", "rope_dims", "neox")]
     + [(k, "<f4") for k in ("eps", "theta_scale", "freq_scale", "ext_factor", "corr_lo", "corr_hi", "mscale",
-                            "q_scale")], align=True)
+                            "q_scale")]
+    + [(k, "<u8") for k in ("k_scales", "q_unscales")], align=True)
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,8 @@ class TieredKv:
                     k_norm=lw["k_norm"], qkv_stride=self.qkv_dim, rope_dims=s["rope_dims"], neox=int(s["rope_neox"]),
                     eps=s["rms_eps"], theta_scale=self.theta_scale[il], freq_scale=lw["rope_freq_scale"],
                     ext_factor=lw.get("rope_ext_factor", 0.0), corr_lo=lw.get("rope_corr_lo", 0.0),
-                    corr_hi=lw.get("rope_corr_hi", 0.0), mscale=lw.get("rope_mscale", 1.0), q_scale=s["q_scale"])
+                    corr_hi=lw.get("rope_corr_hi", 0.0), mscale=lw.get("rope_mscale", 1.0), q_scale=s["q_scale"],
+                    k_scales=lw["k_scales"], q_unscales=lw["q_unscales"])
 
     def _seq_params(self, il: int, seq: int) -> np.void:
         """Layer il's parameters for the launches that find their sequence through row_seq (zeros): seq's page

@@ -94,15 +94,21 @@ class WeightsAndBuffers:
     def _upload(self) -> None:
         s = self.spec
         self.layers = []
-        for ls in s["layers"][: self.n_gpu]:
+        # A rotated cache (quantized, or tiered) stores keys times the CPU's key scales and reads them with queries
+        # divided by them (rust kv/key_scales.rs; the kernels' rope_load_head).
+        rotated = self.quant_kv is not None or self.kv_tiers is not None
+        scales = _core.key_scales(self.mf.gguf, s, threads=self.threads) if rotated else [None] * len(s["layers"])
+        for ls, sc in zip(s["layers"][: self.n_gpu], scales):
             lw = {k: Matrix(self.tensors[ls[k]], self._raw(ls[k])) for k in
                   ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
             for k in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm",
                       "post_ffn_norm"):
                 lw[k] = self._vec(ls.get(k))
+            lw["k_scales"] = None if sc is None else self.cp.asarray(sc)
+            lw["q_unscales"] = None if sc is None else self.cp.asarray(np.float32(1.0) / sc)
             lw["ptr"] = {k: (lw[k].data.ptr if lw[k] is not None else 0) for k in
                          ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm",
-                          "post_ffn_norm")}
+                          "post_ffn_norm", "k_scales", "q_unscales")}
             self.layers.append(lw)
         self.output = self.output_norm = None
         if self.plan.head_on_gpu:

@@ -84,6 +84,8 @@ struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TAT
     const float* k_norm;
     int qkv_stride, rope_dims, neox;
     float eps, theta_scale, freq_scale, ext_factor, corr_lo, corr_hi, mscale, q_scale;
+    const float* k_scales;    // the cache's key scales [n_head_kv][HD] (rust kv/key_scales.rs); null: none
+    const float* q_unscales;  // their inverses, for the queries
 };
 
 __device__ __forceinline__ KeyBiasRef tier_key_bias(const TAttnParams& P) {
@@ -164,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P
         if (h < NG) {
             const int head = g * NG + h;
             rope_load_head<RK>(v, src + head * HD, P.bias_q ? P.bias_q + head * HD : nullptr, P.q_norm, P.eps, HD,
-                               cs, P.rope_dims, P.neox);
+                               cs, P.rope_dims, P.neox, P.q_unscales ? P.q_unscales + g * HD : nullptr);
             float* dst = P.q + ((long long)row * P.n_head + head) * HD;
             for (int i = lane; i < HD; i += WARP) {
                 v[i] = P.q_scale != 1.0f ? v[i] * P.q_scale : v[i];
@@ -174,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P
             if (scoring) warp_hadamard(v, HD, HD & -HD);
         } else if (h == NG) {
             rope_load_head<RK>(v, src + P.n_head * HD + g * HD, P.bias_k ? P.bias_k + g * HD : nullptr, P.k_norm,
-                               P.eps, HD, cs, P.rope_dims, P.neox);
+                               P.eps, HD, cs, P.rope_dims, P.neox, P.k_scales ? P.k_scales + g * HD : nullptr);
             store_rotated(v, HD, P.k_rows + ((long long)row * P.n_head_kv + g) * HD);
         } else {
             load_head(v, src + (P.n_head + P.n_head_kv) * HD + g * HD, P.bias_v ? P.bias_v + g * HD : nullptr, HD);

@@ -92,13 +92,19 @@ __device__ __forceinline__ void load_head(float* v, const float* src, const floa
 }
 
 // A query or key head as attention reads it (rope_kv's and tier_score's, one way): loaded with its bias, the
-// per-head RMSNorm (null: none), then RoPE at the angles cs.
+// per-head RMSNorm (null: none), RoPE at the angles cs, then times a rotated cache's key scales (the head's keys:
+// rust/core/src/kv/key_scales.rs; a query: their inverses; null: none; powers of two, so exact).
 template <int K = 4>
 __device__ __forceinline__ void rope_load_head(float* v, const float* src, const float* bias, const float* norm,
-                                               float eps, int n, const RopeCS& cs, int rope_dims, int neox) {
+                                               float eps, int n, const RopeCS& cs, int rope_dims, int neox,
+                                               const float* scales = nullptr) {
     load_head(v, src, bias, n);
     if (norm) head_rms_norm(v, norm, n, eps);
     rope_apply<K>(v, cs, rope_dims, neox);
+    if (scales) {
+        for (int i = threadIdx.x & 31; i < n; i += WARP) v[i] *= scales[i];
+        __syncwarp();
+    }
 }
 
 // A quantized cache's new K or V row: v Hadamard-rotated in place, then written to dst.
@@ -115,7 +121,7 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
                                    float theta_scale, float freq_scale, float ext_factor, float corr_lo,
                                    float corr_hi, float mscale, int neox, float q_scale, float* q_out,
                                    u16* k_pool, u16* v_pool, const int* page_table, int page_size, float* k_rows,
-                                   float* v_rows) {
+                                   float* v_rows, const float* k_scales, const float* q_unscales) {
     const int row = blockIdx.x;
     const int warps = blockDim.x >> 5;
     const int head = blockIdx.y * warps + (threadIdx.x >> 5);
@@ -129,14 +135,15 @@ extern "C" __global__ void rope_kv(const float* qkv, int qkv_stride, const int* 
     const int page = page_table[p / page_size], off = p % page_size;
     const RopeCS cs = rope_cs(p, rope_dims, theta_scale, freq_scale, {ext_factor, corr_lo, corr_hi, mscale});
     if (head < n_head) {
-        rope_load_head(v, src + head * hd, bias_q ? bias_q + head * hd : nullptr, q_norm, eps, hd, cs, rope_dims, neox);
+        rope_load_head(v, src + head * hd, bias_q ? bias_q + head * hd : nullptr, q_norm, eps, hd, cs, rope_dims, neox,
+                       q_unscales ? q_unscales + head / (n_head / n_head_kv) * hd : nullptr);
         float* dst = q_out + ((long long)row * n_head + head) * hd;
         for (int i = lane; i < hd; i += WARP) dst[i] = q_scale != 1.0f ? v[i] * q_scale : v[i];
         return;
     }
     const int g = head - n_head;
     rope_load_head(v, src + n_head * hd + g * hd, bias_k ? bias_k + g * hd : nullptr, k_norm, eps, hd, cs, rope_dims,
-                   neox);
+                   neox, k_scales ? k_scales + g * hd : nullptr);
     const float* vs = src + (n_head + n_head_kv) * hd + g * hdv;
     if (k_rows) {  // a quantized cache: rotated rows for kv_quant_store
         store_rotated(v, hd, k_rows + ((long long)row * n_head_kv + g) * hd);

@@ -1,12 +1,15 @@
-//! The key bias tables of `ninfer_core::kv::key_bias` for the CUDA backend's quantized caches, computed by the
-//! CPU engine's own RoPE (so both backends take the same bias out of their q4_0 keys).
+//! The key bias tables of `ninfer_core::kv::key_bias` and the key scales of `ninfer_core::kv::key_scales` for the
+//! CUDA backend's quantized caches, computed by the CPU engine's own code (so both backends store the same keys).
 
 use ninfer_core::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
 use ninfer_core::kv::key_bias::{pair, settle_slow_pairs};
+use ninfer_core::model::Model;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::errors::to_py;
+use crate::gguf::PyGgufFile;
 use crate::spec;
 
 /// A layer's key bias tables: (slots, turns, fast, slow).
@@ -56,6 +59,19 @@ fn key_bias_tables<'py>(
     Ok((slots, turns.into_pyarray(py), fast_table, slow.into_pyarray(py)))
 }
 
+/// The key scales of a rotated KV cache (`Model::key_scales`) for the model `file` of `spec`: per layer, None or
+/// [n_head_kv * head_dim] f32 powers of two (keys are stored times them, queries read divided by them).
+#[pyfunction]
+#[pyo3(signature = (file, spec, *, threads))]
+fn key_scales<'py>(py: Python<'py>, file: &PyGgufFile, spec: &Bound<'py, PyAny>, threads: usize)
+                   -> PyResult<Vec<Option<Bound<'py, PyArray1<f32>>>>> {
+    let s = spec::extract(spec)?;
+    let file = file.inner.clone();
+    let scales = py.detach(move || Model::load(&file, s, threads)?.key_scales()).map_err(to_py)?;
+    Ok((0..scales.n_layer()).map(|il| scales.layer(il).map(|v| v.to_vec().into_pyarray(py))).collect())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(key_scales, m)?)?;
     m.add_function(wrap_pyfunction!(key_bias_tables, m)?)
 }

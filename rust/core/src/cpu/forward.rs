@@ -302,6 +302,7 @@ impl Model {
             if spec.q_scale != 1.0 {
                 q.iter_mut().for_each(|v| *v *= spec.q_scale);
             }
+            kv.scale_keys(il, &mut q, &mut k);
             laps.lap(Work::Other);
             kv.write_rows(il, rows, &k, &v)?;
             let shape = AttnShape {

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::kv::blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId};
 use crate::kv::tier_config::Tiers;
 use crate::kv::key_bias::{BiasTerm, KeyBias};
+use crate::kv::key_scales::KeyScales;
 use crate::kv::{fitted_q4, rotation};
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
 
@@ -95,6 +96,8 @@ pub struct KvCache {
     pub(super) tiers: Option<Tiers>,
     /// The model's key bias, taken out of q4_0 key rows before they are quantized (`set_key_bias`).
     pub(super) key_bias: Option<KeyBias>,
+    /// A rotated K cache's key scales (`key_scales`, `scale_keys`): its keys are stored as s ⊙ k.
+    pub(super) key_scales: Option<KeyScales>,
     /// Layer buffers that blocks gave up when their precision changed, by length, for the next blocks of that
     /// precision: a tiered cache moves every block f16 -> q8_0 -> L3, and freeing those buffers while each block's
     /// small summaries stay allocated between them fragments the heap (glibc kept 186 MiB of 1.9 GiB at 160K
@@ -227,8 +230,32 @@ impl KvCache {
             blocks: Vec::new(),
             tiers: None,
             key_bias: None,
+            key_scales: None,
             spare: SpareBuffers::default(),
         })
+    }
+
+    /// Store keys times `scales` and read them with queries divided by them (`scale_keys`), from the first write
+    /// on. A no-op for a cache whose keys are not rotated (unquantized keys have no error to move).
+    pub fn set_key_scales(&mut self, scales: Option<KeyScales>) -> Result<()> {
+        if self.books.blocks_in_use() > 0 {
+            return Err(Error::InvalidArgument("key scales are set before the cache holds any row".into()));
+        }
+        self.key_scales = scales.filter(|s| self.rotate_k && s.any());
+        Ok(())
+    }
+
+    /// The key scales in use (None: keys stored as they come).
+    pub fn key_scales(&self) -> Option<&KeyScales> {
+        self.key_scales.as_ref()
+    }
+
+    /// Layer il's new keys and queries into the cache's scaled form (keys times the scales, queries divided by
+    /// them: the same scores), before `write_rows` and attention. No-op without scales.
+    pub fn scale_keys(&self, il: usize, q: &mut [f32], k: &mut [f32]) {
+        if let Some(s) = &self.key_scales {
+            s.apply(il, q, k);
+        }
     }
 
     /// Take the model's key bias out of q4_0 key rows from now on (before the first write: rows stored earlier
