@@ -122,7 +122,7 @@ def test_the_sink_keys_quantization_loss_is_kept_and_forked(model: Path) -> None
 
 @pytest.fixture(scope="module")
 def uneven(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model whose keys' channels differ in scale, so the rotated cache's key scales are not all 1."""
+    """A model whose keys' channels differ in scale, so the q4_0 cache's key scales are not all 1."""
     return write_synthetic(tmp_path_factory.mktemp("kvs") / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=2, seed=5,
                            uneven_keys=True)
 

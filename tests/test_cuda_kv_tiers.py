@@ -141,7 +141,7 @@ def test_the_hot_cache_reads_what_host_memory_holds(model: Path, monkeypatch: py
 
 @needs_cuda
 def test_key_scales_keep_the_gpus_tiers_on_the_cpus(tmp_path: Path) -> None:
-    """A model whose key channels differ in scale (its rotated cache's key scales not all 1): tier_score scales the
+    """A model whose key channels differ in scale (its tiered cache's key scales not all 1): tier_score scales the
     query and the new key as the CPU does, the prompt's keys too (rope_kv)."""
     uneven = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=2, seed=5, uneven_keys=True)
     cpu_f16 = logits(uneven, "cpu")

@@ -1,6 +1,6 @@
-"""A rotated KV cache's key scales (rust kv/key_scales.rs): keys stored times per-channel powers of two made from
-the weights, queries read divided by them, so scores are unchanged and the 4-bit keys' error moves to the channels
-the queries weigh least."""
+"""The key scales of a KV cache with 4-bit keys (q4_0, or the tiers' L3; rust kv/key_scales.rs): keys stored times
+per-channel powers of two made from the weights, queries read divided by them, so scores are unchanged and the 4-bit
+keys' error moves to the channels the queries weigh least."""
 
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ def test_uneven_models_need_the_f32_matrices_they_scale(tmp_path: Path) -> None:
         write_synthetic(tmp_path / "q.gguf", "qwen2.5-0.5b", "Q8_0", n_layer=1, uneven_keys=True)
 
 
-@pytest.mark.parametrize("kw,bound", [({"cache_type_k": "q8_0", "cache_type_v": "q8_0"}, 2e-3),
-                                      ({"kv_l1": 128, "kv_l2": 128}, 2e-4)])
+@pytest.mark.parametrize("kw,bound", [({"kv_l1": 128, "kv_l2": 128}, 2e-4),
+                                      ({"cache_type_k": "q4_0", "cache_type_v": "f16"}, 0.1)])
 def test_scaled_keys_keep_the_scores(uneven: Path, kw: dict, bound: float) -> None:
-    """Scores over scaled keys are the f16 cache's but for the 8-bit tiers' rounding (measured: q8_0 NMSE 5.4e-4,
-    the tiers 4.9e-5 with their L1 in f16 and the rest in L2); a query left unscaled, or scaled by another head's
-    channels, would move the logits by orders more."""
+    """Scores over scaled keys are the f16 cache's but for the cache's rounding (measured: the tiers, their L1 in f16
+    and the rest in q8_0 L2, NMSE 4.9e-5; q4_0 keys 0.059, this model's keys being 4x apart in scale); a query left
+    unscaled, or scaled by another head's channels, would move the logits by orders more."""
     def logits(**k: object) -> np.ndarray:
         return ninfer.LLM(uneven, n_ctx=1024, n_batch=128, threads=2, **k).eval_logits(PROMPT, rows=ROWS)
 

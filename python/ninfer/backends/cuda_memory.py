@@ -94,10 +94,10 @@ class WeightsAndBuffers:
     def _upload(self) -> None:
         s = self.spec
         self.layers = []
-        # A rotated cache (quantized, or tiered) stores keys times the CPU's key scales and reads them with queries
-        # divided by them (rust kv/key_scales.rs; the kernels' rope_load_head).
-        rotated = self.quant_kv is not None or self.kv_tiers is not None
-        scales = _core.key_scales(self.mf.gguf, s, threads=self.threads) if rotated else [None] * len(s["layers"])
+        # A cache with q4_0 keys (a quantized one's, or the tiered cache's L3) stores keys times the CPU's key scales
+        # and reads them with queries divided by them (rust kv/key_scales.rs; the kernels' rope_load_head).
+        q4_keys = (self.quant_kv is not None and self.quant_kv[0] == 4) or self.kv_tiers is not None
+        scales = _core.key_scales(self.mf.gguf, s, threads=self.threads) if q4_keys else [None] * len(s["layers"])
         for ls, sc in zip(s["layers"][: self.n_gpu], scales):
             lw = {k: Matrix(self.tensors[ls[k]], self._raw(ls[k])) for k in
                   ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}

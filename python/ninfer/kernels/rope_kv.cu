@@ -92,7 +92,7 @@ __device__ __forceinline__ void load_head(float* v, const float* src, const floa
 }
 
 // A query or key head as attention reads it (rope_kv's and tier_score's, one way): loaded with its bias, the
-// per-head RMSNorm (null: none), RoPE at the angles cs, then times a rotated cache's key scales (the head's keys:
+// per-head RMSNorm (null: none), RoPE at the angles cs, then times a q4_0-keyed cache's key scales (the head's keys:
 // rust/core/src/kv/key_scales.rs; a query: their inverses; null: none; powers of two, so exact).
 template <int K = 4>
 __device__ __forceinline__ void rope_load_head(float* v, const float* src, const float* bias, const float* norm,

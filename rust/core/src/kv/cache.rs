@@ -236,12 +236,14 @@ impl KvCache {
     }
 
     /// Store keys times `scales` and read them with queries divided by them (`scale_keys`), from the first write
-    /// on. A no-op for a cache whose keys are not rotated (unquantized keys have no error to move).
+    /// on. A no-op for a cache that never stores q4_0 keys, as for the key bias: q8_0's error is too small to move
+    /// (simulated KL 0.00006), and f16 keys have none.
     pub fn set_key_scales(&mut self, scales: Option<KeyScales>) -> Result<()> {
         if self.books.blocks_in_use() > 0 {
             return Err(Error::InvalidArgument("key scales are set before the cache holds any row".into()));
         }
-        self.key_scales = scales.filter(|s| self.rotate_k && s.any());
+        let q4_keys = self.cfg.k_type == GgmlType::Q4_0 || self.tiers.is_some();
+        self.key_scales = scales.filter(|s| q4_keys && s.any());
         Ok(())
     }
 

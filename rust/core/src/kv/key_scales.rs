@@ -1,4 +1,5 @@
-//! Per-channel key scales for a rotated (quantized or tiered) KV cache, made from the weights at load.
+//! Per-channel key scales for a KV cache that stores 4-bit keys (q4_0, or the tiered cache's L3), made from the
+//! weights at load.
 //!
 //! A key's 4-bit error reaches a score as q·Δk, so it costs most in the channels the queries weigh most, while the
 //! Hadamard rotation spreads it evenly over all channels. Keys stored as s ⊙ k and queries read as q / s leave every
