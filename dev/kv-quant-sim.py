@@ -13,7 +13,7 @@ Variants (keys and values of every position, the chunk's own included, as a pref
 - kchan: as cache, but each key block quantized per channel (KIVI): a 32-position column of one rotated dimension
   per q4_0 block
 - konly / vonly: the cache's keys / values alone quantized
-- l0k16: as cache, the first layer's keys unquantized; l0bias: as cache, kbias in the first layer only
+- l0k16: as cache, the first layer's keys unquantized (k16atN: layer N's); l0bias: as cache, kbias in the first layer only
 - sinkN, sinkNk, sinkNv: as cache, the first N positions' keys and values (k: keys only, v: values only) kept
 - qawP (e.g. qaw, qaw0.25): as cache, each key channel scaled by (rms q / rms k)^P (default 0.5) before quantizing and
   back after (the queries' view: q/s . k*s), the scales from the chunk's own queries and keys (an oracle); qawkbias
@@ -270,8 +270,11 @@ class SimCalibration(SequentialCalibration):
             return super()._causal_attention(q, kq, quant_values(v16), window)
         if var == "f16":
             return super()._causal_attention(q, k16, v16, window)
-        if var == "l0k16":  # the first layer's keys kept, the rest as the cache
-            kq = k16 if self._il == 0 else quant_keys(k16, False)
+        if var == "l0k16" or var.startswith("k16at"):  # one layer's keys kept (the first; k16atN: layer N)
+            keep = 0 if var == "l0k16" else int(var[5:])
+            kq = k16 if self._il == keep else quant_keys(k16, False)
+            if SINK_KEY[0]:
+                kq[:1] = k16[:1]
             return super()._causal_attention(q, kq, quant_values(v16), window)
         if var == "kbias" or (var == "l0bias" and self._il == 0):
             rb = self._roped_key_bias(k16)
