@@ -9,6 +9,7 @@ from pathlib import Path
 import ninfer
 import numpy as np
 import pytest
+from cuda_helpers import nmse
 from ninfer import _core
 from ninfer.model_file import ModelFile
 from ninfer.synth import write_synthetic
@@ -21,10 +22,6 @@ MODELS = Path.home() / ".cache" / "ninfer-models"
 def scales(path: Path) -> list:
     mf = ModelFile(path)
     return _core.key_scales(mf.gguf, mf.spec, threads=2)
-
-
-def nmse(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.mean((a - b) ** 2) / np.mean(b**2))
 
 
 @pytest.fixture(scope="module")
