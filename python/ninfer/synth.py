@@ -158,8 +158,8 @@ def tensor_type(ty: GGMLQuantizationType, cols: int) -> GGMLQuantizationType:
 def write_synthetic(path: str | os.PathLike[str], shape: str | Shape, ty: str | GGMLQuantizationType, *,
                     seed: int = 0, n_layer: int | None = None, n_ctx: int = 32768, uneven_keys: bool = False) -> Path:
     """Write a GGUF of `shape` (its architecture: qwen2 or gemma3) with every matrix in `ty` (norms F32); returns
-    the path. uneven_keys (F32 only): attn_k's rows of head channel c times 4^(c % 3 - 1), so that a rotated KV
-    cache's key scales (rust kv/key_scales.rs) are not all 1 as random rows give them.
+    the path. uneven_keys (F32 only): attn_k's rows of head channel c times 4^(c % 3 - 1), so that a q4_0 or tiered
+    KV cache's key scales (rust kv/key_scales.rs) are not all 1 as random rows give them.
     Written to a temporary name and renamed, so an interrupted run leaves no partial file."""
     if isinstance(shape, str):
         if shape not in SHAPES:

@@ -74,7 +74,7 @@ impl PyEngine {
                 l1 => KvCache::new_tiered(cfg, TierConfig { l1, l2: kv_l2, select: kv_select, l3_file: kv_l3_file, scorer })?,
             };
             let model = Model::load(&file, spec, threads)?;
-            if k_type == GgmlType::Q4_0 || kv_l1 > 0 {  // (4-bit keys: their error is worth moving and their bias out)
+            if kv.stores_q4_keys() {  // (4-bit keys: their error is worth moving and their bias out)
                 kv.set_key_scales(Some(model.key_scales()?))?;
                 kv.set_key_bias(model.key_bias(block_size, n_ctx, kv.key_scales()))?;
             }

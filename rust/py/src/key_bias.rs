@@ -59,7 +59,7 @@ fn key_bias_tables<'py>(
     Ok((slots, turns.into_pyarray(py), fast_table, slow.into_pyarray(py)))
 }
 
-/// The key scales of a rotated KV cache (`Model::key_scales`) for the model `file` of `spec`: per layer, None or
+/// The key scales of a KV cache with 4-bit keys (`Model::key_scales`) for the model `file` of `spec`: per layer, None or
 /// [n_head_kv * head_dim] f32 powers of two (keys are stored times them, queries read divided by them).
 #[pyfunction]
 #[pyo3(signature = (file, spec, *, threads))]

@@ -242,9 +242,14 @@ impl KvCache {
         if self.books.blocks_in_use() > 0 {
             return Err(Error::InvalidArgument("key scales are set before the cache holds any row".into()));
         }
-        let q4_keys = self.cfg.k_type == GgmlType::Q4_0 || self.tiers.is_some();
-        self.key_scales = scales.filter(|s| q4_keys && s.any());
+        self.key_scales = scales.filter(|s| self.stores_q4_keys() && s.any());
         Ok(())
+    }
+
+    /// Whether keys are ever stored in 4 bits (a q4_0 K cache, or a tiered cache's L3): the caches that take the
+    /// model's key scales and key bias.
+    pub fn stores_q4_keys(&self) -> bool {
+        self.cfg.k_type == GgmlType::Q4_0 || self.tiers.is_some()
     }
 
     /// The key scales in use (None: keys stored as they come).
@@ -273,8 +278,7 @@ impl KvCache {
                 self.cfg.block_size
             )));
         }
-        let q4_keys = self.cfg.k_type == GgmlType::Q4_0 || self.tiers.is_some();
-        self.key_bias = bias.filter(|_| q4_keys);
+        self.key_bias = bias.filter(|_| self.stores_q4_keys());
         Ok(())
     }
 

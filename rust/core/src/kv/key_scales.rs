@@ -58,11 +58,10 @@ impl KeyScales {
         }
         let q_dim = q.len() / n_rows;
         let group = q_dim / kd;
-        let inv: Vec<f32> = s.iter().map(|m| 1.0 / m).collect();
         for row in q.chunks_exact_mut(q_dim) {
             for (h, head) in row.chunks_exact_mut(hd).enumerate() {
                 let g = h / group;
-                head.iter_mut().zip(&inv[g * hd..(g + 1) * hd]).for_each(|(x, m)| *x *= m);
+                head.iter_mut().zip(&s[g * hd..(g + 1) * hd]).for_each(|(x, m)| *x /= m);
             }
         }
     }

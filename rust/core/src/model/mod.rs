@@ -46,10 +46,10 @@ impl Model {
         self.pool.current_num_threads()
     }
 
-    /// The key scales of a KV cache with 4-bit keys (`kv::key_scales`), from each layer's attn_q and attn_k rows times its
-    /// attn_norm: per output channel, the mean square for an isotropic unit input (the query bias added). Layers
-    /// with a query or key norm between the projection and RoPE are left unscaled (the rows do not predict what
-    /// the norm makes of them).
+    /// The key scales of a KV cache with 4-bit keys (`kv::key_scales`), from each layer's attn_q and attn_k rows
+    /// times its attn_norm: per output channel, the mean square for an isotropic unit input (the query bias added).
+    /// Layers with a query or key norm between the projection and RoPE are left unscaled (the rows do not predict
+    /// what the norm makes of them).
     pub fn key_scales(&self) -> Result<crate::kv::KeyScales> {
         use rayon::prelude::*;
         let s = &self.spec;
