@@ -22,6 +22,10 @@
 // of slots a layer and KV head, filled as attention first reads a page, read there while selection keeps choosing it.
 // Pages move down (tier_demote_*, kv_tiers.cu) after the step that aged them; prompts widen every tier into f16 scratch
 // (tier_widen) for TinyFlash's prompt kernel.
+// What a step's kernels do before their wait on the one before (PDL): the key summaries and page tables change
+// between steps only (demotions are launched outside the step's graph), so tier_score loads its first pages'
+// summaries before it; tier_select lets attention_tiered start only after its own wait (tier_score done), so
+// attention prepares the query, stores the new rows and sends the key bias tables to L2 while the select runs.
 
 #define TIER_SHIFT 28
 #define TIER_INDEX_MASK ((1 << TIER_SHIFT) - 1)
@@ -159,6 +163,21 @@ extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P
     const int per = (w.n_old + gridDim.y - 1) / gridDim.y, a = blockIdx.y * per, b = min(w.n_old, a + per);
     const bool scoring = !w.all && a < b, writer = blockIdx.y == 0;
     if (!scoring && !writer) return;
+    // (the summaries change between steps, never inside one: the first chunk's loads go out before the wait)
+    const long long sstride = 2LL * P.n_head_kv * HD;  // a page's summary
+    const u16* summ = P.summary + (long long)P.row_seq[row] * P.table_stride * sstride;
+    const int quad = threadIdx.x >> 2, j = threadIdx.x & 3;
+    uint4 x[PIECES], y[PIECES];
+    const auto load_summary = [&](int i) {
+        const uint4* lo = (const uint4*)(summ + (i < b ? i + 1 : 1) * sstride + (long long)g * HD);
+        const uint4* hi = (const uint4*)((const u16*)lo + (long long)P.n_head_kv * HD);
+#pragma unroll
+        for (int c = 0; c < PIECES; ++c) {
+            x[c] = lo[4 * c + j];
+            y[c] = hi[4 * c + j];
+        }
+    };
+    if (scoring) load_summary(a + quad);
     grid_dep_wait();
     const float* src = P.qkv + (long long)row * P.qkv_stride;
     for (int h = warp; h < NG + (writer ? 2 : 0); h += 8) {
@@ -185,21 +204,11 @@ extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P
     }
     if (!scoring) return;
     __syncthreads();
-    const long long sstride = 2LL * P.n_head_kv * HD;  // a page's summary
-    const u16* summ = P.summary + (long long)P.row_seq[row] * P.table_stride * sstride;
     float* scores = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    const int quad = threadIdx.x >> 2, j = threadIdx.x & 3;
     for (int i0 = a; i0 < b; i0 += 64) {
         const int i = i0 + quad;
         const bool on = i < b;
-        const uint4* lo = (const uint4*)(summ + (on ? i + 1 : 1) * sstride + (long long)g * HD);
-        const uint4* hi = (const uint4*)((const u16*)lo + (long long)P.n_head_kv * HD);
-        uint4 x[PIECES], y[PIECES];
-#pragma unroll
-        for (int c = 0; c < PIECES; ++c) {
-            x[c] = lo[4 * c + j];
-            y[c] = hi[4 * c + j];
-        }
+        if (i0 != a) load_summary(i);
         float part[NG];
 #pragma unroll
         for (int h = 0; h < NG; ++h) part[h] = 0.0f;
@@ -293,8 +302,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
     __shared__ int scan[SELECT_THREADS / 32];
     __shared__ u32 pick_digit, pick_rank;
     const int g = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    grid_dep_launch();
     grid_dep_wait();
+    grid_dep_launch();  // (after the wait: attention_tiered reads tier_score's query and rows before its own)
     const TierWindow w = tier_window(P, P.pos[row]);
     int* list = P.lists + ((long long)row * P.n_head_kv + g) * P.list_stride;
     int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
@@ -385,9 +394,9 @@ __device__ void tier_store_new_row(const TAttnParams& P, int row, int g, int p, 
     const long long cell = ((long long)idx * P.n_head_kv + g) * P.page_size + p % P.page_size;
     const long long src = ((long long)row * P.n_head_kv + g) * HD;
     if (warp == 0)
-        for (int i = lane; i < HD; i += WARP) P.l1_k[cell * HD + i] = f2h(P.k_rows[src + i]);
+        for (int i = lane; i < HD; i += WARP) P.l1_k[cell * HD + i] = f2h(__ldcg(P.k_rows + src + i));
     else if (warp == 1)
-        for (int i = lane; i < HD; i += WARP) P.l1_v[cell * HD + i] = f2h(P.v_rows[src + i]);
+        for (int i = lane; i < HD; i += WARP) P.l1_v[cell * HD + i] = f2h(__ldcg(P.v_rows + src + i));
 }
 
 // N elements e0 .. e0 + N - 1 of an f16 row.
@@ -457,16 +466,25 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
     const int split = blockIdx.x, g = blockIdx.y, row = blockIdx.z, n_split = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     grid_dep_launch();
-    grid_dep_wait();
+    // Before the wait, what does not depend on tier_select (which lets this kernel start only once tier_score, the
+    // query's and the new rows' writer, is done): the list's length (tier_select's count, from the position alone),
+    // the new row's store, the query's preparation, and the key bias tables (constant) on their way into L2.
     const int PS = P.page_size, TPP = PS / 32;  // (PS a multiple of 32: a tile never straddles pages)
     const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
     const int* list = P.lists + ((long long)row * P.n_head_kv + g) * P.list_stride;
     const int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    const int p = P.pos[row], n_list = P.counts[row * P.n_head_kv + g];
+    const int p = P.pos[row];
+    const TierWindow w = tier_window(P, p);
+    const int n_list = w.all ? w.last + 1 : 1 + w.budget + (w.last - w.recent_start + 1);
     const int tiles = n_list * TPP;
     const int per = max((tiles + n_split - 1) / n_split, QATT_WARPS);
     const int n_used = (tiles + per - 1) / per;
     if (split >= n_used) return;
+    if (P.kb_slots && split == 0 && threadIdx.x == 0) {  // its KV head's slots table, slow pairs and fast list
+        prefetch_l2_range(P.kb_slots + (long long)g * HD * PS, HD * PS * 4);
+        prefetch_l2_range(P.kb_slow + g * HD, HD * 4);
+        prefetch_l2_range(P.kb_fast + g * P.kb_nfast, P.kb_nfast * 4);
+    }
     const int t_beg = split * per, t_end = min(tiles, t_beg + per);
     const int own = (n_list - 1) * TPP + (p % PS) / 32;  // the tile of the new position (the list ends at its page)
     if (own >= t_beg && own < t_end) tier_store_new_row(P, row, g, p, table);
@@ -474,6 +492,7 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
     __shared__ float q16[NG][HD];  // the query rounded to f16, as the CPU dots it with L1's f16 keys
     for (int i = threadIdx.x; i < NG * HD; i += 32 * QATT_WARPS) q16[i / HD][i % HD] = f16_round(S.qf[i / HD][i % HD]);
     __syncthreads();
+    grid_dep_wait();
 
     float m[NG], s[NG], acc[NG][DPL];
     qatt_start(m, s, acc);
@@ -535,7 +554,10 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
             if (tier == 2 && P.kb_slots) {  // L3's keys were stored without the key bias: its share
                 float kb[NG], slow[NG];
                 kbias_slow_share<HD, NG>(tier_key_bias(P), S.qu, g, key0 / P.page_size, slow);
-                kbias_dots<HD, NG, 4>(tier_key_bias(P), S.qu, g, key0 + lane, kb);
+                // (the warp's wacc is free until qatt_finish: kbias_tile's scratch; 4 pairs' loads at a time
+                // from 7 query heads a group on, where 8 would spill)
+                kbias_tile<HD, NG, (NG >= 7 ? 4 : 8)>(tier_key_bias(P), S.qu, g, key0 + lane,
+                                                      (float2(*)[HD / 2]) & S.wacc[warp][0][0], kb);
 #pragma unroll
                 for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], __fadd_rn(kb[h], slow[h]));
             }

@@ -226,8 +226,8 @@ __device__ void warp_rotated_bias(const KeyBiasRef& B, int hd, int g, int p, flo
 // (shared memory) and this lane's key at p of KV head g; kbias_slow_share adds the rest once a page.
 // U pairs at a time: their indices, then all their table loads in flight together, then the products in the same
 // order as one pair at a time (the same sums, bit for bit). One at a time, each pair's loads wait on its index: a
-// chain of dependent loads as long as the fast pairs, every tile. U = 4 cut attention_tiered's time by a tenth; the
-// dense quantized kernel keeps U = 1, since U = 4 spills its registers (attention_quant_k4v8 at 128:5).
+// chain of dependent loads as long as the fast pairs, every tile. The dense quantized kernel takes U = 1 (U = 4
+// spills its registers at 128:5); attention_tiered, whose tiles never straddle a page, takes kbias_tile below.
 template <int HD, int NG, int U>
 __device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu)[HD], int g, int p, float (&out)[NG]) {
     const float* c = B.slots + (long long)g * HD * B.ps + p % B.ps;
@@ -255,6 +255,72 @@ __device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu
         for (int u = 0; u < U; ++u)
             if (idx[u] >= 0) kbias_pair_dots<HD, NG>(qu, ab[u], ca[u], cb[u], cs[u], out);
     }
+}
+
+// kbias_dots for a tile, the warp together (every lane its key, one page): each fast pair's query turned by the
+// page start's angles once a tile, u = (qa cs.x + qb cs.y, qb cs.x - qa cs.y) per query head, into the warp's
+// scratch U [NG][HD / 2] (shared memory), and per key the pairs' two slot values dotted with them: no turns loads
+// a key, and the pair indices broadcast from registers by shuffles, so UNROLL pairs' loads are in flight at once
+// (kbias_dots's loads wait on each pair's index). The same products summed in another order. In a decode step,
+// where the weights' streaming has evicted the tables from L2, each round trip is one to HBM: on 16 layers of the
+// 32B shape at 160K this took 3.5% off the step (docs/journal/kv-selection-scorers.md).
+template <int HD, int NG, int UNROLL>
+__device__ __forceinline__ void kbias_tile(const KeyBiasRef& B, const float (*qu)[HD], int g, int p,
+                                           float2 (*U)[HD / 2], float (&out)[NG]) {
+    constexpr int R = (HD / 2 + 31) / 32;  // fast pairs a lane holds
+    const int lane = threadIdx.x & 31;
+    const float* c = B.slots + (long long)g * HD * B.ps + p % B.ps;
+    const float2* tr = B.turns + (long long)(p / B.ps) * B.half;
+    const int* fast = B.fast + g * B.n_fast;
+    int idx[R], n = 0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int k = lane + 32 * r;
+        idx[r] = k < B.n_fast ? fast[k] : -1;
+        n += __popc(__ballot_sync(0xffffffffu, idx[r] >= 0));  // (ascending, then -1: the valid ones first)
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (idx[r] >= 0) {
+            const int2 ab = kbias_pair(B, idx[r]);
+            const float2 cs = tr[idx[r]];
+#pragma unroll
+            for (int h = 0; h < NG; ++h) {
+                const float qa = qu[h][ab.x], qb = qu[h][ab.y];
+                U[h][lane + 32 * r] = make_float2(fmaf(qa, cs.x, qb * cs.y), fmaf(qb, cs.x, -qa * cs.y));
+            }
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < NG; ++h) out[h] = 0.0f;
+    for (int k0 = 0; k0 < n; k0 += UNROLL) {
+        float ca[UNROLL], cb[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = k0 + u;
+            int i = 0;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int v = __shfl_sync(0xffffffffu, idx[r], k & 31);
+                if (k >> 5 == r) i = v;
+            }
+            const int2 ab = kbias_pair(B, max(i, 0));  // (past n: pair 0, in bounds, not added)
+            ca[u] = c[(long long)ab.x * B.ps];
+            cb[u] = c[(long long)ab.y * B.ps];
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (k0 + u < n) {
+#pragma unroll
+                for (int h = 0; h < NG; ++h) {
+                    const float2 w = U[h][k0 + u];
+                    out[h] = fmaf(ca[u], w.x, fmaf(cb[u], w.y, out[h]));
+                }
+            }
+        }
+    }
+    __syncwarp();  // (the warp's next tile writes U again)
 }
 
 // q·bias's share in the slow pairs and the elements past the rotary ones for every key of page j (positions
