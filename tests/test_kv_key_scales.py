@@ -39,6 +39,19 @@ def test_uneven_key_channels_get_power_of_two_scales_shared_by_rotary_pairs(unev
         assert len(set(s.tolist())) > 1
 
 
+def test_a_spec_of_some_layers_gets_those_layers_scales(tmp_path: Path) -> None:
+    """The CUDA backend asks for its GPU layers' scales alone (the CPU tail of a split model makes its own): a spec
+    cut to the first layers gives their scales as the whole model's list has them."""
+    model = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=3, seed=7, uneven_keys=True)
+    mf = ModelFile(model)
+    whole = _core.key_scales(mf.gguf, mf.spec, threads=2)
+    first = _core.key_scales(mf.gguf, dict(mf.spec, layers=mf.spec["layers"][:2]), threads=2)
+    assert len(whole) == 3 and len(first) == 2
+    for a, b in zip(first, whole):
+        assert a is not None
+        np.testing.assert_array_equal(a, b)
+
+
 def test_even_channels_and_normed_heads_are_left_unscaled(tmp_path: Path) -> None:
     plain = write_synthetic(tmp_path / "p.gguf", "qwen2.5-0.5b", "F32", n_layer=2, seed=5)
     assert scales(plain) == [None, None]

@@ -97,7 +97,9 @@ class WeightsAndBuffers:
         # A cache with q4_0 keys (a quantized one's, or the tiered cache's L3) stores keys times the CPU's key scales
         # and reads them with queries divided by them (rust kv/key_scales.rs; the kernels' rope_load_head).
         q4_keys = (self.quant_kv is not None and self.quant_kv[0] == 4) or self.kv_tiers is not None
-        scales = _core.key_scales(self.mf.gguf, s, threads=self.threads) if q4_keys else [None] * len(s["layers"])
+        # (the GPU layers' alone: a split model's CPU tail makes its own layers' scales)
+        gpu_spec = dict(s, layers=s["layers"][: self.n_gpu])
+        scales = _core.key_scales(self.mf.gguf, gpu_spec, threads=self.threads) if q4_keys else [None] * self.n_gpu
         for ls, sc in zip(s["layers"][: self.n_gpu], scales):
             lw = {k: Matrix(self.tensors[ls[k]], self._raw(ls[k])) for k in
                   ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
