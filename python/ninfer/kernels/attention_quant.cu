@@ -161,7 +161,8 @@ __device__ void qatt_query(QattSmem& S, const float* q, int row, int n_head, int
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int h = warp; h < NG; h += QATT_WARPS) {
         const float* src = q + ((long long)row * n_head + g * NG + h) * HD;
-        for (int i = lane; i < HD; i += WARP) S.qf[h][i] = S.qu[h][i] = __ldcg(src + i);  // (L2: attention_tiered reads it before its wait)
+        // (from L2: attention_tiered reads the query before its wait, once tier_score, its writer, is done)
+        for (int i = lane; i < HD; i += WARP) S.qf[h][i] = S.qu[h][i] = __ldcg(src + i);
         __syncwarp();
         warp_hadamard(S.qf[h], HD, HD & -HD);
         for (int b = 0; b < NB; ++b) {

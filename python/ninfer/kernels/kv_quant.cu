@@ -262,8 +262,8 @@ __device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu
 // scratch U [NG][HD / 2] (shared memory), and per key the pairs' two slot values dotted with them: no turns loads
 // a key, and the pair indices broadcast from registers by shuffles, so UNROLL pairs' loads are in flight at once
 // (kbias_dots's loads wait on each pair's index). The same products summed in another order. In a decode step,
-// where the weights' streaming has evicted the tables from L2, each round trip is one to HBM: on 16 layers of the
-// 32B shape at 160K this took 3.5% off the step (docs/journal/kv-selection-scorers.md).
+// where the weights' streaming has evicted the tables from L2, each round trip is one to HBM (measured in
+// docs/journal/kv-selection-scorers.md, "Round trips to HBM").
 template <int HD, int NG, int UNROLL>
 __device__ __forceinline__ void kbias_tile(const KeyBiasRef& B, const float (*qu)[HD], int g, int p,
                                            float2 (*U)[HD / 2], float (&out)[NG]) {
