@@ -128,6 +128,9 @@ __device__ int block_scan(int v, int* scratch, int* total) {
 struct TierWindow {
     int last, recent_start, n_old, budget;
     bool all;  // no selection this step: every page is read
+
+    // The pages read this step (tier_select's list and count): every page, or the sink, the budget's and L1's.
+    __device__ __forceinline__ int n_list() const { return all ? last + 1 : 1 + budget + (last - recent_start + 1); }
 };
 
 __device__ __forceinline__ TierWindow tier_window(const TAttnParams& P, int p) {
@@ -312,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
             list[i] = i;
             slots[i] = -1;
         }
-        if (tid == 0) P.counts[row * P.n_head_kv + g] = w.last + 1;
+        if (tid == 0) P.counts[row * P.n_head_kv + g] = w.n_list();
         return;
     }
     const int n_old = w.n_old;
@@ -380,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
     if (tid == 0) {
         list[0] = 0;
         slots[0] = -1;
-        P.counts[row * P.n_head_kv + g] = 1 + w.budget + n_recent;
+        P.counts[row * P.n_head_kv + g] = w.n_list();
     }
     __syncthreads();
     tier_hot_assign(P, g, P.page_tables + (long long)P.row_seq[row] * P.table_stride, list + 1, slots + 1, w.budget);
@@ -475,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
     const int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
     const int p = P.pos[row];
     const TierWindow w = tier_window(P, p);
-    const int n_list = w.all ? w.last + 1 : 1 + w.budget + (w.last - w.recent_start + 1);
+    const int n_list = w.n_list();
     const int tiles = n_list * TPP;
     const int per = max((tiles + n_split - 1) / n_split, QATT_WARPS);
     const int n_used = (tiles + per - 1) / per;
