@@ -44,7 +44,7 @@ def test_a_spec_of_some_layers_gets_those_layers_scales(tmp_path: Path) -> None:
     cut to the first layers gives their scales as the whole model's list has them."""
     model = write_synthetic(tmp_path / "m.gguf", "qwen2.5-0.5b", "F32", n_layer=3, seed=7, uneven_keys=True)
     mf = ModelFile(model)
-    whole = _core.key_scales(mf.gguf, mf.spec, threads=2)
+    whole = scales(model)
     first = _core.key_scales(mf.gguf, dict(mf.spec, layers=mf.spec["layers"][:2]), threads=2)
     assert len(whole) == 3 and len(first) == 2
     for a, b in zip(first, whole):
