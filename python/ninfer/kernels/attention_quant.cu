@@ -469,7 +469,7 @@ __device__ void attend_quant(const QAttnParams& P) {
         for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
         if (KT == KVQ_Q4 && P.kb_slots) {  // what q4_0 keys were stored without: the key bias' share
             float kb[NG];
-            kbias_dots<HD, NG, 1>(qatt_key_bias(P), S.qu, g, kk, kb);
+            kbias_dots<HD, NG>(qatt_key_bias(P), S.qu, g, kk, kb);
 #pragma unroll
             for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], kb[h]);
         }

@@ -223,37 +223,21 @@ __device__ void warp_rotated_bias(const KeyBiasRef& B, int hd, int g, int p, flo
 }
 
 // q·bias(p)'s share in the fast pairs (the part that turns within a page) for the unrotated queries qu [NG][HD]
-// (shared memory) and this lane's key at p of KV head g; kbias_slow_share adds the rest once a page.
-// U pairs at a time: their indices, then all their table loads in flight together, then the products in the same
-// order as one pair at a time (the same sums, bit for bit). One at a time, each pair's loads wait on its index: a
-// chain of dependent loads as long as the fast pairs, every tile. The dense quantized kernel takes U = 1 (U = 4
-// spills its registers at 128:5); attention_tiered, whose tiles never straddle a page, takes kbias_tile below.
-template <int HD, int NG, int U>
+// (shared memory) and this lane's key at p of KV head g; kbias_slow_share adds the rest once a page. One pair at a
+// time, so each pair's loads wait on its index: the dense quantized kernel's tiles may straddle pages (and more
+// pairs in flight spill its registers at 128:5); attention_tiered, whose tiles never do, takes kbias_tile below.
+template <int HD, int NG>
 __device__ __forceinline__ void kbias_dots(const KeyBiasRef& B, const float (*qu)[HD], int g, int p, float (&out)[NG]) {
     const float* c = B.slots + (long long)g * HD * B.ps + p % B.ps;
     const float2* tr = B.turns + (long long)(p / B.ps) * B.half;
     const int* fast = B.fast + g * B.n_fast;
 #pragma unroll
     for (int h = 0; h < NG; ++h) out[h] = 0.0f;
-    for (int k0 = 0; k0 < B.n_fast; k0 += U) {
-        int idx[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) idx[u] = k0 + u < B.n_fast ? fast[k0 + u] : -1;
-        if (idx[0] < 0) break;  // (the list is ascending, then -1: a batch's pairs past the first -1 are -1 too)
-        int2 ab[U];
-        float ca[U], cb[U];
-        float2 cs[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {  // (a -1 reads pair 0's entries, in bounds, and adds nothing)
-            const int i = max(idx[u], 0);
-            ab[u] = kbias_pair(B, i);
-            ca[u] = c[(long long)ab[u].x * B.ps];
-            cb[u] = c[(long long)ab[u].y * B.ps];
-            cs[u] = tr[i];
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (idx[u] >= 0) kbias_pair_dots<HD, NG>(qu, ab[u], ca[u], cb[u], cs[u], out);
+    for (int k = 0; k < B.n_fast; ++k) {
+        const int i = fast[k];
+        if (i < 0) break;  // (the list is ascending, then -1)
+        const int2 ab = kbias_pair(B, i);
+        kbias_pair_dots<HD, NG>(qu, ab, c[(long long)ab.x * B.ps], c[(long long)ab.y * B.ps], tr[i], out);
     }
 }
 
