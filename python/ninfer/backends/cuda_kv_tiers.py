@@ -31,6 +31,7 @@ u64, i32, f32 = np.uint64, np.int32, np.float32
 TIER_SHIFT = 28
 TIER_MAX_LIST = 4096  # kernels/attention_tiered.cu: the most old pages tier_select scores
 HOT_MAX_SLOTS = 1024  # kernels/attention_tiered.cu: the most hot-cache slots a KV head and layer
+SELECT_THREADS = 256  # kernels/attention_tiered.cu: tier_select's block
 
 
 def hot_slots(select: int) -> int:
@@ -433,7 +434,8 @@ class TieredKv:
         smem = 4 * min(self.max_pages, TIER_MAX_LIST)
         chunks = self.t_score_chunks
         return [lambda: launch.kernel(score, (n_kv, chunks, 1), (256,), (params,), dependent=True),
-                lambda: launch.kernel(select, (n_kv, 1), (1024,), (params,), shared_mem=smem, dependent=True),
+                lambda: launch.kernel(select, (n_kv, 1), (SELECT_THREADS,), (params,), shared_mem=smem,
+                                      dependent=True),
                 lambda: launch.kernel(attend, (self.quant_split, n_kv, 1), (128,), (params,), dependent=True)]
 
     def _tier_prompt_attention(self, il: int, T: int, seq: int, rope: Callable[[int, int], None],

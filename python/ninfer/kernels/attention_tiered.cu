@@ -103,7 +103,8 @@ __device__ __forceinline__ u32 score_key(float f) {
 }
 
 // Exclusive prefix sum over the block (SELECT_THREADS threads) of v; *total the sum. scratch: a word a warp.
-#define SELECT_THREADS 1024
+// (256: a block a KV head picks among at most TIER_MAX_LIST pages; fewer warps wait less at each of its barriers)
+#define SELECT_THREADS 256
 __device__ int block_scan(int v, int* scratch, int* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl = v;
@@ -300,10 +301,10 @@ __device__ void tier_hot_assign(const TAttnParams& P, int g, const int* table, c
 // top, a radix select; ties taken in page order) and the L1 pages. Grid (n_head_kv, rows), SELECT_THREADS threads,
 // 4 * min(pages, TIER_MAX_LIST) bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const TAttnParams P) {
-    extern __shared__ float scores[];
+    extern __shared__ u32 keys[];  // the scores as order-preserving keys
     __shared__ u32 hist[256];
     __shared__ int scan[SELECT_THREADS / 32];
-    __shared__ u32 pick_digit, pick_rank;
+    __shared__ u32 pick_digit, pick_rank, pick_count;
     const int g = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     grid_dep_wait();
     grid_dep_launch();  // (after the wait: attention_tiered reads tier_score's query and rows before its own)
@@ -320,13 +321,15 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
     }
     const int n_old = w.n_old;
     const float* src = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    for (int i = tid; i < n_old; i += SELECT_THREADS) scores[i] = src[i];
-    u32 prefix = 0, mask = 0, rank = w.budget;  // rank: of the wanted key among those matching prefix, from the top
+    for (int i = tid; i < n_old; i += SELECT_THREADS) keys[i] = score_key(src[i]);
+    // rank: of the wanted key among those matching prefix (under mask), from the top. A byte whose bin is taken
+    // whole ends the search: the bits below it decide nothing (the same pages as every byte would give).
+    u32 prefix = 0, mask = 0, rank = w.budget;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        if (tid < 256) hist[tid] = 0;
+        for (int i = tid; i < 256; i += SELECT_THREADS) hist[i] = 0;
         __syncthreads();
         for (int i = tid; i < n_old; i += SELECT_THREADS) {
-            const u32 k = score_key(scores[i]);
+            const u32 k = keys[i];
             if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
         }
         __syncthreads();
@@ -347,6 +350,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
                     if (run + c[j] >= rank) {
                         pick_digit = 255 - 8 * lane - j;
                         pick_rank = rank - run;
+                        pick_count = c[j];
                         break;
                     }
                     run += c[j];
@@ -357,22 +361,25 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
         prefix |= pick_digit << shift;
         mask |= 255u << shift;
         rank = pick_rank;
+        const bool whole = pick_count == pick_rank;
         __syncthreads();
+        if (whole) break;
     }
-    // keys above the threshold, and the first `rank` equal to it, in page order: each thread a run of pages
+    // keys above the threshold, and the first `rank` equal to it, in page order: each thread a run of pages (its
+    // counts of both in one scan: at most TIER_MAX_LIST each, they share a word)
     const int per = (n_old + SELECT_THREADS - 1) / SELECT_THREADS, a = min(n_old, tid * per), b = min(n_old, a + per);
     int n_gt = 0, n_eq = 0;
     for (int i = a; i < b; ++i) {
-        const u32 k = score_key(scores[i]);
+        const u32 k = keys[i] & mask;
         n_gt += k > prefix;
         n_eq += k == prefix;
     }
     int total;
-    const int gt_before = block_scan(n_gt, scan, &total);
-    const int eq_before = block_scan(n_eq, scan, &total);
+    const int before = block_scan(n_gt | n_eq << 16, scan, &total);
+    const int gt_before = before & 0xffff, eq_before = before >> 16;
     int at = 1 + gt_before + min(eq_before, (int)rank), eq_seen = eq_before;
     for (int i = a; i < b; ++i) {
-        const u32 k = score_key(scores[i]);
+        const u32 k = keys[i] & mask;
         if (k > prefix || (k == prefix && eq_seen++ < (int)rank)) list[at++] = i + 1;
     }
     const int n_recent = w.last - w.recent_start + 1;
