@@ -54,9 +54,9 @@ fn check_tiles(k: &Kernels) {
         for nb in [1usize, 3, 11] {
             let n = nb * ty.block_size();
             let (rb, ab) = (ty.row_bytes(n).unwrap(), act_ty.row_bytes(n).unwrap());
-            let w: Vec<u8> = (0..4).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
+            let w: Vec<u8> = (0..13).flat_map(|_| random_weights(ty, n, &mut rng)).collect();
             let a: Vec<u8> = (0..9).flat_map(|_| quantized_acts(act_ty, &rng.floats(n))).collect();
-            for nr in 1..=4 {
+            for nr in 1..=13 {  // (several passes of rows, then the rest)
                 for nc in 1..=9 {
                     let mut out = vec![0.0f32; nr * nc];
                     tile(nb, &w, rb, nr, &a, ab, nc, &mut out);
