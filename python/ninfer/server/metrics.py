@@ -40,7 +40,7 @@ class _SchedulerCollector(Collector):
                                   value=st["rejected"])
         yield CounterMetricFamily("ninfer:decode_steps", "Batched decode steps run", value=st["decode_steps"])
         for k, what in (("hits", "found staged by the prefetch thread"), ("stalls", "waited for while it staged them"),
-                        ("misses", "dequantized by the step itself"), ("staged", "staged by the prefetch thread")):
+                        ("misses", "read without being staged ahead"), ("staged", "staged by the prefetch thread")):
             yield CounterMetricFamily(f"ninfer:kv_prefetch_{k}", f"Tiered KV cache: L3 block-layers {what}",
                                       value=st[f"kv_prefetch_{k}"])
         yield CounterMetricFamily("ninfer:draft_tokens", "Tokens drafted by speculative decoding",

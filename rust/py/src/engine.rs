@@ -341,8 +341,8 @@ impl PyEngine {
         self.kv.set_select(kv_select).map_err(to_py)
     }
 
-    /// The tiered KV cache's prefetch thread counts (L3 block-layers found staged, waited for, dequantized on the
-    /// spot, and staged in all): {"hits", "stalls", "misses", "staged"}; None without one (no --kv-select).
+    /// The tiered KV cache's prefetch thread counts (L3 block-layers found staged, waited for, read without being
+    /// staged ahead, and staged in all): {"hits", "stalls", "misses", "staged"}; None without one (no --kv-select).
     fn kv_prefetch_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(s) = self.kv.prefetch_stats() else { return Ok(None) };
         let d = PyDict::new(py);

@@ -10,13 +10,12 @@
 //! keys, or Quest's bound from the block's key summary (element-wise min and max: sum_d max(q_d min_d, q_d max_d)).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use rayon::prelude::*;
 
 use crate::cpu::attention::{attention_tiled, in_stored_basis, AttnShape, KeyBiasScores, OnlineSoftmax, TILED_MIN_ROWS};
 use crate::cpu::RowOrder;
-use crate::kv::{BlockScorer, KvCache, SeqId, Staged};
+use crate::kv::{BlockScorer, KvCache, SeqId};
 use crate::quant::simd::{tile_kernel, vec_ops, MatmulPos};
 use crate::quant::math::dot_lanes;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
@@ -66,18 +65,16 @@ fn attention_stored(
             plan_blocks(kv, layer, rows[t], qg, g, shape, decode)
         })
         .collect();
-    // The values of the L3 blocks each sequence reads, dequantized once for all its rows and heads (staged by the
-    // prefetch thread when it guessed them at the last step); their keys are multiplied as stored.
+    // The L3 blocks each sequence reads, counted with the prefetch thread (read in place either way).
     let mut l3: HashMap<SeqId, Vec<usize>> = HashMap::new();
     for (i, plan) in plans.iter().enumerate() {
         let seq = rows[i / n_head_kv].0;
         l3.entry(seq).or_default().extend(plan.old.iter().copied().filter(|&b| kv.in_l3(seq, b)));
     }
-    let mut staged: HashMap<(SeqId, usize), Arc<Staged>> = HashMap::new();
     for (seq, blocks) in &mut l3 {
         blocks.sort_unstable();
         blocks.dedup();
-        staged.extend(kv.stage_l3(layer, *seq, blocks).into_iter().map(|(b, s)| ((*seq, b), s)));
+        kv.take_l3(layer, *seq, blocks);
     }
     // A KV head's blocks in runs, each attended by the group's query heads together (its keys and values read
     // once for all of them), then the runs' partial results merged by log-sum-exp.
@@ -94,7 +91,7 @@ fn attention_stored(
         .map(|&(t, g, blocks)| {
             let (seq, pos) = rows[t];
             let qg = &q[(t * n_head + g * group) * dk..][..group * dk];
-            attend_group(kv, layer, seq, blocks, (shape.first_key(pos), pos), qg, g, shape, &staged)
+            attend_group(kv, layer, seq, blocks, (shape.first_key(pos), pos), qg, g, shape)
         })
         .collect();
     let mut merged: Vec<GroupPartial> = (0..plans.len()).map(|_| GroupPartial::new(group, dv)).collect();
@@ -271,7 +268,6 @@ fn attend_group(
     qg: &[f32],
     g: usize,
     shape: AttnShape,
-    staged: &HashMap<(SeqId, usize), Arc<Staged>>,
 ) -> GroupPartial {
     let ops = vec_ops();
     let (dk, dv) = (shape.head_dim, shape.head_dim_v);
@@ -280,7 +276,6 @@ fn attend_group(
     let mut part = GroupPartial::new(group, dv);
     let mut softmax: Vec<OnlineSoftmax> = (0..group).map(|_| OnlineSoftmax::new()).collect();
     let bs = kv.cfg.block_size;
-    let vd = shape.n_head_kv * dv;
     let mut dots = vec![0.0f32; bs * group];
     let mut bias = KeyBiasScores::new(qg, dk);
     let mut v_buf = vec![0.0f32; dv];
@@ -307,17 +302,10 @@ fn attend_group(
         let (s0, n) = (first - b * bs, last - first + 1);
         group_dots(view.k_type, dk, &view.k[s0 * view.k_row_bytes + g * k_head_bytes..], view.k_row_bytes, n, a, a_row,
                    group, &mut dots[..n * group]);
-        // An L3 block's values come dequantized from the prefetch thread's buffer (or stage_l3 now).
-        let st = staged.get(&(seq, b));
         for (r, d) in dots[..n * group].chunks_exact(group).enumerate() {
-            let v = match st {
-                Some(st) => &st.v[(s0 + r) * vd + g * dv..][..dv],
-                None => {
-                    let v = &view.v[(s0 + r) * view.v_row_bytes + g * v_head_bytes..][..v_head_bytes];
-                    let _ = dequantize_row(view.v_type, v, &mut v_buf);
-                    &v_buf[..]
-                }
-            };
+            let v = &view.v[(s0 + r) * view.v_row_bytes + g * v_head_bytes..][..v_head_bytes];
+            let _ = dequantize_row(view.v_type, v, &mut v_buf);
+            let v = &v_buf[..];
             let b = |h: usize| bias.as_ref().map_or(0.0, |bias| bias.score(h, s0 + r));
             let mut scores = d.iter().zip(&offset).enumerate().map(|(h, (x, o))| (x + o + b(h)) * shape.scale);
             add(&mut scores, v, &mut part.acc);

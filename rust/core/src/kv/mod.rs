@@ -25,5 +25,5 @@ pub use blocks::{BlockCopy, BlockHome, BlockManager, Placement, Precision, SeqId
 pub use cache::{BlockView, KvCache, KvConfig};
 pub use key_bias::{BiasTerm, KeyBias};
 pub use key_scales::KeyScales;
-pub use prefetch::{PrefetchStats, Staged};
+pub use prefetch::PrefetchStats;
 pub use tier_config::{BlockScorer, KvMemory, TierConfig, TierUse};

@@ -1,55 +1,46 @@
-//! The prefetch thread of a tiered KV cache: it dequantizes the values of the L3 blocks a decode step chose, so that
-//! the next step, which mostly chooses the same blocks (selections change slowly from token to token), finds them
-//! ready in a hot buffer instead of widening 4-bit rows from the ring (and, with `--kv-l3-file`, faulting pages in)
-//! on its critical path. Keys stay 4-bit: attention multiplies them as stored (int8 products), as selection does.
+//! The prefetch thread of a tiered KV cache: it brings the L3 blocks a decode step chose into memory for the next
+//! step, which mostly chooses the same blocks (selections change slowly from token to token), so that with
+//! `--kv-l3-file` their pages are faulted in off the critical path. Attention reads L3 blocks in place, keys and
+//! values 4-bit as stored (int8 products for the keys, one 4-bit value row widened at a time): a hot buffer of
+//! dequantized values cost more than it saved on the CPU, where the buffer's widening competes with attention for
+//! the same cores and the whole block is widened for every KV head while each head reads only its own choice
+//! (docs/journal/kv-selection-scorers.md).
 //!
-//! Protocol: attention takes each L3 block it reads from here (`take`: a hit when staged, a stall when queued
-//! and not yet done, a miss otherwise, when the caller dequantizes it itself the same way), then asks for the
-//! blocks of the next step (`request`: this step's choice for the layer; the layer's other staged blocks are
-//! dropped). The thread reads ring slots through raw pointers, so the cache waits for it to be idle
-//! (`wait_idle`) before any change to the ring and drops a block's staged copies when its storage changes
-//! (`invalidate`).
+//! Protocol: attention takes each L3 block it reads from here (`take`: a hit when brought in, a stall when queued
+//! and not yet done, a miss otherwise, when the read itself faults what is missing in), then asks for the blocks of
+//! the next step (`request`: this step's choice for the layer; the layer's other blocks are forgotten). The thread
+//! reads ring slots through raw pointers, so the cache waits for it to be idle (`wait_idle`) before any change to
+//! the ring and forgets a block when its storage changes (`invalidate`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::quant::{dequantize_row, GgmlType};
-
-/// The values of one layer of one L3 block, dequantized (stored basis): v [block_size * vd].
-pub struct Staged {
-    pub v: Vec<f32>,
-}
-
-impl Staged {
-    /// Dequantize the V rows of `v_type` (row width vd) of one layer of a slot.
-    pub fn dequantize(v: &[u8], v_type: GgmlType, vd: usize) -> Staged {
-        let v_rb = v_type.row_bytes(vd).unwrap_or(1);
-        let n = v.len() / v_rb;
-        let mut s = Staged { v: vec![0.0; n * vd] };
-        for i in 0..n {
-            // Sizes were validated when the cache was built.
-            let _ = dequantize_row(v_type, &v[i * v_rb..(i + 1) * v_rb], &mut s.v[i * vd..(i + 1) * vd]);
-        }
-        s
+/// Touch one byte of every page of `bytes` (and its last byte), so that a file-backed map's pages are read in.
+fn touch(bytes: &[u8]) {
+    const PAGE: usize = 4096;
+    for i in (0..bytes.len()).step_by(PAGE).chain(bytes.len().checked_sub(1)) {
+        // SAFETY: i < bytes.len(); a volatile read so the load is not optimised away.
+        unsafe { std::ptr::read_volatile(bytes.as_ptr().add(i)) };
     }
 }
 
-/// Takes from the hot buffer: staged in time, waited for, or not asked for.
+/// Takes of L3 blocks: brought in in time, waited for, or not asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefetchStats {
     pub hits: u64,
     pub stalls: u64,
     pub misses: u64,
-    /// Blocks (times layers) the thread dequantized.
+    /// Blocks (times layers) the thread brought in.
     pub staged: u64,
 }
 
-/// One block's layer to stage: where its bytes are in the ring.
+/// One block's layer to bring in: where its K and V bytes are in the ring.
 pub struct Job {
     pub block: u32,
     pub layer: usize,
+    pub k: (*const u8, usize),
     pub v: (*const u8, usize),
 }
 
@@ -58,7 +49,7 @@ pub struct Job {
 unsafe impl Send for Job {}
 
 struct State {
-    ready: HashMap<(u32, usize), Arc<Staged>>,
+    ready: HashSet<(u32, usize)>,
     queued: HashSet<(u32, usize)>,
     stats: PrefetchStats,
 }
@@ -75,10 +66,10 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
-    /// A thread staging blocks' V rows of `v_type` and width vd.
-    pub fn new(v_type: GgmlType, vd: usize) -> Prefetcher {
+    /// A thread bringing blocks in.
+    pub fn new() -> Prefetcher {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { ready: HashMap::new(), queued: HashSet::new(), stats: PrefetchStats::default() }),
+            state: Mutex::new(State { ready: HashSet::new(), queued: HashSet::new(), stats: PrefetchStats::default() }),
             changed: Condvar::new(),
         });
         let (tx, rx) = channel::<Vec<Job>>();
@@ -88,12 +79,13 @@ impl Prefetcher {
             .spawn(move || {
                 for batch in rx {
                     for job in batch {
-                        // SAFETY: see `Job`.
-                        let v = unsafe { std::slice::from_raw_parts(job.v.0, job.v.1) };
-                        let staged = Arc::new(Staged::dequantize(v, v_type, vd));
+                        for (ptr, len) in [job.k, job.v] {
+                            // SAFETY: see `Job`.
+                            touch(unsafe { std::slice::from_raw_parts(ptr, len) });
+                        }
                         let mut st = s.state.lock().unwrap_or_else(|e| e.into_inner());
                         if st.queued.remove(&(job.block, job.layer)) {
-                            st.ready.insert((job.block, job.layer), staged);
+                            st.ready.insert((job.block, job.layer));
                             st.stats.staged += 1;
                         }
                         s.changed.notify_all();
@@ -108,32 +100,32 @@ impl Prefetcher {
         self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The staged copy of `block`'s `layer`, waiting for it if it is queued; None (a miss) if it was not asked for.
-    pub fn take(&self, block: u32, layer: usize) -> Option<Arc<Staged>> {
+    /// Count a read of `block`'s `layer`: brought in (a hit), queued (a stall: waits for it), or not asked for (a
+    /// miss).
+    pub fn take(&self, block: u32, layer: usize) {
         let mut st = self.state();
-        if let Some(s) = st.ready.get(&(block, layer)).cloned() {
+        if st.ready.contains(&(block, layer)) {
             st.stats.hits += 1;
-            return Some(s);
+            return;
         }
         if st.queued.contains(&(block, layer)) {
             st.stats.stalls += 1;
             while st.queued.contains(&(block, layer)) {
                 st = self.shared.changed.wait(st).unwrap_or_else(|e| e.into_inner());
             }
-            return st.ready.get(&(block, layer)).cloned();
+            return;
         }
         st.stats.misses += 1;
-        None
     }
 
-    /// Stage `jobs` (all of one layer) for the next step; the layer's staged blocks not among them are dropped.
+    /// Bring `jobs` (all of one layer) in for the next step; the layer's blocks not among them are forgotten.
     pub fn request(&self, layer: usize, jobs: Vec<Job>) {
         let mut st = self.state();
         let wanted: HashSet<u32> = jobs.iter().map(|j| j.block).collect();
-        st.ready.retain(|&(b, l), _| l != layer || wanted.contains(&b));
+        st.ready.retain(|&(b, l)| l != layer || wanted.contains(&b));
         let new: Vec<Job> = jobs
             .into_iter()
-            .filter(|j| !st.ready.contains_key(&(j.block, layer)) && !st.queued.contains(&(j.block, layer)))
+            .filter(|j| !st.ready.contains(&(j.block, layer)) && !st.queued.contains(&(j.block, layer)))
             .collect();
         if new.is_empty() {
             return;
@@ -153,10 +145,10 @@ impl Prefetcher {
         }
     }
 
-    /// Forget the staged copies of `block` (its storage is about to change).
+    /// Forget `block` (its storage is about to change).
     pub fn invalidate(&self, block: u32) {
         self.wait_idle();
-        self.state().ready.retain(|&(b, _), _| b != block);
+        self.state().ready.retain(|&(b, _)| b != block);
     }
 
     pub fn stats(&self) -> PrefetchStats {

@@ -46,7 +46,7 @@ impl BlockScorer {
 
 pub struct Tiers {
     pub(super) cfg: TierConfig,
-    /// With selection: the thread staging the next step's L3 blocks. (Declared before the ring: dropped, and its
+    /// With selection: the thread bringing in the next step's L3 blocks. (Declared before the ring: dropped, and its
     /// thread joined, before the memory it reads is unmapped.)
     pub(super) prefetch: Option<Prefetcher>,
     pub(super) ring: Ring,

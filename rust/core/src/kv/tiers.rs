@@ -9,12 +9,10 @@
 //! attention at a decode step scores the old blocks against the query by the upper bound of q·k they give, and
 //! reads only the best (`TierConfig::select` tokens) besides the sinks and L1 (`cpu::attention_tiered`).
 
-use std::sync::Arc;
-
 use crate::error::{Error, Result};
 use crate::kv::blocks::{BlockHome, Placement, Precision, SeqId};
 use crate::kv::cache::{mean_row, rotated, store_row, KvCache, KvConfig};
-use crate::kv::prefetch::{Job, PrefetchStats, Prefetcher, Staged};
+use crate::kv::prefetch::{Job, PrefetchStats, Prefetcher};
 use crate::kv::ring::Ring;
 use crate::kv::tier_config::{tier, KvMemory, TierConfig, Tiers};
 use crate::quant::{dequantize_row, GgmlType};
@@ -45,8 +43,7 @@ impl KvCache {
         let q4 = |hd: usize| GgmlType::Q4_0.row_bytes(cfg.n_head_kv * hd);
         let slot = cfg.n_layer * cfg.block_size * (q4(cfg.head_dim_k)? + q4(cfg.head_dim_v)?);
         let ring = Ring::new(slot, cfg.max_blocks, tiers.l3_file.as_deref())?;
-        let vd = cfg.n_head_kv * cfg.head_dim_v;
-        let prefetch = (tiers.select > 0).then(|| Prefetcher::new(GgmlType::Q4_0, vd));
+        let prefetch = (tiers.select > 0).then(Prefetcher::new);
         kv.tiers = Some(Tiers { cfg: tiers, prefetch, ring });
         Ok(kv)
     }
@@ -189,25 +186,16 @@ impl KvCache {
         self.blocks[self.books.table(seq)[block_index] as usize].ring_slot.is_some()
     }
 
-    /// The values of `layer` of the L3 blocks `blocks` (block indices of `seq`), dequantized: from the prefetch
-    /// thread's hot buffer where it staged them, else dequantized now, the same way.
-    pub fn stage_l3(&self, layer: usize, seq: SeqId, blocks: &[usize]) -> Vec<(usize, Arc<Staged>)> {
-        let vd = self.cfg.n_head_kv * self.cfg.head_dim_v;
-        let prefetch = self.tiers.as_ref().and_then(|t| t.prefetch.as_ref());
-        blocks
-            .iter()
-            .map(|&i| {
-                let b = self.books.table(seq)[i];
-                let staged = prefetch.and_then(|p| p.take(b, layer)).unwrap_or_else(|| {
-                    let v = self.view(b as usize, layer);
-                    Arc::new(Staged::dequantize(v.v, v.v_type, vd))
-                });
-                (i, staged)
-            })
-            .collect()
+    /// Count the reads of `layer` of the L3 blocks `blocks` (block indices of `seq`) with the prefetch thread (if
+    /// any): brought in ahead or not. Attention reads them in place either way.
+    pub fn take_l3(&self, layer: usize, seq: SeqId, blocks: &[usize]) {
+        let Some(p) = self.tiers.as_ref().and_then(|t| t.prefetch.as_ref()) else { return };
+        for &i in blocks {
+            p.take(self.books.table(seq)[i], layer);
+        }
     }
 
-    /// Ask the prefetch thread (if any) to stage `layer` of the L3 blocks `blocks` of `seq` for the next step.
+    /// Ask the prefetch thread (if any) to bring in `layer` of the L3 blocks `blocks` of `seq` for the next step.
     pub fn prefetch_next(&self, layer: usize, seq: SeqId, blocks: &[usize]) {
         let Some(p) = self.tiers.as_ref().and_then(|t| t.prefetch.as_ref()) else { return };
         let jobs = blocks
@@ -215,7 +203,7 @@ impl KvCache {
             .map(|&i| {
                 let b = self.books.table(seq)[i];
                 let v = self.view(b as usize, layer);
-                Job { block: b, layer, v: (v.v.as_ptr(), v.v.len()) }
+                Job { block: b, layer, k: (v.k.as_ptr(), v.k.len()), v: (v.v.as_ptr(), v.v.len()) }
             })
             .collect();
         p.request(layer, jobs);

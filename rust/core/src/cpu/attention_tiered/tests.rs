@@ -186,11 +186,11 @@ fn the_key_scorer_reads_the_matching_block_where_the_bound_reads_the_widest() {
     }
 }
 
-/// The L3 blocks a decode step chose are staged by the prefetch thread for the next: the same query again finds
+/// The L3 blocks a decode step chose are brought in by the prefetch thread for the next: the same query again finds
 /// them ready (hits, or stalls when the thread is still at work), and the result is the same bits as when the step
-/// dequantized them itself (misses).
+/// read them unannounced (misses): attention reads L3 in place either way.
 #[test]
-fn the_prefetch_thread_stages_the_next_steps_blocks() {
+fn the_prefetch_thread_brings_in_the_next_steps_blocks() {
     let mut kv = tiered(32);
     let (mut keys, mut vals) = (Vec::new(), Vec::new());
     fill(&mut kv, 230, 70, &mut keys, &mut vals);
