@@ -88,6 +88,28 @@ def test_filled_tiers_hold_their_pages_and_decode(model: Path) -> None:
 
 
 @needs_cuda
+def test_a_fill_comes_out_the_same_however_it_is_split(model: Path) -> None:
+    from ninfer import _core
+
+    def run(parts: list[int]) -> tuple[np.ndarray, dict]:
+        llm = ninfer.LLM(model, n_ctx=4096, device="cuda", kv_l1=256, kv_l2=512, kv_select=256)
+        for n in parts:  # (each call fills as many positions at once as L1 takes, several pages moving together)
+            llm.backend.fill_random(0, n, 7)
+        greedy = _core.Sampler(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3)  # (logits to the host)
+        out, tok = [], 1
+        for _ in range(8):
+            tok = llm.backend.step(0, tok, greedy)
+            out.append(llm.backend.out_logits.array.copy())
+        return np.array(out), llm.kv_memory()
+
+    whole, mem = run([3000])
+    split, mem_split = run([1, 63, 100, 1000, 1836])  # (a page's rest, a page boundary, several pages)
+    assert (mem["l1"], mem["l2"], mem["l3"], mem["moved"]) == (mem_split["l1"], mem_split["l2"], mem_split["l3"],
+                                                               mem_split["moved"])
+    np.testing.assert_array_equal(whole, split)
+
+
+@needs_cuda
 def test_budgets_size_the_tiers_and_refuse_what_does_not_fit(model: Path) -> None:
     logs: list[str] = []
     ninfer.LLM(model, n_ctx=8192, device="cuda", kv_l1=256, kv_select=256, gpu_mem_budget="3GiB",

@@ -61,6 +61,11 @@ TATTN_PARAMS = np.dtype(
                             "q_scale")]
     + [(k, "<u8") for k in ("k_scales", "q_unscales")], align=True)
 
+# struct TierMoves in kernels/kv_tiers.cu: the pages one launch of tier_demote_l2 / _l3 moves.
+TIER_MOVES = 32
+TIER_MOVES_T = np.dtype([("seq", "<i4"), ("n", "<i4")]
+                        + [(k, "<i4", (TIER_MOVES,)) for k in ("src", "si", "di", "page")], align=True)
+
 
 @dataclass(frozen=True)
 class TierPlan:
@@ -325,32 +330,47 @@ class TieredKv:
         tp = self.kv_tiers
         pages, n = self.t_pages.get(seq, []), self.seq_len(seq)
         ps = TIERED_BLOCK_SIZE
-        first_changed = None
         start = self.t_l3_upto.get(seq, 1)  # (the pages before it are in L3 already: a step walks the young end)
         while start < len(pages) and pages[start][0] == 2:
             start += 1
         self.t_l3_upto[seq] = start
+        moves: list[tuple[int, int, int, int]] = []  # (to, from, its index, page)
         for k in range(start, len(pages)):
             end = (k + 1) * ps
             if end + tp.l1_tokens > n:
                 break
             want = 1 if end + tp.l1_tokens + tp.l2_tokens > n else 2
             t, i = pages[k]
-            if want <= t:
-                continue
-            j = self._take(want)
-            name = "tier_demote_l2" if want == 1 else "tier_demote_l3"
-            s = self.spec
+            if want > t:
+                moves.append((want, t, i, k))
+        if not moves:
+            return
+        # L3's moves first: the L2 pages they empty can take this settle's moves into L2 (launched after them on
+        # the same stream), as a page at a time, oldest first, did.
+        for want in (2, 1):
+            mine = [(t, i, self._take(want), k) for w, t, i, k in moves if w == want]
+            self._launch_moves(seq, want, mine)
+            for t, i, j, k in mine:
+                self.t_free[t].append(i)
+                pages[k] = (want, j)
+            self.t_stats["demoted_l2" if want == 1 else "demoted_l3"] += len(mine)
+        self._write_entries(seq, moves[0][3])
+
+    def _launch_moves(self, seq: int, want: int, moves: list[tuple[int, int, int, int]]) -> None:
+        """Moves (from, its index, the new index, page) of seq's pages into tier `want`, TIER_MOVES pages a launch
+        (every GPU layer)."""
+        s = self.spec
+        name = "tier_demote_l2" if want == 1 else "tier_demote_l3"
+        for b in range(0, len(moves), TIER_MOVES):
+            batch = moves[b:b + TIER_MOVES]
+            arg = np.zeros(1, TIER_MOVES_T)[0]
+            arg["seq"], arg["n"] = seq, len(batch)
+            for f, col in (("src", 0), ("si", 1), ("di", 2), ("page", 3)):
+                arg[f][:len(batch)] = [m[col] for m in batch]
             with self.stream:
                 for il in range(self.n_gpu):
-                    launch.kernel(self._tier_fn(name), (s["n_head_kv"],), (64,), (
-                        self.t_params[il], i32(t), i32(i), i32(j), i32(seq), i32(k)), shared_mem=3 * 4 * s["head_dim"])
-            self.t_free[t].append(i)
-            pages[k] = (want, j)
-            self.t_stats["demoted_l2" if want == 1 else "demoted_l3"] += 1
-            first_changed = k if first_changed is None else first_changed
-        if first_changed is not None:
-            self._write_entries(seq, first_changed)
+                    launch.kernel(self._tier_fn(name), (s["n_head_kv"], len(batch)), (64,),
+                                  (self.t_params[il], arg), shared_mem=3 * 4 * s["head_dim"])
 
     def _tier_fork(self, src: int, dst: int, n: int) -> None:
         """dst becomes the first n positions of src: its pages copied into new slots of the same tiers."""
@@ -465,9 +485,17 @@ class TieredKv:
         self._drain()
         s = self.spec
         fill = self._tier_fn("tier_fill_random")
-        done = 0
+        done, ps = 0, TIERED_BLOCK_SIZE
         while done < n:
-            m = min(n - done, TIERED_BLOCK_SIZE - self.seq_len(seq) % TIERED_BLOCK_SIZE)
+            # As many positions at once as L1's free pages take, and at most L2's span, so that every page still
+            # passes through L2 on its way to L3 (as a page at a time did: then each round's table write waited
+            # for the queue, and 160K positions took minutes). The values hash their position, so the cache comes
+            # out the same for any split of n.
+            self._settle(seq)
+            held = len(self.t_pages.get(seq, [])) * ps - self.seq_len(seq)
+            m = min(n - done, held + len(self.t_free[0]) * ps, max(self.kv_tiers.l2_tokens, ps))
+            if m <= 0:
+                raise ContextOverflowError("the KV cache's L1 tier has no free page")
             start = self._tier_reserve(seq, m)
             with self.stream:
                 for il in range(self.n_gpu):

@@ -14,7 +14,7 @@ __device__ __forceinline__ float tier_elem(const TAttnParams& P, int tier, bool 
 // Page `page` of sequence `seq` from (tier src, index si) to (tier DST, index di), every row requantized once:
 // leaving L1, its keys' mean becomes the page's K offset (the CPU's mean_row: f64 sums in row order) and its
 // summary is taken (element-wise min and max of the f16 keys); a quantized page keeps its offset, unless it goes to
-// L3 and loses the key bias there. Grid (n_head_kv), 64 threads (warp 0 keys, warp 1 values), 3 HD floats of
+// L3 and loses the key bias there. Grid (n_head_kv, moves), 64 threads (warp 0 keys, warp 1 values), 3 HD floats of
 // dynamic shared memory (a row a warp, and warp 0's rotated bias).
 template <int DST>
 __device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int seq, int page) {
@@ -109,11 +109,23 @@ __device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int s
     }
 }
 
-extern "C" __global__ void tier_demote_l2(const TAttnParams P, int src, int si, int di, int seq, int page) {
-    tier_demote<1>(P, src, si, di, seq, page);
+// The pages that move to one tier at a settle (cuda_kv_tiers.py _settle), moved together: a block walks its
+// page's rows one after another, so pages a launch apiece left the GPU idle but for a few blocks. No move's
+// destination is another's source (the settle gives back the pages it frees after its launches).
+#define TIER_MOVES 32
+struct TierMoves {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TIER_MOVES_T
+    int seq, n;
+    int src[TIER_MOVES], si[TIER_MOVES], di[TIER_MOVES], page[TIER_MOVES];
+};
+
+// Grid (n_head_kv, M.n), as tier_demote.
+extern "C" __global__ void tier_demote_l2(const TAttnParams P, const TierMoves M) {
+    const int k = blockIdx.y;
+    tier_demote<1>(P, M.src[k], M.si[k], M.di[k], M.seq, M.page[k]);
 }
-extern "C" __global__ void tier_demote_l3(const TAttnParams P, int src, int si, int di, int seq, int page) {
-    tier_demote<2>(P, src, si, di, seq, page);
+extern "C" __global__ void tier_demote_l3(const TAttnParams P, const TierMoves M) {
+    const int k = blockIdx.y;
+    tier_demote<2>(P, M.src[k], M.si[k], M.di[k], M.seq, M.page[k]);
 }
 
 // A prompt batch's rotated rows (k_rows / v_rows) into their L1 pages at pos[row]. Grid (rows, n_head_kv), 64 threads.
