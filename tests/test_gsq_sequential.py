@@ -196,7 +196,10 @@ def test_source_stream_gives_cross_statistics(source: Path, tmp_path: Path) -> N
     chunks = calibration_chunks(Tokenizer.from_metadata(mf.metadata).encode(TEXT), 512, 1)
     seq = SequentialCalibration(mf, chunks, gram_max_cols=4096, source_stream=True)
     st = seq.stats("blk.0.attn_q.weight")
-    np.testing.assert_allclose(st.cross[0], st.grams[0], rtol=1e-6)  # nothing quantized yet: X = X~
+    # Nothing quantized yet: X = X~, so the two products agree up to float sums in another order (0.8% of the
+    # entries differ by up to 2.5e-6 with the AVX2 kernels, relative 0.15 near zero).
+    g = st.grams[0]
+    np.testing.assert_allclose(st.cross[0], g, rtol=1e-5, atol=1e-5 * np.abs(g).max())
     wq = seq._w("blk.0.attn_q.weight")
     seq.set_weight("blk.0.attn_q.weight", wq + 0.05 * np.abs(wq).mean())
     st = seq.stats("blk.0.attn_output.weight")  # now the streams differ
