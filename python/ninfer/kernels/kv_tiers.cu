@@ -111,7 +111,8 @@ __device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int s
 
 // The pages that move to one tier at a settle (cuda_kv_tiers.py _settle), moved together: a block walks its
 // page's rows one after another, so pages a launch apiece left the GPU idle but for a few blocks. No move's
-// destination is another's source (the settle gives back the pages it frees after its launches).
+// destination is another's source within a launch: the settle launches the moves into L3 first and gives back the
+// L2 pages they empty only after that launch, for the moves into L2 launched after it on the same stream.
 #define TIER_MOVES 32
 struct TierMoves {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TIER_MOVES_T
     int seq, n;
