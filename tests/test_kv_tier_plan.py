@@ -41,3 +41,33 @@ def test_a_gpu_budget_sizes_l2_and_a_host_budget_bounds_l3() -> None:
         plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 1024, 1 << 20, None)
     with pytest.raises(InvalidArgumentError, match="up to 262144 tokens a sequence"):
         plan_tiers(SPEC, 300000, 512, 1, 1024, 2048, 1024, None, None)
+
+
+def test_the_keys_scorer_keeps_l3s_keys_on_the_device() -> None:
+    bound = plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 1024, None, None, "bound")
+    keys = plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 1024, None, None, "keys")
+    b = page_bytes(8, 128)
+    l3_keys = 64 * 2560 * (b["l3"] // 2 + b["off"])  # K codes, scales and offsets of every L3 page and layer
+    assert keys.keys_on_device and not bound.keys_on_device
+    # on the device besides: L3's keys; no longer: the bound's key summaries, the hot slots' keys and offsets
+    summaries = 64 * 2560 * b["summary"]
+    hot_keys = 64 * keys.hot_slots * (b["l3"] // 2 + b["off"])
+    assert keys.hot_slots == bound.hot_slots == 256
+    assert keys.device_bytes - bound.device_bytes == l3_keys - summaries - hot_keys
+    assert bound.host_bytes - keys.host_bytes == l3_keys
+    assert 6 * GIB < l3_keys < 7 * GIB  # the 32B shape at 160K
+    assert "keys on the device" in keys.table(64) and "ranked by their keys" in keys.table(64)
+    # exact mode scans nothing: L3 stays whole in host memory
+    assert not plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 0, None, None, "keys").keys_on_device
+    # a budget that holds the bound's tiers but not the keys: the refusal says what the keys take
+    room = bound.device_bytes + 1
+    with pytest.raises(InvalidArgumentError, match=r"L3's keys for the keys scorer take 6\.\d\d GiB"):
+        plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 1024, room, None, "keys")
+    # with L2 sized by the budget, the keys' bytes come out of L2
+    auto_bound = plan_tiers(SPEC, 163840, 512, 1, 1024, None, 1024, 10 * GIB, None, "bound")
+    auto_keys = plan_tiers(SPEC, 163840, 512, 1, 1024, None, 1024, 10 * GIB, None, "keys")
+    assert auto_keys.l2_tokens < auto_bound.l2_tokens and auto_keys.device_bytes <= 10 * GIB
+    # the issue's setting (24 GiB for the 32B GSQ3 weights and the cache leave the cache about 7.7 GiB): the keys
+    # fit with the hot cache halved and L2 nearly empty
+    tight = plan_tiers(SPEC, 163840, 512, 1, 1024, None, 1024, int(7.7 * GIB), 16 * GIB, "keys")
+    assert tight.hot_slots == 128 and 0 <= tight.l2_tokens < 4096 and tight.device_bytes <= 7.7 * GIB

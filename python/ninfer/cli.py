@@ -81,8 +81,8 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
                    help="keep the L3 ring in this file (created or truncated) instead of anonymous memory")
     g.add_argument("--kv-scorer", choices=KV_SCORERS, default=None,
                    help="how --kv-select ranks the older blocks: keys, the largest q·k over each block's stored keys "
-                        "(the CPU's default), or bound, Quest's bound from each block's key minimum and maximum "
-                        "(cheaper, less accurate in real text; the only one on cuda)")
+                        "(the default; on cuda L3's keys then stay in GPU memory), or bound, Quest's bound from each "
+                        "block's key minimum and maximum (cheaper, less accurate in real text)")
     g.add_argument("--no-l3-cache", action="store_true",
                    help="no L3 tier: every block older than L1 stays in L2 (q8_0; on cuda in GPU memory)")
     g.add_argument("--host-mem-budget", default=None, metavar="SIZE",

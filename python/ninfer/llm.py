@@ -128,9 +128,9 @@ class LLM:
         in pinned host memory (at most host_mem_budget, e.g. "16GiB"); with a gpu_mem_budget and kv_l2 0, L2
         takes what the budget leaves after the weights (the plan goes to `log`). kv_l3_file is CPU only.
         no_l3_cache=True keeps every older block in L2 (on the device, on cuda): no L3 and no host reads.
-        kv_scorer: how selection ranks older blocks, "keys" (the largest q·k over each block's stored keys; the CPU's
-        default) or "bound" (Quest's bound from each block's key minimum and maximum: cheaper, less accurate in real
-        text; the only one on cuda, whose L3 keys are in host memory).
+        kv_scorer: how selection ranks older blocks, "keys" (the largest q·k over each block's stored keys; the
+        default; on cuda it keeps L3's keys in GPU memory, its values in host memory) or "bound" (Quest's bound from
+        each block's key minimum and maximum: cheaper, less accurate in real text).
 
         RoPE (llama.cpp's --rope-* and --yarn-* flags, the same meanings; None: the model file's setting):
         rope_scaling "none", "linear" or "yarn"; rope_scale N stretches the trained context N times (or
@@ -173,11 +173,8 @@ class LLM:
 
             if self.config.kv_l3_file is not None:
                 raise InvalidArgumentError("kv_l3_file is the CPU backend's L3 ring; on cuda L3 is pinned host memory")
-            if self.config.kv_scorer == "keys":
-                raise InvalidArgumentError("kv_scorer 'keys' runs on the CPU backend: the CUDA tiered cache ranks "
-                                           "blocks by their key summaries ('bound'), its L3 keys being in host memory")
-            tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.l2_tokens, "kv_select": self.config.kv_select}
-                     if self.config.tiered else None)
+            tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.l2_tokens, "kv_select": self.config.kv_select,
+                      "kv_scorer": self.config.kv_scorer or "keys"} if self.config.tiered else None)
             self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
                 n_batch=self.config.n_batch, n_gpu_layers=n_gpu_layers, gpu_mem_budget=budget, log=log,

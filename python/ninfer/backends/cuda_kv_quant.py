@@ -122,7 +122,10 @@ class QuantKv:
                 turns_by_rope[rope] = cp.asarray(turns)
             # [page][n_kv * hd] -> [n_kv][hd][page]: a warp's keys (consecutive slots) read one line an element
             slots_t = cp.asarray(np.ascontiguousarray(slots.reshape(page_size, n_kv, hd).transpose(1, 2, 0)))
-            self.key_bias.append((slots_t, turns_by_rope[rope], cp.asarray(fast), cp.asarray(slow), fast.shape[1]))
+            # the mean over a page's slots [n_kv][hd] (the tiered keys scorer's share for an L3 page)
+            mean = slots.reshape(page_size, n_kv * hd).astype(np.float64).mean(axis=0).astype(np.float32)
+            self.key_bias.append((slots_t, turns_by_rope[rope], cp.asarray(fast), cp.asarray(slow), fast.shape[1],
+                                  cp.asarray(mean)))
 
     def _key_bias_fields(self, il: int) -> dict:
         """Layer il's key bias fields of QATTN_PARAMS / TATTN_PARAMS (zeros without a bias)."""

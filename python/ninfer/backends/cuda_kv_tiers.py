@@ -1,12 +1,13 @@
 """The CUDA engine's tiered KV cache (`kv_l1`, `kv_l2`, `kv_select`): the CPU's kv::tiers (rust/core/src/kv/tiers.rs)
 on the GPU. A sequence's pages of TIERED_BLOCK_SIZE tokens live in L1 (f16 in device memory: its first page, the
 attention sinks, and the pages holding its newest kv_l1 tokens), L2 (q8_0 in device memory: the next kv_l2
-tokens) or L3 (q4_0 in mapped pinned host memory, read by the kernels over the bus; the rest of the context), rows
-Hadamard-rotated in every tier and keys less their page's mean once quantized, as on the CPU. Pages move down once,
-after the step that aged them (`_settle`, at the next reservation); a page leaving L1 gets its key summary
-(element-wise min and max) for selection. A decode step per layer runs tier_score (RoPE, as rope_kv would, and
-the old pages' bounds), tier_select (the pages to read: all, or with kv_select > 0 the sink, the best old pages by
-their summaries' bound on q·k, and L1) and attention_tiered (kernels/attention_tiered.cu); a prompt batch stores
+tokens) or L3 (q4_0 in mapped pinned host memory, read by the kernels over the bus; the rest of the context; with
+the keys scorer its keys in device memory), rows Hadamard-rotated in every tier and keys less their page's mean once
+quantized, as on the CPU. Pages move down once, after the step that aged them (`_settle`, at the next reservation);
+a page leaving L1 gets its key summary (element-wise min and max) for the bound. A decode step per layer runs
+tier_score (RoPE, as rope_kv would, and the old pages' scores: by their keys, or their summaries' bound on q·k),
+tier_select (the pages to read: all, or with kv_select > 0 the sink, the best old pages, and L1) and
+attention_tiered (kernels/attention_tiered.cu, tier_select.cu); a prompt batch stores
 its rows into L1 and widens every tier into f16 scratch for TinyFlash's prompt kernel, as the quantized cache does.
 
 The books are kept here (not in the Rust BlockManager): per sequence its pages' (tier, index), a free list per
@@ -59,7 +60,8 @@ TATTN_PARAMS = np.dtype(
     + [(k, "<i4") for k in ("qkv_stride", "rope_dims", "neox")]
     + [(k, "<f4") for k in ("eps", "theta_scale", "freq_scale", "ext_factor", "corr_lo", "corr_hi", "mscale",
                             "q_scale")]
-    + [(k, "<u8") for k in ("k_scales", "q_unscales")], align=True)
+    + [(k, "<u8") for k in ("k_scales", "q_unscales", "kb_mean")] + [(k, "<i4") for k in ("keys_scan", "l3_keys_dev")],
+    align=True)
 
 # struct TierMoves in kernels/kv_tiers.cu: the pages one launch of tier_demote_l2 / _l3 moves.
 TIER_MOVES = 32
@@ -80,6 +82,11 @@ class TierPlan:
     n3: int
     device_bytes: int  # every layer's L1 and L2 pools, offsets, summaries; the prompt's f16 scratch
     host_bytes: int  # every layer's L3 pools
+    scorer: str = "bound"  # "keys": selection scans the old pages' keys, so L3's keys live in device memory
+
+    @property
+    def keys_on_device(self) -> bool:
+        return self.scorer == "keys" and self.select > 0
 
     def table(self, n_layer: int) -> str:
         ps = TIERED_BLOCK_SIZE
@@ -87,10 +94,14 @@ class TierPlan:
             f"KV tiers ({n_layer} layers, pages of {ps} tokens):",
             f"  L1 f16, device   sinks + newest {self.l1_tokens} tokens   {self.n1} pages",
             f"  L2 q8_0, device  next {self.l2_tokens} tokens   {self.n2} pages",
-            f"  L3 q4_0, host    the rest   {self.n3} pages   {gib(self.host_bytes):>11}",
-            f"  hot cache of L3 pages, device   {self.hot_slots} pages a KV head and layer",
+            (f"  L3 q4_0, values in host memory, keys on the device   the rest   {self.n3} pages   "
+             f"{gib(self.host_bytes):>11} of host memory" if self.keys_on_device else
+             f"  L3 q4_0, host    the rest   {self.n3} pages   {gib(self.host_bytes):>11}"),
+            f"  hot cache of L3 pages{' (their values)' if self.keys_on_device else ''}, device   "
+            f"{self.hot_slots} pages a KV head and layer",
             f"  device: pools, offsets, key summaries, prompt scratch   {gib(self.device_bytes):>11}",
-            "  selection: " + (f"{self.select} tokens of L2/L3 a step" if self.select else "every page (exact)")])
+            "  selection: " + (f"{self.select} tokens of L2/L3 a step, pages ranked by their {self.scorer}"
+                               if self.select else "every page (exact)")])
 
 
 def page_bytes(n_kv: int, hd: int) -> dict[str, int]:
@@ -100,17 +111,19 @@ def page_bytes(n_kv: int, hd: int) -> dict[str, int]:
             "off": 4 * n_kv * hd, "summary": 2 * 2 * n_kv * hd}
 
 
-def hot_bytes(n_kv: int, hd: int, slots: int, n3: int) -> int:
-    """One layer's hot cache: its slots (an L3 page's rows and K offset each, a KV head) and the slot maps."""
+def hot_bytes(n_kv: int, hd: int, slots: int, n3: int, values_only: bool = False) -> int:
+    """One layer's hot cache: its slots (an L3 page's rows and K offset each, a KV head; only its values where L3's
+    keys are in device memory) and the slot maps."""
     b = page_bytes(n_kv, hd)
-    return slots * (b["l3"] + b["off"]) + 4 * n_kv * (slots + 1 + n3)
+    return slots * (b["l3"] // 2 if values_only else b["l3"] + b["off"]) + 4 * n_kv * (slots + 1 + n3)
 
 
 def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: int | None, select: int,
-               device_room: int | None, host_budget: int | None) -> TierPlan:
+               device_room: int | None, host_budget: int | None, scorer: str = "bound") -> TierPlan:
     """The tier sizes: L1 holds l1 tokens a sequence (plus the sink page and a prompt batch's pages); L2 holds l2
     tokens, or (l2 None) as many as `device_room` bytes leave after L1, the summaries and the scratch; L3 the whole
-    context (pages leave it only when their sequence ends). Raises when a budget cannot hold the plan."""
+    context (pages leave it only when their sequence ends), its keys and K offsets in device memory when selection
+    scans them (scorer "keys"). Raises when a budget cannot hold the plan."""
     ps = TIERED_BLOCK_SIZE
     L, n_kv, hd = len(spec["layers"]), spec["n_head_kv"], spec["head_dim"]
     b = page_bytes(n_kv, hd)
@@ -120,11 +133,21 @@ def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: in
                                    f"({TIER_MAX_LIST} pages of {ps}); n_ctx is {n_ctx}")
     n1 = n_seq * (3 + -(-l1 // ps) + -(-n_batch // ps))
     n3 = n_seq * max_pages
+    keys_dev = scorer == "keys" and select > 0
+    l3_keys = L * n3 * (b["l3"] // 2 + b["off"])  # L3's K codes, scales and offsets
+
+    def fixed_bytes(r: int) -> int:
+        # L1, the key summaries (the bound's) and the hot cache of every layer; one layer's f16 scratch for prompts;
+        # selection's lists, slots and scores; L3's keys when selection scans them
+        summaries = 0 if keys_dev else n_seq * max_pages * b["summary"]
+        return (L * (n1 * b["l1"] + summaries + hot_bytes(n_kv, hd, r, n3, keys_dev))
+                + max_pages * ps * n_kv * hd * 2 * 2 + n_kv * max_pages * 12 + (l3_keys if keys_dev else 0))
+
+    # the hot cache shrinks (to a quarter at most) where the budget cannot hold it whole: L3's keys come first
     r = hot_slots(select)
-    # L1, the key summaries and the hot cache of every layer; one layer's f16 scratch for prompts; selection's
-    # lists, slots and scores
-    fixed = (L * (n1 * b["l1"] + n_seq * max_pages * b["summary"] + hot_bytes(n_kv, hd, r, n3))
-             + max_pages * ps * n_kv * hd * 2 * 2 + n_kv * max_pages * 12)
+    while device_room is not None and fixed_bytes(r) > device_room and r >= 64 and r > hot_slots(select) // 4:
+        r //= 2
+    fixed = fixed_bytes(r)
     per_l2_page = L * (b["l2"] + b["off"])
     if l2 is None:
         if device_room is None:
@@ -133,14 +156,16 @@ def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: in
         l2 = min(l2_pages * ps, n_ctx)
     n2 = n_seq * (2 + -(-l2 // ps))
     device = fixed + n2 * per_l2_page
-    host = L * n3 * (b["l3"] + b["off"])
+    host = L * n3 * (b["l3"] + b["off"]) - (l3_keys if keys_dev else 0)
     if device_room is not None and device > device_room:
+        hint = (f"; of that, L3's keys for the keys scorer take {gib(l3_keys)} (kv_scorer 'bound' keeps them in host "
+                "memory)" if keys_dev else "")
         raise InvalidArgumentError(f"the KV tiers need {gib(device)} of GPU memory (L1 {l1}, L2 {l2} tokens), "
-                                   f"{gib(device_room)} is left in the budget")
+                                   f"{gib(device_room)} is left in the budget{hint}")
     if host_budget is not None and host > host_budget:
         raise InvalidArgumentError(f"L3 of {n_ctx} tokens needs {gib(host)} of host memory, over the host memory "
                                    f"budget of {gib(host_budget)}")
-    return TierPlan(l1, l2, select, r, n1, n2, n3, device, host)
+    return TierPlan(l1, l2, select, r, n1, n2, n3, device, host, scorer)
 
 
 class TieredKv:
@@ -155,23 +180,32 @@ class TieredKv:
         self.t_l2 = [{"kc": cp.zeros((tp.n2, n_kv, ps, hd), cp.uint8), "ks": cp.zeros((tp.n2, n_kv, ps, hd // 32), cp.uint16),
                       "vc": cp.zeros((tp.n2, n_kv, ps, hd), cp.uint8), "vs": cp.zeros((tp.n2, n_kv, ps, hd // 32), cp.uint16),
                       "off": cp.zeros((tp.n2, n_kv * hd), cp.float32)} for _ in range(self.n_gpu)]
-        # L3 in mapped pinned host memory, one allocation a layer: K codes, K scales, V codes, V scales, offsets
+        # L3 in mapped pinned host memory, one allocation a layer: K codes, K scales, V codes, V scales, offsets;
+        # the keys' parts (codes, scales, offsets) in device memory instead when selection scans them
         sizes = {"kc": tp.n3 * n_kv * ps * hd // 2, "ks": tp.n3 * n_kv * ps * hd // 16,
                  "vc": tp.n3 * n_kv * ps * hd // 2, "vs": tp.n3 * n_kv * ps * hd // 16, "off": tp.n3 * n_kv * hd * 4}
+        on_host = [k for k in sizes if not tp.keys_on_device or k in ("vc", "vs")]
         self.t_l3 = []
         for _ in range(self.n_gpu):
-            mem = Pinned(np.uint8, sum(-(-n // 256) * 256 for n in sizes.values()))
+            mem = Pinned(np.uint8, sum(-(-sizes[k] // 256) * 256 for k in on_host))
             at, ptrs = 0, {"mem": mem}
             for k, n in sizes.items():
-                ptrs[k] = (mem.dev_ptr + at, mem.array[at:at + n])
-                at += -(-n // 256) * 256
+                if k in on_host:
+                    ptrs[k] = (mem.dev_ptr + at, mem.array[at:at + n])
+                    at += -(-n // 256) * 256
+                else:
+                    dev = cp.zeros(n, cp.uint8)
+                    ptrs[k] = (dev.data.ptr, dev)
             self.t_l3.append(ptrs)
-        self.t_summary = [cp.zeros((self.n_seq_max, self.max_pages, 2, n_kv, hd), cp.uint16) for _ in range(self.n_gpu)]
-        # the hot cache of L3 pages (kernels/attention_tiered.cu tier_hot_assign), a set of slots a layer
-        r = tp.hot_slots
-        self.t_hot = [{"kc": cp.zeros((n_kv, r, ps, hd // 2), cp.uint8), "ks": cp.zeros((n_kv, r, ps, hd // 32), cp.uint16),
+        # the key summaries for the bound (none for the keys scorer)
+        self.t_summary = (None if tp.keys_on_device else
+                          [cp.zeros((self.n_seq_max, self.max_pages, 2, n_kv, hd), cp.uint16) for _ in range(self.n_gpu)])
+        # the hot cache of L3 pages (kernels/attention_tiered.cu tier_hot_assign), a set of slots a layer (values
+        # only where L3's keys are in device memory)
+        r, rk = tp.hot_slots, 0 if tp.keys_on_device else tp.hot_slots
+        self.t_hot = [{"kc": cp.zeros((n_kv, rk, ps, hd // 2), cp.uint8), "ks": cp.zeros((n_kv, rk, ps, hd // 32), cp.uint16),
                        "vc": cp.zeros((n_kv, r, ps, hd // 2), cp.uint8), "vs": cp.zeros((n_kv, r, ps, hd // 32), cp.uint16),
-                       "off": cp.zeros((n_kv, r, hd), cp.float32), "slot_of": cp.full((tp.n3, n_kv), -1, cp.int32),
+                       "off": cp.zeros((n_kv, rk, hd), cp.float32), "slot_of": cp.full((tp.n3, n_kv), -1, cp.int32),
                        "owner": cp.full((n_kv, r), -1, cp.int32), "hand": cp.zeros(n_kv, cp.int32)}
                       for _ in range(self.n_gpu)]
         self.t_hot_stats = cp.zeros(3, cp.uint64)  # hits, misses, fills (page-head-layers)
@@ -181,8 +215,12 @@ class TieredKv:
         self.t_slots = cp.full((1, n_kv, self.max_pages), -1, cp.int32)
         self.t_counts = cp.zeros((1, n_kv), cp.int32)
         self.t_scores = cp.zeros((1, n_kv, self.max_pages), cp.float32)
-        # tier_score's blocks a KV head: a chunk of up to 64 pages each
-        self.t_score_chunks = max(1, min(64, -(-self.max_pages // 64)))
+        # tier_score's blocks a KV head: a chunk of up to 64 pages each for the bound; for the keys scan, whose pages
+        # take a warp each, from a page a warp up to four blocks an SM over the KV heads
+        if tp.keys_on_device:
+            self.t_score_chunks = max(1, min(-(-self.max_pages // 8), 4 * self.sms // n_kv))
+        else:
+            self.t_score_chunks = max(1, min(64, -(-self.max_pages // 64)))
         self.t_scratch_k = cp.zeros((self.max_pages, n_kv, ps, hd), cp.uint16)  # a prompt's keys widened to f16
         self.t_scratch_v = cp.zeros((self.max_pages, n_kv, ps, hd), cp.uint16)
         self.t_identity = cp.arange(self.max_pages, dtype=cp.int32)  # the scratch's page table
@@ -209,7 +247,8 @@ class TieredKv:
             l1_k=self.t_l1_k[il].data.ptr, l1_v=self.t_l1_v[il].data.ptr,
             l2_kc=l2["kc"].data.ptr, l2_ks=l2["ks"].data.ptr, l2_vc=l2["vc"].data.ptr, l2_vs=l2["vs"].data.ptr,
             l2_off=l2["off"].data.ptr, l3_kc=l3["kc"][0], l3_ks=l3["ks"][0], l3_vc=l3["vc"][0], l3_vs=l3["vs"][0],
-            l3_off=l3["off"][0], summary=self.t_summary[il].data.ptr, page_tables=self.tables.data.ptr,
+            l3_off=l3["off"][0], summary=0 if self.t_summary is None else self.t_summary[il].data.ptr,
+            page_tables=self.tables.data.ptr,
             row_seq=self.row_seq.data.ptr, pos=self.pos.data.ptr, lists=self.t_lists.data.ptr,
             counts=self.t_counts.data.ptr, scores=self.t_scores.data.ptr, part_acc=self.quant_part.data.ptr,
             part_ml=self.quant_part.data.ptr + 4 * self.quant_split * n_head * s["head_dim"],
@@ -218,6 +257,7 @@ class TieredKv:
             slots=self.t_slots.data.ptr, hot_stats=self.t_hot_stats.data.ptr, table_stride=self.max_pages,
             list_stride=self.max_pages, n_head=n_head, n_head_kv=s["n_head_kv"], page_size=TIERED_BLOCK_SIZE,
             l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"],
+            keys_scan=int(tp.scorer == "keys"), l3_keys_dev=int(tp.keys_on_device), kb_mean=0 if self.key_bias[il] is None else self.key_bias[il][5].data.ptr,
             **self._key_bias_fields(il), **self._tier_rope_fields(il))
         for k, v in fields.items():
             p[k] = v
@@ -238,7 +278,7 @@ class TieredKv:
         table and key summaries."""
         p = self.t_params[il].copy()
         p["page_tables"] = self.tables[seq].data.ptr
-        p["summary"] = self.t_summary[il][seq].data.ptr
+        p["summary"] = 0 if self.t_summary is None else self.t_summary[il][seq].data.ptr
         return p
 
     def _tier_fn(self, name: str):
@@ -393,7 +433,8 @@ class TieredKv:
                             per = arr.size // self.kv_tiers.n3
                             arr[j * per:(j + 1) * per] = arr[i * per:(i + 1) * per]
                         self.t_hot[il]["slot_of"][j] = -1  # (new rows at L3 index j: no slot holds them)
-                    self.t_summary[il][dst, k] = self.t_summary[il][src, k]
+                    if self.t_summary is not None:
+                        self.t_summary[il][dst, k] = self.t_summary[il][src, k]
                 pages.append((t, j))
         self.t_pages[dst] = pages
         self.seq_len_[dst] = n
@@ -411,7 +452,7 @@ class TieredKv:
         L = self.n_gpu
         return {"l1": (used[0], used[0] * L * b["l1"]), "l2": (used[1], used[1] * L * b["l2"]),
                 "l3": (used[2], used[2] * L * b["l3"]),
-                "meta_bytes": L * ((used[1] + used[2]) * (b["off"] + b["summary"])),
+                "meta_bytes": L * (used[1] + used[2]) * (b["off"] + (0 if self.t_summary is None else b["summary"])),
                 "moved": (self.t_stats["demoted_l2"], self.t_stats["demoted_l3"])}
 
     def kv_prefetch_stats(self) -> dict[str, int] | None:

@@ -49,7 +49,7 @@ ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "attention_keys.cu", "attention.cu
 # Attention over the quantized KV cache: its sources, and the switches for head size and group size.
 QUANT_ATTENTION_SOURCES = ("norm.cu", "rope_kv.cu", "kv_quant.cu", "attention_quant.cu")
 # The tiered KV cache's kernels (selection, attention, moves between tiers), built on the quantized cache's.
-TIERED_SOURCES = (*QUANT_ATTENTION_SOURCES, "attention_tiered.cu", "kv_tiers.cu")
+TIERED_SOURCES = (*QUANT_ATTENTION_SOURCES, "attention_tiered.cu", "tier_select.cu", "kv_tiers.cu")
 
 
 def attention_options(hd: int, group: int) -> tuple[str, ...]:

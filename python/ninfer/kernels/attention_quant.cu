@@ -154,6 +154,22 @@ struct QattSmem {
     int last_block;
 };
 
+// A warp's q8_0 codes (4 a word, qc [HD / 4]) and f16-rounded scales (qd [HD / 32]) of the row x [HD] in shared
+// memory: a query as the integer dot products with quantized keys take it (the CPU's quantize_act).
+__device__ __forceinline__ void warp_quant_q8_row(const float* x, int* qc, float* qd) {
+    const int lane = threadIdx.x & 31;
+    for (int b = 0; b < QATT_NB; ++b) {
+        float d;
+        const int qi = quant_q8_lane(x[b * 32 + lane], &d);
+        // pack 4 codes a word: lanes 4k..4k+3 into word 8b + k
+        u32 word = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) word |= (u32)(__shfl_sync(0xffffffffu, qi, (lane & 7) * 4 + k) & 255) << (8 * k);
+        if (lane < 8) qc[b * 8 + lane] = (int)word;
+        if (lane == 0) qd[b] = f16_round(d);
+    }
+}
+
 // The group's queries of (row, KV head g) into S.qf rotated into the cache's basis, and quantized to q8_0 (S.qc,
 // S.qd) for the integer dot products. Ends with __syncthreads.
 __device__ void qatt_query(QattSmem& S, const float* q, int row, int n_head, int g) {
@@ -165,16 +181,7 @@ __device__ void qatt_query(QattSmem& S, const float* q, int row, int n_head, int
         for (int i = lane; i < HD; i += WARP) S.qf[h][i] = S.qu[h][i] = __ldcg(src + i);
         __syncwarp();
         warp_hadamard(S.qf[h], HD, HD & -HD);
-        for (int b = 0; b < NB; ++b) {
-            float d;
-            const int qi = quant_q8_lane(S.qf[h][b * 32 + lane], &d);
-            // pack 4 codes a word: lanes 4k..4k+3 into word 8b + k
-            u32 word = 0;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) word |= (u32)(__shfl_sync(0xffffffffu, qi, (lane & 7) * 4 + k) & 255) << (8 * k);
-            if (lane < 8) S.qc[h][b * 8 + lane] = (int)word;
-            if (lane == 0) S.qd[h][b] = f16_round(d);
-        }
+        warp_quant_q8_row(S.qf[h], S.qc[h], S.qd[h]);
     }
     __syncthreads();
 }
@@ -359,9 +366,11 @@ __device__ __forceinline__ void qatt_values(const QattSmem& S, long long cell, i
     }
 }
 
-// The q8_0 dot products of the group's queries with a stored quantized K row (codes kc, scales ks).
+// The q8_0 dot products of the group's queries (codes qc, scales qd: warp_quant_q8_row's) with a stored quantized
+// K row (codes kc, scales ks).
 template <int KT>
-__device__ __forceinline__ void qatt_dots(const QattSmem& S, const u8* kc, const u16* ks, float (&dot)[QATT_NG]) {
+__device__ __forceinline__ void qatt_dots(const int (&qc)[QATT_NG][QATT_HD / 4], const float (&qd)[QATT_NG][QATT_NB],
+                                          const u8* kc, const u16* ks, float (&dot)[QATT_NG]) {
 #pragma unroll
     for (int h = 0; h < QATT_NG; ++h) dot[h] = 0.0f;
 #pragma unroll
@@ -373,8 +382,8 @@ __device__ __forceinline__ void qatt_dots(const QattSmem& S, const u8* kc, const
         for (int h = 0; h < QATT_NG; ++h) {
             int sumi = 0;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) sumi = __dp4a(w[i], S.qc[h][b * 8 + i], sumi);
-            dot[h] = __fadd_rn(dot[h], __fmul_rn(__fmul_rn((float)sumi, dk), S.qd[h][b]));
+            for (int i = 0; i < 8; ++i) sumi = __dp4a(w[i], qc[h][b * 8 + i], sumi);
+            dot[h] = __fadd_rn(dot[h], __fmul_rn(__fmul_rn((float)sumi, dk), qd[h][b]));
         }
     }
 }
@@ -464,7 +473,7 @@ __device__ void attend_quant(const QAttnParams& P) {
 #pragma unroll
             for (int h = 0; h < NG; ++h) off[h] += lane == 0 ? S.sink[h] : 0.0f;
         float dot[NG];
-        qatt_dots<KT>(S, P.k_codes + cell * KCB, P.k_scales + cell * NB, dot);
+        qatt_dots<KT>(S.qc, S.qd, P.k_codes + cell * KCB, P.k_scales + cell * NB, dot);
 #pragma unroll
         for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
         if (KT == KVQ_Q4 && P.kb_slots) {  // what q4_0 keys were stored without: the key bias' share

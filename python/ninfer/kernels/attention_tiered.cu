@@ -11,10 +11,12 @@
 // min and max of its rotated keys [2][n_kv][HD] f16, taken when the page leaves L1.
 //
 // A decode step per layer after the q/k/v projections:
-// - tier_score: RoPE (rope_kv's for a rotated cache: the roped query, the new rows rotated in k_rows / v_rows), and
-//   with tier_select per KV head the pages to read, ascending: every page, or (select > 0 and more old
-//   pages than the budget) the sink, the budget's best old pages by the bound sum_d max(q_d min_d, q_d max_d)
-//   taken over the group's query heads, and the L1 pages (plan_blocks in cpu/attention_tiered.rs);
+// - tier_score (tier_select.cu): RoPE (rope_kv's for a rotated cache: the roped query, the new rows rotated in
+//   k_rows / v_rows), and with tier_select per KV head the pages to read, ascending: every page, or (select > 0 and
+//   more old pages than the budget) the sink, the budget's best old pages, and the L1 pages (plan_blocks in
+//   cpu/attention_tiered.rs), ranked by their keys (keys_scan: the largest q·k over a page's stored keys, as the
+//   CPU's key_scan; L3's keys then in device memory) or by Quest's bound sum_d max(q_d min_d, q_d max_d) from their
+//   summaries, taken over the group's query heads;
 // - attention_tiered: attention_quant's split decode over those pages, each 32-key tile read in its page's tier
 //   (L1 f16 keys dotted in f32 with the f16-rounded query, L2/L3 by q8_0 integer dots plus q·offset), the block
 //   holding the new position storing its rows into L1 first; splits merged by log-sum-exp (qatt_finish).
@@ -90,6 +92,11 @@ struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TAT
     float eps, theta_scale, freq_scale, ext_factor, corr_lo, corr_hi, mscale, q_scale;
     const float* k_scales;    // the cache's key scales [n_head_kv][HD] (rust kv/key_scales.rs); null: none
     const float* q_unscales;  // their inverses, for the queries
+    // the keys scorer (keys_scan 1; 0: Quest's bound): L3's keys lack the key bias, and its mean over a page's slots
+    // [n_head_kv][HD] (unrotated; null without a bias) gives each L3 page its share
+    const float* kb_mean;
+    int keys_scan;
+    int l3_keys_dev;  // L3's K codes, scales and offsets are in device memory: hot slots hold its values only
 };
 
 __device__ __forceinline__ KeyBiasRef tier_key_bias(const TAttnParams& P) {
@@ -145,257 +152,6 @@ __device__ __forceinline__ TierWindow tier_window(const TAttnParams& P, int p) {
     return w;
 }
 
-// A decode step's RoPE and each old page's bound on q·k for (row, KV head g) into scores[row][g][page - 1]: grid
-// (n_head_kv, chunks, rows), 256 threads. Every block ropes its group's queries from the raw projections (as rope_kv
-// does: one launch a layer fewer than a separate RoPE) and rotates them into the cache's basis; the first chunk's
-// block also writes them roped to q and the new token's rotated K and V rows to k_rows / v_rows for attention. Each
-// block scores a chunk of the pages, four lanes a page (so a warp has eight pages' loads in flight at once and a
-// page's sum needs two shuffles a query head): lane j of a quad reads the summary's 8-element pieces j, j + 4, ...
-// with 16-byte loads (its query elements then sit in other banks than its quad's).
-extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P) {
-    constexpr int HD = QATT_HD, NG = QATT_NG, PIECES = HD / 8 / 4, RK = (HD + 63) / 64;
-    static_assert(HD % 32 == 0, "a quad's lanes take whole 8-element pieces");
-    __shared__ float qs[NG][HD];
-    __shared__ float rows[2][HD];  // the new K and V rows (the writer block)
-    const int g = blockIdx.x, row = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int p = P.pos[row];
-    // (the angles depend on the position alone: computed before the wait, as attention.cu's step does)
-    const RopeCS cs = rope_cs<RK>(p, P.rope_dims, P.theta_scale, P.freq_scale,
-                                  {P.ext_factor, P.corr_lo, P.corr_hi, P.mscale});
-    grid_dep_launch();
-    const TierWindow w = tier_window(P, p);
-    const int per = (w.n_old + gridDim.y - 1) / gridDim.y, a = blockIdx.y * per, b = min(w.n_old, a + per);
-    const bool scoring = !w.all && a < b, writer = blockIdx.y == 0;
-    if (!scoring && !writer) return;
-    // (the summaries change between steps, never inside one: the first chunk's loads go out before the wait)
-    const long long sstride = 2LL * P.n_head_kv * HD;  // a page's summary
-    const u16* summ = P.summary + (long long)P.row_seq[row] * P.table_stride * sstride;
-    const int quad = threadIdx.x >> 2, j = threadIdx.x & 3;
-    uint4 x[PIECES], y[PIECES];
-    const auto load_summary = [&](int i) {
-        const uint4* lo = (const uint4*)(summ + (i < b ? i + 1 : 1) * sstride + (long long)g * HD);
-        const uint4* hi = (const uint4*)((const u16*)lo + (long long)P.n_head_kv * HD);
-#pragma unroll
-        for (int c = 0; c < PIECES; ++c) {
-            x[c] = lo[4 * c + j];
-            y[c] = hi[4 * c + j];
-        }
-    };
-    if (scoring) load_summary(a + quad);
-    grid_dep_wait();
-    const float* src = P.qkv + (long long)row * P.qkv_stride;
-    for (int h = warp; h < NG + (writer ? 2 : 0); h += 8) {
-        float* v = h < NG ? qs[h] : rows[h - NG];
-        if (h < NG) {
-            const int head = g * NG + h;
-            rope_load_head<RK>(v, src + head * HD, P.bias_q ? P.bias_q + head * HD : nullptr, P.q_norm, P.eps, HD,
-                               cs, P.rope_dims, P.neox, P.q_unscales ? P.q_unscales + g * HD : nullptr);
-            float* dst = P.q + ((long long)row * P.n_head + head) * HD;
-            for (int i = lane; i < HD; i += WARP) {
-                v[i] = P.q_scale != 1.0f ? v[i] * P.q_scale : v[i];
-                if (writer) dst[i] = v[i];
-            }
-            __syncwarp();
-            if (scoring) warp_hadamard(v, HD, HD & -HD);
-        } else if (h == NG) {
-            rope_load_head<RK>(v, src + P.n_head * HD + g * HD, P.bias_k ? P.bias_k + g * HD : nullptr, P.k_norm,
-                               P.eps, HD, cs, P.rope_dims, P.neox, P.k_scales ? P.k_scales + g * HD : nullptr);
-            store_rotated(v, HD, P.k_rows + ((long long)row * P.n_head_kv + g) * HD);
-        } else {
-            load_head(v, src + (P.n_head + P.n_head_kv) * HD + g * HD, P.bias_v ? P.bias_v + g * HD : nullptr, HD);
-            store_rotated(v, HD, P.v_rows + ((long long)row * P.n_head_kv + g) * HD);
-        }
-    }
-    if (!scoring) return;
-    __syncthreads();
-    float* scores = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    for (int i0 = a; i0 < b; i0 += 64) {
-        const int i = i0 + quad;
-        const bool on = i < b;
-        if (i0 != a) load_summary(i);
-        float part[NG];
-#pragma unroll
-        for (int h = 0; h < NG; ++h) part[h] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < PIECES; ++c) {
-            const u32 xs[4] = {x[c].x, x[c].y, x[c].z, x[c].w}, ys[4] = {y[c].x, y[c].y, y[c].z, y[c].w};
-            const int d0 = 8 * (4 * c + j);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float lo_e = h2f((u16)(xs[e / 2] >> (16 * (e % 2)))), hi_e = h2f((u16)(ys[e / 2] >> (16 * (e % 2))));
-#pragma unroll
-                for (int h = 0; h < NG; ++h) part[h] += fmaxf(qs[h][d0 + e] * lo_e, qs[h][d0 + e] * hi_e);
-            }
-        }
-        float best = -INFINITY;
-#pragma unroll
-        for (int h = 0; h < NG; ++h) {
-            float v = part[h];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            best = fmaxf(best, v);
-        }
-        if (on && j == 0) scores[i] = best;
-    }
-}
-
-// The hot cache's slots for the chosen pages picks[0 .. n) of KV head g (a tier_select block): an L3 page whose
-// rows a slot holds reads them there (a hit); the others (misses) take the slots no hit holds, in ring order from
-// the head's hand (the oldest filled first), evicting what they held, and attention fills them as it reads the
-// page from host memory. Misses past the free slots read host memory only. L1/L2 picks get no slot.
-__device__ void tier_hot_assign(const TAttnParams& P, int g, const int* table, const int* picks, int* slots, int n) {
-    __shared__ u32 used[HOT_MAX_SLOTS / 32];
-    __shared__ short miss_at[HOT_MAX_SLOTS];
-    __shared__ int n_hit, n_miss;
-    const int tid = threadIdx.x, R = P.hot_slots;
-    for (int i = tid; i < n; i += SELECT_THREADS) slots[i] = -1;
-    if (R == 0) return;
-    for (int i = tid; i < R / 32; i += SELECT_THREADS) used[i] = 0;
-    if (tid == 0) n_hit = n_miss = 0;
-    __syncthreads();
-    int* owner = P.hot_owner + (long long)g * R;
-    for (int i = tid; i < n; i += SELECT_THREADS) {
-        const int entry = table[picks[i]];
-        if (entry >> TIER_SHIFT != 2) continue;
-        const int idx = entry & TIER_INDEX_MASK, s = P.hot_slot_of[(long long)idx * P.n_head_kv + g];
-        if (s >= 0 && owner[s] == idx) {
-            slots[i] = s;
-            atomicOr(&used[s >> 5], 1u << (s & 31));
-            atomicAdd(&n_hit, 1);
-        } else {
-            const int m = atomicAdd(&n_miss, 1);
-            if (m < HOT_MAX_SLOTS) miss_at[m] = (short)i;
-        }
-    }
-    __syncthreads();
-    if (tid < 32) {  // warp 0: the k-th miss takes the k-th slot no hit holds, from the hand on
-        const int lane = tid, need = min(n_miss, R - n_hit), hand = P.hot_hand[g];
-        int taken = 0;
-        for (int c = 0; c < R && taken < need; c += 32) {
-            const int s = (hand + c + lane) % R;
-            const bool free = c + lane < R && !(used[s >> 5] >> (s & 31) & 1u);
-            const u32 ballot = __ballot_sync(0xffffffffu, free);
-            const int k = taken + __popc(ballot & ((1u << lane) - 1u));
-            if (free && k < need) {
-                const int i = miss_at[k], idx = table[picks[i]] & TIER_INDEX_MASK;
-                const int old = owner[s];
-                if (old >= 0 && P.hot_slot_of[(long long)old * P.n_head_kv + g] == s)
-                    P.hot_slot_of[(long long)old * P.n_head_kv + g] = -1;
-                owner[s] = idx;
-                P.hot_slot_of[(long long)idx * P.n_head_kv + g] = s;
-                slots[i] = s | HOT_FILL;
-                if (k == need - 1) P.hot_hand[g] = (s + 1) % R;  // (the last miss's lane; hand was read above)
-            }
-            taken += __popc(ballot);
-        }
-        if (lane == 0) {
-            atomicAdd(&P.hot_stats[0], (unsigned long long)n_hit);
-            atomicAdd(&P.hot_stats[1], (unsigned long long)n_miss);
-            atomicAdd(&P.hot_stats[2], (unsigned long long)need);
-        }
-    }
-}
-
-// The pages (row, KV head g) reads this step, ascending, into lists; their number into counts: every page, or the
-// sink, the budget's best old pages by tier_score's bounds (the budget-th largest found a byte at a time from the
-// top, a radix select; ties taken in page order) and the L1 pages. Grid (n_head_kv, rows), SELECT_THREADS threads,
-// 4 * min(pages, TIER_MAX_LIST) bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const TAttnParams P) {
-    extern __shared__ u32 keys[];  // the scores as order-preserving keys
-    __shared__ u32 hist[256];
-    __shared__ int scan[SELECT_THREADS / 32];
-    __shared__ u32 pick_digit, pick_rank, pick_count;
-    const int g = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    grid_dep_wait();
-    grid_dep_launch();  // (after the wait: attention_tiered reads tier_score's query and rows before its own)
-    const TierWindow w = tier_window(P, P.pos[row]);
-    int* list = P.lists + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    if (w.all) {  // (every page read as it is stored: no slots)
-        for (int i = tid; i <= w.last; i += SELECT_THREADS) {
-            list[i] = i;
-            slots[i] = -1;
-        }
-        if (tid == 0) P.counts[row * P.n_head_kv + g] = w.n_list();
-        return;
-    }
-    const int n_old = w.n_old;
-    const float* src = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    for (int i = tid; i < n_old; i += SELECT_THREADS) keys[i] = score_key(src[i]);
-    // rank: of the wanted key among those matching prefix (under mask), from the top. A byte whose bin is taken
-    // whole ends the search: the bits below it decide nothing (the same pages as every byte would give).
-    u32 prefix = 0, mask = 0, rank = w.budget;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = tid; i < 256; i += SELECT_THREADS) hist[i] = 0;
-        __syncthreads();
-        for (int i = tid; i < n_old; i += SELECT_THREADS) {
-            const u32 k = keys[i];
-            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
-        }
-        __syncthreads();
-        if (warp == 0) {  // lane l holds bins 255 - 8l .. 248 - 8l, counted from the top
-            u32 c[8], tot = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) tot += (c[j] = hist[255 - 8 * lane - j]);
-            u32 incl = tot;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const u32 n = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += n;
-            }
-            const u32 excl = incl - tot;
-            if (excl < rank && rank <= incl) {
-                u32 run = excl;
-                for (int j = 0; j < 8; ++j) {
-                    if (run + c[j] >= rank) {
-                        pick_digit = 255 - 8 * lane - j;
-                        pick_rank = rank - run;
-                        pick_count = c[j];
-                        break;
-                    }
-                    run += c[j];
-                }
-            }
-        }
-        __syncthreads();
-        prefix |= pick_digit << shift;
-        mask |= 255u << shift;
-        rank = pick_rank;
-        const bool whole = pick_count == pick_rank;
-        __syncthreads();
-        if (whole) break;
-    }
-    // keys above the threshold, and the first `rank` equal to it, in page order: each thread a run of pages (its
-    // counts of both in one scan: at most TIER_MAX_LIST each, they share a word)
-    const int per = (n_old + SELECT_THREADS - 1) / SELECT_THREADS, a = min(n_old, tid * per), b = min(n_old, a + per);
-    int n_gt = 0, n_eq = 0;
-    for (int i = a; i < b; ++i) {
-        const u32 k = keys[i] & mask;
-        n_gt += k > prefix;
-        n_eq += k == prefix;
-    }
-    int total;
-    const int before = block_scan(n_gt | n_eq << 16, scan, &total);
-    const int gt_before = before & 0xffff, eq_before = before >> 16;
-    int at = 1 + gt_before + min(eq_before, (int)rank), eq_seen = eq_before;
-    for (int i = a; i < b; ++i) {
-        const u32 k = keys[i] & mask;
-        if (k > prefix || (k == prefix && eq_seen++ < (int)rank)) list[at++] = i + 1;
-    }
-    const int n_recent = w.last - w.recent_start + 1;
-    for (int i = tid; i < n_recent; i += SELECT_THREADS) {
-        list[1 + w.budget + i] = w.recent_start + i;
-        slots[1 + w.budget + i] = -1;
-    }
-    if (tid == 0) {
-        list[0] = 0;
-        slots[0] = -1;
-        P.counts[row * P.n_head_kv + g] = w.n_list();
-    }
-    __syncthreads();
-    tier_hot_assign(P, g, P.page_tables + (long long)P.row_seq[row] * P.table_stride, list + 1, slots + 1, w.budget);
-}
-
 // The new token's rotated K and V rows into its L1 page at position p (warp 0 the key, warp 1 the value).
 __device__ void tier_store_new_row(const TAttnParams& P, int row, int g, int p, const int* table) {
     constexpr int HD = QATT_HD;
@@ -431,7 +187,8 @@ __device__ __forceinline__ void load_v_f16(const u16* row, int e0, float v[N]) {
 
 // A warp copies a 32-key tile of an L3 page (its first cell c0) from host memory into a hot slot (first cell h0),
 // K and V codes and scales, 16 bytes a lane at a time so that every bus read is whole, and the page's K offset
-// (from offs into hot_offs); read back by the same warp after __syncwarp.
+// (from offs into hot_offs); only V's codes and scales where L3's keys are in device memory (l3_keys_dev); read back
+// by the same warp after __syncwarp.
 __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0, long long h0, const float* offs,
                                               float* hot_offs) {
     constexpr int HD = QATT_HD, CODE_V = 32 * (HD / 2) / 16, SCALE_V = 32 * (HD / 32) * 2 / 16;
@@ -440,33 +197,36 @@ __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0
     const uint4* src_vc = (const uint4*)(P.l3_vc + c0 * (HD / 2));
     uint4* dst_kc = (uint4*)(P.hot_kc + h0 * (HD / 2));
     uint4* dst_vc = (uint4*)(P.hot_vc + h0 * (HD / 2));
+    const bool keys = !P.l3_keys_dev;
     uint4 a[CODE_V / 32], b[CODE_V / 32];
 #pragma unroll
     for (int i = 0; i < CODE_V / 32; ++i) {
-        a[i] = src_kc[lane + 32 * i];
+        if (keys) a[i] = src_kc[lane + 32 * i];
         b[i] = src_vc[lane + 32 * i];
     }
     const uint4* src_ks = (const uint4*)(P.l3_ks + c0 * (HD / 32));
     const uint4* src_vs = (const uint4*)(P.l3_vs + c0 * (HD / 32));
-    uint4 ka, va;
+    uint4 ka = make_uint4(0, 0, 0, 0), va;
     if (lane < SCALE_V) {
-        ka = src_ks[lane];
+        if (keys) ka = src_ks[lane];
         va = src_vs[lane];
     }
     float o[HD / 32];
 #pragma unroll
-    for (int j = 0; j < HD / 32; ++j) o[j] = offs[lane + 32 * j];
+    for (int j = 0; j < HD / 32; ++j) o[j] = keys ? offs[lane + 32 * j] : 0.0f;
 #pragma unroll
     for (int i = 0; i < CODE_V / 32; ++i) {
-        dst_kc[lane + 32 * i] = a[i];
+        if (keys) dst_kc[lane + 32 * i] = a[i];
         dst_vc[lane + 32 * i] = b[i];
     }
     if (lane < SCALE_V) {
-        ((uint4*)(P.hot_ks + h0 * (HD / 32)))[lane] = ka;
+        if (keys) ((uint4*)(P.hot_ks + h0 * (HD / 32)))[lane] = ka;
         ((uint4*)(P.hot_vs + h0 * (HD / 32)))[lane] = va;
     }
+    if (keys) {
 #pragma unroll
-    for (int j = 0; j < HD / 32; ++j) hot_offs[lane + 32 * j] = o[j];
+        for (int j = 0; j < HD / 32; ++j) hot_offs[lane + 32 * j] = o[j];
+    }
     __syncwarp();
 }
 
@@ -511,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
         const int entry = table[page], tier = entry >> TIER_SHIFT, idx = entry & TIER_INDEX_MASK;
         const int key0 = page * PS + within;
         const bool live = key0 + lane <= p;
-        long long cell = ((long long)idx * P.n_head_kv + g) * PS + within + lane;
+        long long cell = ((long long)idx * P.n_head_kv + g) * PS + within + lane, vcell = cell;  // (K's, V's)
         // where this tile's quantized rows are read: L2's pools, L3's (host memory), or a hot slot
         const u8 *kc = P.l2_kc, *vc = P.l2_vc;
         const u16 *ks = P.l2_ks, *vs = P.l2_vs;
@@ -525,9 +285,13 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
                 // (both tiles of a page write its K offset, the same bytes: the second then reads it with its
                 // codes, not after them in a second trip over the bus)
                 if (slot & HOT_FILL) tier_hot_fill(P, cell - lane, hot0, offs, hot_offs);
-                offs = hot_offs;
-                kc = P.hot_kc, vc = P.hot_vc, ks = P.hot_ks, vs = P.hot_vs;
-                cell = hot0 + lane;
+                vc = P.hot_vc, vs = P.hot_vs;
+                vcell = hot0 + lane;
+                if (!P.l3_keys_dev) {
+                    offs = hot_offs;
+                    kc = P.hot_kc, ks = P.hot_ks;
+                    cell = vcell;
+                }
             }
         }
         float dot[NG];
@@ -557,8 +321,8 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
                 for (int i = lane; i < HD; i += WARP) d = fmaf(S.qf[h][i], offs[i], d);
                 off[h] = warp_sum(d);
             }
-            if (tier == 1) qatt_dots<KVQ_Q8>(S, kc + cell * HD, ks + cell * NB, dot);
-            else qatt_dots<KVQ_Q4>(S, kc + cell * (HD / 2), ks + cell * NB, dot);
+            if (tier == 1) qatt_dots<KVQ_Q8>(S.qc, S.qd, kc + cell * HD, ks + cell * NB, dot);
+            else qatt_dots<KVQ_Q4>(S.qc, S.qd, kc + cell * (HD / 2), ks + cell * NB, dot);
 #pragma unroll
             for (int h = 0; h < NG; ++h) dot[h] = __fadd_rn(dot[h], off[h]);
             if (tier == 2 && P.kb_slots) {  // L3's keys were stored without the key bias: its share
@@ -576,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
 #pragma unroll
         for (int h = 0; h < NG; ++h) sc[h] = live ? __fmul_rn(dot[h], P.scale) : -INFINITY;
         qatt_softmax_tile(S, sc, m, s, acc);
-        qatt_values(S, cell, min(32, p + 1 - key0), acc, [&](long long cj, int e0, float* v) {
+        qatt_values(S, vcell, min(32, p + 1 - key0), acc, [&](long long cj, int e0, float* v) {
             if (tier == 0) load_v_f16<DPL>(P.l1_v + cj * HD, e0, v);
             else if (tier == 1) load_v<KVQ_Q8, DPL>(vc + cj * HD, vs + cj * NB, e0, v);
             else load_v<KVQ_Q4, DPL>(vc + cj * (HD / 2), vs + cj * NB, e0, v);

@@ -60,8 +60,10 @@ __device__ void tier_demote(const TAttnParams& P, int src, int si, int di, int s
                     hi = fmaxf(hi, x);
                 }
                 off[j] = (float)(sum / (double)PS);
-                summ[e] = f2h(lo);
-                summ[(long long)P.n_head_kv * HD + e] = f2h(hi);
+                if (P.summary) {  // (none with the keys scorer)
+                    summ[e] = f2h(lo);
+                    summ[(long long)P.n_head_kv * HD + e] = f2h(hi);
+                }
             }
         } else {
 #pragma unroll
