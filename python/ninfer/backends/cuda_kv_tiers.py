@@ -473,7 +473,8 @@ class TieredKv:
 
     def set_kv_select(self, select: int) -> None:
         """Read `select` tokens of L2/L3 a decode step from the next one on (0: all); the cache as it is (and its hot
-        cache's slots, sized for the budget it was made with: misses past them read host memory)."""
+        cache's slots, sized for the budget it was made with: misses past them read host memory). A cache made
+        without selection keeps L3's keys in host memory, where the keys scorer then reads them over the bus."""
         if self.kv_tiers is None:
             raise InvalidArgumentError("the KV cache is not tiered: it has no selection budget")
         self._drain()
