@@ -187,8 +187,10 @@ __device__ __forceinline__ void load_v_f16(const u16* row, int e0, float v[N]) {
 
 // A warp copies a 32-key tile of an L3 page (its first cell c0) from host memory into a hot slot (first cell h0),
 // K and V codes and scales, 16 bytes a lane at a time so that every bus read is whole, and the page's K offset
-// (from offs into hot_offs); only V's codes and scales where L3's keys are in device memory (l3_keys_dev); read back
-// by the same warp after __syncwarp.
+// (from offs into hot_offs); read back by the same warp after __syncwarp. KEYS false: V's codes and scales only
+// (L3's keys in device memory, l3_keys_dev). (Two instances, not a runtime switch inside one: the switch cost
+// attention_tiered 44 registers at 128:5.)
+template <bool KEYS>
 __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0, long long h0, const float* offs,
                                               float* hot_offs) {
     constexpr int HD = QATT_HD, CODE_V = 32 * (HD / 2) / 16, SCALE_V = 32 * (HD / 32) * 2 / 16;
@@ -197,33 +199,34 @@ __device__ __forceinline__ void tier_hot_fill(const TAttnParams& P, long long c0
     const uint4* src_vc = (const uint4*)(P.l3_vc + c0 * (HD / 2));
     uint4* dst_kc = (uint4*)(P.hot_kc + h0 * (HD / 2));
     uint4* dst_vc = (uint4*)(P.hot_vc + h0 * (HD / 2));
-    const bool keys = !P.l3_keys_dev;
     uint4 a[CODE_V / 32], b[CODE_V / 32];
 #pragma unroll
     for (int i = 0; i < CODE_V / 32; ++i) {
-        if (keys) a[i] = src_kc[lane + 32 * i];
+        if (KEYS) a[i] = src_kc[lane + 32 * i];
         b[i] = src_vc[lane + 32 * i];
     }
     const uint4* src_ks = (const uint4*)(P.l3_ks + c0 * (HD / 32));
     const uint4* src_vs = (const uint4*)(P.l3_vs + c0 * (HD / 32));
-    uint4 ka = make_uint4(0, 0, 0, 0), va;
+    uint4 ka, va;
     if (lane < SCALE_V) {
-        if (keys) ka = src_ks[lane];
+        if (KEYS) ka = src_ks[lane];
         va = src_vs[lane];
     }
     float o[HD / 32];
+    if (KEYS) {
 #pragma unroll
-    for (int j = 0; j < HD / 32; ++j) o[j] = keys ? offs[lane + 32 * j] : 0.0f;
+        for (int j = 0; j < HD / 32; ++j) o[j] = offs[lane + 32 * j];
+    }
 #pragma unroll
     for (int i = 0; i < CODE_V / 32; ++i) {
-        if (keys) dst_kc[lane + 32 * i] = a[i];
+        if (KEYS) dst_kc[lane + 32 * i] = a[i];
         dst_vc[lane + 32 * i] = b[i];
     }
     if (lane < SCALE_V) {
-        if (keys) ((uint4*)(P.hot_ks + h0 * (HD / 32)))[lane] = ka;
+        if (KEYS) ((uint4*)(P.hot_ks + h0 * (HD / 32)))[lane] = ka;
         ((uint4*)(P.hot_vs + h0 * (HD / 32)))[lane] = va;
     }
-    if (keys) {
+    if (KEYS) {
 #pragma unroll
         for (int j = 0; j < HD / 32; ++j) hot_offs[lane + 32 * j] = o[j];
     }
@@ -284,7 +287,8 @@ extern "C" __global__ void __launch_bounds__(32 * QATT_WARPS) attention_tiered(c
                 float* hot_offs = P.hot_off + ((long long)g * P.hot_slots + (slot & ~HOT_FILL)) * HD;
                 // (both tiles of a page write its K offset, the same bytes: the second then reads it with its
                 // codes, not after them in a second trip over the bus)
-                if (slot & HOT_FILL) tier_hot_fill(P, cell - lane, hot0, offs, hot_offs);
+                if ((slot & HOT_FILL) && P.l3_keys_dev) tier_hot_fill<false>(P, cell - lane, hot0, offs, hot_offs);
+                else if (slot & HOT_FILL) tier_hot_fill<true>(P, cell - lane, hot0, offs, hot_offs);
                 vc = P.hot_vc, vs = P.hot_vs;
                 vcell = hot0 + lane;
                 if (!P.l3_keys_dev) {
