@@ -67,9 +67,10 @@ def test_disconnect_mid_stream_stops_generation_and_frees_kv(server: InProcessSe
     # From the moment the server saw the hang-up, at most the step already running produced a token.
     assert after["ninfer:tokens_after_cancel_total"] - before["ninfer:tokens_after_cancel_total"] <= 1
     # Tokens generated beyond what the client read: the steps run while /metrics was read and the hang-up
-    # travelled, plus at most the one in flight; nowhere near the 400 asked for.
+    # travelled, plus at most the one in flight; nowhere near the 400 asked for (a loaded 2-core VM ran 8 such
+    # steps, where a quiet one runs 2-4: the bound that matters is the one on tokens after the cancel, above).
     extra = after["ninfer:tokens_predicted_total"] - before["ninfer:tokens_predicted_total"] - received
-    assert 0 <= extra <= 6, extra
+    assert 0 <= extra <= 16, extra
     still_serving(server.base, AUTH)
 
 
