@@ -99,7 +99,8 @@ class TierPlan:
              f"  L3 q4_0, host    the rest   {self.n3} pages   {gib(self.host_bytes):>11}"),
             f"  hot cache of L3 pages{' (their values)' if self.keys_on_device else ''}, device   "
             f"{self.hot_slots} pages a KV head and layer",
-            f"  device: pools, offsets, key summaries, prompt scratch   {gib(self.device_bytes):>11}",
+            f"  device: pools, offsets, {'L3 keys' if self.keys_on_device else 'key summaries'}, prompt scratch   "
+            f"{gib(self.device_bytes):>11}",
             "  selection: " + (f"{self.select} tokens of L2/L3 a step, pages ranked by their {self.scorer}"
                                if self.select else "every page (exact)")])
 
