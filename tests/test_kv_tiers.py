@@ -123,7 +123,8 @@ def test_gpu_key_bias_tables_settle_the_slow_pairs(qwen05_path: Path) -> None:
     n_kv, hd, half = s["n_head_kv"], s["head_dim"], s["rope_dims"] // 2
     t = next(t for t in mf.tensors if t.name == s["layers"][0]["bk"])
     bias = np.ascontiguousarray(mf.dequantized(t).reshape(-1), np.float32)
-    slots, turns, fast, slow = _core.key_bias_tables(s, 0, bias, 32, 1024)
+    slots, turns, fast, slow, mean = _core.key_bias_tables(s, 0, bias, 32, 1024)
+    np.testing.assert_allclose(mean, slots.mean(axis=0), rtol=1e-6, atol=1e-6)
     assert slots.shape == (32, n_kv * hd) and turns.shape == (1024 // 32 * half * 2,)
     assert fast.shape[0] == n_kv and 0 < fast.shape[1] < half
     for g in range(n_kv):

@@ -114,16 +114,14 @@ class QuantKv:
                 self.key_bias.append(None)
                 continue
             bias = cp.asnumpy(lw["bk"] if lw["k_scales"] is None else lw["bk"] * lw["k_scales"]).astype(np.float32)
-            slots, turns, fast, slow = _core.key_bias_tables(s, il, bias,
-                                                             page_size, self.n_ctx)
+            slots, turns, fast, slow, mean = _core.key_bias_tables(s, il, bias, page_size, self.n_ctx)
             ls = s["layers"][il]
             rope = (ls.get("rope_base"), ls.get("rope_freq_scale"))
             if rope not in turns_by_rope:
                 turns_by_rope[rope] = cp.asarray(turns)
             # [page][n_kv * hd] -> [n_kv][hd][page]: a warp's keys (consecutive slots) read one line an element
             slots_t = cp.asarray(np.ascontiguousarray(slots.reshape(page_size, n_kv, hd).transpose(1, 2, 0)))
-            # the mean over a page's slots [n_kv][hd] (the tiered keys scorer's share for an L3 page)
-            mean = slots.reshape(page_size, n_kv * hd).astype(np.float64).mean(axis=0).astype(np.float32)
+            # (mean: the slots' mean [n_kv * hd], the tiered keys scorer's share for an L3 page)
             self.key_bias.append((slots_t, turns_by_rope[rope], cp.asarray(fast), cp.asarray(slow), fast.shape[1],
                                   cp.asarray(mean)))
 

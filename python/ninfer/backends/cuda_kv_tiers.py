@@ -258,7 +258,8 @@ class TieredKv:
             slots=self.t_slots.data.ptr, hot_stats=self.t_hot_stats.data.ptr, table_stride=self.max_pages,
             list_stride=self.max_pages, n_head=n_head, n_head_kv=s["n_head_kv"], page_size=TIERED_BLOCK_SIZE,
             l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"],
-            keys_scan=int(tp.scorer == "keys"), l3_keys_dev=int(tp.keys_on_device), kb_mean=0 if self.key_bias[il] is None else self.key_bias[il][5].data.ptr,
+            keys_scan=int(tp.scorer == "keys"), l3_keys_dev=int(tp.keys_on_device),
+            kb_mean=0 if self.key_bias[il] is None else self.key_bias[il][5].data.ptr,
             **self._key_bias_fields(il), **self._tier_rope_fields(il))
         for k, v in fields.items():
             p[k] = v

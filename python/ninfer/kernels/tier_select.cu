@@ -22,22 +22,15 @@ __device__ void tier_scan_keys(const TAttnParams& P, int row, int g, int a, int 
         float off[NG], share[NG];
 #pragma unroll
         for (int h = 0; h < NG; ++h) {
-            float d = 0.0f, m = 0.0f;
+            float d = 0.0f;
             if (offs)
                 for (int e = lane; e < HD; e += WARP) d = fmaf(qs[h][e], offs[e], d);
-            if (mean_share) {  // the query turned back by the page start's angles (BiasTerm::turn_query) · the mean
-                const float* mu = P.kb_mean + g * HD;
-                const float2* turn = P.kb_turns + (long long)page * P.kb_half;
-                for (int k = lane; k < P.kb_half; k += WARP) {
-                    const int ea = P.kb_neox ? k : 2 * k, eb = P.kb_neox ? k + P.kb_half : 2 * k + 1;
-                    const float2 cs = turn[k];
-                    const float qa = qp[h][ea], qb = qp[h][eb];
-                    m = fmaf(qa * cs.x + qb * cs.y, mu[ea], fmaf(qb * cs.x - qa * cs.y, mu[eb], m));
-                }
-                for (int e = 2 * P.kb_half + lane; e < HD; e += WARP) m = fmaf(qp[h][e], mu[e], m);
-            }
             off[h] = warp_sum(d);
-            share[h] = warp_sum(m);
+        }
+        if (mean_share) {  // q·R(p0)(the mean bias): kbias_slow_share's product with the mean for its table
+            KeyBiasRef mean = tier_key_bias(P);
+            mean.slow = P.kb_mean;
+            kbias_slow_share<HD, NG>(mean, qp, g, page, share);
         }
         float best = -INFINITY;
         for (int t = 0; t < PS; t += 32) {

@@ -2,7 +2,7 @@
 //! CUDA backend's quantized caches, computed by the CPU engine's own code (so both backends store the same keys).
 
 use ninfer_core::cpu::rope::{block_start_turns, roped_bias_slots, RopeParams};
-use ninfer_core::kv::key_bias::{pair, settle_slow_pairs};
+use ninfer_core::kv::key_bias::{pair, settle_slow_pairs, slot_mean};
 use ninfer_core::model::Model;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
@@ -12,15 +12,16 @@ use crate::errors::to_py;
 use crate::gguf::PyGgufFile;
 use crate::spec;
 
-/// A layer's key bias tables: (slots, turns, fast, slow).
-type Tables<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<f32>>, Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<f32>>);
+/// A layer's key bias tables: (slots, turns, fast, slow, mean).
+type Tables<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<f32>>, Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<f32>>,
+                    Bound<'py, PyArray1<f32>>);
 
 /// The tables of layer `layer`'s key bias `bias` ([n_head_kv * head_dim] f32) for pages of `page_size` positions and
 /// a context of `n_ctx`: (slots [page_size][n_head_kv * head_dim], the bias roped to each slot of a page starting at
 /// position 0, its slow pairs settled to their page mean (`settle_slow_pairs`); turns [n_pages][rope_dims] as (cos,
 /// sin) pairs of each page start's angles without RoPE's magnitude; fast [n_head_kv][most fast pairs of a head, at
 /// least 1], each head's fast pairs ascending, then -1; slow [n_head_kv * head_dim], the settled part of a slot's
-/// row, zero in the fast pairs).
+/// row, zero in the fast pairs; mean [n_head_kv * head_dim], the slots' mean as the CPU's keys scorer takes it).
 #[pyfunction]
 fn key_bias_tables<'py>(
     py: Python<'py>,
@@ -54,9 +55,10 @@ fn key_bias_tables<'py>(
         }
     }
     let turns: Vec<f32> = block_start_turns(&p, s.rope_dims, page_size, n_ctx).into_iter().flat_map(|(c, sn)| [c, sn]).collect();
+    let mean = slot_mean(&slots, kd, page_size);
     let slots = slots.into_pyarray(py).reshape([page_size, kd])?;
     let fast_table = fast_table.into_pyarray(py).reshape([s.n_head_kv, n_fast])?;
-    Ok((slots, turns.into_pyarray(py), fast_table, slow.into_pyarray(py)))
+    Ok((slots, turns.into_pyarray(py), fast_table, slow.into_pyarray(py), mean.into_pyarray(py)))
 }
 
 /// The key scales of a KV cache with 4-bit keys (`Model::key_scales`) for the model `file` of `spec`: per layer, None or

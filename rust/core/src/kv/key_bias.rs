@@ -115,6 +115,16 @@ pub fn pair(i: usize, half: usize, neox: bool) -> (usize, usize) {
     }
 }
 
+/// The mean of c_t over a block's slots (`slots` [block_size][kd]), [kd]: R(p0) of it is a block's mean bias (the
+/// keys scorer's share for a block whose keys lack the bias; the CUDA backend's table too).
+pub fn slot_mean(slots: &[f32], kd: usize, block_size: usize) -> Vec<f32> {
+    let mut mean = vec![0.0f32; kd];
+    for row in slots.chunks_exact(kd) {
+        mean.iter_mut().zip(row).for_each(|(m, &x)| *m += x / block_size as f32);
+    }
+    mean
+}
+
 /// One layer's key bias as `KeyBias::new` takes it, roped by the model's RoPE (`Model::key_bias`).
 pub struct LayerBiasTables {
     /// rope(b_k, t) for t in 0..block_size: [block_size][n_head_kv * head_dim].
@@ -143,10 +153,7 @@ impl KeyBias {
                         columns[e * block_size + t] = x; // (e = g * head_dim + d)
                     }
                 }
-                let mut mean = vec![0.0f32; kd];
-                for row in l.slots.chunks_exact(kd) {
-                    mean.iter_mut().zip(row).for_each(|(m, &x)| *m += x / block_size as f32);
-                }
+                let mean = slot_mean(&l.slots, kd, block_size);
                 Some(LayerBias { slots: l.slots, columns, mean, starts: l.starts })
             })
             .collect();
