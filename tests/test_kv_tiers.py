@@ -20,6 +20,8 @@ def test_tier_settings_are_checked(smollm2_path: Path) -> None:
         (dict(kv_l1=128, kv_l2=128, no_l3_cache=True), "no_l3_cache keeps every older token in L2: leave kv_l2"),
         (dict(kv_l1=128, kv_scorer="bound"), "kv_scorer ranks blocks for selection: give kv_select too"),
         (dict(kv_l1=128, kv_select=64, kv_scorer="best"), "kv_scorer 'best' is not one of keys, bound"),
+        (dict(kv_l1=128, kv_rescan=4), "kv_rescan paces the ranking of blocks for selection: give kv_select too"),
+        (dict(kv_l1=128, kv_select=64, kv_rescan=0), "kv_rescan must be an integer >= 1, got 0"),
         (dict(kv_l1=32), "kv_l1 must be at least one block of 64 tokens, got 32"),
         (dict(kv_l1=128, cache_type_k="q8_0"), "the tiered KV cache sets its own precisions"),
         (dict(kv_l1=-1), "kv_l1 must be an integer >= 0, got -1"),

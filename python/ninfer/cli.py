@@ -83,6 +83,10 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
                    help="how --kv-select ranks the older blocks: keys, the largest q·k over each block's stored keys "
                         "(the default; on cuda L3's keys then stay in GPU memory), or bound, Quest's bound from each "
                         "block's key minimum and maximum (cheaper, less accurate in real text)")
+    g.add_argument("--kv-rescan", type=int, default=None, metavar="N",
+                   help="rank every older block once every N decode steps and, between, only the last ranking's "
+                        "best 4x --kv-select tokens and the blocks that became older since (default: 8 on the CPU; "
+                        "1: every step, the CUDA tiered cache's way)")
     g.add_argument("--no-l3-cache", action="store_true",
                    help="no L3 tier: every block older than L1 stays in L2 (q8_0; on cuda in GPU memory)")
     g.add_argument("--host-mem-budget", default=None, metavar="SIZE",
@@ -91,10 +95,11 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_tier_kwargs(args: argparse.Namespace) -> dict:
-    """LLM's kv_l1, kv_l2, kv_select, kv_l3_file, no_l3_cache, kv_scorer and host_mem_budget arguments from the
-    flags above."""
+    """LLM's kv_l1, kv_l2, kv_select, kv_l3_file, no_l3_cache, kv_scorer, kv_rescan and host_mem_budget arguments
+    from the flags above."""
     return {"kv_l1": args.kv_l1, "kv_l2": args.kv_l2, "kv_select": args.kv_select, "kv_l3_file": args.kv_l3_file,
-            "no_l3_cache": args.no_l3_cache, "kv_scorer": args.kv_scorer, "host_mem_budget": args.host_mem_budget}
+            "no_l3_cache": args.no_l3_cache, "kv_scorer": args.kv_scorer, "kv_rescan": args.kv_rescan,
+            "host_mem_budget": args.host_mem_budget}
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:

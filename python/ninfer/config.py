@@ -20,6 +20,10 @@ CACHE_TYPES: dict[str, tuple[int, float]] = {
 
 
 KV_SCORERS = ("keys", "bound")
+# Decode steps one ranking of every older block serves on the CPU (kv_rescan): the steps between rank its shortlist
+# of 4x the budget's blocks. At 8, the 0.5B's teacher-forced KL and top-1 at 4K are those of ranking every step, and
+# a step at depth 16K costs two thirds (BENCHMARKS.md, "Ranking every older block every few steps").
+DEFAULT_KV_RESCAN = 8
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class EngineConfig:
     # How selection ranks older blocks: "keys" (the largest q·k over a block's stored keys) or "bound" (Quest's bound
     # from its key summary); None: the backend's own (keys on the CPU; the CUDA tiered cache has bound only).
     kv_scorer: str | None = None
+    # Decode steps one ranking of every older block serves; the steps between rank its shortlist (4x the budget's
+    # best blocks) and the blocks that became older since. None: the backend's own (DEFAULT_KV_RESCAN on the CPU;
+    # the CUDA tiered cache ranks every page at every step).
+    kv_rescan: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "kv_block_size"):
@@ -108,6 +116,11 @@ class EngineConfig:
             raise InvalidArgumentError(f"kv_scorer '{self.kv_scorer}' is not one of {', '.join(KV_SCORERS)}")
         if self.kv_scorer is not None and not self.kv_select:
             raise InvalidArgumentError("kv_scorer ranks blocks for selection: give kv_select too")
+        if self.kv_rescan is not None:
+            if not isinstance(self.kv_rescan, int) or isinstance(self.kv_rescan, bool) or self.kv_rescan < 1:
+                raise InvalidArgumentError(f"kv_rescan must be an integer >= 1, got {self.kv_rescan!r}")
+            if not self.kv_select:
+                raise InvalidArgumentError("kv_rescan paces the ranking of blocks for selection: give kv_select too")
         if self.no_l3_cache and (self.kv_l2 or self.kv_l3_file):
             raise InvalidArgumentError("no_l3_cache keeps every older token in L2: leave kv_l2 and kv_l3_file unset")
         if self.tiered:

@@ -23,7 +23,7 @@ import numpy as np
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
-from ninfer.config import CACHE_TYPES, EngineConfig, RopeConfig, SamplingParams, stop_strings
+from ninfer.config import CACHE_TYPES, DEFAULT_KV_RESCAN, EngineConfig, RopeConfig, SamplingParams, stop_strings
 from ninfer.embeddings import embed_job
 from ninfer.engine import Backend, EngineCore, GenParams, Job, Limits, Request, Result
 from ninfer.engine.speculative import DraftProposer, NgramProposer, SpecConfig, Speculator, check_vocab
@@ -100,6 +100,7 @@ class LLM:
         kv_l3_file: str | os.PathLike[str] | None = None,
         no_l3_cache: bool = False,
         kv_scorer: str | None = None,
+        kv_rescan: int | None = None,
         host_mem_budget: int | str | None = None,
         rope_scaling: str | None = None,
         rope_scale: float | None = None,
@@ -130,7 +131,10 @@ class LLM:
         no_l3_cache=True keeps every older block in L2 (on the device, on cuda): no L3 and no host reads.
         kv_scorer: how selection ranks older blocks, "keys" (the largest q·k over each block's stored keys; the
         default; on cuda it keeps L3's keys in GPU memory, its values in host memory) or "bound" (Quest's bound from
-        each block's key minimum and maximum: cheaper, less accurate in real text).
+        each block's key minimum and maximum: cheaper, less accurate in real text). kv_rescan: decode steps one
+        ranking of every older block serves (the CPU's default 8; 1: rank them all every step); the steps between
+        rank its shortlist, the best 4x kv_select tokens' blocks, and the blocks that became older since. The CUDA
+        tiered cache ranks every step.
 
         RoPE (llama.cpp's --rope-* and --yarn-* flags, the same meanings; None: the model file's setting):
         rope_scaling "none", "linear" or "yarn"; rope_scale N stretches the trained context N times (or
@@ -146,7 +150,7 @@ class LLM:
         self.config = EngineConfig(
             n_ctx=n_ctx, threads=threads, n_batch=n_batch, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
             kv_l1=kv_l1, kv_l2=kv_l2, kv_select=kv_select, kv_l3_file=None if kv_l3_file is None else str(kv_l3_file),
-            no_l3_cache=no_l3_cache, kv_scorer=kv_scorer,
+            no_l3_cache=no_l3_cache, kv_scorer=kv_scorer, kv_rescan=kv_rescan,
         )
         self.rope = RopeConfig(
             rope_scaling=rope_scaling, rope_scale=rope_scale, rope_freq_base=rope_freq_base,
@@ -173,6 +177,9 @@ class LLM:
 
             if self.config.kv_l3_file is not None:
                 raise InvalidArgumentError("kv_l3_file is the CPU backend's L3 ring; on cuda L3 is pinned host memory")
+            if (self.config.kv_rescan or 1) > 1:
+                raise InvalidArgumentError("kv_rescan > 1 is the CPU backend's: the CUDA tiered cache ranks every "
+                                           "older page at every step")
             tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.l2_tokens, "kv_select": self.config.kv_select,
                       "kv_scorer": self.config.kv_scorer or "keys"} if self.config.tiered else None)
             self.backend: Backend = CudaEngine(
@@ -195,6 +202,7 @@ class LLM:
                 kv_select=self.config.kv_select,
                 kv_l3_file=self.config.kv_l3_file,
                 kv_scorer=self.config.kv_scorer or "keys",
+                kv_rescan=self.config.kv_rescan or DEFAULT_KV_RESCAN,
                 n_seq_max=n_seq_max,
             )
         self.n_seq_max = n_seq_max

@@ -32,9 +32,11 @@ impl PyEngine {
     #[new]
     /// kv_l1 > 0 makes the KV cache tiered (`ninfer_core::kv::tiers`): kv_l1 newest tokens in f16, the next kv_l2
     /// in q8_0, older ones in q4_0 in the L3 ring (anonymous memory, or the file kv_l3_file); a decode step reads
-    /// kv_select tokens of the older tiers (0: all). The cache types must then be f16.
+    /// kv_select tokens of the older tiers (0: all), ranking every older block once every kv_rescan steps and the
+    /// last ranking's shortlist between. The cache types must then be f16.
     #[pyo3(signature = (file, spec, *, threads, n_ctx, n_seq_max=1, block_size=256, k_type=1, v_type=1, kv_l1=0,
-                        kv_l2=0, kv_select=0, kv_l3_file=None, kv_scorer="keys"))]
+                        kv_l2=0, kv_select=0, kv_l3_file=None, kv_scorer="keys",
+                        kv_rescan=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -51,6 +53,7 @@ impl PyEngine {
         kv_select: usize,
         kv_l3_file: Option<std::path::PathBuf>,
         kv_scorer: &str,
+        kv_rescan: usize,
     ) -> PyResult<Self> {
         let scorer = BlockScorer::parse(kv_scorer)
             .ok_or_else(|| PyValueError::new_err(format!("kv_scorer '{kv_scorer}' is not one of keys, bound")))?;
@@ -71,7 +74,11 @@ impl PyEngine {
             };
             let mut kv = match kv_l1 {
                 0 => KvCache::new(cfg)?,
-                l1 => KvCache::new_tiered(cfg, TierConfig { l1, l2: kv_l2, select: kv_select, l3_file: kv_l3_file, scorer })?,
+                l1 => {
+                    let tiers =
+                        TierConfig { l1, l2: kv_l2, select: kv_select, l3_file: kv_l3_file, scorer, rescan: kv_rescan };
+                    KvCache::new_tiered(cfg, tiers)?
+                }
             };
             let model = Model::load(&file, spec, threads)?;
             if kv.stores_q4_keys() {  // (4-bit keys: their error is worth moving and their bias out)

@@ -7,7 +7,9 @@
 //! step (a sequence's only row in the batch) with `select` > 0, the old part is cut to the sink and the best
 //! `select` tokens' worth of blocks, ranked
 //! per KV head over its query heads by the tier settings' `BlockScorer`: the largest q·k over each block's stored
-//! keys, or Quest's bound from the block's key summary (element-wise min and max: sum_d max(q_d min_d, q_d max_d)).
+//! keys, or Quest's bound from the block's key summary (element-wise min and max: sum_d max(q_d min_d, q_d max_d)):
+//! every older block once every `rescan` steps, and between only that ranking's shortlist and the blocks that
+//! became older since (`kv::shortlist`).
 
 use std::collections::HashMap;
 
@@ -15,7 +17,8 @@ use rayon::prelude::*;
 
 use crate::cpu::attention::{attention_tiled, in_stored_basis, AttnShape, KeyBiasScores, OnlineSoftmax, TILED_MIN_ROWS};
 use crate::cpu::RowOrder;
-use crate::kv::{BlockScorer, KvCache, SeqId};
+use crate::kv::shortlist::SHORTLIST_BUDGETS;
+use crate::kv::{BlockScorer, KvCache, SeqId, Shortlist};
 use crate::quant::simd::{tile_kernel, vec_ops, MatmulPos};
 use crate::quant::math::dot_lanes;
 use crate::quant::{dequantize_row, quantize_act, vec_dot, GgmlType};
@@ -175,8 +178,21 @@ pub fn plan_blocks(
     if !decode || tiers.select == 0 || older.len() <= budget {
         return BlockPlan { old: sink.into_iter().chain(older).collect(), recent };
     }
+    // Between rankings of every older block (every `rescan` steps), the last one's shortlist and the blocks that
+    // have become older since.
+    let listed = kv.shortlist(layer, seq, g, pos).map(|list| {
+        let mut blocks: Vec<usize> = list.blocks.into_iter().filter(|b| (first.max(1)..recent_start).contains(b)).collect();
+        blocks.extend(list.end.max(first.max(1))..recent_start);
+        blocks.sort_unstable();
+        blocks.dedup();
+        blocks
+    });
+    let (candidates, full) = match listed {
+        Some(blocks) if blocks.len() > budget => (blocks, false),
+        _ => (older, true),
+    };
     let scores = match tiers.scorer {
-        BlockScorer::Keys => key_scan(kv, layer, seq, &older, qg, g, shape),
+        BlockScorer::Keys => key_scan(kv, layer, seq, &candidates, qg, g, shape),
         BlockScorer::Bound => {
             let dk = shape.head_dim;
             let bound = |b: usize| {
@@ -184,11 +200,19 @@ pub fn plan_blocks(
                 let (lo, hi) = (&lo[g * dk..(g + 1) * dk], &hi[g * dk..(g + 1) * dk]);
                 qg.chunks_exact(dk).map(|q| box_bound(q, lo, hi)).fold(f32::NEG_INFINITY, f32::max)
             };
-            older.iter().map(|&b| bound(b)).collect()
+            candidates.iter().map(|&b| bound(b)).collect()
         }
     };
-    let mut scored: Vec<(f32, usize)> = scores.into_iter().zip(older.iter().copied()).collect();
-    scored.select_nth_unstable_by(budget - 1, |a, b| b.0.total_cmp(&a.0));
+    let mut scored: Vec<(f32, usize)> = scores.into_iter().zip(candidates.iter().copied()).collect();
+    let by_score = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0);
+    if full && kv.keeps_shortlists() {
+        let n = (budget * SHORTLIST_BUDGETS).min(scored.len());
+        scored.select_nth_unstable_by(n - 1, by_score);
+        let blocks = scored[..n].iter().map(|&(_, b)| b).collect();
+        kv.keep_shortlist(layer, seq, g, Shortlist { pos, end: recent_start, blocks });
+        scored.truncate(n);
+    }
+    scored.select_nth_unstable_by(budget - 1, by_score);
     let mut chosen: Vec<usize> = scored[..budget].iter().map(|&(_, b)| b).collect();
     chosen.sort_unstable();
     BlockPlan { old: sink.into_iter().chain(chosen).collect(), recent }

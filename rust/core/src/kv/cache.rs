@@ -326,11 +326,13 @@ impl KvCache {
     /// the new last block is partial and shared with another sequence and no block is free for `seq`'s own copy.
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
         let copies = self.books.truncate(seq, len)?;
+        self.forget_shortlists(seq);
         self.run(&copies)
     }
 
     /// Drop a sequence and free all its blocks.
     pub fn remove(&mut self, seq: SeqId) {
+        self.forget_shortlists(seq);
         self.books.remove(seq)
     }
 
@@ -338,6 +340,7 @@ impl KvCache {
     /// blocks and copying a partial last one: a prompt prefix computed once serves several sequences.
     pub fn fork(&mut self, src: SeqId, dst: SeqId, len: usize) -> Result<()> {
         let copies = self.books.fork(src, dst, len)?;
+        self.forget_shortlists(dst);
         self.run(&copies)
     }
 

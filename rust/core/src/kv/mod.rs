@@ -18,6 +18,7 @@ pub mod key_scales;
 pub mod prefetch;
 pub mod ring;
 pub mod rotation;
+pub mod shortlist;
 pub mod tier_config;
 pub mod tiers;
 
@@ -26,4 +27,5 @@ pub use cache::{BlockView, KvCache, KvConfig};
 pub use key_bias::{BiasTerm, KeyBias};
 pub use key_scales::KeyScales;
 pub use prefetch::PrefetchStats;
+pub use shortlist::Shortlist;
 pub use tier_config::{BlockScorer, KvMemory, TierConfig, TierUse};

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use crate::kv::blocks::Precision;
 use crate::kv::prefetch::Prefetcher;
 use crate::kv::ring::Ring;
+use crate::kv::shortlist::Shortlists;
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TierConfig {
@@ -20,6 +21,9 @@ pub struct TierConfig {
     pub l3_file: Option<PathBuf>,
     /// How selection ranks the older blocks.
     pub scorer: BlockScorer,
+    /// Decode steps one ranking of every older block serves: the steps after it, up to `rescan` - 1 of them, rank
+    /// only its shortlist (`shortlist`) and the blocks that have become older since. 0 or 1: every step ranks all.
+    pub rescan: usize,
 }
 
 /// How a decode step with selection ranks the older blocks for a KV head.
@@ -50,6 +54,8 @@ pub struct Tiers {
     /// thread joined, before the memory it reads is unmapped.)
     pub(super) prefetch: Option<Prefetcher>,
     pub(super) ring: Ring,
+    /// With selection and `rescan` > 1: what the last full rankings chose.
+    pub(super) shortlists: Shortlists,
 }
 
 /// Blocks in use in one tier and the bytes of their K and V rows.

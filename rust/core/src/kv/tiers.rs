@@ -14,6 +14,7 @@ use crate::kv::blocks::{BlockHome, Placement, Precision, SeqId};
 use crate::kv::cache::{mean_row, rotated, store_row, KvCache, KvConfig};
 use crate::kv::prefetch::{Job, PrefetchStats, Prefetcher};
 use crate::kv::ring::Ring;
+use crate::kv::shortlist::Shortlist;
 use crate::kv::tier_config::{tier, KvMemory, TierConfig, Tiers};
 use crate::quant::{dequantize_row, GgmlType};
 
@@ -44,7 +45,7 @@ impl KvCache {
         let slot = cfg.n_layer * cfg.block_size * (q4(cfg.head_dim_k)? + q4(cfg.head_dim_v)?);
         let ring = Ring::new(slot, cfg.max_blocks, tiers.l3_file.as_deref())?;
         let prefetch = (tiers.select > 0).then(Prefetcher::new);
-        kv.tiers = Some(Tiers { cfg: tiers, prefetch, ring });
+        kv.tiers = Some(Tiers { cfg: tiers, prefetch, ring, shortlists: Default::default() });
         Ok(kv)
     }
 
@@ -60,6 +61,7 @@ impl KvCache {
         match &mut self.tiers {
             Some(t) if t.prefetch.is_some() => {
                 t.cfg.select = select;
+                t.shortlists.clear();
                 Ok(())
             }
             Some(_) => Err(Error::InvalidArgument(
@@ -207,6 +209,31 @@ impl KvCache {
             })
             .collect();
         p.request(layer, jobs);
+    }
+
+    /// The shortlist a decode step at `pos` of `seq` may rank for `layer` and KV head `g` instead of every older
+    /// block (`TierConfig::rescan`); None: rank them all, then `keep_shortlist`.
+    pub fn shortlist(&self, layer: usize, seq: SeqId, g: usize, pos: usize) -> Option<Shortlist> {
+        let t = self.tiers.as_ref()?;
+        (t.cfg.rescan > 1).then(|| t.shortlists.get(seq, layer, g, pos, t.cfg.rescan)).flatten()
+    }
+
+    /// Whether decode steps keep shortlists (`rescan` > 1).
+    pub fn keeps_shortlists(&self) -> bool {
+        self.tiers.as_ref().is_some_and(|t| t.cfg.rescan > 1)
+    }
+
+    pub fn keep_shortlist(&self, layer: usize, seq: SeqId, g: usize, list: Shortlist) {
+        if let Some(t) = &self.tiers {
+            t.shortlists.keep(seq, layer, g, list);
+        }
+    }
+
+    /// Drop `seq`'s shortlists (its contents changed other than by growing).
+    pub(super) fn forget_shortlists(&self, seq: SeqId) {
+        if let Some(t) = &self.tiers {
+            t.shortlists.forget(seq);
+        }
     }
 
     /// The prefetch thread's counts; None without one (no selection).

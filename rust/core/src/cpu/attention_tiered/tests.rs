@@ -14,11 +14,15 @@ fn tiered(select: usize) -> KvCache {
 }
 
 fn tiered_by(select: usize, scorer: BlockScorer) -> KvCache {
+    tiered_with(select, scorer, 1)
+}
+
+fn tiered_with(select: usize, scorer: BlockScorer, rescan: usize) -> KvCache {
     let cfg = KvConfig {
         n_layer: 1, n_head_kv: N_HEAD_KV, head_dim_k: HD, head_dim_v: HD, k_type: GgmlType::F16,
         v_type: GgmlType::F16, block_size: 16, n_ctx: 512, max_blocks: 64,
     };
-    KvCache::new_tiered(cfg, TierConfig { l1: 32, l2: 32, select, l3_file: None, scorer }).unwrap()
+    KvCache::new_tiered(cfg, TierConfig { l1: 32, l2: 32, select, l3_file: None, scorer, rescan }).unwrap()
 }
 
 /// Keys with a common component and an outlier channel.
@@ -183,6 +187,74 @@ fn the_key_scorer_reads_the_matching_block_where_the_bound_reads_the_widest() {
             let plan = plan_blocks(&kv, 0, (0, 199), &rq[g * 2 * HD..(g + 1) * 2 * HD], g, shape(), true);
             assert_eq!(plan.old, vec![0, want], "{scorer:?}, KV head {g}");
         }
+    }
+}
+
+/// A cache of `n` positions whose keys are small but for one key of block 2 along `q`'s first query head of each
+/// KV head, one of blocks 1, 3, 4 and 6 along it half as long, one of block 5 against it, and one of block 10
+/// against it three times as long.
+fn planted(select: usize, rescan: usize, n: usize, q: &[f32]) -> KvCache {
+    let mut kv = tiered_with(select, BlockScorer::Keys, rescan);
+    for p in 0..n {
+        let mut k = crate::test_rng::uniform_floats(p as u64, N_HEAD_KV * HD, 0.1);
+        let along = match (p / 16, p % 16) {
+            (2, 5) => 2.0,
+            (1 | 3 | 4 | 6, 5) => 1.0,
+            (5, 5) => -2.0,
+            (10, 5) => -3.0,
+            _ => 0.0,
+        };
+        if along != 0.0 {
+            for g in 0..N_HEAD_KV {
+                k[g * HD..(g + 1) * HD].iter_mut().zip(&q[g * 2 * HD..]).for_each(|(x, &y)| *x = along * y);
+            }
+        }
+        let v = crate::test_rng::uniform_floats(1 << 20 | p as u64, N_HEAD_KV * HD, 1.0);
+        kv.extend(0, 1).unwrap();
+        kv.write(0, 0, p, &k, &v).unwrap();
+        kv.settle(0).unwrap();
+    }
+    kv
+}
+
+/// With rescan N, a decode step ranks every older block once every N steps; the steps between rank that
+/// ranking's shortlist (4x the budget's blocks) and the blocks that became older since: a query that turns away
+/// finds the block it matches only at the next full ranking, unless that block just became older. Truncation
+/// forgets the shortlists.
+#[test]
+fn between_full_rankings_a_step_ranks_the_last_ones_shortlist() {
+    // (each KV head's query heads alike, so that a key against one is against all)
+    let head = crate::test_rng::uniform_floats(11, 2 * HD, 1.0);
+    let q: Vec<f32> = [&head[..HD], &head[..HD], &head[HD..], &head[HD..]].concat();
+    let (mut r1, mut r2) = (q.clone(), q.iter().map(|x| -x).collect::<Vec<f32>>());
+    rotation::rotate(&mut r1, HD);
+    rotation::rotate(&mut r2, HD);
+    let old = |kv: &KvCache, pos: usize, r: &[f32], g: usize| {
+        plan_blocks(kv, 0, (0, pos), &r[g * 2 * HD..(g + 1) * 2 * HD], g, shape(), true).old
+    };
+    for g in 0..N_HEAD_KV {
+        // Ranking every step: the turned query finds block 5 at once.
+        let every = planted(16, 1, 216, &q);
+        assert_eq!(old(&every, 199, &r1, g), vec![0, 2]);
+        assert_eq!(old(&every, 200, &r2, g), vec![0, 5]);
+        // Every 4 steps: block 5 is not on the first query's shortlist (blocks 2 and three of 1, 3, 4, 6), and the
+        // turned query finds it at the ranking at 203.
+        let kv = planted(16, 4, 216, &q);
+        assert_eq!(old(&kv, 199, &r1, g), vec![0, 2]);
+        let between = old(&kv, 200, &r2, g);
+        assert_eq!(between.len(), 2);
+        assert_ne!(between[1], 5, "KV head {g}");
+        assert_eq!(old(&kv, 203, &r2, g), vec![0, 5]);
+        // Block 10 is recent at 199 and older at 215: ranked there though it is on no shortlist.
+        let kv = planted(16, 32, 216, &q);
+        assert_eq!(old(&kv, 199, &r1, g), vec![0, 2]);
+        assert_eq!(old(&kv, 215, &r2, g), vec![0, 10]);
+        // A truncated sequence ranks every block at its next step.
+        let mut kv = planted(16, 32, 216, &q);
+        assert_eq!(old(&kv, 199, &r1, g), vec![0, 2]);
+        assert_ne!(old(&kv, 200, &r2, g)[1], 5);
+        kv.truncate(0, 201).unwrap();
+        assert_eq!(old(&kv, 200, &r2, g), vec![0, 5]);
     }
 }
 
