@@ -4,6 +4,7 @@ agreement with the dense f16 cache (issue 51's accuracy table, BENCHMARKS.md "Ti
 
     python3 dev/kv-select-sweep.py MODEL --tokens 16384 [--depths 0.1,0.3,0.5,0.7,0.9] [--threads 2]
         [--tiers 1024,2048] [--budgets 0,256,512,1024,2048,4096] [--forced 64] [--needles 4 --haystack TEXT]
+        [--rescan N]
     python3 dev/kv-select-sweep.py MODEL --tokens 16384 --quiz 10 --haystack TEXT [--llama-server BIN [--llama-cpp-only]] [...]
 
 Per prompt (a passkey prompt, key at each depth, keys from a fixed seed):
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="with --quiz: llama.cpp's answers from this llama-server")
     ap.add_argument("--llama-cpp-only", action="store_true",
                     help="with --quiz and --llama-server: only llama.cpp's row (ninfer's caches not run)")
+    ap.add_argument("--rescan", type=int, default=None,
+                    help="the tiered cache's kv_rescan (default: the CPU's; 1: every step ranks every older block)")
     a = ap.parse_args()
     if a.quiz and not a.haystack:
         ap.error("--quiz needs --haystack")
@@ -100,7 +103,7 @@ def main() -> None:
     n_ctx = a.tokens + a.forced + 256
     dense = LLM(a.model, n_ctx=n_ctx, threads=a.threads)
     tiered = None if a.llama_cpp_only else LLM(a.model, n_ctx=n_ctx, threads=a.threads, kv_l1=l1, kv_l2=l2,
-                                               kv_select=max(budgets))
+                                               kv_select=max(budgets), kv_rescan=a.rescan)
     depths = [float(d) for d in a.depths.split(",")]
     haystack = open(a.haystack, encoding="utf-8").read() if a.haystack else None
     if a.quiz:

@@ -18,6 +18,7 @@ from ninfer.synth import write_synthetic
 PROMPT = [(7 * i * i + 3 * i + 11) % 150000 for i in range(450)]
 ROWS = [0, 63, 64, 200, 320, 449]
 TIERS = {"kv_l1": 128, "kv_l2": 128}
+SELECT = {"kv_rescan": 1}  # (the GPU ranks every old page at every step; the CPU's default ranks every 8th)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_prompt_logits_over_the_tiers_follow_the_cpus(model: Path) -> None:
 @pytest.mark.parametrize("select,scorer", [(0, None), (128, "keys"), (128, "bound")])
 def test_decode_over_the_tiers_agrees_with_the_cpu(model: Path, select: int, scorer: str | None) -> None:
     # 400 prompt tokens and 64 steps: pages move L1 -> L2 -> L3 during decode too (the step at 447 ages page 4)
-    kw = dict(TIERS, kv_select=select, **({"kv_scorer": scorer} if scorer else {}))
+    kw = dict(TIERS, kv_select=select, **({"kv_scorer": scorer} if scorer else {}), **(SELECT if select else {}))
     cpu, gpu, margins = teacher_forced(model, PROMPT[:400], 64, cpu_kw=kw, **kw)
     differ = [i for i in range(64) if gpu[i] != cpu[i]]
     # Exact over the tiers (select 0), the rounding of the quantized cache's test. With selection two pages whose
@@ -63,7 +64,7 @@ def test_decode_over_the_tiers_agrees_with_the_cpu(model: Path, select: int, sco
 def test_the_keys_scorer_reads_what_the_cpus_reads(model: Path) -> None:
     """Decode steps' logits with the keys scorer follow the CPU's keys scorer far more closely than the GPU's own
     bound does: the pages the keys scan ranks first are the CPU's, and they are not the bound's."""
-    kw = dict(TIERS, kv_select=128)
+    kw = dict(TIERS, kv_select=128, **SELECT)
     steps = {(dev, scorer): decode_logits(model, PROMPT[:400], PROMPT[:64], dev, kv_scorer=scorer, **kw)
              for dev in ("cpu", "cuda") for scorer in ("keys", "bound")}
     same = nmse(steps["cuda", "keys"], steps["cpu", "keys"])
@@ -189,7 +190,7 @@ def test_key_scales_keep_the_gpus_tiers_on_the_cpus(tmp_path: Path) -> None:
     gpu = logits(uneven, "cuda", **TIERS)
     cache_err = nmse(cpu, cpu_f16)
     assert nmse(gpu, cpu) < 0.25 * cache_err + 2e-5, (nmse(gpu, cpu), cache_err)
-    kw = dict(TIERS, kv_select=128)
+    kw = dict(TIERS, kv_select=128, **SELECT)
     cpu_t, gpu_t, margins = teacher_forced(uneven, PROMPT[:400], 32, cpu_kw=kw, **kw)  # (the keys scorer on both)
     differ = [i for i in range(32) if gpu_t[i] != cpu_t[i]]
     assert all(margins[i] < 0.5 for i in differ) and len(differ) <= 3, [(i, float(margins[i])) for i in differ]
