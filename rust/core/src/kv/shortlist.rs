@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use crate::kv::SeqId;
+use crate::kv::blocks::SeqId;
 
 /// The shortlist holds this many times the budget's blocks.
 pub const SHORTLIST_BUDGETS: usize = 4;
