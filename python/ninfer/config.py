@@ -91,7 +91,7 @@ class EngineConfig:
     kv_l3_file: str | None = None
     no_l3_cache: bool = False
     # How selection ranks older blocks: "keys" (the largest q·k over a block's stored keys) or "bound" (Quest's bound
-    # from its key summary); None: the backend's own (keys on the CPU; the CUDA tiered cache has bound only).
+    # from its key summary); None: "keys" (both backends).
     kv_scorer: str | None = None
     # Decode steps one ranking of every older block serves; the steps between rank its shortlist (4x the budget's
     # best blocks) and the blocks that became older since. None: the backend's own (DEFAULT_KV_RESCAN on the CPU;

@@ -181,8 +181,9 @@ pub fn plan_blocks(
     // Between rankings of every older block (every `rescan` steps), the last one's shortlist and the blocks that
     // have become older since.
     let listed = kv.shortlist(layer, seq, g, pos).map(|list| {
-        let mut blocks: Vec<usize> = list.blocks.into_iter().filter(|b| (first.max(1)..recent_start).contains(b)).collect();
-        blocks.extend(list.end.max(first.max(1))..recent_start);
+        let older_range = first.max(1)..recent_start;
+        let mut blocks: Vec<usize> = list.blocks.into_iter().filter(|b| older_range.contains(b)).collect();
+        blocks.extend(list.end.max(older_range.start)..recent_start);
         blocks.sort_unstable();
         blocks.dedup();
         blocks
