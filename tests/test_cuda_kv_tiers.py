@@ -74,6 +74,26 @@ def test_the_keys_scorer_reads_what_the_cpus_reads(model: Path) -> None:
 
 
 @needs_cuda
+def test_ranking_every_eighth_step_reads_what_the_cpus_reads(model: Path) -> None:
+    """kv_rescan 8: the keys scorer ranks every old page at every 8th step and keeps its best 4x the budget's pages,
+    and the steps between rank those and the pages that became old since, as the CPU does (kv/shortlist.rs). With L1
+    and L2 a page each and a budget of one page, 4 of the 440-token prompt's 5 old pages make a shortlist."""
+    tiers = {"kv_l1": 64, "kv_l2": 64, "kv_select": 64}
+    steps = {(dev, r): decode_logits(model, PROMPT[:440], PROMPT[:64], dev, kv_rescan=r, **tiers)
+             for dev in ("cpu", "cuda") for r in (1, 8)}
+    every, listed = nmse(steps["cuda", 1], steps["cpu", 1]), nmse(steps["cuda", 8], steps["cpu", 8])
+    assert listed < 2 * every + 1e-4, (listed, every)
+    print(f"rescan 8: GPU against CPU NMSE {listed:.3g} (every step {every:.3g}), against the GPU's every step "
+          f"{nmse(steps['cuda', 8], steps['cuda', 1]):.3g}")
+    llm = ninfer.LLM(model, n_ctx=512, device="cuda", kv_rescan=8, **tiers)
+    llm.generate(PROMPT[:440], max_tokens=16, temperature=0, ignore_eos=True)  # (full rankings at 440 and 448)
+    meta = llm.backend.t_sl_meta.get()[:, 0]  # [layer][KV head][position, old pages, length]
+    assert (meta[..., 0] >= 448).all() and (meta[..., 1] == 5).all() and (meta[..., 2] == 4).all(), meta
+    llm.backend.truncate(0, 300)
+    assert (llm.backend.t_sl_meta.get()[:, 0, :, 0] == -1).all()
+
+
+@needs_cuda
 def test_tiers_holding_everything_in_l1_follow_the_f16_cache(model: Path) -> None:
     f16 = logits(model, "cuda")
     tiered = logits(model, "cuda", kv_l1=1024)  # every page in L1: f16, only rotated

@@ -95,7 +95,7 @@ class EngineConfig:
     kv_scorer: str | None = None
     # Decode steps one ranking of every older block serves; the steps between rank its shortlist (4x the budget's
     # best blocks) and the blocks that became older since. None: the backend's own (DEFAULT_KV_RESCAN on the CPU;
-    # the CUDA tiered cache ranks every page at every step).
+    # 1 on cuda, where the keys scorer's shortlists are not yet measured).
     kv_rescan: int | None = None
 
     def __post_init__(self) -> None:

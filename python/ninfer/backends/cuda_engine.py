@@ -100,7 +100,7 @@ class CudaEngine(WeightsAndBuffers, KvPages, DecodeGraphs, PromptLayers, QuantKv
             self.kv_tiers = plan_tiers(s, n_ctx, n_batch, n_seq_max, kv_tiers["kv_l1"],
                                        kv_tiers.get("kv_l2") or (None if gpu_mem_budget is not None else 0),
                                        kv_tiers.get("kv_select", 0), room, host_mem_budget,
-                                       kv_tiers.get("kv_scorer", "keys"))
+                                       kv_tiers.get("kv_scorer", "keys"), kv_tiers.get("kv_rescan", 1))
             self.plan = budget_mod.plan(self.tensors, s, n_ctx, n_batch, page_size, len(s["layers"]), gpu_mem_budget,
                                         n_seq_max, kv_total=self.kv_tiers.device_bytes)
         else:

@@ -60,8 +60,13 @@ TATTN_PARAMS = np.dtype(
     + [(k, "<i4") for k in ("qkv_stride", "rope_dims", "neox")]
     + [(k, "<f4") for k in ("eps", "theta_scale", "freq_scale", "ext_factor", "corr_lo", "corr_hi", "mscale",
                             "q_scale")]
-    + [(k, "<u8") for k in ("k_scales", "q_unscales", "kb_mean")] + [(k, "<i4") for k in ("keys_scan", "l3_keys_dev")],
+    + [(k, "<u8") for k in ("k_scales", "q_unscales", "kb_mean")] + [(k, "<i4") for k in ("keys_scan", "l3_keys_dev")]
+    + [(k, "<u8") for k in ("sl_pages", "sl_meta")] + [(k, "<i4") for k in ("rescan", "sl_cap")],
     align=True)
+
+# The keys scorer's shortlist between full rankings (kv_rescan > 1): this many times the budget's pages (the CPU's
+# kv/shortlist.rs SHORTLIST_BUDGETS).
+SHORTLIST_BUDGETS = 4
 
 # struct TierMoves in kernels/kv_tiers.cu: the pages one launch of tier_demote_l2 / _l3 moves.
 TIER_MOVES = 32
@@ -83,6 +88,12 @@ class TierPlan:
     device_bytes: int  # every layer's L1 and L2 pools, offsets, summaries; the prompt's f16 scratch
     host_bytes: int  # every layer's L3 pools
     scorer: str = "bound"  # "keys": selection scans the old pages' keys, so L3's keys live in device memory
+    rescan: int = 1  # the keys scorer ranks every old page once every `rescan` steps, its shortlist between
+
+    @property
+    def shortlist_pages(self) -> int:
+        """A shortlist's length (a KV head, layer and sequence): 4x the budget's pages; 0 without shortlists."""
+        return SHORTLIST_BUDGETS * -(-self.select // TIERED_BLOCK_SIZE) if self.rescan > 1 and self.keys_on_device else 0
 
     @property
     def keys_on_device(self) -> bool:
@@ -120,7 +131,7 @@ def hot_bytes(n_kv: int, hd: int, slots: int, n3: int, values_only: bool = False
 
 
 def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: int | None, select: int,
-               device_room: int | None, host_budget: int | None, scorer: str = "bound") -> TierPlan:
+               device_room: int | None, host_budget: int | None, scorer: str = "bound", rescan: int = 1) -> TierPlan:
     """The tier sizes: L1 holds l1 tokens a sequence (plus the sink page and a prompt batch's pages); L2 holds l2
     tokens, or (l2 None) as many as `device_room` bytes leave after L1, the summaries and the scratch; L3 the whole
     context (pages leave it only when their sequence ends), its keys and K offsets in device memory when selection
@@ -166,7 +177,7 @@ def plan_tiers(spec: dict, n_ctx: int, n_batch: int, n_seq: int, l1: int, l2: in
     if host_budget is not None and host > host_budget:
         raise InvalidArgumentError(f"L3 of {n_ctx} tokens needs {gib(host)} of host memory, over the host memory "
                                    f"budget of {gib(host_budget)}")
-    return TierPlan(l1, l2, select, r, n1, n2, n3, device, host, scorer)
+    return TierPlan(l1, l2, select, r, n1, n2, n3, device, host, scorer, rescan)
 
 
 class TieredKv:
@@ -216,6 +227,7 @@ class TieredKv:
         self.t_slots = cp.full((1, n_kv, self.max_pages), -1, cp.int32)
         self.t_counts = cp.zeros((1, n_kv), cp.int32)
         self.t_scores = cp.zeros((1, n_kv, self.max_pages), cp.float32)
+        self._alloc_shortlists()
         # tier_score's blocks a KV head: a chunk of up to 64 pages each for the bound; for the keys scan, whose pages
         # take a warp each, from a page a warp up to four blocks an SM over the KV heads
         if tp.keys_on_device:
@@ -228,6 +240,18 @@ class TieredKv:
         self._alloc_rotated_rows(T)  # (cuda_kv_quant.py: attention_tiered splits as attention_quant does)
         self._alloc_key_bias(TIERED_BLOCK_SIZE)
         self.t_params = [self._tier_params(il) for il in range(self.n_gpu)]
+
+    def _alloc_shortlists(self) -> None:
+        """The keys scorer's shortlists between full rankings (tier_cands in kernels/attention_tiered.cu): per layer,
+        sequence and KV head the pages and (position, old pages, length), the position -1 until a full ranking."""
+        cp, n_kv, cap = self.cp, self.spec["n_head_kv"], max(1, self.kv_tiers.shortlist_pages)
+        self.t_sl_pages = cp.zeros((self.n_gpu, self.n_seq_max, n_kv, cap), cp.int32)
+        self.t_sl_meta = cp.full((self.n_gpu, self.n_seq_max, n_kv, 3), -1, cp.int32)
+
+    def _forget_shortlists(self, seq: int) -> None:
+        """seq's contents changed other than by growing: its next step ranks every old page."""
+        if self.kv_tiers.shortlist_pages:
+            self.t_sl_meta[:, seq] = -1
 
     def _free_tiers(self) -> None:
         """Give back the pinned host memory (L3, the hot cache's counts) at close."""
@@ -260,6 +284,8 @@ class TieredKv:
             l1=tp.l1_tokens, select=tp.select, hot_slots=tp.hot_slots, scale=s["attn_scale"],
             keys_scan=int(tp.scorer == "keys"), l3_keys_dev=int(tp.keys_on_device),
             kb_mean=0 if self.key_bias[il] is None else self.key_bias[il][5].data.ptr,
+            sl_pages=self.t_sl_pages[il].data.ptr, sl_meta=self.t_sl_meta[il].data.ptr,
+            rescan=tp.rescan if tp.shortlist_pages else 1, sl_cap=self.t_sl_pages.shape[-1],
             **self._key_bias_fields(il), **self._tier_rope_fields(il))
         for k, v in fields.items():
             p[k] = v
@@ -281,6 +307,8 @@ class TieredKv:
         p = self.t_params[il].copy()
         p["page_tables"] = self.tables[seq].data.ptr
         p["summary"] = 0 if self.t_summary is None else self.t_summary[il][seq].data.ptr
+        p["sl_pages"] = self.t_sl_pages[il, seq].data.ptr
+        p["sl_meta"] = self.t_sl_meta[il, seq].data.ptr
         return p
 
     def _tier_fn(self, name: str):
@@ -337,6 +365,7 @@ class TieredKv:
         self._promote_partial(seq, n)
 
     def _tier_remove(self, seq: int) -> None:
+        self._forget_shortlists(seq)
         self._tier_truncate_pages(seq, 0)
         self.t_pages.pop(seq, None)
         self.t_l3_upto.pop(seq, None)
@@ -481,6 +510,7 @@ class TieredKv:
             raise InvalidArgumentError("the KV cache is not tiered: it has no selection budget")
         self._drain()
         self.kv_tiers = replace(self.kv_tiers, select=select)
+        self._alloc_shortlists()  # (a shortlist's length follows the budget)
         self.t_params = [self._tier_params(il) for il in range(self.n_gpu)]
         self.graphs.clear()
         self._op_lists.clear()

@@ -44,6 +44,8 @@ class KvPages:
         shorter = n < self.seq_len(seq)
         if shorter:
             self.seq_len_[seq] = n
+            if self.kv_tiers is not None:
+                self._forget_shortlists(seq)
         self._release_pages(seq)
         if shorter and self.tail is not None:
             self.tail.truncate(seq, n)

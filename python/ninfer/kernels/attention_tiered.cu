@@ -97,6 +97,12 @@ struct TAttnParams {  // mirrored by python/ninfer/backends/cuda_kv_tiers.py TAT
     const float* kb_mean;
     int keys_scan;
     int l3_keys_dev;  // L3's K codes, scales and offsets are in device memory: hot slots hold its values only
+    // the keys scorer ranking every old page once every `rescan` steps (> 1): this layer's last full ranking per
+    // sequence and KV head, its shortlist of old pages (page - 1, ascending) and its meta (the ranking step's
+    // position, or -1: none; the old pages then; the shortlist's length)
+    int* sl_pages;  // [n_seq][n_head_kv][sl_cap]
+    int* sl_meta;   // [n_seq][n_head_kv][3]
+    int rescan, sl_cap;
 };
 
 __device__ __forceinline__ KeyBiasRef tier_key_bias(const TAttnParams& P) {
@@ -150,6 +156,29 @@ __device__ __forceinline__ TierWindow tier_window(const TAttnParams& P, int p) {
     w.n_old = w.recent_start > 1 ? w.recent_start - 1 : 0;
     w.all = P.select == 0 || w.n_old <= w.budget || w.n_old > TIER_MAX_LIST;
     return w;
+}
+
+// The old pages (page - 1) a decode step of (row, KV head g) ranks: every one, or between the keys scorer's full
+// rankings (rescan > 1) the last one's shortlist and the pages that became old since, ascending (plan_blocks in
+// cpu/attention_tiered.rs, kv/shortlist.rs). Candidate c is old page old(c); tier_score's scores are by candidate.
+struct TierCands {
+    const int* list;
+    int n_list, end, n;  // the shortlist's length, the old pages at its ranking, the candidates in all
+    bool listed;
+
+    __device__ __forceinline__ int old(int c) const { return !listed ? c : c < n_list ? list[c] : end + c - n_list; }
+};
+
+__device__ __forceinline__ TierCands tier_cands(const TAttnParams& P, int row, int g, const TierWindow& w, int p) {
+    TierCands c{nullptr, 0, 0, w.n_old, false};
+    if (P.rescan > 1 && P.keys_scan && !w.all) {
+        const long long at = (long long)P.row_seq[row] * P.n_head_kv + g;
+        const int* m = P.sl_meta + at * 3;
+        const int pos = m[0], end = m[1], n_list = m[2], n = n_list + w.n_old - end;
+        if (pos >= 0 && p >= pos && p - pos < P.rescan && end <= w.n_old && n > w.budget)
+            c = {P.sl_pages + at * P.sl_cap, n_list, end, n, true};
+    }
+    return c;
 }
 
 // The new token's rotated K and V rows into its L1 page at position p (warp 0 the key, warp 1 the value).

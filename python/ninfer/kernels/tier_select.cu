@@ -2,20 +2,22 @@
 // the step): tier_score ropes a decode step's query and scores every old page (by its keys, or by Quest's bound from
 // its key summary), tier_select picks the pages to read and gives the L3 ones their hot-cache slots.
 
-// The keys scorer (the CPU's key_scan, cpu/attention_tiered.rs) over old pages a .. b - 1 (page i + 1 each) of
-// (row, KV head g): a page's score is the largest over its keys and the group's query heads of q·k (q8_0 integer
+// The keys scorer (the CPU's key_scan, cpu/attention_tiered.rs) over candidates a .. b - 1 (page cand.old(i) + 1
+// each) of (row, KV head g): a page's score is the largest over its keys and the group's query heads of q·k (q8_0 integer
 // dots with L2's and L3's codes, f32 with the f16-rounded query for a page back in L1) plus the page's constant
 // shares: q·(its K offset), and for an L3 page of a layer with a key bias q·(the page's mean bias), which its keys
 // lack. qs: the rotated queries, qp: unrotated, qc / qd: their q8_0 codes and scales. A warp a page at a time, a lane
 // a key of each 32-key tile (8 pages' keys in flight a block).
-__device__ void tier_scan_keys(const TAttnParams& P, int row, int g, int a, int b, const float (&qs)[QATT_NG][QATT_HD],
+__device__ void tier_scan_keys(const TAttnParams& P, int row, int g, const TierCands& cand, int a, int b,
+                               const float (&qs)[QATT_NG][QATT_HD],
                                const float (&qp)[QATT_NG][QATT_HD], const int (&qc)[QATT_NG][QATT_HD / 4],
                                const float (&qd)[QATT_NG][QATT_NB], float* scores) {
     constexpr int HD = QATT_HD, NG = QATT_NG, NB = QATT_NB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, PS = P.page_size;
     const int* table = P.page_tables + (long long)P.row_seq[row] * P.table_stride;
     for (int i = a + warp; i < b; i += 8) {
-        const int page = i + 1, entry = table[page], tier = entry >> TIER_SHIFT, idx = entry & TIER_INDEX_MASK;
+        const int page = cand.old(i) + 1, entry = table[page], tier = entry >> TIER_SHIFT;
+        const int idx = entry & TIER_INDEX_MASK;
         const long long head0 = (long long)idx * P.n_head_kv + g;
         const float* offs = tier == 1 ? P.l2_off + head0 * HD : tier == 2 ? P.l3_off + head0 * HD : nullptr;
         const bool mean_share = tier == 2 && P.kb_mean != nullptr;
@@ -82,7 +84,9 @@ extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P
                                   {P.ext_factor, P.corr_lo, P.corr_hi, P.mscale});
     grid_dep_launch();
     const TierWindow w = tier_window(P, p);
-    const int per = (w.n_old + gridDim.y - 1) / gridDim.y, a = blockIdx.y * per, b = min(w.n_old, a + per);
+    // (the shortlists are written by a step's tier_select, read by the next step's: a graph launch apart)
+    const TierCands cand = tier_cands(P, row, g, w, p);
+    const int per = (cand.n + gridDim.y - 1) / gridDim.y, a = blockIdx.y * per, b = min(cand.n, a + per);
     const bool scoring = !w.all && a < b, writer = blockIdx.y == 0;
     if (!scoring && !writer) return;
     // (the summaries change between steps, never inside one: the first chunk's loads go out before the wait)
@@ -133,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(256) tier_score(const TAttnParams P
     __syncthreads();
     float* scores = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
     if (P.keys_scan) {
-        tier_scan_keys(P, row, g, a, b, qs, qp, qc, qd, scores);
+        tier_scan_keys(P, row, g, cand, a, b, qs, qp, qc, qd, scores);
         return;
     }
     for (int i0 = a; i0 < b; i0 += 64) {
@@ -223,39 +227,17 @@ __device__ void tier_hot_assign(const TAttnParams& P, int g, const int* table, c
     }
 }
 
-// The pages (row, KV head g) reads this step, ascending, into lists; their number into counts: every page, or the
-// sink, the budget's best old pages by tier_score's bounds (the budget-th largest found a byte at a time from the
-// top, a radix select; ties taken in page order) and the L1 pages. Grid (n_head_kv, rows), SELECT_THREADS threads,
-// 4 * min(pages, TIER_MAX_LIST) bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const TAttnParams P) {
-    extern __shared__ u32 keys[];  // the scores as order-preserving keys
-    __shared__ u32 hist[256];
-    __shared__ int scan[SELECT_THREADS / 32];
-    __shared__ u32 pick_digit, pick_rank, pick_count;
-    const int g = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    grid_dep_wait();
-    grid_dep_launch();  // (after the wait: attention_tiered reads tier_score's query and rows before its own)
-    const TierWindow w = tier_window(P, P.pos[row]);
-    int* list = P.lists + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    if (w.all) {  // (every page read as it is stored: no slots)
-        for (int i = tid; i <= w.last; i += SELECT_THREADS) {
-            list[i] = i;
-            slots[i] = -1;
-        }
-        if (tid == 0) P.counts[row * P.n_head_kv + g] = w.n_list();
-        return;
-    }
-    const int n_old = w.n_old;
-    const float* src = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
-    for (int i = tid; i < n_old; i += SELECT_THREADS) keys[i] = score_key(src[i]);
-    // rank: of the wanted key among those matching prefix (under mask), from the top. A byte whose bin is taken
-    // whole ends the search: the bits below it decide nothing (the same pages as every byte would give).
-    u32 prefix = 0, mask = 0, rank = w.budget;
+// The threshold of the `want` largest of keys[0 .. n), found a byte at a time from the top (a radix select): the
+// keys above prefix (under mask) and the first `rank` equal to it are the ones. A byte whose bin is taken whole ends
+// the search: the bits below it decide nothing. Every thread of the block calls it; hist: 256 words, pick: 3.
+__device__ void radix_threshold(const u32* keys, int n, u32 want, u32* hist, u32* pick, u32& prefix, u32& mask,
+                                u32& rank) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    prefix = 0, mask = 0, rank = want;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = tid; i < 256; i += SELECT_THREADS) hist[i] = 0;
         __syncthreads();
-        for (int i = tid; i < n_old; i += SELECT_THREADS) {
+        for (int i = tid; i < n; i += SELECT_THREADS) {
             const u32 k = keys[i];
             if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
         }
@@ -267,17 +249,17 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
             u32 incl = tot;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
-                const u32 n = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += n;
+                const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
             }
             const u32 excl = incl - tot;
             if (excl < rank && rank <= incl) {
                 u32 run = excl;
                 for (int j = 0; j < 8; ++j) {
                     if (run + c[j] >= rank) {
-                        pick_digit = 255 - 8 * lane - j;
-                        pick_rank = rank - run;
-                        pick_count = c[j];
+                        pick[0] = 255 - 8 * lane - j;
+                        pick[1] = rank - run;
+                        pick[2] = c[j];
                         break;
                     }
                     run += c[j];
@@ -285,16 +267,21 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
             }
         }
         __syncthreads();
-        prefix |= pick_digit << shift;
+        prefix |= pick[0] << shift;
         mask |= 255u << shift;
-        rank = pick_rank;
-        const bool whole = pick_count == pick_rank;
+        rank = pick[1];
+        const bool whole = pick[2] == pick[1];
         __syncthreads();
         if (whole) break;
     }
-    // keys above the threshold, and the first `rank` equal to it, in page order: each thread a run of pages (its
-    // counts of both in one scan: at most TIER_MAX_LIST each, they share a word)
-    const int per = (n_old + SELECT_THREADS - 1) / SELECT_THREADS, a = min(n_old, tid * per), b = min(n_old, a + per);
+}
+
+// The keys radix_threshold chose, in index order: emit(k, i) for the k-th of them (from 0), key i. Each thread
+// takes a run of keys (its counts of both kinds in one scan: at most TIER_MAX_LIST each, they share a word).
+template <class Emit>
+__device__ void radix_emit(const u32* keys, int n, u32 prefix, u32 mask, u32 rank, int* scan, Emit emit) {
+    const int tid = threadIdx.x;
+    const int per = (n + SELECT_THREADS - 1) / SELECT_THREADS, a = min(n, tid * per), b = min(n, a + per);
     int n_gt = 0, n_eq = 0;
     for (int i = a; i < b; ++i) {
         const u32 k = keys[i] & mask;
@@ -304,11 +291,45 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
     int total;
     const int before = block_scan(n_gt | n_eq << 16, scan, &total);
     const int gt_before = before & 0xffff, eq_before = before >> 16;
-    int at = 1 + gt_before + min(eq_before, (int)rank), eq_seen = eq_before;
+    int at = gt_before + min(eq_before, (int)rank), eq_seen = eq_before;
     for (int i = a; i < b; ++i) {
         const u32 k = keys[i] & mask;
-        if (k > prefix || (k == prefix && eq_seen++ < (int)rank)) list[at++] = i + 1;
+        if (k > prefix || (k == prefix && eq_seen++ < (int)rank)) emit(at++, i);
     }
+}
+
+// The pages (row, KV head g) reads this step, ascending, into lists; their number into counts: every page, or the
+// sink, the budget's best old pages by tier_score's scores (ties taken in page order) and the L1 pages. With the
+// keys scorer ranking every `rescan` steps: a full ranking also keeps its best sl_cap old pages as the shortlist
+// (tier_cands), and the steps between choose among tier_score's candidates. Grid (n_head_kv, rows),
+// SELECT_THREADS threads, 4 * min(pages, TIER_MAX_LIST) bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const TAttnParams P) {
+    extern __shared__ u32 keys[];  // the scores as order-preserving keys
+    __shared__ u32 hist[256];
+    __shared__ int scan[SELECT_THREADS / 32];
+    __shared__ u32 pick[3];
+    const int g = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    grid_dep_wait();
+    grid_dep_launch();  // (after the wait: attention_tiered reads tier_score's query and rows before its own)
+    const int p = P.pos[row];
+    const TierWindow w = tier_window(P, p);
+    int* list = P.lists + ((long long)row * P.n_head_kv + g) * P.list_stride;
+    int* slots = P.slots + ((long long)row * P.n_head_kv + g) * P.list_stride;
+    if (w.all) {  // (every page read as it is stored: no slots)
+        for (int i = tid; i <= w.last; i += SELECT_THREADS) {
+            list[i] = i;
+            slots[i] = -1;
+        }
+        if (tid == 0) P.counts[row * P.n_head_kv + g] = w.n_list();
+        return;
+    }
+    const TierCands cand = tier_cands(P, row, g, w, p);  // (read by every thread before thread 0 writes the meta)
+    const int n = cand.n;
+    const float* src = P.scores + ((long long)row * P.n_head_kv + g) * P.list_stride;
+    for (int i = tid; i < n; i += SELECT_THREADS) keys[i] = score_key(src[i]);
+    u32 prefix, mask, rank;
+    radix_threshold(keys, n, w.budget, hist, pick, prefix, mask, rank);
+    radix_emit(keys, n, prefix, mask, rank, scan, [&](int k, int i) { list[1 + k] = cand.old(i) + 1; });
     const int n_recent = w.last - w.recent_start + 1;
     for (int i = tid; i < n_recent; i += SELECT_THREADS) {
         list[1 + w.budget + i] = w.recent_start + i;
@@ -318,6 +339,22 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) tier_select(const T
         list[0] = 0;
         slots[0] = -1;
         P.counts[row * P.n_head_kv + g] = w.n_list();
+    }
+    if (P.rescan > 1 && P.keys_scan && !cand.listed) {  // a full ranking: its shortlist for the steps to come
+        const long long at = (long long)P.row_seq[row] * P.n_head_kv + g;
+        int* sl = P.sl_pages + at * P.sl_cap;
+        const int n_sl = min(P.sl_cap, n);
+        if (n_sl == n) {
+            for (int i = tid; i < n; i += SELECT_THREADS) sl[i] = i;
+        } else {
+            radix_threshold(keys, n, n_sl, hist, pick, prefix, mask, rank);
+            radix_emit(keys, n, prefix, mask, rank, scan, [&](int k, int i) { sl[k] = i; });
+        }
+        if (tid == 0) {
+            P.sl_meta[at * 3] = p;
+            P.sl_meta[at * 3 + 1] = n;
+            P.sl_meta[at * 3 + 2] = n_sl;
+        }
     }
     __syncthreads();
     tier_hot_assign(P, g, P.page_tables + (long long)P.row_seq[row] * P.table_stride, list + 1, slots + 1, w.budget);
