@@ -93,7 +93,9 @@ class TierPlan:
     @property
     def shortlist_pages(self) -> int:
         """A shortlist's length (a KV head, layer and sequence): 4x the budget's pages; 0 without shortlists."""
-        return SHORTLIST_BUDGETS * -(-self.select // TIERED_BLOCK_SIZE) if self.rescan > 1 and self.keys_on_device else 0
+        if self.rescan <= 1 or not self.keys_on_device:
+            return 0
+        return SHORTLIST_BUDGETS * -(-self.select // TIERED_BLOCK_SIZE)
 
     @property
     def keys_on_device(self) -> bool:

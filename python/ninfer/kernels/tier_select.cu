@@ -3,8 +3,8 @@
 // its key summary), tier_select picks the pages to read and gives the L3 ones their hot-cache slots.
 
 // The keys scorer (the CPU's key_scan, cpu/attention_tiered.rs) over candidates a .. b - 1 (page cand.old(i) + 1
-// each) of (row, KV head g): a page's score is the largest over its keys and the group's query heads of q·k (q8_0 integer
-// dots with L2's and L3's codes, f32 with the f16-rounded query for a page back in L1) plus the page's constant
+// each) of (row, KV head g): a page's score is the largest over its keys and the group's query heads of q·k (q8_0
+// integer dots with L2's and L3's codes, f32 with the f16-rounded query for a page back in L1) plus the page's constant
 // shares: q·(its K offset), and for an L3 page of a layer with a key bias q·(the page's mean bias), which its keys
 // lack. qs: the rotated queries, qp: unrotated, qc / qd: their q8_0 codes and scales. A warp a page at a time, a lane
 // a key of each 32-key tile (8 pages' keys in flight a block).
