@@ -253,7 +253,8 @@ class TieredKv:
     def _forget_shortlists(self, seq: int) -> None:
         """seq's contents changed other than by growing: its next step ranks every old page."""
         if self.kv_tiers.shortlist_pages:
-            self.t_sl_meta[:, seq] = -1
+            with self.stream:
+                self.t_sl_meta[:, seq] = -1
 
     def _free_tiers(self) -> None:
         """Give back the pinned host memory (L3, the hot cache's counts) at close."""
