@@ -82,9 +82,13 @@ def test_ranking_every_eighth_step_reads_what_the_cpus_reads(model: Path) -> Non
     steps = {(dev, r): decode_logits(model, PROMPT[:440], PROMPT[:64], dev, kv_rescan=r, **tiers)
              for dev in ("cpu", "cuda") for r in (1, 8)}
     every, listed = nmse(steps["cuda", 1], steps["cpu", 1]), nmse(steps["cuda", 8], steps["cpu", 8])
-    assert listed < 2 * every + 1e-4, (listed, every)
-    print(f"rescan 8: GPU against CPU NMSE {listed:.3g} (every step {every:.3g}), against the GPU's every step "
-          f"{nmse(steps['cuda', 8], steps['cuda', 1]):.3g}")
+    rule = nmse(steps["cpu", 8], steps["cpu", 1])  # (what reading another rule's pages moves the logits by: 0.11)
+    # The GPU follows the CPU's rule: far closer to it than to ranking every step. Near ties the two round apart
+    # (the every-step figure) and, where they fall at a full ranking's 4th and 5th page, a different shortlist
+    # lasts up to 7 steps (on an H100, 0.00225 against 0.00101 ranking every step).
+    assert listed < 0.05 * rule and listed < 4 * every + 1e-4, (listed, every, rule)
+    print(f"rescan 8: GPU against CPU NMSE {listed:.3g} (every step {every:.3g}; the CPU's rescan 8 against 1 "
+          f"{rule:.3g}), against the GPU's every step {nmse(steps['cuda', 8], steps['cuda', 1]):.3g}")
     llm = ninfer.LLM(model, n_ctx=512, device="cuda", kv_rescan=8, **tiers)
     llm.generate(PROMPT[:440], max_tokens=16, temperature=0, ignore_eos=True)  # (full rankings at 440 and 448)
     meta = llm.backend.t_sl_meta.get()[:, 0]  # [layer][KV head][position, old pages, length]

@@ -85,8 +85,8 @@ def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
                         "block's key minimum and maximum (cheaper, less accurate in real text)")
     g.add_argument("--kv-rescan", type=int, default=None, metavar="N",
                    help="rank every older block once every N decode steps and, between, only the last ranking's "
-                        "best 4x --kv-select tokens and the blocks that became older since (default: 8 on the CPU; "
-                        "1: every step, the CUDA tiered cache's default)")
+                        "best 4x --kv-select tokens and the blocks that became older since (default: 8; 1: "
+                        "every step)")
     g.add_argument("--no-l3-cache", action="store_true",
                    help="no L3 tier: every block older than L1 stays in L2 (q8_0; on cuda in GPU memory)")
     g.add_argument("--host-mem-budget", default=None, metavar="SIZE",

@@ -20,9 +20,10 @@ CACHE_TYPES: dict[str, tuple[int, float]] = {
 
 
 KV_SCORERS = ("keys", "bound")
-# Decode steps one ranking of every older block serves on the CPU (kv_rescan): the steps between rank its shortlist
-# of 4x the budget's blocks. At 8, the 0.5B's teacher-forced KL and top-1 at 4K are those of ranking every step, and
-# a step at depth 16K costs two thirds (BENCHMARKS.md, "Ranking every older block every few steps").
+# Decode steps one ranking of every older block serves (kv_rescan, both backends): the steps between rank its
+# shortlist of 4x the budget's blocks. At 8, the 0.5B's teacher-forced KL and top-1 at 4K are those of ranking every
+# step, a CPU step at depth 16K costs two thirds and the GPU's 32B-shape step at 160K three quarters (BENCHMARKS.md,
+# "Ranking every older block every few steps").
 DEFAULT_KV_RESCAN = 8
 
 
@@ -94,8 +95,7 @@ class EngineConfig:
     # from its key summary); None: "keys" (both backends).
     kv_scorer: str | None = None
     # Decode steps one ranking of every older block serves; the steps between rank its shortlist (4x the budget's
-    # best blocks) and the blocks that became older since. None: the backend's own (DEFAULT_KV_RESCAN on the CPU;
-    # 1 on cuda, where the keys scorer's shortlists are not yet measured).
+    # best blocks) and the blocks that became older since. None: DEFAULT_KV_RESCAN.
     kv_rescan: int | None = None
 
     def __post_init__(self) -> None:

@@ -132,9 +132,9 @@ class LLM:
         kv_scorer: how selection ranks older blocks, "keys" (the largest q·k over each block's stored keys; the
         default; on cuda it keeps L3's keys in GPU memory, its values in host memory) or "bound" (Quest's bound from
         each block's key minimum and maximum: cheaper, less accurate in real text). kv_rescan: decode steps one
-        ranking of every older block serves (the CPU's default 8; 1: rank them all every step); the steps between
-        rank its shortlist, the best 4x kv_select tokens' blocks, and the blocks that became older since. On cuda
-        the default is 1 (the keys scorer's shortlists are there, not yet measured to be worth it by default).
+        ranking of every older block serves (default 8; 1: rank them all every step); the steps between rank its
+        shortlist, the best 4x kv_select tokens' blocks, and the blocks that became older since (on cuda with the
+        keys scorer; the bound ranks every step there).
 
         RoPE (llama.cpp's --rope-* and --yarn-* flags, the same meanings; None: the model file's setting):
         rope_scaling "none", "linear" or "yarn"; rope_scale N stretches the trained context N times (or
@@ -178,7 +178,7 @@ class LLM:
             if self.config.kv_l3_file is not None:
                 raise InvalidArgumentError("kv_l3_file is the CPU backend's L3 ring; on cuda L3 is pinned host memory")
             tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.l2_tokens, "kv_select": self.config.kv_select,
-                      "kv_scorer": self.config.kv_scorer or "keys", "kv_rescan": self.config.kv_rescan or 1}
+                      "kv_scorer": self.config.kv_scorer or "keys", "kv_rescan": self.config.kv_rescan or DEFAULT_KV_RESCAN}
                      if self.config.tiered else None)
             self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
