@@ -94,6 +94,7 @@ def test_ranking_every_eighth_step_reads_what_the_cpus_reads(model: Path) -> Non
     meta = llm.backend.t_sl_meta.get()[:, 0]  # [layer][KV head][position, old pages, length]
     assert (meta[..., 0] >= 448).all() and (meta[..., 1] == 5).all() and (meta[..., 2] == 4).all(), meta
     llm.backend.truncate(0, 300)
+    llm.backend.stream.synchronize()  # (forgotten on the engine's stream, a non-blocking one)
     assert (llm.backend.t_sl_meta.get()[:, 0, :, 0] == -1).all()
 
 

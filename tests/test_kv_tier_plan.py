@@ -71,3 +71,15 @@ def test_the_keys_scorer_keeps_l3s_keys_on_the_device() -> None:
     # fit with the hot cache halved and L2 nearly empty
     tight = plan_tiers(SPEC, 163840, 512, 1, 1024, None, 1024, int(7.7 * GIB), 16 * GIB, "keys")
     assert tight.hot_slots == 128 and 0 <= tight.l2_tokens < 4096 and tight.device_bytes <= 7.7 * GIB
+
+
+def test_the_keys_scorer_keeps_shortlists_of_four_budgets_between_full_rankings() -> None:
+    keys = plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 1024, None, None, "keys", 8)
+    assert keys.shortlist_pages == 4 * 1024 // 64
+    assert keys.table(64).splitlines()[-1] == ("  selection: 1024 tokens of L2/L3 a step, pages ranked by their keys "
+                                               "(all every 8 steps, between them the best 64 and the newly old)")
+    # every step, or the bound (its summaries are read every step: no shortlist), or no selection: none
+    assert plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 1024, None, None, "keys", 1).shortlist_pages == 0
+    bound = plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 1024, None, None, "bound", 8)
+    assert bound.shortlist_pages == 0 and bound.table(64).endswith("pages ranked by their bound")
+    assert plan_tiers(SPEC, 163840, 512, 1, 1024, 2048, 0, None, None, "keys", 8).shortlist_pages == 0

@@ -115,6 +115,8 @@ class TierPlan:
             f"  device: pools, offsets, {'L3 keys' if self.keys_on_device else 'key summaries'}, prompt scratch   "
             f"{gib(self.device_bytes):>11}",
             "  selection: " + (f"{self.select} tokens of L2/L3 a step, pages ranked by their {self.scorer}"
+                               + (f" (all every {self.rescan} steps, between them the best {self.shortlist_pages} "
+                                  "and the newly old)" if self.shortlist_pages else "")
                                if self.select else "every page (exact)")])
 
 
