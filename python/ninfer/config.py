@@ -149,6 +149,14 @@ class EngineConfig:
         return self.n_ctx if self.no_l3_cache else self.kv_l2
 
     @property
+    def resolved_kv_scorer(self) -> str:
+        return self.kv_scorer or "keys"
+
+    @property
+    def resolved_kv_rescan(self) -> int:
+        return self.kv_rescan or DEFAULT_KV_RESCAN
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV block: a tiered cache's blocks are what selection picks from, so they are smaller; a cache
         with q4_0 keys takes a key offset every Q4_KEY_BLOCK_SIZE positions."""

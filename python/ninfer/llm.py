@@ -23,7 +23,7 @@ import numpy as np
 from ninfer import _core
 from ninfer.backends import resolve_device
 from ninfer.chat import ChatTemplate
-from ninfer.config import CACHE_TYPES, DEFAULT_KV_RESCAN, EngineConfig, RopeConfig, SamplingParams, stop_strings
+from ninfer.config import CACHE_TYPES, EngineConfig, RopeConfig, SamplingParams, stop_strings
 from ninfer.embeddings import embed_job
 from ninfer.engine import Backend, EngineCore, GenParams, Job, Limits, Request, Result
 from ninfer.engine.speculative import DraftProposer, NgramProposer, SpecConfig, Speculator, check_vocab
@@ -178,7 +178,7 @@ class LLM:
             if self.config.kv_l3_file is not None:
                 raise InvalidArgumentError("kv_l3_file is the CPU backend's L3 ring; on cuda L3 is pinned host memory")
             tiers = ({"kv_l1": self.config.kv_l1, "kv_l2": self.config.l2_tokens, "kv_select": self.config.kv_select,
-                      "kv_scorer": self.config.kv_scorer or "keys", "kv_rescan": self.config.kv_rescan or DEFAULT_KV_RESCAN}
+                      "kv_scorer": self.config.resolved_kv_scorer, "kv_rescan": self.config.resolved_kv_rescan}
                      if self.config.tiered else None)
             self.backend: Backend = CudaEngine(
                 self.model_file, n_ctx=self.config.n_ctx, threads=self.config.resolved_threads,
@@ -199,8 +199,8 @@ class LLM:
                 kv_l2=self.config.l2_tokens,
                 kv_select=self.config.kv_select,
                 kv_l3_file=self.config.kv_l3_file,
-                kv_scorer=self.config.kv_scorer or "keys",
-                kv_rescan=self.config.kv_rescan or DEFAULT_KV_RESCAN,
+                kv_scorer=self.config.resolved_kv_scorer,
+                kv_rescan=self.config.resolved_kv_rescan,
                 n_seq_max=n_seq_max,
             )
         self.n_seq_max = n_seq_max
